@@ -1,0 +1,86 @@
+"""The backend interfaces, on the Tinker training API contract.
+
+A trainer takes ``tinker.Datum`` objects (model_input = tokens[:-1], target_tokens =
+tokens[1:], weights = loss_mask[1:]) and ``tinker.AdamParams``, so a loss written for
+grpo-core runs unchanged on the local backend and on a remote Tinker service.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import tinker
+    import torch
+
+    from grpo_core.types import Completion, Sample, SamplingParams
+
+CustomLossFn = Callable[
+    [Sequence["tinker.Datum"], Sequence["torch.Tensor"]], "tuple[torch.Tensor, dict[str, float]]"
+]
+"""``loss_fn(datums, logprobs)`` -> ``(loss, metrics)``; ``logprobs[i]`` are the target-token
+logprobs of ``datums[i]`` (length = len(target_tokens)), differentiable in the weights."""
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The policy being trained."""
+
+    tokenizer: Any
+    version: int
+    """Number of optimizer steps applied to the weights."""
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        """Target-token logprobs of each datum under the current weights, without gradient."""
+
+    def forward_backward_custom(
+        self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn
+    ) -> tinker.ForwardBackwardOutput:
+        """One forward pass, ``loss_fn`` on its logprobs, backward; gradients accumulate."""
+
+    def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
+        """Apply the accumulated gradients (AdamW, clipping per ``grad_clip_norm``), zero them."""
+
+    def save_state(self, path: str) -> None:
+        """Write weights and optimizer state."""
+
+    def load_state(self, path: str) -> None:
+        """Restore what ``save_state`` wrote."""
+
+    def save_weights_for_sampler(self, path: str) -> str:
+        """Write the current policy so that a sampler (or transformers) can load it."""
+
+
+@runtime_checkable
+class Reference(Protocol):
+    """A frozen policy that only scores tokens (for KL terms)."""
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        """Target-token logprobs of each datum, without gradient."""
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Generates completions and reports the logprob of every sampled token."""
+
+    tokenizer: Any
+    version: int
+    """Policy version of the weights it samples from."""
+
+    def sample(
+        self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """``num_samples`` completions for each tokenized prompt."""
+
+
+def sample_to_datum(sample: Sample) -> tinker.Datum:
+    """The Tinker datum of a sample: inputs shifted against targets, mask on the targets."""
+    import tinker
+
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(sample.tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": sample.tokens[1:],
+            "weights": sample.loss_mask[1:],
+        },
+    )

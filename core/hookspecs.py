@@ -1,0 +1,157 @@
+"""The hook specifications: the contract between the core and every plugin.
+
+A plugin is a class. Its attrs fields are its options, its docstring is its help, and each
+method marked ``@hookimpl`` implements the hook of the same name below. A run instantiates
+only the plugins its config names and registers those instances on a fresh plugin manager.
+
+Selection, checked at start-up by ``grpo_core.plugins_manager``:
+- single-choice stages (backend, weight_sync, rollout, advantage, loss) have exactly one
+  implementation; their hooks are ``firstresult``.
+- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin.
+- ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import pluggy
+
+if TYPE_CHECKING:
+    from grpo_core.backend import Reference, Sampler, Trainer
+    from grpo_core.config import RunConfig
+    from grpo_core.loss import LossInputs, LossOutput
+    from grpo_core.loop import RunState
+    from grpo_core.types import Prompt, Sample, SamplingParams
+
+PROJECT = "grpo_core"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec(firstresult=True)
+def make_trainer(config: RunConfig) -> Trainer:
+    """Create the policy trainer for ``config.model`` (first result wins; kind ``backend``).
+
+    :param config: the resolved run configuration (model, device, dtype, seed, ...).
+    :returns: an object implementing :class:`grpo_core.backend.Trainer`.
+    """
+
+
+@hookspec(firstresult=True)
+def make_sampler(config: RunConfig, trainer: Trainer) -> Sampler:
+    """Create the sampler that generates rollouts (first result wins; kind ``backend``).
+
+    :param config: the resolved run configuration.
+    :param trainer: the trainer made by ``make_trainer``; a local sampler may share its weights.
+    :returns: an object implementing :class:`grpo_core.backend.Sampler`.
+    """
+
+
+@hookspec(firstresult=True)
+def make_reference(config: RunConfig, trainer: Trainer) -> Reference:
+    """Create the frozen reference policy; called only when the loss needs one (KL on).
+
+    :param config: the resolved run configuration.
+    :param trainer: the trainer; the reference starts from its initial weights.
+    :returns: an object implementing :class:`grpo_core.backend.Reference`.
+    """
+
+
+@hookspec(firstresult=True)
+def weight_sync(trainer: Trainer, sampler: Sampler, step: int) -> int:
+    """Bring the trainer's current weights to the sampler (first result wins).
+
+    Called after an optimizer step when ``step % weight_sync_interval == 0``.
+
+    :param trainer: the policy trainer holding the new weights.
+    :param sampler: the sampler to update.
+    :param step: the number of optimizer steps taken so far.
+    :returns: the policy version the sampler now samples from (the trainer's version).
+    """
+
+
+@hookspec(firstresult=True)
+def rollout(
+    prompts: Sequence[Prompt],
+    num_samples: int,
+    sampler: Sampler,
+    params: SamplingParams,
+) -> list[list[Sample]]:
+    """Produce ``num_samples`` samples for each prompt (first result wins; kind ``rollout``).
+
+    Called with a whole batch of prompt groups so a sampler can generate them together.
+
+    :param prompts: the prompts of this step's groups.
+    :param num_samples: completions per prompt (the group size G).
+    :param sampler: generates tokens; ``sampler.tokenizer`` encodes and decodes text.
+    :param params: generation knobs (max tokens, temperature, top-p/k, stops).
+    :returns: one list of samples per prompt, in the order of ``prompts``.
+    """
+
+
+@hookspec
+def reward(prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
+    """Score the samples of one prompt group (every selected reward is called; kind ``reward``).
+
+    The run combines the scores of all rewards as a weighted sum (``--reward NAME[:weight]``).
+    A ``None`` or NaN score marks a failed scoring: that sample is not trained on.
+
+    :param prompt: the prompt (with its reference ``answer``) the group was sampled for.
+    :param samples: the group's samples; read ``sample.text`` for the completion.
+    :returns: one score per sample, in order.
+    """
+
+
+@hookspec(firstresult=True)
+def advantage(rewards_G: Sequence[float], samples: Sequence[Sample]) -> list[float | list[float]]:
+    """Turn a group's total rewards into advantages (first result wins; kind ``advantage``).
+
+    :param rewards_G: the total reward of each sample of the group.
+    :param samples: the group's samples (for per-token or turn-level advantages).
+    :returns: per sample either one float (broadcast over its trained tokens) or a list of
+        floats aligned with ``sample.tokens``.
+    """
+
+
+@hookspec(firstresult=True)
+def loss(inputs: LossInputs) -> LossOutput:
+    """Compute the training loss of one forward/backward batch (kind ``loss``).
+
+    Exactly one loss implements this; wrappers (``@hookimpl(wrapper=True)``) such as TIS may
+    adjust ``inputs`` before it and the output after it.
+
+    :param inputs: per-sequence logprob tensors, masks, advantages and the step's normalizers;
+        see :class:`grpo_core.loss.LossInputs`.
+    :returns: the scalar loss (differentiable in ``inputs.logprobs``) and namespaced metrics.
+    """
+
+
+@hookspec
+def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None) -> None:
+    """Called once before the first step on every active plugin (loggers open their outputs).
+
+    :param config: the resolved run configuration.
+    :param run_dir: where the run writes its config, metrics and final policy.
+    :param total_steps: the number of steps the run will take, when known.
+    """
+
+
+@hookspec
+def on_step(step: int, metrics: dict[str, float], state: RunState) -> None:
+    """Called after each optimizer step on every active plugin (loggers, checkpoints, early stop).
+
+    :param step: the number of optimizer steps taken so far (1 after the first).
+    :param metrics: this step's namespaced metrics (``reward/total``, ``loss/policy``, ...).
+    :param state: the run's state; ``state.request_stop(reason)`` ends the run after this step.
+    """
+
+
+@hookspec
+def on_run_end(summary: dict[str, Any], run_dir: Path) -> None:
+    """Called once after the last step on every active plugin.
+
+    :param summary: start and end reward, steps, wall time, where the final policy is.
+    :param run_dir: the run directory.
+    """

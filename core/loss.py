@@ -1,0 +1,216 @@
+"""The loss contract (see SPEC-losses.md): inputs, output, aggregation, and ``call_loss``.
+
+Sequences arrive as lists of 1-D tensors of different lengths. Losses work on the padded
+``B x T`` view (``LossInputs.padded()``): padding has mask 0, so it contributes nothing, and
+one vectorized expression serves every sequence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, Sequence
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+Aggregation = Literal[
+    "token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+AGGREGATIONS: tuple[str, ...] = (
+    "token-sum",
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+LOG_RATIO_CLAMP = 20.0
+
+
+@attrs.define
+class LossInputs:
+    """Everything a loss sees for one forward/backward batch.
+
+    Each list holds one 1-D tensor per sequence; the tensors of one sequence share a length.
+    The step normalizers (``num_sequences``, ``num_tokens``) belong to the whole optimizer
+    step, so a step split into several forward/backward calls gets the gradient of one call;
+    left ``None`` they are computed from this batch.
+    """
+
+    logprobs: list[torch.Tensor]
+    """π_t: the trainer's logprobs of the target tokens, differentiable."""
+    old_logprobs: list[torch.Tensor]
+    """π_old,t: the policy the ratio anchors on (detached)."""
+    sampling_logprobs: list[torch.Tensor]
+    """π_s,t: what the sampler reported for the sampled tokens."""
+    mask: list[torch.Tensor]
+    """m_t: 1.0 on trained tokens, 0.0 elsewhere."""
+    advantages: list[torch.Tensor]
+    """A_t per token."""
+    ref_logprobs: list[torch.Tensor] | None = None
+    """π_ref,t, required when a KL term is on."""
+    tis_weights: list[torch.Tensor] | None = None
+    """w_t set by an importance-sampling wrapper (TIS); ``None`` means 1."""
+    num_sequences: int | None = None
+    """Sequences with at least one trained token in the whole optimizer step."""
+    num_tokens: float | None = None
+    """Trained tokens (Σ m) in the whole optimizer step."""
+    max_tokens: int | None = None
+    """L of ``seq-mean-token-sum-norm``: the run's max completion tokens."""
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.logprobs)
+        for name in ("old_logprobs", "sampling_logprobs", "mask", "advantages", "ref_logprobs", "tis_weights"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if len(value) != n:
+                raise ValueError(f"LossInputs.{name} has {len(value)} sequences, logprobs has {n}")
+            for i, (a, b) in enumerate(zip(self.logprobs, value)):
+                if a.shape != b.shape:
+                    raise ValueError(
+                        f"LossInputs.{name}[{i}] has shape {tuple(b.shape)}, logprobs[{i}] has {tuple(a.shape)}"
+                    )
+
+    def padded(self) -> PaddedLossInputs:
+        """The same inputs as ``B x T`` tensors, zero-padded (mask 0 on padding)."""
+        return PaddedLossInputs.from_inputs(self)
+
+
+@attrs.define
+class PaddedLossInputs:
+    logprobs_B_T: torch.Tensor
+    old_logprobs_B_T: torch.Tensor
+    sampling_logprobs_B_T: torch.Tensor
+    mask_B_T: torch.Tensor
+    advantages_B_T: torch.Tensor
+    ref_logprobs_B_T: torch.Tensor | None
+    tis_weights_B_T: torch.Tensor | None
+    num_sequences: int
+    num_tokens: float
+    max_tokens: int | None
+
+    @classmethod
+    def from_inputs(cls, inputs: LossInputs) -> PaddedLossInputs:
+        import torch
+
+        def pad(seqs: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+            if seqs is None:
+                return None
+            return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
+
+        mask_B_T = pad(inputs.mask)
+        assert mask_B_T is not None
+        return cls(
+            logprobs_B_T=pad(inputs.logprobs),
+            old_logprobs_B_T=pad(inputs.old_logprobs),
+            sampling_logprobs_B_T=pad(inputs.sampling_logprobs),
+            mask_B_T=mask_B_T,
+            advantages_B_T=pad(inputs.advantages),
+            ref_logprobs_B_T=pad(inputs.ref_logprobs),
+            tis_weights_B_T=pad(inputs.tis_weights),
+            num_sequences=(
+                inputs.num_sequences
+                if inputs.num_sequences is not None
+                else int((mask_B_T.sum(-1) > 0).sum())
+            ),
+            num_tokens=inputs.num_tokens if inputs.num_tokens is not None else float(mask_B_T.sum()),
+            max_tokens=inputs.max_tokens,
+        )
+
+    def ratio_B_T(self) -> torch.Tensor:
+        """r_t = exp(clip(π_t − π_old,t, −20, 20))."""
+        import torch
+
+        log_ratio = (self.logprobs_B_T - self.old_logprobs_B_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(log_ratio)
+
+    def weighted(self, term_B_T: torch.Tensor) -> torch.Tensor:
+        """Multiply by the TIS weight w_t when a wrapper set one."""
+        return term_B_T if self.tis_weights_B_T is None else term_B_T * self.tis_weights_B_T
+
+    def masked_mean(self, x_B_T: torch.Tensor) -> float:
+        """Mean of x over trained tokens, as a metric (0.0 when nothing is trained)."""
+        total = float(self.mask_B_T.sum())
+        return float((x_B_T.detach() * self.mask_B_T).sum()) / total if total > 0 else 0.0
+
+
+@attrs.define
+class LossOutput:
+    loss: torch.Tensor
+    """0-d tensor, differentiable in ``inputs.logprobs``."""
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    """Namespaced metrics (``loss/policy``, ``loss/clip_frac_low``, ``tis/weight_mean``, ...)."""
+
+
+def aggregate(term_B_T: torch.Tensor, padded: PaddedLossInputs, agg: str) -> torch.Tensor:
+    """Reduce per-token terms ℓ_t to the step's scalar, with the step's normalizers."""
+    mask_B_T = padded.mask_B_T
+    masked_B_T = term_B_T * mask_B_T
+    if agg == "token-sum":
+        return masked_B_T.sum()
+    if agg == "token-mean":
+        return masked_B_T.sum() / max(padded.num_tokens, 1.0)
+    num_sequences = max(padded.num_sequences, 1)
+    if agg == "seq-mean-token-sum":
+        return masked_B_T.sum() / num_sequences
+    if agg == "seq-mean-token-mean":
+        # An all-masked sequence has 0/1 here: it contributes nothing.
+        per_seq_B = masked_B_T.sum(-1) / mask_B_T.sum(-1).clamp(min=1.0)
+        return per_seq_B.sum() / num_sequences
+    if agg == "seq-mean-token-sum-norm":
+        if padded.max_tokens is None or padded.max_tokens <= 0:
+            raise ValueError("agg=seq-mean-token-sum-norm needs LossInputs.max_tokens (the run's max completion tokens)")
+        return masked_B_T.sum() / (num_sequences * padded.max_tokens)
+    raise ValueError(f"unknown agg {agg!r}; choose one of: {', '.join(AGGREGATIONS)}")
+
+
+def validate_agg(instance: Any, attribute: Any, value: str) -> None:
+    """attrs validator for the ``agg`` option of every loss."""
+    if value not in AGGREGATIONS:
+        raise ValueError(f"agg must be one of {', '.join(AGGREGATIONS)}, not {value!r}")
+
+
+def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
+    """Run the ``loss`` hook of the given plugin instances, exactly as a training run does."""
+    from grpo_core.plugins_manager import build_manager
+
+    pm = build_manager(plugins)
+    out = pm.hook.loss(inputs=inputs)
+    if out is None:
+        raise ValueError("no loss plugin among the given plugins: pass one loss, e.g. make_plugin('grpo')")
+    return out
+
+
+def kl_term(padded: PaddedLossInputs, estimator: str) -> torch.Tensor:
+    """Per-token KL(π || π_ref) estimate, differentiable in π (k1, k2 or k3)."""
+    import torch
+
+    if padded.ref_logprobs_B_T is None:
+        raise ValueError("a KL term is on (kl_beta > 0) but no reference logprobs were given")
+    diff_B_T = padded.logprobs_B_T - padded.ref_logprobs_B_T
+    if estimator == "k1":
+        return diff_B_T
+    if estimator == "k2":
+        return 0.5 * diff_B_T**2
+    if estimator == "k3":
+        return torch.exp(-diff_B_T) + diff_B_T - 1.0
+    raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def clipped_surrogate(
+    padded: PaddedLossInputs, ratio_B_T: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A) and how often each side of the clip binds."""
+    import torch
+
+    adv_B_T = padded.advantages_B_T
+    clipped_B_T = ratio_B_T.clamp(1.0 - eps_low, 1.0 + eps_high)
+    term_B_T = torch.maximum(-ratio_B_T * adv_B_T, -clipped_B_T * adv_B_T)
+    r = ratio_B_T.detach()
+    metrics = {
+        "loss/clip_frac_low": padded.masked_mean(((r < 1.0 - eps_low) & (adv_B_T < 0)).float()),
+        "loss/clip_frac_high": padded.masked_mean(((r > 1.0 + eps_high) & (adv_B_T > 0)).float()),
+        "loss/ratio_mean": padded.masked_mean(r),
+    }
+    return term_B_T, metrics

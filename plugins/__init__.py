@@ -1,0 +1,1 @@
+"""Built-in plugins, registered through the same entry points as third-party ones."""
