@@ -1,0 +1,88 @@
+"""The ``grpo-core`` command. Heavy imports (torch, transformers) happen inside commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import typing
+from typing import Any, Literal
+
+import click
+
+from grpo_core import __version__
+from grpo_core.plugins_manager import KINDS, PluginError
+
+MULTI_KINDS = ("reward", "loss", "logger")
+
+
+def _click_option(field: Any) -> Any:
+    flag = "--" + field.name.replace("_", "-")
+    help_text = field.metadata.get("help", "")
+    annotation = field.type
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    base = args[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
+    if base is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
+    if typing.get_origin(base) is list:
+        return click.option(flag, multiple=True, help=help_text)
+    if typing.get_origin(base) is Literal:
+        return click.option(flag, type=click.Choice(typing.get_args(base)), default=None, help=help_text)
+    param_type = {int: int, float: float}.get(base, str)
+    return click.option(flag, type=param_type, default=None, help=help_text)
+
+
+def _run_options(func: Any) -> Any:
+    from grpo_core.config import cli_fields
+
+    for field in reversed(cli_fields()):
+        func = _click_option(field)(func)
+    for kind in reversed(KINDS):
+        func = click.option(
+            f"--{kind.replace('_', '-')}-opt",
+            f"{kind}_opt",
+            multiple=True,
+            metavar="[NAME.]KEY=VALUE",
+            help=f"option of the selected {kind} plugin; repeatable",
+        )(func)
+    return click.option("--config", "config_file", type=click.Path(), help="TOML file of settings and [kind.name] option tables")(func)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="grpo-core")
+def main() -> None:
+    """GRPO-family reinforcement learning of language models, every part a plugin."""
+
+
+@main.command()
+@_run_options
+def run(config_file: str | None, **values: Any) -> None:
+    """Train a policy with GRPO. With no arguments: the embedded tiny model and task, on CPU."""
+    from grpo_core import config as config_module
+
+    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KINDS}
+    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+    overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
+    try:
+        config = config_module.load(config_file, overrides, plugin_opts)
+        from grpo_core.loop import run as run_loop
+
+        run_loop(config)
+    except PluginError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def plugins(as_json: bool) -> None:
+    """List installed plugins: kind, name, distribution, hooks, options and help."""
+    from grpo_core.plugin_info import describe_all, render
+
+    infos = describe_all()
+    if as_json:
+        click.echo(json.dumps(infos, indent=2))
+    else:
+        render(infos)

@@ -1,0 +1,196 @@
+"""Run configuration: one attrs class, set from a TOML file and CLI flags (flags win).
+
+Every field is a CLI flag (``max_steps`` -> ``--max-steps``) and a top-level TOML key.
+Plugin options go to ``--<kind>-opt key=value`` (``name.key=value`` where a kind has several
+plugins selected) or to TOML tables ``[loss.cispo]``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from grpo_core.plugins_manager import KINDS, PluginError, coerce
+
+DEFAULT = "default"
+
+
+def _field(default: Any, help: str, **kwargs: Any) -> Any:
+    if isinstance(default, list):
+        return attrs.field(factory=lambda: list(default), metadata={"help": help}, **kwargs)
+    return attrs.field(default=default, metadata={"help": help}, **kwargs)
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+@attrs.define
+class RunConfig:
+    # What to train on.
+    model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
+    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' = the embedded arithmetic task")
+    prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
+    answer_field: str = _field("answer", "dataset field holding the reference answer")
+    prompt_template: str | None = _field(None, "format of the prompt text with {prompt}; default: the embedded task's, else '{prompt}'")
+    max_rows: int | None = _field(None, "use at most this many dataset rows", validator=_positive)
+    epochs: int = _field(1, "passes over the dataset", validator=_positive)
+    max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
+    shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch")
+
+    # Plugins.
+    backend: str = _field("local", "trainer/sampler backend")
+    rollout: str = _field("single_turn", "rollout plugin")
+    reward: list[str] = _field(["gsm8k"], "reward plugins as NAME[:WEIGHT]; repeat for several")
+    advantage: str = _field("grpo", "advantage plugin")
+    loss: list[str] = _field(["grpo"], "loss plugin, plus wrappers such as tis; repeat for several")
+    logger: list[str] = _field(["console", "jsonl"], "on_step plugins (loggers, checkpoints); repeat for several")
+    weight_sync: str | None = _field(None, "weight sync plugin; default: the backend's")
+    plugin_options: dict[str, dict[str, dict[str, Any]]] = attrs.field(
+        factory=dict, metadata={"help": "kind -> plugin -> options", "cli": False}
+    )
+
+    # The GRPO step.
+    prompt_groups_per_step: int = _field(8, "prompts per optimizer step", validator=_positive)
+    completions_per_prompt: int = _field(8, "group size G", validator=_positive)
+    max_completion_tokens: int = _field(32, "max generated tokens per completion", validator=_positive)
+    temperature: float = _field(1.0, "sampling temperature", validator=_positive)
+    top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)")
+    top_k: int = _field(0, "top-k sampling (0 = off)")
+    stop: list[str] = _field([], "stop string; repeat for several")
+    drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)")
+    weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", validator=_positive)
+    anchor: Literal["old_policy", "sampling"] = _field("old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)")
+    max_reward_failures_in_a_row: int = _field(64, "stop the run after this many samples in a row whose reward failed", validator=_positive)
+    max_samples_per_fwd_bwd: int | None = _field(None, "split a step into forward/backward calls of at most this many samples", validator=_positive)
+
+    # Optimizer.
+    learning_rate: float = _field(1e-5, "peak learning rate (AdamW)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup")
+    warmup_steps: int = _field(0, "linear warmup steps")
+    beta1: float = _field(0.9, "Adam beta1")
+    beta2: float = _field(0.999, "Adam beta2")
+    adam_eps: float = _field(1e-8, "Adam epsilon")
+    weight_decay: float = _field(0.0, "AdamW weight decay")
+    grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)")
+
+    # Machine and bookkeeping.
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
+    run_dir: str | None = _field(None, "where to write config, metrics and the final policy (default runs/<time>)")
+
+    def __attrs_post_init__(self) -> None:
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def is_default_model(self) -> bool:
+        return self.model == DEFAULT
+
+    def options_for(self, kind: str, name: str) -> dict[str, Any]:
+        return dict(self.plugin_options.get(kind, {}).get(name, {}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def cli_fields() -> list[attrs.Attribute]:
+    attrs.resolve_types(RunConfig)
+    return [f for f in attrs.fields(RunConfig) if f.metadata.get("cli", True)]
+
+
+def parse_reward_spec(spec: str) -> tuple[str, float]:
+    """``"format:0.1"`` -> ("format", 0.1); a bare name weighs 1."""
+    name, sep, weight = spec.partition(":")
+    if not sep:
+        return spec, 1.0
+    try:
+        return name, float(weight)
+    except ValueError:
+        raise PluginError(f"reward '{spec}': weight '{weight}' is not a number (use NAME[:WEIGHT])") from None
+
+
+def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[str, dict[str, Any]]:
+    """``["eps_high=0.28"]`` or ``["gsm8k.strict=true"]`` -> {plugin: {option: value}}."""
+    result: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise PluginError(f"--{kind}-opt '{item}': expected key=value")
+        plugin, dot, option = key.partition(".")
+        if not dot:
+            if len(selected) != 1:
+                raise PluginError(
+                    f"--{kind}-opt '{item}': several {kind} plugins are selected ({', '.join(selected)}); "
+                    f"write NAME.{key}={value}"
+                )
+            plugin, option = selected[0], key
+        elif plugin not in selected:
+            raise PluginError(f"--{kind}-opt '{item}': {kind} '{plugin}' is not selected ({', '.join(selected)})")
+        result.setdefault(plugin, {})[option] = value
+    return result
+
+
+def selected_names(config: RunConfig, kind: str) -> list[str]:
+    value = getattr(config, kind)
+    if kind == "reward":
+        return [parse_reward_spec(s)[0] for s in value]
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
+    """Merge a TOML file, CLI overrides and ``--<kind>-opt`` lists into a validated RunConfig."""
+    values: dict[str, Any] = {}
+    table_opts: dict[str, dict[str, dict[str, Any]]] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise PluginError(f"config file not found: {path}")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise PluginError(f"{path}: invalid TOML: {exc}") from None
+        for key, value in data.items():
+            if key in KINDS and isinstance(value, dict):
+                table_opts[key] = value
+            else:
+                values[key] = value
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    fields = {f.name: f for f in cli_fields()}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        field = fields.get(key)
+        if field is None:
+            raise PluginError(f"unknown config key '{key}'" + (f" in {config_file}" if config_file else ""))
+        if field.type in (list[str],) and isinstance(value, str):
+            value = [value]
+        try:
+            kwargs[key] = coerce(value, field.type)
+        except (TypeError, ValueError) as exc:
+            raise PluginError(f"config '{key}': {exc}") from None
+    try:
+        config = RunConfig(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"config: {exc}") from None
+    merged: dict[str, dict[str, dict[str, Any]]] = {}
+    for kind in KINDS:
+        selected = selected_names(config, kind) if hasattr(config, kind) else []
+        opts = {name: dict(o) for name, o in table_opts.get(kind, {}).items()}
+        for name, o in parse_plugin_opts(kind, plugin_opts.get(kind, []), selected).items():
+            opts.setdefault(name, {}).update(o)
+        if opts:
+            merged[kind] = opts
+    config.plugin_options = merged
+    return config

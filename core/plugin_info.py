@@ -1,0 +1,68 @@
+"""What ``grpo-core plugins`` shows: every plugin, its origin, hooks and options."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import attrs
+
+from grpo_core.plugins_manager import PluginError, catalog, plugin_hooks
+
+
+def describe_all() -> list[dict[str, Any]]:
+    """One record per installed plugin; a plugin that fails to import carries its error."""
+    infos = []
+    for entry in catalog():
+        info: dict[str, Any] = {
+            "kind": entry.kind,
+            "name": entry.name,
+            "distribution": entry.distribution,
+            "version": entry.version,
+            "target": entry.target,
+        }
+        try:
+            cls = entry.load()
+        except PluginError as exc:
+            info["error"] = str(exc)
+            infos.append(info)
+            continue
+        attrs.resolve_types(cls)
+        info["help"] = inspect.cleandoc(cls.__doc__ or "")
+        info["hooks"] = plugin_hooks(cls)
+        info["options"] = [
+            {
+                "name": f.name,
+                "type": getattr(f.type, "__name__", None) or str(f.type),
+                "default": None if f.default is attrs.NOTHING else _default(f.default),
+                "help": f.metadata.get("help", ""),
+            }
+            for f in attrs.fields(cls)
+            if f.init
+        ]
+        infos.append(info)
+    return infos
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, attrs.Factory):  # type: ignore[arg-type]
+        return repr(value.factory())
+    return value
+
+
+def render(infos: list[dict[str, Any]]) -> None:
+    import textwrap
+
+    import click
+
+    for info in infos:
+        head = f"{info['kind']} {info['name']}  ({info['distribution']} {info['version']})"
+        if "error" in info:
+            click.echo(f"{head}  BROKEN\n    {info['error']}\n")
+            continue
+        click.echo(f"{head}  hooks: {', '.join(info['hooks'])}")
+        for line in info["help"].splitlines():
+            click.echo(f"    {line}" if line else "")
+        for o in info["options"]:
+            click.echo(textwrap.fill(f"{o['name']}={o['default']!r}  {o['help']}", width=100, initial_indent="    --  ", subsequent_indent="        "))
+        click.echo()

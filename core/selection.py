@@ -1,0 +1,73 @@
+"""Turn a config's plugin names into instances on a fresh manager, checked before any work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pluggy
+
+from grpo_core.config import RunConfig, parse_reward_spec
+from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, find, instantiate, is_wrapper
+
+
+@attrs.define
+class WeightedReward:
+    name: str
+    weight: float
+    plugin: Any
+
+
+@attrs.define
+class Selection:
+    manager: pluggy.PluginManager
+    plugins: dict[str, list[Any]]
+    """kind -> selected instances."""
+    rewards: list[WeightedReward]
+    loss: Any
+    """The one (non-wrapper) loss plugin."""
+    reward_failures_in_a_row: int = 0
+    last_reward_error: str | None = None
+
+    @property
+    def needs_reference(self) -> bool:
+        return bool(getattr(self.loss, "needs_reference", False))
+
+
+def select_plugins(config: RunConfig) -> Selection:
+    names: dict[str, list[str]] = {
+        "backend": [config.backend],
+        "rollout": [config.rollout],
+        "advantage": [config.advantage],
+        "loss": list(config.loss),
+        "logger": list(config.logger),
+    }
+    backend_cls = find(config.backend, "backend").load()
+    names["weight_sync"] = [config.weight_sync or getattr(backend_cls, "default_weight_sync", "in_process")]
+    reward_specs = [parse_reward_spec(spec) for spec in config.reward]
+    if not reward_specs:
+        raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
+    names["reward"] = [name for name, _ in reward_specs]
+
+    plugins: dict[str, list[Any]] = {}
+    for kind, kind_names in names.items():
+        if len(set(kind_names)) != len(kind_names):
+            raise PluginError(f"{kind} plugins selected twice: {', '.join(kind_names)}")
+        for name in kind_names:
+            entry = find(name, kind)
+            instance = instantiate(entry.load(), entry.qualified_name, config.options_for(kind, name))
+            plugins.setdefault(kind, []).append(instance)
+    unknown = {
+        f"{kind}.{name}"
+        for kind, opts in config.plugin_options.items()
+        for name in opts
+        if name not in names.get(kind, [])
+    }
+    if unknown:
+        raise PluginError(f"options given for plugins that are not selected: {', '.join(sorted(unknown))}")
+    check_single_choice(plugins)
+
+    rewards = [WeightedReward(name, weight, p) for (name, weight), p in zip(reward_specs, plugins["reward"])]
+    loss = next(p for p in plugins["loss"] if not is_wrapper(p, "loss"))
+    manager = build_manager(p for kind_plugins in plugins.values() for p in kind_plugins)
+    return Selection(manager=manager, plugins=plugins, rewards=rewards, loss=loss)

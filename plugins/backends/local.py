@@ -1,0 +1,330 @@
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import tinker
+import torch
+
+from grpo_core import Completion, SamplingParams, hookimpl, option
+from grpo_core.backend import CustomLossFn
+from grpo_core.config import RunConfig
+from grpo_core.data import ASSETS
+from grpo_core.plugins_manager import PluginError
+
+
+@attrs.define
+class LocalBackend:
+    """Train and sample in this process with PyTorch + transformers (the default backend).
+
+    The trainer implements the Tinker training contract over a transformers causal LM; the
+    sampler generates all completions of a step in one batched, KV-cached loop and reports the
+    logprob of every sampled token. With weight_sync_interval=1 both share one set of weights,
+    so weight sync is free. CUDA is used when present (bf16 autocast over fp32 weights), the
+    CPU otherwise (fp32).
+    """
+
+    sample_batch_size: int = option(0, help="most sequences generated at once (0 = the whole step)")
+    attn_implementation: str = option("sdpa", help="transformers attention implementation")
+
+    default_weight_sync = "in_process"
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig) -> LocalTrainer:
+        device, autocast_dtype = resolve_device(config.device, config.dtype)
+        model, tokenizer = load_model(config.model, device, self.attn_implementation)
+        return LocalTrainer(model=model, tokenizer=tokenizer, device=device, autocast_dtype=autocast_dtype)
+
+    @hookimpl
+    def make_sampler(self, config: RunConfig, trainer: LocalTrainer) -> LocalSampler:
+        # Sampling may only run ahead of training on its own copy of the weights.
+        model = trainer.model if config.weight_sync_interval == 1 else frozen_copy(trainer.model)
+        return LocalSampler(
+            model=model,
+            tokenizer=trainer.tokenizer,
+            device=trainer.device,
+            autocast_dtype=trainer.autocast_dtype,
+            seed=config.seed,
+            batch_size=self.sample_batch_size,
+            version=trainer.version,
+        )
+
+    @hookimpl
+    def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
+        return LocalReference(frozen_copy(trainer.model), trainer.device, trainer.autocast_dtype)
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
+    """The device, and the autocast dtype (None = plain fp32; these CPUs have no bf16 units)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PluginError("--device cuda was asked for, but no CUDA device is available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
+
+
+def load_model(name: str, device: torch.device, attn_implementation: str) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(ASSETS) if name == "default" else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as exc:
+        raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Dropout off: the sampler's and the trainer's logprobs must describe the same policy.
+    model.to(device).eval()
+    return model, tokenizer
+
+
+def frozen_copy(model: Any) -> Any:
+    clone = copy.deepcopy(model)
+    clone.requires_grad_(False)
+    return clone.eval()
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
+
+
+def target_logprobs(
+    model: Any, datums: Sequence[tinker.Datum], device: torch.device, autocast_dtype: torch.dtype | None
+) -> list[torch.Tensor]:
+    """Logprobs of each datum's target tokens in one batched forward pass.
+
+    Logits are computed only from the first trained position on (the vocabulary projection
+    dominates small models); earlier targets get 0.0.
+    """
+    inputs = [d.model_input.to_ints() for d in datums]
+    targets = [torch.tensor(d.loss_fn_inputs["target_tokens"].data, dtype=torch.long) for d in datums]
+    weights = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in datums]
+    lengths = [len(x) for x in inputs]
+    B, T = len(inputs), max(lengths)
+    input_ids_B_T = torch.zeros(B, T, dtype=torch.long)
+    attention_B_T = torch.zeros(B, T, dtype=torch.long)
+    targets_B_T = torch.zeros(B, T, dtype=torch.long)
+    for i, (x, y) in enumerate(zip(inputs, targets)):
+        input_ids_B_T[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        attention_B_T[i, : len(x)] = 1
+        targets_B_T[i, : len(y)] = y
+    first_trained = min((int(torch.nonzero(w)[0]) if bool((w > 0).any()) else len(w)) for w in weights)
+    start = min(first_trained, T - 1)
+    with autocast(device, autocast_dtype):
+        logits_B_K_V = model(
+            input_ids=input_ids_B_T.to(device),
+            attention_mask=attention_B_T.to(device),
+            logits_to_keep=T - start,
+            use_cache=False,
+        ).logits
+    logprobs_B_K = torch.gather(
+        logits_B_K_V.float().log_softmax(-1), -1, targets_B_T[:, start:].to(device).unsqueeze(-1)
+    ).squeeze(-1)
+    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
+    return [logprobs_B_T[i, :n] for i, n in enumerate(lengths)]
+
+
+@attrs.define(eq=False)
+class LocalTrainer:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    version: int = 0
+    optimizer: torch.optim.AdamW | None = None
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+
+    def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        logprobs = [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+        loss, metrics = loss_fn(datums, logprobs)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"the loss is {float(loss)}; metrics: {metrics}")
+        loss.backward()
+        return tinker.ForwardBackwardOutput(
+            loss_fn_output_type="TorchLossReturn",
+            loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
+            metrics={**metrics, "loss": float(loss.detach())},
+        )
+
+    def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(params, lr=adam_params.learning_rate)
+        for group in self.optimizer.param_groups:
+            group.update(
+                lr=adam_params.learning_rate,
+                betas=(adam_params.beta1, adam_params.beta2),
+                eps=adam_params.eps,
+                weight_decay=adam_params.weight_decay,
+            )
+        max_norm = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"optim/grad_norm": float(grad_norm), "optim/lr": adam_params.learning_rate}
+
+    def save_state(self, path: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+                "version": self.version,
+            },
+            path,
+        )
+
+    def load_state(self, path: str) -> None:
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        if state["optimizer"] is not None:
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+    def save_weights_for_sampler(self, path: str) -> str:
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+
+@attrs.define(eq=False)
+class LocalReference:
+    model: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+
+
+@attrs.define(eq=False)
+class LocalSampler:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    seed: int
+    batch_size: int = 0
+    version: int = 0
+    generator: torch.Generator = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.generator = torch.Generator(self.device).manual_seed(self.seed)
+
+    def load_weights_from(self, trainer: LocalTrainer) -> None:
+        if self.model is not trainer.model:
+            self.model.load_state_dict(trainer.model.state_dict())
+        self.version = trainer.version
+
+    def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+        flat = [list(p) for p in prompts for _ in range(num_samples)]
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        chunk = self.batch_size or len(flat)
+        completions: list[Completion] = []
+        for start in range(0, len(flat), chunk):
+            completions.extend(self._generate(flat[start : start + chunk], params))
+        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+
+    def _stop_token_ids(self, params: SamplingParams) -> set[int]:
+        ids = set(params.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return ids
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Batched sampling with a KV cache; finished sequences leave the batch."""
+        from transformers import DynamicCache
+
+        B = len(prompts)
+        P = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids_B_P = torch.full((B, P), pad, dtype=torch.long)
+        attention_B_P = torch.zeros(B, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids_B_P[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_B_P[i, P - len(p) :] = 1
+        attention = attention_B_P.to(self.device)
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+        next_input = input_ids_B_P.to(self.device)
+        stop_ids = torch.tensor(sorted(self._stop_token_ids(params)), device=self.device)
+        cache = DynamicCache()
+        active = torch.arange(B, device=self.device)
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logprobs: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        for step in range(params.max_tokens):
+            with autocast(self.device, self.autocast_dtype):
+                out = self.model(
+                    input_ids=next_input,
+                    attention_mask=attention,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            token_A, logprob_A = self._draw(out.logits[:, -1, :].float(), params)
+            done_A = torch.isin(token_A, stop_ids)
+            for j, (row, tok, lp) in enumerate(zip(active.tolist(), token_A.tolist(), logprob_A.tolist())):
+                tokens[row].append(tok)
+                logprobs[row].append(lp)
+                if done_A[j]:
+                    finish[row] = "stop"
+                elif params.stop and self._hit_stop_string(tokens[row], params.stop):
+                    finish[row] = "stop"
+                    done_A[j] = True
+            if bool(done_A.all()) or step == params.max_tokens - 1:
+                break
+            keep = torch.nonzero(~done_A).squeeze(-1)
+            if len(keep) < len(active):
+                cache.batch_select_indices(keep)
+                attention = attention[keep]
+                position_ids = position_ids[keep]
+                token_A = token_A[keep]
+                active = active[keep]
+            attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            next_input = token_A.unsqueeze(-1)
+        return [Completion(tokens=t, logprobs=l, finish_reason=f) for t, l, f in zip(tokens, logprobs, finish)]
+
+    def _draw(self, logits_A_V: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row; its logprob is under the distribution actually sampled from."""
+        logits_A_V = logits_A_V / params.temperature
+        if params.top_k > 0 and params.top_k < logits_A_V.shape[-1]:
+            kth = torch.topk(logits_A_V, params.top_k, dim=-1).values[:, -1:]
+            logits_A_V = logits_A_V.masked_fill(logits_A_V < kth, -math.inf)
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits_A_V, descending=True, dim=-1)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            # Drop a token once the mass before it already reaches top_p (the top token always stays).
+            drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+            logits_A_V = logits_A_V.masked_fill(drop, -math.inf)
+        logprobs_A_V = logits_A_V.log_softmax(-1)
+        token_A = torch.multinomial(logprobs_A_V.exp(), 1, generator=self.generator).squeeze(-1)
+        return token_A, logprobs_A_V.gather(-1, token_A.unsqueeze(-1)).squeeze(-1)
+
+    def _hit_stop_string(self, completion: list[int], stops: list[str]) -> bool:
+        # Only the tail can complete a stop string: decode a window, not the whole completion.
+        window = max(len(s) for s in stops) + 8
+        text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
+        return any(s in text for s in stops)

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+
+from grpo_core import Prompt, Sample, SamplingParams, hookimpl, option
+from grpo_core.backend import Sampler
+from grpo_core.plugins_manager import PluginError
+
+
+@attrs.define
+class SingleTurnRollout:
+    """One prompt, one completion: the prompt's text or chat messages become tokens, the
+    sampler continues them, and the completion tokens are trained on.
+
+    Chat messages (and, with chat_template=true, plain prompts) go through the tokenizer's
+    chat template when it has one.
+    """
+
+    chat_template: bool = option(True, help="wrap plain-text prompts in the tokenizer's chat template when it has one")
+    _token_cache: dict[str, list[int]] = attrs.field(factory=dict, init=False, repr=False)
+
+    @hookimpl
+    def rollout(
+        self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams
+    ) -> list[list[Sample]]:
+        tokenizer = sampler.tokenizer
+        prompt_tokens = [self._encode(tokenizer, p) for p in prompts]
+        groups = sampler.sample(prompt_tokens, num_samples, params)
+        texts = tokenizer.batch_decode([c.tokens for g in groups for c in g], skip_special_tokens=True)
+        samples: list[list[Sample]] = []
+        for prompt, tokens, group in zip(prompts, prompt_tokens, groups):
+            samples.append(
+                [
+                    Sample(
+                        prompt=prompt,
+                        tokens=tokens + c.tokens,
+                        sampling_logprobs=[0.0] * len(tokens) + c.logprobs,
+                        loss_mask=[0.0] * len(tokens) + [1.0] * len(c.tokens),
+                        text=texts.pop(0),
+                        finish_reason=c.finish_reason,
+                        policy_version=sampler.version,
+                    )
+                    for c in group
+                ]
+            )
+        return samples
+
+    def _encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
+        cached = self._token_cache.get(prompt.id)
+        if cached is None:
+            cached = self._token_cache[prompt.id] = encode_prompt(tokenizer, prompt, self.chat_template)
+        return cached
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool) -> list[int]:
+    has_template = getattr(tokenizer, "chat_template", None) is not None
+    messages = prompt.messages
+    if messages is None and chat_template and has_template:
+        messages = [{"role": "user", "content": prompt.text}]
+    if messages is not None:
+        if not has_template:
+            raise PluginError(f"prompt {prompt.id} is a chat (messages) but the tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(prompt.text)["input_ids"])

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import attrs
+
+from grpo_core import hookimpl
+
+
+@attrs.define
+class InProcessWeightSync:
+    """Hand the trainer's weights to a sampler in the same process (the local backend's default).
+
+    Free when the sampler shares the trainer's weights; a copy when it samples ahead on its own.
+    """
+
+    @hookimpl
+    def weight_sync(self, trainer, sampler, step: int) -> int:
+        sampler.load_weights_from(trainer)
+        return sampler.version
