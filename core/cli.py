@@ -13,7 +13,6 @@ import click
 from grpo_core import __version__
 from grpo_core.plugins_manager import KINDS, PluginError
 
-MULTI_KINDS = ("reward", "loss", "logger")
 
 
 def _click_option(field: Any) -> Any:
@@ -86,3 +85,7 @@ def plugins(as_json: bool) -> None:
         click.echo(json.dumps(infos, indent=2))
     else:
         render(infos)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,7 @@ import attrs
 from grpo_core.plugins_manager import KINDS, PluginError, coerce
 
 DEFAULT = "default"
+MULTI_KINDS = ("reward", "loss", "logger")
 
 
 def _field(default: Any, help: str, **kwargs: Any) -> Any:
@@ -164,7 +165,12 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             raise PluginError(f"{path}: invalid TOML: {exc}") from None
         for key, value in data.items():
             if key in KINDS and isinstance(value, dict):
-                table_opts[key] = value
+                # [loss.cispo] both selects a plugin and sets its options; a reward table may
+                # carry its weight.
+                table_opts[key] = {name: dict(opts) for name, opts in value.items()}
+                weights = {name: opts.pop("weight", None) for name, opts in table_opts[key].items()} if key == "reward" else {}
+                names = [f"{n}:{w}" if w is not None else n for n, w in weights.items()] if key == "reward" else list(value)
+                values[key] = names if key in MULTI_KINDS else (names[0] if len(names) == 1 else names)
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -190,6 +196,7 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         opts = {name: dict(o) for name, o in table_opts.get(kind, {}).items()}
         for name, o in parse_plugin_opts(kind, plugin_opts.get(kind, []), selected).items():
             opts.setdefault(name, {}).update(o)
+        opts = {name: o for name, o in opts.items() if o}
         if opts:
             merged[kind] = opts
     config.plugin_options = merged

@@ -42,12 +42,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     config.write(run_dir / "config.json")
 
     selection = select_plugins(config)
+    prompts = load_dataset(config)
     pm = selection.manager
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
-
-    prompts = load_dataset(config)
     total_steps = min(config.max_steps or math.inf, steps_available(len(prompts), config.prompt_groups_per_step, config.epochs))
     if total_steps == 0:
         raise PluginError(f"the dataset has {len(prompts)} prompts, fewer than prompt_groups_per_step={config.prompt_groups_per_step}")

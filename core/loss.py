@@ -182,26 +182,52 @@ def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Helpers shared by the built-in losses (and available to third-party ones). Every per-token
+# tensor is B x T; "masked" positions (mask 0: prompt, tool output, padding) never contribute a
+# value or a gradient, and expressions that could overflow there are computed as 0 instead.
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+
+
+def masked_diff(padded: PaddedLossInputs, a_B_T: torch.Tensor, b_B_T: torch.Tensor) -> torch.Tensor:
+    """a − b on trained tokens, exactly 0 elsewhere (so exp() of it is finite everywhere)."""
+    import torch
+
+    diff_B_T = a_B_T - b_B_T
+    return torch.where(padded.mask_B_T > 0, diff_B_T, torch.zeros_like(diff_B_T))
+
+
 def kl_term(padded: PaddedLossInputs, estimator: str) -> torch.Tensor:
-    """Per-token KL(π || π_ref) estimate, differentiable in π (k1, k2 or k3)."""
+    """Per-token KL(π ‖ π_ref) estimate, differentiable in π (k1, k2 or k3).
+
+    k1 = π − π_ref; k2 = ½(π − π_ref)²; k3 = exp(π_ref − π) − (π_ref − π) − 1.
+    """
     import torch
 
     if padded.ref_logprobs_B_T is None:
-        raise ValueError("a KL term is on (kl_beta > 0) but no reference logprobs were given")
-    diff_B_T = padded.logprobs_B_T - padded.ref_logprobs_B_T
+        raise ValueError(
+            "the loss has a KL term (kl_beta > 0) but LossInputs.ref_logprobs is None: "
+            "run a reference forward and pass ref_logprobs, or set kl_beta=0 to train without a reference model"
+        )
+    diff_B_T = masked_diff(padded, padded.logprobs_B_T, padded.ref_logprobs_B_T)
     if estimator == "k1":
         return diff_B_T
     if estimator == "k2":
         return 0.5 * diff_B_T**2
     if estimator == "k3":
         return torch.exp(-diff_B_T) + diff_B_T - 1.0
-    raise ValueError(f"unknown kl_estimator {estimator!r}; choose k1, k2 or k3")
+    raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of: {', '.join(KL_ESTIMATORS)}")
 
 
 def clipped_surrogate(
     padded: PaddedLossInputs, ratio_B_T: torch.Tensor, eps_low: float, eps_high: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO's max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A) and how often each side of the clip binds."""
+    """PPO's max(−r·A, −clip(r, 1−ε_low, 1+ε_high)·A) and how often each side of the clip binds.
+
+    ``loss/clip_frac_low``: trained tokens with A < 0 and r < 1−ε_low (no gradient there);
+    ``loss/clip_frac_high``: A > 0 and r > 1+ε_high; ``loss/ratio_mean``: mean r.
+    """
     import torch
 
     adv_B_T = padded.advantages_B_T
@@ -214,3 +240,67 @@ def clipped_surrogate(
         "loss/ratio_mean": padded.masked_mean(r),
     }
     return term_B_T, metrics
+
+
+def sequence_log_ratio(padded: PaddedLossInputs) -> torch.Tensor:
+    """GSPO's log s_i = Σ_t m_t(π_t − π_old,t) / Σ_t m_t, clipped to [−20, 20] (B; 0 when all-masked)."""
+    diff_B_T = masked_diff(padded, padded.logprobs_B_T, padded.old_logprobs_B_T)
+    count_B = padded.mask_B_T.sum(-1).clamp(min=1.0)
+    return ((diff_B_T * padded.mask_B_T).sum(-1) / count_B).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def finish_loss(
+    padded: PaddedLossInputs,
+    policy_B_T: torch.Tensor,
+    agg: str,
+    metrics: dict[str, float] | None = None,
+    *,
+    kl_beta: float = 0.0,
+    kl_estimator: str = "k3",
+    penalty_B_T: torch.Tensor | None = None,
+) -> LossOutput:
+    """Assemble a loss from its per-token parts and aggregate it with the step's normalizers.
+
+    ``policy_B_T`` is the policy term before TIS: it is multiplied by w here, while the KL term
+    (``kl_beta`` · KL_t, when kl_beta > 0) and ``penalty_B_T`` (a regularizer such as DRO's
+    quadratic term) never are. Adds ``loss/policy`` (the aggregated, weighted policy term),
+    ``loss/kl`` (mean KL_t over trained tokens, when on), ``loss/active_tokens`` and, unless the
+    loss set it, ``loss/ratio_mean``.
+    """
+    metrics = dict(metrics or {})
+    policy_B_T = padded.weighted(policy_B_T)
+    term_B_T = policy_B_T
+    if penalty_B_T is not None:
+        term_B_T = term_B_T + penalty_B_T
+    if kl_beta > 0:
+        kl_B_T = kl_term(padded, kl_estimator)
+        term_B_T = term_B_T + kl_beta * kl_B_T
+        metrics["loss/kl"] = padded.masked_mean(kl_B_T)
+    metrics["loss/policy"] = float(aggregate(policy_B_T.detach(), padded, agg))
+    metrics["loss/active_tokens"] = float(padded.mask_B_T.sum())
+    if "loss/ratio_mean" not in metrics:
+        metrics["loss/ratio_mean"] = padded.masked_mean(padded.ratio_B_T())
+    return LossOutput(loss=aggregate(term_B_T, padded, agg), metrics=metrics)
+
+
+# attrs validators for loss options (a ValueError becomes a PluginError in make_plugin).
+
+
+def validate_non_negative(instance: Any, attribute: Any, value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be >= 0, not {value!r}")
+
+
+def validate_eps_low(instance: Any, attribute: Any, value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError(f"{attribute.name} must be in [0, 1) (the ratio is clipped at 1-{attribute.name}), not {value!r}")
+
+
+def validate_positive_or_none(instance: Any, attribute: Any, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0 or None, not {value!r}")
+
+
+def validate_kl_estimator(instance: Any, attribute: Any, value: str) -> None:
+    if value not in KL_ESTIMATORS:
+        raise ValueError(f"{attribute.name} must be one of {', '.join(KL_ESTIMATORS)}, not {value!r}")

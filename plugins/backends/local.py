@@ -71,7 +71,10 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype |
 
 def load_model(name: str, device: torch.device, attn_implementation: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    # The run shows its own progress; per-shard load bars would only interleave with it.
+    hf_logging.disable_progress_bar()
     path = str(ASSETS) if name == "default" else name
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import pytest
+
+from grpo_core import PluginError
+from grpo_core.config import RunConfig, load, parse_reward_spec
+from grpo_core.loop import learning_rate
+
+
+def test_toml_then_cli_overrides_and_plugin_tables(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(
+        "max_steps = 7\nlearning_rate = 0.001\n"
+        "[loss.grpo]\neps_high = 0.3\n[reward.gsm8k]\nstrict = true\nweight = 2.0\n"
+    )
+    config = load(str(path), {"max_steps": 3}, {"loss": ["kl_beta=0"]})
+    assert config.max_steps == 3 and config.learning_rate == 0.001
+    assert config.loss == ["grpo"] and config.reward == ["gsm8k:2.0"]
+    assert config.plugin_options["loss"]["grpo"] == {"eps_high": 0.3, "kl_beta": "0"}
+    assert config.plugin_options["reward"]["gsm8k"] == {"strict": True}
+
+
+def test_toml_selection_without_options_and_cli_selection_wins(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('loss = "grpo"\nreward = ["gsm8k", "format:0.1"]\n[advantage.rloo]\n')
+    config = load(str(path), {}, {})
+    assert config.loss == ["grpo"] and config.reward == ["gsm8k", "format:0.1"] and config.advantage == "rloo"
+    assert load(str(path), {"advantage": "grpo"}, {}).advantage == "grpo"
+
+
+def test_plugin_opt_needs_a_name_when_several_are_selected():
+    with pytest.raises(PluginError, match="several reward plugins are selected"):
+        load(None, {"reward": ["gsm8k", "format:0.1"]}, {"reward": ["strict=true"]})
+    config = load(None, {"reward": ["gsm8k", "format:0.1"]}, {"reward": ["gsm8k.strict=true"]})
+    assert config.plugin_options["reward"] == {"gsm8k": {"strict": "true"}}
+    with pytest.raises(PluginError, match="'cispo' is not selected"):
+        load(None, {}, {"loss": ["cispo.eps_high=1"]})
+    with pytest.raises(PluginError, match="expected key=value"):
+        load(None, {}, {"loss": ["eps_high"]})
+
+
+def test_bad_values_are_clear_errors(tmp_path):
+    with pytest.raises(PluginError, match="config 'max_steps': expected an integer"):
+        load(None, {"max_steps": "many"}, {})
+    with pytest.raises(PluginError, match="max_steps must be positive"):
+        load(None, {"max_steps": 0}, {})
+    with pytest.raises(PluginError, match="unknown config key 'max_stepz'"):
+        load(None, {"max_stepz": 1}, {})
+    with pytest.raises(PluginError, match="config file not found"):
+        load(str(tmp_path / "nope.toml"), {}, {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("max_steps = = 3")
+    with pytest.raises(PluginError, match="invalid TOML"):
+        load(str(bad), {}, {})
+    with pytest.raises(PluginError, match="top_p"):
+        load(None, {"top_p": 1.5}, {})
+
+
+def test_reward_spec_weights():
+    assert parse_reward_spec("gsm8k") == ("gsm8k", 1.0)
+    assert parse_reward_spec("format:0.1") == ("format", 0.1)
+    with pytest.raises(PluginError, match="is not a number"):
+        parse_reward_spec("format:x")
+
+
+def test_learning_rate_warmup_then_decay():
+    config = RunConfig(learning_rate=1.0, warmup_steps=2, lr_schedule="linear")
+    assert [learning_rate(config, i, 6) for i in range(6)] == [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    cosine = RunConfig(learning_rate=1.0, lr_schedule="cosine")
+    assert learning_rate(cosine, 0, 4) == 1.0
+    assert learning_rate(cosine, 2, 4) == pytest.approx(0.5)
+    assert learning_rate(RunConfig(learning_rate=0.3), 50, 60) == 0.3

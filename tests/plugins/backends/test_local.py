@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import tinker
+import torch
+
+from grpo_core import Sample, SamplingParams
+from grpo_core.backend import sample_to_datum
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends.local import LocalBackend
+
+
+def make(tiny_model_dir, **config):
+    cfg = RunConfig(model=str(tiny_model_dir), **config)
+    backend = LocalBackend()
+    trainer = backend.make_trainer(config=cfg)
+    sampler = backend.make_sampler(config=cfg, trainer=trainer)
+    return cfg, backend, trainer, sampler
+
+
+def prompts_of(tokenizer):
+    return [tokenizer("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tokenizer("what is 1?")["input_ids"]]
+
+
+def to_samples(prompts, groups):
+    return [
+        Sample(
+            prompt=None,
+            tokens=p + c.tokens,
+            sampling_logprobs=[0.0] * len(p) + c.logprobs,
+            loss_mask=[0.0] * len(p) + [1.0] * len(c.tokens),
+            text="",
+            finish_reason=c.finish_reason,
+            policy_version=0,
+        )
+        for p, g in zip(prompts, groups)
+        for c in g
+    ]
+
+
+def test_sampler_logprobs_equal_trainer_logprobs_at_temperature_1(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    prompts = prompts_of(trainer.tokenizer)
+    # Every 8th token stops a completion: lengths come out ragged and finished rows leave the batch.
+    params = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=list(range(0, len(trainer.tokenizer), 8)))
+    groups = sampler.sample(prompts, 4, params)
+    assert [len(g) for g in groups] == [4, 4]
+    samples = to_samples(prompts, groups)
+    assert len({s.num_completion_tokens for s in samples}) > 1
+    trainer_lps = trainer.forward([sample_to_datum(s) for s in samples])
+    for s, lp in zip(samples, trainer_lps):
+        n_prompt = len(s.tokens) - s.num_completion_tokens
+        got = lp[n_prompt - 1 :]
+        want = torch.tensor(s.sampling_logprobs[n_prompt:])
+        assert got.shape == want.shape
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_sampler_logprobs_follow_temperature_and_top_k(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    prompts = prompts_of(trainer.tokenizer)[:1]
+    params = SamplingParams(max_tokens=6, temperature=0.5, top_k=3)
+    completion = sampler.sample(prompts, 1, params)[0][0]
+    tokens = prompts[0] + completion.tokens
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([tokens])).logits[0].float() / 0.5
+    for t, (tok, lp) in enumerate(zip(completion.tokens, completion.logprobs)):
+        row = logits[len(prompts[0]) - 1 + t]
+        top = torch.topk(row, 3)
+        assert tok in top.indices.tolist()
+        want = torch.log_softmax(top.values, -1)[top.indices.tolist().index(tok)]
+        assert abs(float(want) - lp) < 1e-4
+
+
+def test_sampling_is_repeatable_with_the_seed_and_stops_at_max_tokens(tiny_model_dir):
+    a = make(tiny_model_dir, seed=3)[3].sample([[5, 6, 7]], 3, SamplingParams(max_tokens=5))
+    b = make(tiny_model_dir, seed=3)[3].sample([[5, 6, 7]], 3, SamplingParams(max_tokens=5))
+    assert [c.tokens for c in a[0]] == [c.tokens for c in b[0]]
+    assert all(len(c.tokens) <= 5 for c in a[0])
+    assert all(c.finish_reason in ("stop", "length") for c in a[0])
+
+
+def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    # Every token id is a stop token: each completion is exactly one token, finished by "stop".
+    params = SamplingParams(max_tokens=8, stop_token_ids=list(range(len(trainer.tokenizer))))
+    groups = sampler.sample([[5, 6, 7], [8]], 3, params)
+    assert all(len(c.tokens) == 1 and c.finish_reason == "stop" for g in groups for c in g)
+
+
+def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))
+    datums = [sample_to_datum(s) for s in samples]
+    weights = torch.linspace(-1.0, 1.0, len(samples))
+
+    def loss_fn(_datums, logprobs):
+        masks = [torch.tensor(s.loss_mask[1:]) for s in samples]
+        loss = sum(w * (lp * m).sum() for w, lp, m in zip(weights, logprobs, masks)) / len(samples)
+        return loss, {"custom": 1.0}
+
+    calls = []
+    handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    out = trainer.forward_backward_custom(datums, loss_fn)
+    handle.remove()
+    assert len(calls) == 1
+    assert isinstance(out, tinker.ForwardBackwardOutput)
+    assert out.metrics["custom"] == 1.0
+    got = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad(set_to_none=True)
+
+    # Direct autograd: each sequence alone, full logits, no batching or padding.
+    total = 0.0
+    for w, s in zip(weights, samples):
+        ids = torch.tensor([s.tokens])
+        logp = trainer.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+        lp = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        total = total + w * (lp * torch.tensor(s.loss_mask[1:])).sum() / len(samples)
+    total.backward()
+    for name, p in trainer.model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-5, rtol=1e-4), name
+
+
+def test_optim_step_applies_adam_params_and_counts_versions(tiny_model_dir, tmp_path):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    datum = sample_to_datum(
+        Sample(prompt=None, tokens=[5, 6, 7, 8], sampling_logprobs=[0.0] * 4, loss_mask=[0, 0, 1, 1], text="", finish_reason="stop", policy_version=0)
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.forward_backward_custom([datum], lambda d, lps: (-lps[0].sum(), {}))
+    metrics = trainer.optim_step(tinker.AdamParams(learning_rate=1e-2, grad_clip_norm=0.5))
+    assert trainer.version == 1 and sampler.version == 0
+    assert metrics["optim/lr"] == 1e-2 and metrics["optim/grad_norm"] > 0
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(p.grad is None for p in trainer.model.parameters())
+
+    trainer.save_state(str(tmp_path / "state.pt"))
+    saved = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.forward_backward_custom([datum], lambda d, lps: (-lps[0].sum(), {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    trainer.load_state(str(tmp_path / "state.pt"))
+    assert trainer.version == 1
+    assert all(torch.equal(saved[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_separate_sampler_weights_follow_weight_sync(tiny_model_dir):
+    from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
+
+    _, _, trainer, sampler = make(tiny_model_dir, weight_sync_interval=2)
+    assert sampler.model is not trainer.model
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    trainer.version = 1
+    assert not torch.equal(next(trainer.model.parameters()), next(sampler.model.parameters()))
+    assert InProcessWeightSync().weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert torch.equal(next(trainer.model.parameters()), next(sampler.model.parameters()))
+
+
+def test_saved_policy_loads_with_transformers(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, _, trainer, _ = make(tiny_model_dir)
+    path = trainer.save_weights_for_sampler(str(tmp_path / "final"))
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.allclose(loaded(ids).logits, trainer.model(ids).logits, atol=1e-6)

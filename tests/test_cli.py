@@ -1,0 +1,177 @@
+"""End-to-end: the real ``grpo-core`` command in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TEMPLATE = "Question: {prompt}\nAnswer:"
+
+
+def grpo_core(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_core.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        timeout=timeout,
+    )
+
+
+def small_run_args(model: Path, dataset: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "run", "--model", str(model), "--dataset", str(dataset), "--prompt-template", TEMPLATE,
+        "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+        "--max-completion-tokens", "6", "--run-dir", str(run_dir), *extra,
+    ]  # fmt: skip
+
+
+def test_version_and_fast_help():
+    out = grpo_core("--version")
+    assert out.returncode == 0 and "grpo-core, version 0.1.0" in out.stdout
+    help_out = grpo_core("run", "--help")
+    assert help_out.returncode == 0 and "--loss-opt" in help_out.stdout and "--prompt-groups-per-step" in help_out.stdout
+    # --help must not import the heavy stack.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys; from grpo_core.cli import main\ntry: main(['run', '--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules, 'transformers' in sys.modules)"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert probe.stdout.strip().endswith("False False")
+
+
+def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss-opt", "kl_beta=0.01"))
+    assert out.returncode == 0, out.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["max_steps"] == 2 and config["plugin_options"]["loss"]["grpo"]["kl_beta"] == "0.01"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        for key in ("reward/total", "reward/std", "groups/kept", "groups/dropped_zero_variance", "tokens/completion", "time/sample", "time/train", "time/step"):
+            assert key in m, key
+        assert m["tokens/completion"] > 0
+    assert "reward: first 2 steps" in out.stdout and "run directory" in out.stdout
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "qwen3"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--loss", "cispoo"], "unknown loss 'cispoo'; did you mean 'cispo'?"),
+        (["--loss-opt", "eps_low=abc"], "option 'eps_low' of loss.grpo: expected a number, got 'abc'"),
+        (["--loss-opt", "eps_lo=0.1"], "unknown option 'eps_lo' for loss.grpo"),
+        (["--max-steps", "zero"], "'zero' is not a valid integer"),
+    ],
+)
+def test_bad_plugin_input_is_one_clear_line(tiny_model_dir, tiny_dataset, tmp_path, extra, message):
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", *extra))
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (None, "dataset file not found"),
+        (['{"question": "a", "answer": "1"}', '{"question": '], "data.jsonl:2: malformed JSON"),
+        (['{"question": "a", "answer": "1"}', '{"prompt": "b"}'], "data.jsonl:2: missing field 'question'"),
+    ],
+)
+def test_bad_dataset_is_one_clear_line(tiny_model_dir, tmp_path, lines, message):
+    dataset = tmp_path / "data.jsonl"
+    if lines is not None:
+        dataset.write_text("\n".join(lines) + "\n")
+    out = grpo_core(*small_run_args(tiny_model_dir, dataset, tmp_path / "r"))
+    assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_plugins_lists_builtins_with_options_and_json():
+    out = grpo_core("plugins")
+    assert out.returncode == 0
+    assert "loss grpo  (grpo-core 0.1.0)  hooks: loss" in out.stdout
+    assert "eps_low=0.2" in out.stdout
+    infos = json.loads(grpo_core("plugins", "--json").stdout)
+    grpo = next(i for i in infos if (i["kind"], i["name"]) == ("loss", "grpo"))
+    assert grpo["distribution"] == "grpo-core" and grpo["hooks"] == ["loss"]
+    assert {"name": "kl_beta", "type": "float", "default": 0.001, "help": grpo["options"][2]["help"]} in grpo["options"]
+
+
+def make_plugin_package(root: Path, name: str, body: str, entry_points: dict[str, str]) -> Path:
+    pkg = root / name
+    (pkg / name.replace("-", "_")).mkdir(parents=True)
+    (pkg / name.replace("-", "_") / "__init__.py").write_text(textwrap.dedent(body))
+    eps = "\n".join(f'"{k}" = "{v}"' for k, v in entry_points.items())
+    (pkg / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""
+            [build-system]
+            requires = ["setuptools"]
+            build-backend = "setuptools.build_meta"
+            [project]
+            name = "{name}"
+            version = "1.2.3"
+            [project.entry-points.grpo_core]
+            """
+        )
+        + eps
+        + "\n"
+    )
+    return pkg
+
+
+def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one_is_reported(tiny_model_dir, tiny_dataset, tmp_path):
+    good = make_plugin_package(
+        tmp_path,
+        "grpo-reward-length",
+        '''
+        import attrs
+        from grpo_core import hookimpl, option
+
+        @attrs.define
+        class LengthReward:
+            """Reward = completion length in characters times scale."""
+            scale: float = option(1.0, help="multiplier")
+
+            @hookimpl
+            def reward(self, prompt, samples):
+                return [self.scale * len(s.text) for s in samples]
+        ''',
+        {"reward.length": "grpo_reward_length:LengthReward"},
+    )
+    broken = make_plugin_package(tmp_path, "grpo-broken", "import no_such_module_xyz\n", {"loss.broken": "grpo_broken:Broken"})
+    target = tmp_path / "site"
+    for pkg in (good, broken):
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(pkg)],
+            check=True,
+            capture_output=True,
+        )
+    env = {"PYTHONPATH": str(target)}
+    listing = grpo_core("plugins", env=env)
+    assert listing.returncode == 0, listing.stderr
+    assert "reward length  (grpo-reward-length 1.2.3)  hooks: reward" in listing.stdout
+    assert "loss broken  (grpo-broken 1.2.3)  BROKEN" in listing.stdout
+    assert "No module named 'no_such_module_xyz'" in listing.stdout
+    assert "loss grpo  (grpo-core 0.1.0)" in listing.stdout
+
+    run_dir = tmp_path / "run"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "length", "--reward-opt", "scale=0.5"), env=env)
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["reward/total"] > 0 for m in metrics)
+
+    failed = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r2", "--loss", "broken"), env=env)
+    assert failed.returncode != 0
+    assert "loss plugin 'broken' from grpo-broken 1.2.3 failed to import" in failed.stderr
