@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import torch
+
+from grpo_core import hookimpl, selection
+from grpo_core.config import RunConfig
+from grpo_core.loop import run
+
+
+@attrs.define
+class LengthReward:
+    """Longer completions score higher: gives the random test model a learning signal."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [len(s.text) / 10 for s in samples]
+
+
+@pytest.fixture(autouse=True)
+def length_reward(monkeypatch):
+    original = selection.find
+
+    class Entry:
+        qualified_name = "reward.length"
+
+        def load(self):
+            return LengthReward
+
+    monkeypatch.setattr(selection, "find", lambda name, kind=None: Entry() if (kind, name) == ("reward", "length") else original(name, kind))
+
+
+def config(tiny_model_dir, tiny_dataset, run_dir, **kw):
+    base = dict(
+        model=str(tiny_model_dir),
+        dataset=str(tiny_dataset),
+        prompt_template="Question: {prompt}\nAnswer:",
+        max_steps=3,
+        prompt_groups_per_step=2,
+        completions_per_prompt=4,
+        max_completion_tokens=6,
+        learning_rate=1e-2,
+        reward=["length"],
+        logger=["jsonl"],
+        run_dir=str(run_dir),
+        drop_zero_variance_groups=False,
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights_of(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def test_same_seed_same_run_on_cpu(tiny_model_dir, tiny_dataset, tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    run(config(tiny_model_dir, tiny_dataset, a, seed=1))
+    run(config(tiny_model_dir, tiny_dataset, b, seed=1))
+    run(config(tiny_model_dir, tiny_dataset, c, seed=2))
+    drop_time = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]
+    assert drop_time(metrics_of(a)) == drop_time(metrics_of(b))
+    wa, wb, wc = weights_of(a), weights_of(b), weights_of(c)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+
+
+def test_training_changes_the_policy_and_counts_versions(tiny_model_dir, tiny_dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    summary = run(config(tiny_model_dir, tiny_dataset, tmp_path / "r"))
+    metrics = metrics_of(tmp_path / "r")
+    before, after = load_file(tiny_model_dir / "model.safetensors"), weights_of(tmp_path / "r")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert [m["policy/version"] for m in metrics] == [1, 2, 3]
+    assert summary["steps"] == 3 and summary["window"] == 3
+    assert all("loss/total" in m and "optim/grad_norm" in m for m in metrics)
+
+
+def test_weight_sync_interval_samples_ahead_and_anchors_on_the_old_policy(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    forwards = []
+    original = local.LocalTrainer.forward
+    monkeypatch.setattr(local.LocalTrainer, "forward", lambda self, datums: forwards.append(len(datums)) or original(self, datums))
+    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", max_steps=4, weight_sync_interval=2, loss=["grpo"]))
+    # Steps 2 and 4 train on samples from the version before the last update: one extra pass each.
+    assert forwards == [8, 8]
+
+
+def test_max_steps_and_max_rows_bound_the_run(tiny_model_dir, tiny_dataset, tmp_path):
+    summary = run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", max_steps=None, max_rows=4, epochs=2))
+    assert summary["steps"] == 4

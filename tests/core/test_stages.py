@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import math
+
+import attrs
+import pytest
+
+from grpo_core import Prompt, Sample, hookimpl
+from grpo_core.plugins.advantages.grpo import GRPOAdvantage
+from grpo_core.plugins_manager import build_manager
+from grpo_core.selection import Selection, WeightedReward
+from grpo_core.stages import RewardError, compute_advantages, score_groups
+
+
+def group(texts, prompt_id="p"):
+    prompt = Prompt(id=prompt_id, text="q", answer="1")
+    return [
+        Sample(prompt=prompt, tokens=[1, 2, 3], sampling_logprobs=[0.0, -1.0, -1.0], loss_mask=[0.0, 1.0, 1.0], text=t, finish_reason="stop", policy_version=0)
+        for t in texts
+    ]
+
+
+@attrs.define
+class TableReward:
+    """Looks the score up by text; raises on 'boom'."""
+
+    table: dict
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        if any(s.text == "boom" for s in samples):
+            raise RuntimeError("scorer crashed")
+        return [self.table.get(s.text) for s in samples]
+
+
+def selection_of(*rewards):
+    plugins = [r.plugin for r in rewards]
+    return Selection(manager=build_manager(plugins), plugins={"reward": plugins}, rewards=list(rewards), loss=None)
+
+
+def test_weighted_sum_and_per_reward_metrics():
+    sel = selection_of(
+        WeightedReward("a", 1.0, TableReward({"x": 1.0, "y": 0.0})),
+        WeightedReward("b", 0.5, TableReward({"x": 0.0, "y": 1.0})),
+    )
+    groups = [group(["x", "y", "x", "y"])]
+    metrics = score_groups(sel, groups, max_failures_in_a_row=10)
+    assert [s.reward for s in groups[0]] == [1.0, 0.5, 1.0, 0.5]
+    assert groups[0][1].rewards == {"a": 0.0, "b": 1.0}
+    assert metrics["reward/total"] == 0.75 and metrics["reward/a"] == 0.5 and metrics["reward/b"] == 0.5
+    assert metrics["reward/std"] == pytest.approx(0.25)
+    assert metrics["tokens/completion"] == 8.0 and metrics["reward/failed"] == 0.0
+
+
+def test_none_nan_and_exceptions_fail_samples_and_groups_keep_the_scored():
+    sel = selection_of(WeightedReward("a", 1.0, TableReward({"x": 1.0, "y": 0.0, "nan": math.nan})))
+    groups = [group(["x", "y", "none", "nan"], "g1"), group(["boom", "x"], "g2")]
+    metrics = score_groups(sel, groups, max_failures_in_a_row=10)
+    assert metrics["reward/failed"] == 4.0 and metrics["reward/errors"] == 1.0
+    assert sel.last_reward_error == "reward 'a' raised RuntimeError: scorer crashed"
+    kept, adv_metrics = compute_advantages(build_manager([GRPOAdvantage()]), groups, drop_zero_variance=True)
+    assert [[s.text for s in g] for g in kept] == [["x", "y"]]
+    assert adv_metrics == {"groups/kept": 1.0, "groups/dropped_zero_variance": 0.0, "groups/dropped_failed": 1.0}
+    assert kept[0][0].advantages == [pytest.approx(0.5 / math.sqrt(0.5))] * 3
+
+
+def test_run_stops_after_too_many_failures_in_a_row():
+    sel = selection_of(WeightedReward("a", 1.0, TableReward({"x": 1.0})))
+    with pytest.raises(RewardError, match="rewards failed on 3 samples in a row; last: reward 'a' raised RuntimeError"):
+        score_groups(sel, [group(["x", "boom", "boom"]), group(["boom", "x"])], max_failures_in_a_row=3)
+    # A success resets the count.
+    sel = selection_of(WeightedReward("a", 1.0, TableReward({"x": 1.0})))
+    score_groups(sel, [group(["y", "y", "x", "y", "y"])], max_failures_in_a_row=3)
+
+
+def test_zero_variance_groups_are_dropped_or_kept_with_zero_advantage():
+    groups = [group(["x", "x"]), group(["x", "y"])]
+    for g, rewards in zip(groups, ([1.0, 1.0], [1.0, 0.0])):
+        for s, r in zip(g, rewards):
+            s.reward = r
+    pm = build_manager([GRPOAdvantage()])
+    kept, metrics = compute_advantages(pm, groups, drop_zero_variance=True)
+    assert len(kept) == 1 and metrics["groups/dropped_zero_variance"] == 1.0
+    kept, metrics = compute_advantages(pm, groups, drop_zero_variance=False)
+    assert len(kept) == 2 and kept[0][0].advantages == [0.0, 0.0, 0.0]
+
+
+def test_advantage_with_wrong_length_is_an_error():
+    @attrs.define
+    class Bad:
+        @hookimpl
+        def advantage(self, rewards_G, samples):
+            return [[1.0]] * len(samples)
+
+    g = group(["x", "y"])
+    g[0].reward, g[1].reward = 1.0, 0.0
+    with pytest.raises(ValueError, match="advantage returned 1 values for a sample of 3 tokens"):
+        compute_advantages(build_manager([Bad()]), [g], drop_zero_variance=True)
