@@ -1,0 +1,297 @@
+"""The ``sympy`` reward plugin: final-answer extraction, the worker client, the plugin class."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+
+from grpo_core import Prompt, Sample, hookimpl, option
+from grpo_core.plugins.rewards import gsm8k
+from grpo_reward_sympy.parse import NotMath, plain_number, to_sympy_text
+
+__all__ = ["SympyReward", "extract_final_answer", "last_boxed", "reference_answer"]
+
+# --------------------------------------------------------------------------------------------
+# Final answers
+# --------------------------------------------------------------------------------------------
+
+_BOX_HEADS = ("\\boxed", "\\fbox")
+# A line marker (as in gsm8k) and the rest of its line.
+_LINE_RE = re.compile(
+    r"(?:####|(?i:\banswer\s+is\b)|(?i:\banswer\b[ \t]*(?:\*\*|__)?[ \t]*:)|(?m:^)[ \t]*A[ \t]*:)"
+    r"[ \t*_:]*(?P<rest>[^\n]*)"
+)
+_TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.IGNORECASE | re.DOTALL)
+_MATH_RE = re.compile(r"\$\$?(.+?)\$\$?|\\\((.+?)\\\)|\\\[(.+?)\\\]")
+_SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|[,;](?:\s|$)|\*\*")
+
+
+def _boxed(text: str) -> list[tuple[int, str]]:
+    spans = []
+    for head in _BOX_HEADS:
+        i = text.find(head)
+        while i != -1:
+            j = i + len(head)
+            while j < len(text) and text[j] == " ":
+                j += 1
+            if j < len(text) and text[j] == "{":
+                depth = 0
+                for k in range(j, len(text)):
+                    if text[k] == "{":
+                        depth += 1
+                    elif text[k] == "}":
+                        depth -= 1
+                        if depth == 0:
+                            spans.append((i, text[j + 1 : k]))
+                            break
+            i = text.find(head, j)
+    return sorted(spans)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces matched."""
+    spans = _boxed(text)
+    return spans[-1][1] if spans else None
+
+
+def _line_answer(rest: str) -> str:
+    """The answer part of a marker's line: its first math span, else up to the sentence end."""
+    m = _MATH_RE.search(rest)
+    if m is not None and not rest[: m.start()].strip(" \t*_:"):
+        return next(g for g in m.groups() if g is not None)
+    end = _SENTENCE_END_RE.search(rest)
+    return rest[: end.start()] if end else rest
+
+
+def _as_answer(candidate: str, context: str) -> str | None:
+    """``candidate`` if it is an expression, else the number gsm8k reads in ``context``."""
+    try:
+        to_sympy_text(candidate)
+        return candidate.strip()
+    except NotMath:
+        return gsm8k.extract_answer(context, strict=True)
+
+
+def extract_final_answer(completion: str, strict: bool = False) -> str | None:
+    """The completion's final answer as text (plain or LaTeX), or None.
+
+    The last explicit marker wins: ``\\boxed{...}`` (nested braces), ``<answer>...</answer>``,
+    or a line marker (``#### ...``, ``The answer is ...``, ``Answer: ...``, ``A: ...``) whose
+    answer is the math after it. A marker followed by prose ("The answer is 18 dollars") gives
+    the number gsm8k reads there. Without a marker: gsm8k's last-number fallback, unless strict.
+    """
+    candidates: list[tuple[int, str, str]] = [(start, content, content) for start, content in _boxed(completion)]
+    for m in _LINE_RE.finditer(completion):
+        candidates.append((m.start(), _line_answer(m.group("rest")), m.group()))
+    if "<" in completion:
+        for m in _TAG_RE.finditer(completion):
+            candidates.append((m.start(), m.group(1).strip(), m.group()))
+    for _, candidate, context in sorted(candidates, key=lambda c: c[0], reverse=True):
+        if candidate.strip().startswith(_BOX_HEADS):
+            continue  # "The answer is \boxed{...}": the box itself is a candidate
+        answer = _as_answer(candidate, context)
+        if answer is not None:
+            return answer
+    return None if strict else gsm8k.extract_answer(completion, strict=False)
+
+
+def reference_answer(reference: str) -> str:
+    """The answer text of a reference: after the last "####", the last \\boxed{}, or all of it."""
+    if "####" in reference:
+        return reference.rsplit("####", 1)[1].strip()
+    boxed = last_boxed(reference)
+    return (boxed if boxed is not None else reference).strip()
+
+
+# --------------------------------------------------------------------------------------------
+# The worker process
+# --------------------------------------------------------------------------------------------
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+
+
+class _Worker:
+    """A ``python -m grpo_reward_sympy.worker`` child with a reader thread."""
+
+    def __init__(self, memory_limit_mb: int, startup_timeout_s: float) -> None:
+        env = dict(os.environ)
+        here = str(Path(__file__).resolve().parents[1])  # works from a source checkout too
+        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "grpo_reward_sympy.worker", str(memory_limit_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+            bufsize=1,
+            env=env,
+        )
+        self._finalizer = weakref.finalize(self, _kill, self.proc)
+        self.replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True).start()
+        self.next_id = 0
+        try:
+            ready = self.replies.get(timeout=startup_timeout_s)
+        except queue.Empty:
+            ready = None
+        if ready != "ready":
+            self.close()
+            raise RuntimeError(
+                f"the sympy worker ({sys.executable} -m grpo_reward_sympy.worker) did not start "
+                f"within {startup_timeout_s:.0f} s; its stderr is above"
+            )
+
+    @staticmethod
+    def _read(stream: Any, replies: queue.Queue[str | None]) -> None:
+        try:
+            for line in stream:
+                replies.put(line.strip())
+        except (OSError, ValueError):
+            pass
+        replies.put(None)
+
+    def check(self, pred: str, ref: str, timeout_s: float) -> bool | None:
+        """The worker's verdict, or None when it ran past ``timeout_s`` or died."""
+        self.next_id += 1
+        try:
+            self.proc.stdin.write(json.dumps({"id": self.next_id, "pred": pred, "ref": ref}) + "\n")
+            self.proc.stdin.flush()
+            line = self.replies.get(timeout=timeout_s)
+        except (OSError, ValueError, queue.Empty):
+            return None
+        if line is None:
+            return None
+        reply = json.loads(line)
+        if reply.get("id") != self.next_id:
+            return None
+        return bool(reply.get("ok"))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+# --------------------------------------------------------------------------------------------
+# Plugin
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.define
+class SympyReward:
+    """Symbolic-equivalence reward: 1.0 if the final answer equals the reference, checked with sympy.
+
+    Compares numbers, fractions and expressions by value: 0.5 == 1/2 == \\frac{1}{2},
+    \\sqrt{8} == 2\\sqrt{2}, 2\\pi, 2*x+1 == 1+2x, "x = 5" == 5. The final answer is the last
+    \\boxed{...} (nested braces), <answer>...</answer>, or line marker ("#### ...", "The answer
+    is ...", "Answer: ...", "A: ..."), else the last number (strict=true: 0 instead). The
+    reference is the prompt's answer: a GSM8K answer ("#### N"), a \\boxed{} solution or a bare
+    expression. Each check runs in a worker process and scores 0 when it takes longer than
+    timeout_s (the worker is then replaced); plain numbers are compared without sympy.
+    """
+
+    timeout_s: float = option(
+        2.0, help="time limit of one sympy check (seconds); a check over it scores 0; 0 = no limit, in-process"
+    )
+    strict: bool = option(False, help="require an explicit answer marker; no last-number fallback")
+    memory_limit_mb: int = option(2048, help="address-space limit of the sympy worker (Linux); 0 = none")
+    startup_timeout_s: float = option(120.0, help="how long the worker may take to start (import sympy)")
+
+    _worker: _Worker | None = attrs.field(init=False, default=None, repr=False, eq=False)
+    _lock: Any = attrs.field(init=False, factory=threading.Lock, repr=False, eq=False)
+
+    def score(self, completion: str, reference: str) -> float:
+        """1.0 if the completion's final answer equals the reference's, else 0.0."""
+        return self._score_answer(extract_final_answer(completion, self.strict), _reference_text(reference))
+
+    @hookimpl
+    def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
+        if prompt.answer is None or not str(prompt.answer).strip():
+            raise ValueError(
+                f"sympy reward: prompt {prompt.id!r} has no reference answer; give every dataset "
+                "row an 'answer' (an expression, a \\boxed{} solution or a GSM8K '#### N' answer)"
+            )
+        try:
+            reference = _reference_text(str(prompt.answer))
+        except ValueError as exc:
+            raise ValueError(f"sympy reward: prompt {prompt.id!r}: {exc}") from None
+        return [self._score_answer(extract_final_answer(s.text, self.strict), reference) for s in samples]
+
+    @hookimpl
+    def on_run_end(self, summary: dict[str, Any], run_dir: Path) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker process (a later check starts a new one)."""
+        with self._lock:
+            if self._worker is not None:
+                self._worker.close()
+                self._worker = None
+
+    def _score_answer(self, answer: str | None, reference: str) -> float:
+        if answer is None:
+            return 0.0
+        if "".join(answer.split()) == "".join(reference.split()):
+            return 1.0
+        try:
+            pred = to_sympy_text(answer)
+        except NotMath:
+            return 0.0
+        ref_value, pred_value = plain_number(reference), plain_number(pred)
+        if ref_value is not None and pred_value is not None:
+            return 1.0 if ref_value == pred_value else 0.0
+        return 1.0 if self._check(pred, reference) else 0.0
+
+    def _check(self, pred: str, ref: str) -> bool:
+        if self.timeout_s <= 0:
+            from grpo_reward_sympy.equivalence import equivalent_text
+
+            try:
+                return equivalent_text(pred, ref)
+            except Exception:
+                return False
+        with self._lock:
+            if self._worker is None or not self._worker.alive():
+                self._worker = _Worker(self.memory_limit_mb, self.startup_timeout_s)
+            verdict = self._worker.check(pred, ref, self.timeout_s)
+            if verdict is None:  # over the time limit, or the worker died: replace it
+                self._worker.close()
+                self._worker = None
+            return bool(verdict)
+
+
+def _reference_text(reference: str) -> str:
+    """The reference as sympy text (GSM8K numbers normalized by gsm8k); ValueError if unusable."""
+    answer = reference_answer(reference)
+    try:
+        return to_sympy_text(answer)
+    except NotMath:
+        pass
+    try:
+        return gsm8k.parse_reference(answer)
+    except ValueError:
+        raise ValueError(f"reference answer is not an expression or a number: {reference[-80:]!r}") from None
