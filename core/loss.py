@@ -178,7 +178,7 @@ def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
     pm = build_manager(plugins)
     out = pm.hook.loss(inputs=inputs)
     if out is None:
-        raise ValueError("no loss plugin among the given plugins: pass one loss, e.g. make_plugin('grpo')")
+        raise ValueError("no loss plugin among the given plugins: pass one loss, e.g. make_plugin('loss.grpo')")
     return out
 
 

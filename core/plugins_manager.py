@@ -9,6 +9,7 @@ name may serve two kinds (``grpo`` is a loss and an advantage).
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import types
 import typing
@@ -65,8 +66,12 @@ class PluginEntry:
         return cls
 
 
-def catalog() -> list[PluginEntry]:
-    """Every installed plugin, from entry points, sorted by kind then name."""
+@functools.lru_cache(maxsize=1)
+def catalog() -> tuple[PluginEntry, ...]:
+    """Every installed plugin, from entry points, sorted by kind then name.
+
+    Cached: scanning every installed distribution's metadata costs tens of milliseconds.
+    """
     entries: dict[tuple[str, str], PluginEntry] = {}
     for ep in metadata.entry_points(group=GROUP):
         kind, dot, name = ep.name.partition(".")
@@ -80,7 +85,7 @@ def catalog() -> list[PluginEntry]:
             distribution=dist.metadata["Name"] if dist else "?",
             version=dist.version if dist else "?",
         )
-    return sorted(entries.values(), key=lambda e: (KINDS.index(e.kind), e.name))
+    return tuple(sorted(entries.values(), key=lambda e: (KINDS.index(e.kind), e.name)))
 
 
 def find(name: str, kind: str | None = None) -> PluginEntry:

@@ -1,0 +1,96 @@
+"""Benchmark worker: grpo-core's synchronous loop, ``grpo_core.loop.run`` in this process.
+
+``python run_grpo_core.py SPEC.json RESULT.json`` (run.py writes the spec). The reward and a
+step timer are plugins of a throwaway distribution registered through a dist-info folder on
+sys.path, as a pip-installed plugin would be; the loss is grpo-core's default ``grpo`` with
+kl_beta=0 (no reference model).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import load_spec, write_result  # noqa: E402
+
+ENTRY_POINTS = """[grpo_core]
+reward.bench_chars = bench_plugins:CharReward
+logger.bench_timer = bench_plugins:StepTimer
+"""
+
+
+def register_plugins(site: Path) -> None:
+    dist = site / "grpo_core_bench-0.0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: grpo-core-bench\nVersion: 0.0.0\n")
+    (dist / "entry_points.txt").write_text(ENTRY_POINTS)
+    sys.path.insert(0, str(site))
+
+
+def make_config(spec: dict, overrides: dict | None = None):
+    from grpo_core.config import RunConfig
+
+    work = Path(spec["work_dir"])
+    kwargs = dict(
+        model=spec["model_dir"],
+        dataset=spec["dataset"],
+        prompt_template="{prompt}",
+        max_steps=spec["steps"] + 1,
+        shuffle=False,
+        prompt_groups_per_step=spec["prompts_per_step"],
+        completions_per_prompt=spec["group_size"],
+        max_completion_tokens=spec["completion_tokens"],
+        temperature=1.0,
+        reward=["bench_chars"],
+        logger=["bench_timer"],
+        drop_zero_variance_groups=False,
+        learning_rate=spec["learning_rate"],
+        device="cpu",
+        seed=spec["seed"],
+        run_dir=str(work / "grpo_core_run"),
+        plugin_options={"loss": {"grpo": {"kl_beta": 0.0}}},
+    )
+    kwargs.update(overrides or {})
+    return RunConfig(**kwargs)
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = load_spec(spec_path)
+    register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
+    import bench_plugins
+    import grpo_core
+    import torch
+    import transformers
+    from grpo_core.loop import run
+
+    started = time.perf_counter()
+    run(make_config(spec))
+    steps = []
+    prev = None
+    for rec in bench_plugins.STEPS:
+        steps.append(
+            {
+                "period": rec["t"] - prev if prev is not None else rec["t"] - started,
+                "sample": rec["time/sample"],
+                "reward": rec["time/reward"],
+                "train": rec["time/train"],
+                "completion_lengths": rec["completion_lengths"],
+            }
+        )
+        prev = rec["t"]
+    write_result(
+        result_path,
+        {
+            "contender": "grpo-core",
+            "steps": steps,
+            "versions": {"grpo_core": grpo_core.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+            "split": {"sample": "rollout hook (prompt encode, batched KV-cache sampling, decode)", "reward": "rewards + advantages", "train": "forward/backward + AdamW + weight sync"},
+        },
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

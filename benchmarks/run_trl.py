@@ -1,0 +1,127 @@
+"""Benchmark worker: TRL's GRPOTrainer (run in benchmarks/.venv-trl, which run.py sets up).
+
+``.venv-trl/bin/python run_trl.py SPEC.json RESULT.json``. Configured to do the same work as
+grpo-core: G completions for each of the step's prompts generated in one batch with
+transformers ``generate`` (no vLLM), one optimizer step per generation batch (no gradient
+accumulation, num_iterations=1, so no extra old-logprob forward), beta=0 (no reference model),
+loss_type="grpo", temperature 1, no top-k/top-p, fp32 on the CPU, and gradient checkpointing
+off (TRL turns it on by default; grpo-core does not recompute activations).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import load_spec, reward_of_text, write_result  # noqa: E402
+
+
+def bench_reward(completions, **kwargs):
+    return [reward_of_text(c) for c in completions]
+
+
+def main(spec_path: str, result_path: str) -> None:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = load_spec(spec_path)
+    P, L, G, B = spec["prompt_tokens"], spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
+    record: dict[str, list] = {"ends": [], "generate": [], "gen_and_score": [], "lengths": []}
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate(self, prompts):
+            t = time.perf_counter()
+            out = super()._generate(prompts)
+            record["generate"].append(time.perf_counter() - t)
+            record["lengths"].append([len(ids) for ids in out[1]])
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            record["gen_and_score"].append(time.perf_counter() - t)
+            return out
+
+    class StepEnd(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            record["ends"].append(time.perf_counter())
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    dataset = datasets.Dataset.from_dict({"prompt": spec["prompts"]})
+    steps = spec["steps"] + 1
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=B * G,
+        gradient_accumulation_steps=1,
+        num_generations=G,
+        num_iterations=1,
+        max_completion_length=L,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        loss_type="grpo",
+        epsilon=0.2,
+        scale_rewards="group",
+        learning_rate=spec["learning_rate"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=steps,
+        logging_steps=steps,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=spec["seed"],
+    )
+    trainer = TimedGRPOTrainer(
+        model=model, reward_funcs=bench_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepEnd()]
+    )
+    started = time.perf_counter()
+    trainer.train()
+    out_steps = []
+    prev = started
+    for i, end in enumerate(record["ends"]):
+        period = end - prev
+        gen_score = record["gen_and_score"][i]
+        out_steps.append(
+            {
+                "period": period,
+                "sample": record["generate"][i],
+                "reward": gen_score - record["generate"][i],
+                "train": period - gen_score,
+                "completion_lengths": record["lengths"][i],
+            }
+        )
+        prev = end
+    write_result(
+        result_path,
+        {
+            "contender": "TRL",
+            "steps": out_steps,
+            "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+            "split": {
+                "sample": "GRPOTrainer._generate (tokenize, generate, decode)",
+                "reward": "rest of _generate_and_score_completions (rewards, advantages)",
+                "train": "rest of the step (forward/backward, optimizer, Trainer bookkeeping)",
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+
+from grpo_core import LossInputs, LossOutput, hookimpl, option
+from grpo_core.loss import (
+    finish_loss,
+    validate_agg,
+    validate_eps_low,
+    validate_kl_estimator,
+    validate_non_negative,
+)
+
+
+@attrs.define
+class CISPOLoss:
+    """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio.
+
+    Per token: −sg(clip(r, 1−eps_low, 1+eps_high))·A·w·log π. Unlike PPO-style clipping,
+    no token ever loses its gradient: only the weight is truncated. Good for off-policy or
+    async training and for rare but important tokens (reflection, "wait") that PPO would clip.
+    """
+
+    eps_low: float = option(0.2, help="lower bound of the ratio weight: 1-eps_low", validator=validate_eps_low)
+    eps_high: float = option(0.28, help="upper bound of the ratio weight: 1+eps_high", validator=validate_non_negative)
+    kl_beta: float = option(0.0, help="weight of a KL penalty to the reference policy; 0 = none (no reference model)", validator=validate_non_negative)
+    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", help="KL estimator: k1, k2 or k3", validator=validate_kl_estimator)
+    agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the KL term is on: the run computes reference logprobs."""
+        return self.kl_beta > 0
+
+    @hookimpl
+    def loss(self, inputs: LossInputs) -> LossOutput:
+        padded = inputs.padded()
+        ratio_B_T = padded.ratio_B_T().detach()
+        weight_B_T = ratio_B_T.clamp(1.0 - self.eps_low, 1.0 + self.eps_high)
+        metrics = {
+            # how often the ratio weight is truncated (the token keeps its gradient)
+            "loss/clip_frac_low": padded.masked_mean((ratio_B_T < 1.0 - self.eps_low).float()),
+            "loss/clip_frac_high": padded.masked_mean((ratio_B_T > 1.0 + self.eps_high).float()),
+            "loss/ratio_mean": padded.masked_mean(ratio_B_T),
+        }
+        policy_B_T = -weight_B_T * padded.advantages_B_T * padded.logprobs_B_T
+        return finish_loss(padded, policy_B_T, self.agg, metrics, kl_beta=self.kl_beta, kl_estimator=self.kl_estimator)

@@ -1,0 +1,199 @@
+"""The loss contract: aggregation, split-step equivalence, LossInputs validation, the catalog."""
+
+import random
+
+import pytest
+import torch
+
+from grpo_core import LossInputs, LossOutput, PluginError, call_loss, make_plugin
+from grpo_core.loss import AGGREGATIONS, aggregate
+
+LOSSES = ["reinforce", "importance_sampling", "grpo", "dapo", "gspo", "cispo", "dro"]
+SPEC_DEFAULTS = {
+    "reinforce": {"agg": "seq-mean-token-sum"},
+    "importance_sampling": {"clip_rho": None, "agg": "seq-mean-token-sum"},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.001, "kl_estimator": "k3", "agg": "seq-mean-token-sum"},
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "agg": "token-mean"},
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "agg": "seq-mean-token-mean"},
+    "cispo": {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"},
+    "dro": {"beta": 0.05, "agg": "seq-mean-token-sum"},
+}
+
+
+def t(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def concrete_inputs(**kw):
+    # Sequence 0: 2 of 3 tokens trained; sequence 1: 1 of 2; sequence 2: none (all masked).
+    lp = [t([1.0, 2.0, 3.0]), t([4.0, 5.0]), t([7.0, 7.0, 7.0, 7.0])]
+    mask = [t([1.0, 1.0, 0.0]), t([1.0, 0.0]), t([0.0, 0.0, 0.0, 0.0])]
+    return LossInputs(logprobs=lp, old_logprobs=lp, sampling_logprobs=lp, mask=mask, advantages=lp, **kw)
+
+
+@pytest.mark.parametrize(
+    "agg, expected",
+    [
+        ("token-sum", 1 + 2 + 4),
+        ("token-mean", 7 / 3),
+        ("seq-mean-token-sum", 7 / 2),  # the all-masked sequence does not count in N
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", 7 / (2 * 4)),
+    ],
+)
+def test_aggregation_on_concrete_numbers(agg, expected):
+    padded = concrete_inputs(max_tokens=4).padded()
+    assert padded.num_sequences == 2 and padded.num_tokens == 3.0
+    assert aggregate(padded.logprobs_B_T, padded, agg).item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "agg, expected",
+    [
+        ("token-sum", 7),
+        ("token-mean", 7 / 10),
+        ("seq-mean-token-sum", 7 / 5),
+        ("seq-mean-token-mean", (1.5 + 4) / 5),
+        ("seq-mean-token-sum-norm", 7 / (5 * 8)),
+    ],
+)
+def test_aggregation_uses_the_step_normalizers(agg, expected):
+    padded = concrete_inputs(num_sequences=5, num_tokens=10.0, max_tokens=8).padded()
+    assert aggregate(padded.logprobs_B_T, padded, agg).item() == pytest.approx(expected)
+
+
+def test_aggregation_errors():
+    padded = concrete_inputs().padded()
+    with pytest.raises(ValueError, match="max_tokens"):
+        aggregate(padded.logprobs_B_T, padded, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="unknown agg"):
+        aggregate(padded.logprobs_B_T, padded, "mean")
+
+
+def test_nothing_trained_gives_zero_for_every_mode():
+    lp = [t([1.0, 2.0]).requires_grad_()]
+    inputs = LossInputs(logprobs=lp, old_logprobs=[t([1.0, 2.0])], sampling_logprobs=[t([1.0, 2.0])],
+                        mask=[t([0.0, 0.0])], advantages=[t([1.0, 1.0])], max_tokens=4)
+    for agg in AGGREGATIONS:
+        out = call_loss([make_plugin("cispo", agg=agg)], inputs)
+        assert out.loss.item() == 0.0
+        out.loss.backward()
+        assert lp[0].grad.abs().sum().item() == 0.0
+
+
+# --- split-step equivalence -------------------------------------------------------------------
+
+
+def random_batch(seed):
+    rng = random.Random(seed)
+    seqs = []
+    for i in range(7):
+        n = rng.randint(1, 40)
+        p = [rng.uniform(-4.0, -0.05) for _ in range(n)]
+        old = [x + rng.gauss(0, 0.4) for x in p]
+        mask = [0.0 if (i == 3 or t < rng.randint(0, n // 2)) else 1.0 for t in range(n)]  # seq 3 all masked
+        seqs.append({
+            "logprobs": p, "old": old, "sampling": [x + rng.gauss(0, 0.4) for x in old],
+            "ref": [x + rng.gauss(0, 0.4) for x in p], "mask": mask,
+            "adv": [rng.gauss(0, 1)] * n if i % 2 else [rng.gauss(0, 1) for _ in range(n)],
+        })
+    return seqs
+
+
+def build(seqs, **kw):
+    return LossInputs(
+        logprobs=[t(s["logprobs"]).requires_grad_() for s in seqs],
+        old_logprobs=[t(s["old"]) for s in seqs],
+        sampling_logprobs=[t(s["sampling"]) for s in seqs],
+        ref_logprobs=[t(s["ref"]) for s in seqs],
+        mask=[t(s["mask"]) for s in seqs],
+        advantages=[t(s["adv"]) for s in seqs],
+        max_tokens=40,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("name", LOSSES)
+def test_split_step_gives_the_gradient_of_one_call(name, agg):
+    seqs = random_batch(0)
+    plugins = [make_plugin(name, kind="loss", agg=agg), make_plugin("tis")]
+    whole = build(seqs)
+    out = call_loss(plugins, whole)
+    out.loss.backward()
+
+    num_sequences = sum(1 for s in seqs if sum(s["mask"]) > 0)
+    num_tokens = sum(sum(s["mask"]) for s in seqs)
+    halves = [build(seqs[:4], num_sequences=num_sequences, num_tokens=num_tokens),
+              build(seqs[4:], num_sequences=num_sequences, num_tokens=num_tokens)]
+    total = 0.0
+    for half in halves:
+        part = call_loss(plugins, half)
+        part.loss.backward()
+        total += part.loss.item()
+    split_grads = [x.grad for half in halves for x in half.logprobs]
+    assert total == pytest.approx(out.loss.item(), abs=1e-10)
+    for a, b in zip(whole.logprobs, split_grads):
+        torch.testing.assert_close(b, a.grad, atol=1e-12, rtol=0)
+
+
+def test_a_half_without_normalizers_differs():
+    # The reason the normalizers must be the step's: per-call normalizing changes the gradient.
+    seqs = random_batch(1)
+    loss = make_plugin("cispo", agg="token-mean")
+    whole = build(seqs)
+    call_loss([loss], whole).loss.backward()
+    half = build(seqs[:4])
+    call_loss([loss], half).loss.backward()
+    assert not torch.allclose(half.logprobs[0].grad, whole.logprobs[0].grad)
+
+
+# --- LossInputs validation and call_loss --------------------------------------------------------
+
+
+def test_loss_inputs_checks_sequence_counts_and_shapes():
+    lp = [t([1.0, 2.0]), t([3.0])]
+    ok = dict(logprobs=lp, old_logprobs=lp, sampling_logprobs=lp, mask=lp, advantages=lp)
+    LossInputs(**ok)
+    with pytest.raises(ValueError, match="advantages has 1 sequences"):
+        LossInputs(**{**ok, "advantages": lp[:1]})
+    with pytest.raises(ValueError, match=r"mask\[1\] has shape"):
+        LossInputs(**{**ok, "mask": [t([1.0, 1.0]), t([1.0, 1.0])]})
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        LossInputs(**ok, ref_logprobs=[t([1.0, 2.0])])
+    with pytest.raises(ValueError, match="tis_weights"):
+        LossInputs(**ok, tis_weights=[t([1.0]), t([1.0])])
+
+
+def test_call_loss_needs_a_loss_plugin():
+    with pytest.raises(ValueError, match="no loss plugin"):
+        call_loss([], concrete_inputs())
+
+
+def test_call_loss_returns_a_scalar_and_namespaced_metrics():
+    out = call_loss([make_plugin("loss.grpo", kl_beta=0.0)], build(random_batch(2)))
+    assert isinstance(out, LossOutput) and out.loss.dim() == 0
+    assert {"loss/policy", "loss/ratio_mean", "loss/active_tokens", "loss/clip_frac_low", "loss/clip_frac_high"} <= set(out.metrics)
+    assert all(k.startswith("loss/") and isinstance(v, float) for k, v in out.metrics.items())
+
+
+# --- the built-in losses in the catalog ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_builtin_losses_follow_the_spec_defaults(name):
+    loss = make_plugin(name, kind="loss")
+    for option, value in SPEC_DEFAULTS[name].items():
+        assert getattr(loss, option) == value, option
+    assert isinstance(loss.needs_reference, bool)
+    assert loss.needs_reference is (name == "grpo")
+    assert type(loss).__doc__ and len(type(loss).__doc__.strip()) > 40
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("options", [{"agg": "x"}, {"eps_low": "abc"}, {"unknown_option": 1}], ids=["agg", "type", "unknown"])
+def test_bad_options_raise_plugin_error(name, options):
+    if "eps_low" in options and "eps_low" not in SPEC_DEFAULTS[name]:
+        options = {"kl_beta": "abc"} if name != "dro" else {"beta": "abc"}
+    with pytest.raises(PluginError):
+        make_plugin(name, kind="loss", **options)

@@ -1,0 +1,53 @@
+"""The separate grpo-reward-sympy distribution, pip-installed beside grpo-core, seen by the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_cli import grpo_core, small_run_args
+
+PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "grpo-reward-sympy"
+
+
+@pytest.fixture(scope="module")
+def sympy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(PACKAGE)],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+def test_its_own_test_suite_passes_installed(sympy_site):
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PACKAGE / "tests")],
+        capture_output=True,
+        text=True,
+        cwd=sympy_site,
+        env={"PYTHONPATH": str(sympy_site), "PATH": "/usr/bin:/bin"},
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+def test_listed_with_its_distribution(sympy_site):
+    infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(sympy_site)}).stdout)
+    sympy = next(i for i in infos if (i["kind"], i["name"]) == ("reward", "sympy"))
+    assert (sympy["distribution"], sympy["version"]) == ("grpo-reward-sympy", "0.1.0")
+    assert sympy["hooks"] and "error" not in sympy
+
+
+def test_run_with_reward_sympy(sympy_site, tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)})
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["reward/failed"] == 0 for m in metrics)
