@@ -69,6 +69,7 @@ class RunConfig:
     anchor: Literal["old_policy", "sampling"] = _field("old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)")
     max_reward_failures_in_a_row: int = _field(64, "stop the run after this many samples in a row whose reward failed", validator=_positive)
     max_samples_per_fwd_bwd: int | None = _field(None, "split a step into forward/backward calls of at most this many samples", validator=_positive)
+    min_samples_per_fwd_bwd: int = _field(1, "a last forward/backward call with fewer samples joins the one before", validator=_positive)
 
     # Optimizer.
     learning_rate: float = _field(1e-5, "peak learning rate (AdamW)")

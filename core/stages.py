@@ -130,11 +130,9 @@ def train_on_groups(
     num_sequences = sum(int(m.sum() > 0) for m in mask)
     num_tokens = float(sum(m.sum() for m in mask))
 
-    chunk = config.max_samples_per_fwd_bwd or len(samples)
     metric_sums: dict[str, float] = {}
     step_loss = 0.0
-    for start in range(0, len(samples), chunk):
-        idx = range(start, min(start + chunk, len(samples)))
+    for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
 
         def loss_fn(_datums: Any, logprobs: list[torch.Tensor], idx: range = idx) -> tuple[torch.Tensor, dict[str, float]]:
             inputs = LossInputs(
@@ -172,6 +170,16 @@ def train_on_groups(
     )
     metrics["train/samples"] = float(len(samples))
     return metrics
+
+
+def fwd_bwd_chunks(n: int, min_size: int, max_size: int | None) -> list[range]:
+    """Greedy split of n samples into calls of at most max_size; a short tail joins the call before."""
+    size = max_size or n
+    chunks = [range(start, min(start + size, n)) for start in range(0, n, size)]
+    if len(chunks) > 1 and len(chunks[-1]) < min_size:
+        tail = chunks.pop()
+        chunks[-1] = range(chunks[-1].start, tail.stop)
+    return chunks
 
 
 def anchor_logprobs(

@@ -175,3 +175,19 @@ def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one
     failed = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r2", "--loss", "broken"), env=env)
     assert failed.returncode != 0
     assert "loss plugin 'broken' from grpo-broken 1.2.3 failed to import" in failed.stderr
+
+
+LOSSES = ["grpo", "importance_sampling", "reinforce", "dapo", "dro", "gspo", "cispo"]
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, loss):
+    run_dir = tmp_path / "run"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss", loss, "--loss", "tis", "--loss-opt", "tis.cap=1.5")
+    args += ["--no-drop-zero-variance-groups", "--reward", "gsm8k:1", "--reward-opt", "gsm8k.format_penalty=0.5"]
+    out = grpo_core(*args)
+    assert out.returncode == 0, out.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["loss"] == [loss, "tis"] and config["plugin_options"]["loss"]["tis"] == {"cap": "1.5"}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("loss/total" in m and "tis/weight_mean" in m for m in metrics)
