@@ -66,6 +66,8 @@ class Sampler(Protocol):
     tokenizer: Any
     version: int
     """Policy version of the weights it samples from."""
+    max_context: int | None
+    """Longest sequence (prompt + completion) the model takes; None when unknown."""
 
     def sample(
         self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams

@@ -43,6 +43,7 @@ class RunConfig:
     epochs: int = _field(1, "passes over the dataset", validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
     shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch")
+    skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping")
 
     # Plugins.
     backend: str = _field("local", "trainer/sampler backend")

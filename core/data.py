@@ -28,8 +28,13 @@ def load_prompts(
     answer_field: str = "answer",
     template: str = "{prompt}",
     max_rows: int | None = None,
+    skipped: list[str] | None = None,
 ) -> list[Prompt]:
-    """Read a JSONL file of prompts; a row may hold text in ``prompt_field`` or a ``messages`` list."""
+    """Read a JSONL file of prompts; a row may hold text in ``prompt_field`` or a ``messages`` list.
+
+    A bad row raises DataError naming file and line, unless ``skipped`` is a list: then the
+    row's error is appended to it and the row left out.
+    """
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
     if "{prompt}" not in template:
@@ -40,12 +45,12 @@ def load_prompts(
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {exc.msg}") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-            prompts.append(_row_to_prompt(row, path, lineno, prompt_field, answer_field, template))
+                prompts.append(_parse_row(line, path, lineno, prompt_field, answer_field, template))
+            except DataError as exc:
+                if skipped is None:
+                    raise
+                skipped.append(str(exc))
+                continue
             if max_rows is not None and len(prompts) >= max_rows:
                 break
     if not prompts:
@@ -53,9 +58,13 @@ def load_prompts(
     return prompts
 
 
-def _row_to_prompt(
-    row: dict, path: Path, lineno: int, prompt_field: str, answer_field: str, template: str
-) -> Prompt:
+def _parse_row(line: str, path: Path, lineno: int, prompt_field: str, answer_field: str, template: str) -> Prompt:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{lineno}: malformed JSON: {exc.msg}") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
     answer = row.get(answer_field)
     if answer is not None and not isinstance(answer, str):
         answer = str(answer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,12 @@ def load_dataset(config: RunConfig):
     template = config.prompt_template
     if template is None:
         template = DEFAULT_TASK_TEMPLATE if config.dataset == "default" else "{prompt}"
-    return load_prompts(dataset_path(config.dataset), config.prompt_field, config.answer_field, template, config.max_rows)
+    skipped: list[str] | None = [] if config.skip_bad_rows else None
+    path = dataset_path(config.dataset)
+    prompts = load_prompts(path, config.prompt_field, config.answer_field, template, config.max_rows, skipped)
+    if skipped:
+        print(f"skipped {len(skipped)} bad rows of {path}; first: {skipped[0]}", file=sys.stderr)
+    return prompts
 
 
 def sampling_params(config: RunConfig) -> SamplingParams:

@@ -32,6 +32,8 @@ def score_groups(
     failed = errors = 0
     per_reward: dict[str, list[float]] = {r.name: [] for r in selection.rewards}
     for group in groups:
+        if not group:
+            continue
         for r in selection.rewards:
             try:
                 scores = list(r.plugin.reward(prompt=group[0].prompt, samples=group))
@@ -80,8 +82,11 @@ def compute_advantages(
 ) -> tuple[list[list[Sample]], dict[str, float]]:
     """Advantages per group; groups without signal (all rewards equal, < 2 scored) are dropped."""
     kept: list[list[Sample]] = []
-    dropped_zero_variance = dropped_failed = 0
+    dropped_zero_variance = dropped_failed = skipped = 0
     for group in groups:
+        if not group:
+            skipped += 1
+            continue
         scored = [s for s in group if s.reward is not None]
         if len(scored) < 2:
             dropped_failed += 1
@@ -103,6 +108,7 @@ def compute_advantages(
         "groups/kept": float(len(kept)),
         "groups/dropped_zero_variance": float(dropped_zero_variance),
         "groups/dropped_failed": float(dropped_failed),
+        "groups/skipped": float(skipped),
     }
 
 

@@ -228,6 +228,10 @@ class LocalSampler:
     def __attrs_post_init__(self) -> None:
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
 
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def load_weights_from(self, trainer: LocalTrainer) -> None:
         if self.model is not trainer.model:
             self.model.load_state_dict(trainer.model.state_dict())

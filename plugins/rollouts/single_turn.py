@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import attrs
 
@@ -19,6 +19,9 @@ class SingleTurnRollout:
     """
 
     chat_template: bool = option(True, help="wrap plain-text prompts in the tokenizer's chat template when it has one")
+    long_prompts: Literal["error", "skip"] = option(
+        "error", help="a prompt that leaves no room for max_tokens: stop with an error, or skip its group (counted)"
+    )
     _token_cache: dict[str, list[int]] = attrs.field(factory=dict, init=False, repr=False)
 
     @hookimpl
@@ -26,26 +29,40 @@ class SingleTurnRollout:
         self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams
     ) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
-        prompt_tokens = [self._encode(tokenizer, p) for p in prompts]
-        groups = sampler.sample(prompt_tokens, num_samples, params)
-        texts = tokenizer.batch_decode([c.tokens for g in groups for c in g], skip_special_tokens=True)
-        samples: list[list[Sample]] = []
-        for prompt, tokens, group in zip(prompts, prompt_tokens, groups):
-            samples.append(
+        encoded = [self._encode(tokenizer, p) for p in prompts]
+        fits = [self._fits(p, tokens, sampler.max_context, params.max_tokens) for p, tokens in zip(prompts, encoded)]
+        prompt_tokens = [tokens for tokens, ok in zip(encoded, fits) if ok]
+        groups = iter(sampler.sample(prompt_tokens, num_samples, params) if prompt_tokens else [])
+        kept = [(p, tokens, next(groups)) for p, tokens, ok in zip(prompts, encoded, fits) if ok]
+        texts = iter(tokenizer.batch_decode([c.tokens for _, _, g in kept for c in g], skip_special_tokens=True))
+        by_prompt: dict[int, list[Sample]] = {}
+        for prompt, tokens, group in kept:
+            by_prompt[id(prompt)] = (
                 [
                     Sample(
                         prompt=prompt,
                         tokens=tokens + c.tokens,
                         sampling_logprobs=[0.0] * len(tokens) + c.logprobs,
                         loss_mask=[0.0] * len(tokens) + [1.0] * len(c.tokens),
-                        text=texts.pop(0),
+                        text=next(texts),
                         finish_reason=c.finish_reason,
                         policy_version=sampler.version,
                     )
                     for c in group
                 ]
             )
-        return samples
+        # A skipped prompt keeps its place as an empty group.
+        return [by_prompt.get(id(p), []) for p in prompts]
+
+    def _fits(self, prompt: Prompt, tokens: list[int], max_context: int | None, max_tokens: int) -> bool:
+        if max_context is None or len(tokens) + max_tokens <= max_context:
+            return True
+        if self.long_prompts == "skip":
+            return False
+        raise PluginError(
+            f"prompt {prompt.id} has {len(tokens)} tokens; with max_completion_tokens={max_tokens} that exceeds "
+            f"the model's {max_context}: shorten it, lower --max-completion-tokens, or pass --rollout-opt long_prompts=skip"
+        )
 
     def _encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
         cached = self._token_cache.get(prompt.id)

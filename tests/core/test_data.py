@@ -54,3 +54,12 @@ def test_batches_are_seeded_full_and_cover_each_epoch(tmp_path):
     again = list(prompt_batches(prompts, 3, epochs=2, seed=1, shuffle=True))
     assert [[p.text for p in b] for b in again] == [[p.text for p in b] for b in batches]
     assert [p.text for p in next(prompt_batches(prompts, 3, 1, 0, shuffle=False))] == ["0", "1", "2"]
+
+
+def test_skip_bad_rows_counts_them(tmp_path):
+    path = write(tmp_path, [json.dumps({"question": "a"}), "{oops", json.dumps({"q": 1}), json.dumps({"question": "b"})])
+    skipped: list[str] = []
+    prompts = load_prompts(path, skipped=skipped)
+    assert [p.text for p in prompts] == ["a", "b"]
+    assert len(skipped) == 2 and skipped[0].endswith("d.jsonl:2: malformed JSON: Expecting property name enclosed in double quotes")
+    assert "d.jsonl:3: missing field 'question'" in skipped[1]

@@ -60,7 +60,7 @@ def test_none_nan_and_exceptions_fail_samples_and_groups_keep_the_scored():
     assert sel.last_reward_error == "reward 'a' raised RuntimeError: scorer crashed"
     kept, adv_metrics = compute_advantages(build_manager([GRPOAdvantage()]), groups, drop_zero_variance=True)
     assert [[s.text for s in g] for g in kept] == [["x", "y"]]
-    assert adv_metrics == {"groups/kept": 1.0, "groups/dropped_zero_variance": 0.0, "groups/dropped_failed": 1.0}
+    assert adv_metrics == {"groups/kept": 1.0, "groups/dropped_zero_variance": 0.0, "groups/dropped_failed": 1.0, "groups/skipped": 0.0}
     assert kept[0][0].advantages == [pytest.approx(0.5 / math.sqrt(0.5))] * 3
 
 
