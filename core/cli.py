@@ -74,6 +74,58 @@ def run(config_file: str | None, **values: Any) -> None:
         sys.exit(130)
 
 
+EVAL_FIELDS = (
+    "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
+    "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "device", "dtype", "seed",
+)  # fmt: skip
+
+
+def _eval_options(func: Any) -> Any:
+    from grpo_core.config import cli_fields
+
+    for field in reversed([f for f in cli_fields() if f.name in EVAL_FIELDS]):
+        func = _click_option(field)(func)
+    for kind in ("backend", "rollout", "reward"):
+        func = click.option(f"--{kind}-opt", f"{kind}_opt", multiple=True, metavar="[NAME.]KEY=VALUE", help=f"option of the {kind} plugin")(func)
+    return func
+
+
+@main.command(name="eval")
+@_eval_options
+@click.option("-n", "--num-samples", default=1, show_default=True, type=click.IntRange(min=1), help="samples per prompt; pass@n is reported too")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy; default: 0 with -n 1, else 1.0")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="prompts generated together")
+@click.option("--pass-threshold", default=1.0, show_default=True, help="a sample passes when its total reward reaches this")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+def eval_(num_samples: int, temperature: float | None, batch_size: int, pass_threshold: float, as_json: bool, **values: Any) -> None:
+    """Measure a model: mean reward and pass@1 (pass@n with -n) on a dataset, with a progress bar."""
+    from rich.progress import Progress
+
+    from grpo_core import config as config_module
+
+    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in ("backend", "rollout", "reward")}
+    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
+    overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
+    overrides["temperature"] = temperature if temperature is not None else (0.0 if num_samples == 1 else 1.0)
+    try:
+        config = config_module.load(None, overrides, plugin_opts)
+        from grpo_core.evaluate import evaluate
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("eval", total=None)
+
+            def advance(n: int, total: int, mean: float) -> None:
+                bar.update(task, advance=n, total=total, description=f"eval  reward {mean:.3f}")
+
+            result = evaluate(config, num_samples, batch_size, pass_threshold, advance)
+    except PluginError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        click.echo("  ".join(f"{k} {v:.4f}" if isinstance(v, float) and not v.is_integer() else f"{k} {v:g}" for k, v in result.items()))
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def plugins(as_json: bool) -> None:

@@ -26,6 +26,11 @@ def _field(default: Any, help: str, **kwargs: Any) -> Any:
     return attrs.field(default=default, metadata={"help": help}, **kwargs)
 
 
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
@@ -61,7 +66,7 @@ class RunConfig:
     prompt_groups_per_step: int = _field(8, "prompts per optimizer step", validator=_positive)
     completions_per_prompt: int = _field(8, "group size G", validator=_positive)
     max_completion_tokens: int = _field(32, "max generated tokens per completion", validator=_positive)
-    temperature: float = _field(1.0, "sampling temperature", validator=_positive)
+    temperature: float = _field(1.0, "sampling temperature (0 = greedy, for eval)", validator=_non_negative)
     top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)")
     top_k: int = _field(0, "top-k sampling (0 = off)")
     stop: list[str] = _field([], "stop string; repeat for several")

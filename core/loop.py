@@ -38,6 +38,8 @@ class RunState:
 
 def run(config: RunConfig) -> dict[str, Any]:
     started = time.perf_counter()
+    if config.temperature == 0:
+        raise PluginError("GRPO compares several samples of a prompt: --temperature must be > 0 (0 is greedy, for eval)")
     seed_everything(config.seed)
     run_dir = make_run_dir(config.run_dir)
     config.write(run_dir / "config.json")

@@ -315,6 +315,10 @@ class LocalSampler:
 
     def _draw(self, logits_A_V: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; its logprob is under the distribution actually sampled from."""
+        if params.temperature == 0:
+            # Greedy: a point mass on the argmax, so every chosen token has logprob 0.
+            token_A = logits_A_V.argmax(-1)
+            return token_A, torch.zeros_like(token_A, dtype=logits_A_V.dtype)
         logits_A_V = logits_A_V / params.temperature
         if params.top_k > 0 and params.top_k < logits_A_V.shape[-1]:
             kth = torch.topk(logits_A_V, params.top_k, dim=-1).values[:, -1:]
