@@ -17,6 +17,7 @@ import attrs
 from grpo_core.plugins_manager import KINDS, PluginError, coerce
 
 DEFAULT = "default"
+DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
 MULTI_KINDS = ("reward", "loss", "logger")
 
 
@@ -181,6 +182,10 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if values.get("model", DEFAULT) == DEFAULT and values.get("dataset", DEFAULT) == DEFAULT:
+        # The embedded model and task come with settings tuned for them; anything given wins.
+        preset = tomllib.loads(DEFAULT_PRESET.read_text()) if DEFAULT_PRESET.is_file() else {}
+        values = {**preset, **values}
     fields = {f.name: f for f in cli_fields()}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():

@@ -304,3 +304,22 @@ def validate_positive_or_none(instance: Any, attribute: Any, value: float | None
 def validate_kl_estimator(instance: Any, attribute: Any, value: str) -> None:
     if value not in KL_ESTIMATORS:
         raise ValueError(f"{attribute.name} must be one of {', '.join(KL_ESTIMATORS)}, not {value!r}")
+
+
+@attrs.define
+class KLPenalty:
+    """Base of the losses that offer a KL penalty to the reference policy: its fields are options."""
+
+    kl_beta: float = attrs.field(
+        default=0.0,
+        validator=validate_non_negative,
+        metadata={"help": "weight of a KL penalty to the reference policy; 0 = none (no reference model)"},
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = attrs.field(
+        default="k3", validator=validate_kl_estimator, metadata={"help": "KL estimator: k1, k2 or k3"}
+    )
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the KL term is on: the run computes reference logprobs."""
+        return self.kl_beta > 0

@@ -1,21 +1,18 @@
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
-
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
+    KLPenalty,
     finish_loss,
     validate_agg,
     validate_eps_low,
-    validate_kl_estimator,
     validate_non_negative,
 )
 
 
 @attrs.define
-class CISPOLoss:
+class CISPOLoss(KLPenalty):
     """CISPO: REINFORCE weighted by a clipped, stop-gradient importance ratio.
 
     Per token: −sg(clip(r, 1−eps_low, 1+eps_high))·A·w·log π. Unlike PPO-style clipping,
@@ -25,14 +22,7 @@ class CISPOLoss:
 
     eps_low: float = option(0.2, help="lower bound of the ratio weight: 1-eps_low", validator=validate_eps_low)
     eps_high: float = option(0.28, help="upper bound of the ratio weight: 1+eps_high", validator=validate_non_negative)
-    kl_beta: float = option(0.0, help="weight of a KL penalty to the reference policy; 0 = none (no reference model)", validator=validate_non_negative)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", help="KL estimator: k1, k2 or k3", validator=validate_kl_estimator)
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
-
-    @property
-    def needs_reference(self) -> bool:
-        """True when the KL term is on: the run computes reference logprobs."""
-        return self.kl_beta > 0
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

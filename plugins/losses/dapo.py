@@ -1,17 +1,14 @@
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
 import torch
-
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
+    KLPenalty,
     clipped_surrogate,
     finish_loss,
     validate_agg,
     validate_eps_low,
-    validate_kl_estimator,
     validate_non_negative,
 )
 
@@ -22,7 +19,7 @@ def _validate_dual_clip(instance: object, attribute: attrs.Attribute, value: flo
 
 
 @attrs.define
-class DAPOLoss:
+class DAPOLoss(KLPenalty):
     """DAPO: GRPO's clipped surrogate with a higher upper clip ("clip-higher") and token-mean.
 
     Per token: max(−r·A, −clip(r, 1−eps_low, 1+eps_high)·A)·w; with dual_clip=c, a token with
@@ -34,14 +31,7 @@ class DAPOLoss:
     eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down", validator=validate_eps_low)
     eps_high: float = option(0.28, help="upper clip range (clip-higher): ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
     dual_clip: float | None = option(None, help="dual-clip constant c > 1 for negative advantages (None = off; 3 is common)", validator=_validate_dual_clip)
-    kl_beta: float = option(0.0, help="weight of a KL penalty to the reference policy; 0 = none (no reference model)", validator=validate_non_negative)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", help="KL estimator: k1, k2 or k3", validator=validate_kl_estimator)
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
-
-    @property
-    def needs_reference(self) -> bool:
-        """True when the KL term is on: the run computes reference logprobs."""
-        return self.kl_beta > 0
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

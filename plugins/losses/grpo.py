@@ -1,22 +1,19 @@
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
-
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
+    KLPenalty,
     clipped_surrogate,
     finish_loss,
     validate_agg,
     validate_eps_low,
-    validate_kl_estimator,
     validate_non_negative,
 )
 
 
 @attrs.define
-class GRPOLoss:
+class GRPOLoss(KLPenalty):
     """GRPO: PPO's clipped surrogate on group-normalized advantages, plus an optional KL penalty.
 
     Per token: max(−r·A, −clip(r, 1−eps_low, 1+eps_high)·A)·w + kl_beta·KL(π‖π_ref), with
@@ -28,13 +25,7 @@ class GRPOLoss:
     eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down", validator=validate_eps_low)
     eps_high: float = option(0.2, help="upper clip range: ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
     kl_beta: float = option(0.001, help="weight of the KL penalty to the reference policy; 0 = no reference model", validator=validate_non_negative)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", help="KL estimator: k1, k2 or k3", validator=validate_kl_estimator)
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
-
-    @property
-    def needs_reference(self) -> bool:
-        """True when the KL term is on: the run computes reference logprobs."""
-        return self.kl_beta > 0
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

@@ -1,24 +1,21 @@
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
 import torch
-
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
+    KLPenalty,
     clipped_surrogate,
     finish_loss,
     sequence_log_ratio,
     validate_agg,
     validate_eps_low,
-    validate_kl_estimator,
     validate_non_negative,
 )
 
 
 @attrs.define
-class GSPOLoss:
+class GSPOLoss(KLPenalty):
     """GSPO: the clipped surrogate on a sequence-level ratio s = exp(mean log(π/π_old)).
 
     Per token: max(−s·A, −clip(s, 1−eps_low, 1+eps_high)·A)·w, with s the sequence's
@@ -29,14 +26,7 @@ class GSPOLoss:
 
     eps_low: float = option(3e-4, help="lower clip range of the sequence ratio", validator=validate_eps_low)
     eps_high: float = option(4e-4, help="upper clip range of the sequence ratio", validator=validate_non_negative)
-    kl_beta: float = option(0.0, help="weight of a KL penalty to the reference policy; 0 = none (no reference model)", validator=validate_non_negative)
-    kl_estimator: Literal["k1", "k2", "k3"] = option("k3", help="KL estimator: k1, k2 or k3", validator=validate_kl_estimator)
     agg: str = option("seq-mean-token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
-
-    @property
-    def needs_reference(self) -> bool:
-        """True when the KL term is on: the run computes reference logprobs."""
-        return self.kl_beta > 0
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

@@ -5,7 +5,6 @@ from typing import Literal
 
 import attrs
 import torch
-
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import LOG_RATIO_CLAMP, masked_diff
 
