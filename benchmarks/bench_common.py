@@ -60,9 +60,20 @@ def build_model(path: Path, name: str, seed: int = SEED) -> Path:
     and every trainer know about but the model can never sample.
     """
     import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # eos sits outside the model's vocabulary on purpose: silence transformers' warning about it.
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -165,6 +176,14 @@ def matmul_peak(n: int = 2048, repeats: int = 10) -> dict[str, float]:
         times.append(time.perf_counter() - t)
     flops = 2.0 * n**3
     return {"peak_flops": flops / min(times), "median_flops": flops / sorted(times)[len(times) // 2], "threads": torch.get_num_threads()}
+
+
+def current_rss_mb() -> float:
+    """Resident memory now (Linux /proc), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    return float("nan")
 
 
 def peak_rss_mb() -> float:

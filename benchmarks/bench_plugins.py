@@ -11,12 +11,15 @@ import time
 from typing import Any
 
 import attrs
-
-from bench_common import reward_of_text
+from bench_common import current_rss_mb, reward_of_text
 from grpo_core import hookimpl
 
+RUN: dict[str, float] = {}
+"""``rss_start_mb``: resident memory when the run starts (model, sampler and data loaded)."""
 STEPS: list[dict[str, Any]] = []
 """One entry per finished step: the wall clock when on_step ran, and the step's metrics."""
+ON_STEP: list = []
+"""Callables ``f(step)`` run after a step is recorded (profile_step.py starts its profiler here)."""
 _lengths: list[int] = []
 
 
@@ -35,7 +38,13 @@ class StepTimer:
     """Record the wall clock at the end of every step, with the step's metrics."""
 
     @hookimpl
+    def on_run_start(self, config: Any, run_dir: Any, total_steps: Any) -> None:
+        RUN["rss_start_mb"] = current_rss_mb()
+
+    @hookimpl
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         t = time.perf_counter()
-        STEPS.append({"t": t, "step": step, "completion_lengths": list(_lengths), **metrics})
+        STEPS.append({"t": t, "cpu": time.process_time(), "step": step, "completion_lengths": list(_lengths), **metrics})
         _lengths.clear()
+        for callback in ON_STEP:
+            callback(step)

@@ -22,7 +22,18 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_common import CACHE, CONFIGS, LEARNING_RATE, SEED, build_model, make_prompts, matmul_peak, model_flops, param_counts, write_dataset  # noqa: E402
+from bench_common import (
+    CACHE,
+    CONFIGS,
+    LEARNING_RATE,
+    SEED,
+    build_model,
+    make_prompts,
+    matmul_peak,
+    model_flops,
+    param_counts,
+    write_dataset,
+)
 
 TRL_VERSION = "1.16.0"
 TRL_VENV = HERE / ".venv-trl"
@@ -48,7 +59,7 @@ def ensure_trl_venv() -> Path:
     probe = "import trl, torch, transformers; print(trl.__version__, torch.__version__.split('+')[0], transformers.__version__)"
     want = f"{TRL_VERSION} {torch_version} {transformers.__version__}"
     if python.exists():
-        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
         if out.returncode == 0 and out.stdout.strip() == want:
             return python
     log(f"setting up {TRL_VENV} (trl=={TRL_VERSION}, torch=={torch_version}, transformers=={transformers.__version__}); once, a few minutes")
@@ -62,12 +73,17 @@ def ensure_trl_venv() -> Path:
     return python
 
 
+_BUILT: dict[str, Path] = {}
+
+
 def prepare(name: str, steps: int, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Build the configuration's model, prompts and dataset; return the spec the workers read."""
+    """Build the configuration's model (once per process), prompts and dataset; return the spec the workers read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = {**CONFIGS[name], **(overrides or {})}
-    model_dir = build_model(CACHE / "models" / name, name)
+    if name not in _BUILT:
+        _BUILT[name] = build_model(CACHE / "models" / name, name)
+    model_dir = _BUILT[name]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     counts = param_counts(AutoModelForCausalLM.from_pretrained(model_dir))
     prompts = make_prompts(tokenizer, cfg["prompt_tokens"], (steps + 1) * cfg["prompts_per_step"])
@@ -91,69 +107,106 @@ def prepare(name: str, steps: int, work: Path, overrides: dict[str, Any] | None 
     return spec
 
 
-def run_worker(contender: str, spec: dict[str, Any], python: str) -> dict[str, Any]:
+def thread_env(threads: int) -> dict[str, str]:
+    """Environment pinning torch's intra-op threads in a worker (0 = torch's default)."""
+    if threads <= 0:
+        return {}
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def run_worker(contender: str, spec: dict[str, Any], python: str, threads: int = 0) -> dict[str, Any]:
     work = Path(spec["work_dir"])
     result_path = work / f"result-{contender}.json"
     log_path = work / f"log-{contender}.txt"
     result_path.unlink(missing_ok=True)
     cmd = [python, str(HERE / WORKERS[contender]), str(work / "spec.json"), str(result_path)]
     with log_path.open("w") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **WORKER_ENV}, cwd=work)
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, check=False, env={**os.environ, **WORKER_ENV, **thread_env(threads)}, cwd=work)
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{contender} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
     return json.loads(result_path.read_text())
 
 
-def summarize(result: dict[str, Any], spec: dict[str, Any], peak: float) -> dict[str, Any]:
-    """Throughput, MFU and the time split over the timed steps (all but the first)."""
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else 0.5 * (v[mid - 1] + v[mid])
+
+
+def check_lengths(result: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Every completion of every step (warmup included) has exactly the forced length."""
+    B = spec["prompts_per_step"] * spec["group_size"]
+    L = spec["completion_tokens"]
+    if len(result["steps"]) != spec["steps"] + 1:
+        raise RuntimeError(f"{result['contender']}: {len(result['steps'])} steps, expected {spec['steps'] + 1}")
+    for i, step in enumerate(result["steps"], start=1):
+        lengths = step["completion_lengths"]
+        if len(lengths) != B or set(lengths) != {L}:
+            raise RuntimeError(f"{result['contender']} step {i}: {len(lengths)} completions of lengths {sorted(set(lengths))}, expected {B} of {L}")
+
+
+def summarize(results: list[dict[str, Any]], spec: dict[str, Any], peak: float) -> dict[str, Any]:
+    """Throughput, MFU and the time split of the median timed step (warmup steps dropped).
+
+    The timed steps of all repeats are pooled; the median step is robust to the other jobs of
+    a shared machine, which slow some steps down a lot. ``*_cpu_*``: from the process's CPU
+    time per step instead (the median), which does not count time the process waited for a core.
+    """
     B = spec["prompts_per_step"] * spec["group_size"]
     L, P = spec["completion_tokens"], spec["prompt_tokens"]
-    timed = result["steps"][1:]
-    if len(timed) != spec["steps"]:
-        raise RuntimeError(f"{result['contender']}: {len(timed)} timed steps, expected {spec['steps']}")
-    lengths = [n for s in result["steps"] for n in s["completion_lengths"]]
-    if len(lengths) != B * (spec["steps"] + 1) or set(lengths) != {L}:
-        raise RuntimeError(f"{result['contender']}: completion lengths {sorted(set(lengths))} (count {len(lengths)}), expected all {L}")
-    seconds = sum(s["period"] for s in timed)
-    n = spec["params"]["all"]
-    flops = model_flops(n, B, P, L)
-    per = {k: sum(s[k] for s in timed) / seconds for k in ("sample", "reward", "train")}
+    for result in results:
+        check_lengths(result, spec)
+    timed = sorted((s for result in results for s in result["steps"][1:]), key=lambda s: s["period"])
+    mid = timed[(len(timed) - 1) // 2]  # the median step (the lower one of an even count), split as it ran
+    step = mid["period"]
+    cpu = median([s["cpu"] for s in timed])
+    flops = model_flops(spec["params"]["all"], B, P, L)
     return {
-        "contender": result["contender"],
-        "completions_per_s": B * len(timed) / seconds,
-        "tokens_per_s": sum(sum(s["completion_lengths"]) for s in timed) / seconds,
-        "step_s": seconds / len(timed),
-        "mfu": (flops["sample"] + flops["train"]) * len(timed) / seconds / peak,
-        "mfu_all": (flops["sample_all"] + flops["train_all"]) * len(timed) / seconds / peak,
-        "sample_mfu": flops["sample_all"] * len(timed) / sum(s["sample"] for s in timed) / peak,
-        "train_mfu": flops["train_all"] * len(timed) / sum(s["train"] for s in timed) / peak,
-        "sample_frac": per["sample"],
-        "reward_frac": per["reward"],
-        "train_frac": per["train"],
-        "other_frac": 1.0 - sum(per.values()),
-        "peak_rss_mb": result["peak_rss_mb"],
-        "lengths_ok": True,
-        "versions": result["versions"],
+        "contender": results[0]["contender"],
+        "completions_per_s": B / step,
+        "completions_per_cpu_s": B / cpu,
+        "completions_per_s_best": B / timed[0]["period"],
+        "tokens_per_s": B * L / step,
+        "step_s": step,
+        "step_cpu_s": cpu,
+        "step_s_min": timed[0]["period"],
+        "step_s_max": timed[-1]["period"],
+        "timed_steps": len(timed),
+        "mfu": (flops["sample"] + flops["train"]) / step / peak,
+        "mfu_all": (flops["sample_all"] + flops["train_all"]) / step / peak,
+        "sample_mfu": flops["sample_all"] / mid["sample"] / peak,
+        "train_mfu": flops["train_all"] / mid["train"] / peak,
+        "sample_s": mid["sample"],
+        "reward_s": mid["reward"],
+        "train_s": mid["train"],
+        "other_s": step - mid["sample"] - mid["reward"] - mid["train"],
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+        "rss_start_mb": max(r.get("rss_start_mb") or 0.0 for r in results),
+        "versions": results[0]["versions"],
     }
 
 
-def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float) -> str:
+def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float, repeats: int) -> str:
     B = spec["prompts_per_step"] * spec["group_size"]
     n = spec["params"]
     head = (
         f"== {name}: Qwen3 {n['all'] / 1e6:.2f}M params ({n['non_embedding'] / 1e6:.2f}M non-embedding), "
         f"{spec['prompts_per_step']} prompts x G={spec['group_size']} = {B} completions/step, "
-        f"prompt {spec['prompt_tokens']} + forced {spec['completion_tokens']} completion tokens, "
-        f"{spec['steps']} timed steps after 1 warmup; peak {peak / 1e9:.1f} GFLOP/s fp32"
+        f"prompt {spec['prompt_tokens']} + forced {spec['completion_tokens']} completion tokens; "
+        f"{repeats} run(s) x {spec['steps']} timed steps after 1 warmup step each"
     )
-    cols = f"{'contender':<10} {'compl/s':>8} {'tok/s':>8} {'step s':>7} {'MFU':>6} {'MFU all':>7} {'sample':>7} {'reward':>7} {'train':>6} {'other':>6} {'smpl MFU':>8} {'trn MFU':>7} {'peak RSS':>9}"
+    cols = (
+        f"{'contender':<10} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
+        f"{'sample s':>8} {'reward s':>8} {'train s':>7} {'other s':>7} {'smpl MFU':>8} {'trn MFU':>7} {'peak RSS':>9}"
+    )
     lines = [head, cols]
     for r in rows:
         lines.append(
-            f"{r['contender']:<10} {r['completions_per_s']:>8.1f} {r['tokens_per_s']:>8.0f} {r['step_s']:>7.3f} "
-            f"{r['mfu']:>6.1%} {r['mfu_all']:>7.1%} {r['sample_frac']:>7.0%} {r['reward_frac']:>7.0%} {r['train_frac']:>6.0%} "
-            f"{r['other_frac']:>6.0%} {r['sample_mfu']:>8.1%} {r['train_mfu']:>7.1%} {r['peak_rss_mb']:>7.0f}MB"
+            f"{r['contender']:<10} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} {r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
+            f"{r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {r['mfu']:>6.1%} {r['mfu_all']:>7.1%} "
+            f"{r['sample_s']:>8.3f} {r['reward_s']:>8.3f} {r['train_s']:>7.3f} {r['other_s']:>7.3f} "
+            f"{r['sample_mfu']:>8.1%} {r['train_mfu']:>7.1%} {r['peak_rss_mb']:>7.0f}MB"
         )
     return "\n".join(lines)
 
@@ -161,8 +214,15 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=["overhead", "compute", "all"], default="all")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per contender (after one warmup step)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warmup step)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
     parser.add_argument("--contenders", default="grpo-core,TRL,naive", help="comma-separated subset of grpo-core,TRL,naive")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for every contender and the matmul probe (default 1: the machine is shared; 0 = torch's default, all cores)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this file")
     args = parser.parse_args(argv)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -175,19 +235,26 @@ def main(argv: list[str] | None = None) -> int:
     if "TRL" in contenders:
         pythons["TRL"] = str(ensure_trl_venv())
 
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     log("matmul probe ...")
     probes = [matmul_peak()]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     raw: dict[str, Any] = {}
     for name in names:
         spec = prepare(name, args.steps, CACHE / "work" / stamp / name)
-        raw[name] = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "results": {}}
-        for contender in contenders:
-            log(f"{name}: {contender} ...")
-            t = time.perf_counter()
-            raw[name]["results"][contender] = run_worker(contender, spec, pythons[contender])
-            log(f"{name}: {contender} done in {time.perf_counter() - t:.0f}s")
-    probes.append(matmul_peak())
+        raw[name] = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "results": {c: [] for c in contenders}}
+        for repeat in range(args.repeats):
+            for contender in contenders:
+                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} ...")
+                t = time.perf_counter()
+                result = run_worker(contender, spec, pythons[contender], args.threads)
+                check_lengths(result, spec)
+                raw[name]["results"][contender].append(result)
+                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} done in {time.perf_counter() - t:.0f}s")
+        probes.append(matmul_peak())
     peak = max(p["peak_flops"] for p in probes)
 
     tables, ratios, summary = [], [], {}
@@ -195,18 +262,24 @@ def main(argv: list[str] | None = None) -> int:
         spec = raw[name]["spec"]
         rows = [summarize(raw[name]["results"][c], spec, peak) for c in contenders]
         summary[name] = rows
-        tables.append(format_table(name, spec, rows, peak))
+        tables.append(format_table(name, spec, rows, peak, args.repeats))
         by = {r["contender"]: r for r in rows}
         if "grpo-core" in by:
             for other in ("TRL", "naive"):
                 if other in by:
-                    ratios.append(f"{name}: grpo-core/{other} completions/s = {by['grpo-core']['completions_per_s'] / by[other]['completions_per_s']:.2f}x")
+                    wall = by["grpo-core"]["completions_per_s"] / by[other]["completions_per_s"]
+                    best = by["grpo-core"]["completions_per_s_best"] / by[other]["completions_per_s_best"]
+                    ratios.append(f"{name}: grpo-core/{other} completions/s = {wall:.2f}x  (best steps: {best:.2f}x)")
 
-    print(f"machine: {os.cpu_count()} CPUs, torch {probes[0]['threads']} threads; fp32 matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, best of 10, probed before and after: "
-          + ", ".join(f"{p['peak_flops'] / 1e9:.1f}" for p in probes) + ")")
-    print("MFU: 2N FLOPs per generated + 6N per trained (completion) token, N = all params (tied embedding once) / step time / peak;")
-    print("MFU all: also the prompt positions (prefill, training forward/backward over prompt+completion); smpl/trn MFU: 'all' FLOPs of that phase / its time.")
-    print("All contenders generated exactly the forced number of tokens for every completion (checked).")
+    print(
+        f"machine: {os.cpu_count()} CPUs, torch {probes[0]['threads']} thread(s); fp32 matmul peak {peak / 1e9:.1f} GFLOP/s "
+        f"(2048^3, best of 10, probed {len(probes)} times: " + ", ".join(f"{p['peak_flops'] / 1e9:.1f}" for p in probes) + ")"
+    )
+    print("Per contender: the median timed step of all runs (min-max of all timed steps beside it), split into phases as that step ran;")
+    print("compl/s and tok/s = one step's completions and generated tokens / the median step; (best): completions / the fastest timed step.")
+    print("MFU: (2N per generated token + 6N per trained completion token) / median step / peak, N = all parameters (tied embedding once).")
+    print("MFU all: counting every position the model runs on (prompt prefill, forward/backward over prompt + completion);")
+    print("smpl MFU / trn MFU: the same 'all' FLOPs of that phase / the phase's median time. Every completion of every step had exactly the forced length (checked).")
     for table in tables:
         print()
         print(table)

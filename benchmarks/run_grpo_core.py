@@ -8,13 +8,14 @@ kl_beta=0 (no reference model).
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import load_spec, write_result  # noqa: E402
+from bench_common import load_spec, write_result
 
 ENTRY_POINTS = """[grpo_core]
 reward.bench_chars = bench_plugins:CharReward
@@ -66,25 +67,29 @@ def main(spec_path: str, result_path: str) -> None:
     import transformers
     from grpo_core.loop import run
 
-    started = time.perf_counter()
-    run(make_config(spec))
+    started, started_cpu = time.perf_counter(), time.process_time()
+    config = make_config(spec)
+    run(config)
+    shutil.rmtree(Path(config.run_dir) / "final", ignore_errors=True)  # the saved policy: not needed, tens of MB
     steps = []
-    prev = None
+    prev = prev_cpu = None
     for rec in bench_plugins.STEPS:
         steps.append(
             {
                 "period": rec["t"] - prev if prev is not None else rec["t"] - started,
+                "cpu": rec["cpu"] - prev_cpu if prev_cpu is not None else rec["cpu"] - started_cpu,
                 "sample": rec["time/sample"],
                 "reward": rec["time/reward"],
                 "train": rec["time/train"],
                 "completion_lengths": rec["completion_lengths"],
             }
         )
-        prev = rec["t"]
+        prev, prev_cpu = rec["t"], rec["cpu"]
     write_result(
         result_path,
         {
             "contender": "grpo-core",
+            "rss_start_mb": bench_plugins.RUN.get("rss_start_mb"),
             "steps": steps,
             "versions": {"grpo_core": grpo_core.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
             "split": {"sample": "rollout hook (prompt encode, batched KV-cache sampling, decode)", "reward": "rewards + advantages", "train": "forward/backward + AdamW + weight sync"},

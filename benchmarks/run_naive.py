@@ -16,15 +16,32 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import load_spec, reward_of_text, write_result  # noqa: E402
+from bench_common import current_rss_mb, load_spec, reward_of_text, write_result
 
 
 def main(spec_path: str, result_path: str) -> None:
     import torch
     import transformers
+
+    info: dict = {}
+    steps = naive_loop(load_spec(spec_path), info=info)
+    write_result(
+        result_path,
+        {
+            "contender": "naive",
+            "rss_start_mb": info.get("rss_start_mb"),
+            "steps": steps,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "split": {"sample": "tokenize + model.generate", "reward": "decode + rewards + advantages", "train": "forward/backward + clip + AdamW"},
+        },
+    )
+
+
+def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]:
+    """Run warmup + spec["steps"] steps; ``on_step(step)`` is called after each (step 1 = warmup)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = load_spec(spec_path)
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
@@ -33,8 +50,10 @@ def main(spec_path: str, result_path: str) -> None:
     P, L, G, B = spec["prompt_tokens"], spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
     prompts = spec["prompts"]
     eps = 0.2
+    if info is not None:
+        info["rss_start_mb"] = current_rss_mb()
     steps = []
-    started = prev = time.perf_counter()
+    prev, prev_cpu = time.perf_counter(), time.process_time()
     for step in range(spec["steps"] + 1):
         batch = prompts[step * B : (step + 1) * B]
         t0 = time.perf_counter()
@@ -66,26 +85,21 @@ def main(spec_path: str, result_path: str) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t3, cpu = time.perf_counter(), time.process_time()
         steps.append(
             {
                 "period": t3 - prev,
+                "cpu": cpu - prev_cpu,
                 "sample": t1 - t0,
                 "reward": t2 - t1,
                 "train": t3 - t2,
                 "completion_lengths": [int(completion.shape[1])] * completion.shape[0],
             }
         )
-        prev = t3
-    write_result(
-        result_path,
-        {
-            "contender": "naive",
-            "steps": steps,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "split": {"sample": "tokenize + model.generate", "reward": "decode + rewards + advantages", "train": "forward/backward + clip + AdamW"},
-        },
-    )
+        prev, prev_cpu = t3, cpu
+        if on_step is not None:
+            on_step(step + 1)
+    return steps
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import load_spec, reward_of_text, write_result  # noqa: E402
+from bench_common import current_rss_mb, load_spec, reward_of_text, write_result
 
 
 def bench_reward(completions, **kwargs):
@@ -33,8 +33,8 @@ def main(spec_path: str, result_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     spec = load_spec(spec_path)
-    P, L, G, B = spec["prompt_tokens"], spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
-    record: dict[str, list] = {"ends": [], "generate": [], "gen_and_score": [], "lengths": []}
+    L, G, B = spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
+    record: dict[str, list] = {"ends": [], "cpu_ends": [], "generate": [], "gen_and_score": [], "lengths": []}
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
@@ -51,8 +51,12 @@ def main(spec_path: str, result_path: str) -> None:
             return out
 
     class StepEnd(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            record["rss_start_mb"] = current_rss_mb()
+
         def on_step_end(self, args, state, control, **kwargs):
             record["ends"].append(time.perf_counter())
+            record["cpu_ends"].append(time.process_time())
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
@@ -91,27 +95,29 @@ def main(spec_path: str, result_path: str) -> None:
     trainer = TimedGRPOTrainer(
         model=model, reward_funcs=bench_reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepEnd()]
     )
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     trainer.train()
     out_steps = []
-    prev = started
+    prev, prev_cpu = started, started_cpu
     for i, end in enumerate(record["ends"]):
         period = end - prev
         gen_score = record["gen_and_score"][i]
         out_steps.append(
             {
                 "period": period,
+                "cpu": record["cpu_ends"][i] - prev_cpu,
                 "sample": record["generate"][i],
                 "reward": gen_score - record["generate"][i],
                 "train": period - gen_score,
                 "completion_lengths": record["lengths"][i],
             }
         )
-        prev = end
+        prev, prev_cpu = end, record["cpu_ends"][i]
     write_result(
         result_path,
         {
             "contender": "TRL",
+            "rss_start_mb": record.get("rss_start_mb"),
             "steps": out_steps,
             "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
             "split": {

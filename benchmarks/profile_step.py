@@ -1,0 +1,184 @@
+"""Where a step's time goes: grpo-core's loop or the naive loop, on a benchmark configuration.
+
+    python benchmarks/profile_step.py [--config overhead|compute] [--contender grpo-core|naive]
+                                      [--steps N] [--profiler phases|torch|cprofile] [--threads 1]
+
+``phases`` (default) wraps the functions that make up a step (sampler, model forward, draw,
+loss, backward, optimizer, ...) with wall-clock accumulators and prints seconds per step,
+inclusive, for the timed steps (the first step is a warmup). ``torch`` prints torch.profiler's
+operator table, ``cprofile`` the Python functions by cumulative time. Nothing in grpo-core is
+changed: the wrappers are installed on the classes from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_common import CACHE
+
+TIMES: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+ACTIVE = {"on": False}
+PHASE = {"name": "train"}  # the naive loop's training forward runs outside any wrapped phase
+
+
+def wrap(owner: Any, attr: str, label: str, phase: str | None = None) -> None:
+    """Accumulate the wall time of ``owner.attr`` under ``label`` (``{phase}`` = current phase)."""
+    original = getattr(owner, attr)
+
+    @functools.wraps(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        previous = PHASE["name"]
+        if phase is not None:
+            PHASE["name"] = phase
+        t = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if ACTIVE["on"]:
+                key = label.format(phase=PHASE["name"])
+                TIMES[key] += time.perf_counter() - t
+                CALLS[key] += 1
+            PHASE["name"] = previous
+
+    setattr(owner, attr, timed)
+
+
+def wrap_common() -> None:
+    import torch
+    from transformers.models.qwen3 import modeling_qwen3
+
+    wrap(modeling_qwen3.Qwen3ForCausalLM, "forward", "{phase}: model forward")
+    wrap(modeling_qwen3.Qwen3Model, "forward", "{phase}:   decoder layers (Qwen3Model.forward)")
+    if hasattr(modeling_qwen3, "create_causal_mask"):
+        wrap(modeling_qwen3, "create_causal_mask", "{phase}:   create_causal_mask")
+    wrap(torch.autograd, "backward", "train: backward")
+    wrap(torch.nn.utils, "clip_grad_norm_", "train: clip_grad_norm_")
+    wrap(torch.optim.AdamW, "step", "train: AdamW.step")
+
+
+def wrap_grpo_core() -> None:
+    from grpo_core import loop
+    from grpo_core.plugins.backends import local
+    from grpo_core.plugins.losses.grpo import GRPOLoss
+    from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+
+    wrap(SingleTurnRollout, "rollout", "sample: rollout hook (total)", phase="sample")
+    wrap(local.LocalSampler, "_generate", "sample:  LocalSampler._generate")
+    wrap(local.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, multinomial)")
+    wrap(loop, "score_groups", "reward: score_groups", phase="reward")
+    wrap(loop, "compute_advantages", "reward: compute_advantages", phase="reward")
+    wrap(loop, "train_on_groups", "train: train_on_groups (total)", phase="train")
+    wrap(local, "target_logprobs", "train:  target_logprobs (forward + log_softmax)")
+    wrap(local.LocalTrainer, "forward_backward_custom", "train:  forward_backward_custom")
+    wrap(GRPOLoss, "loss", "train:   loss hook (pad + surrogate)")
+    wrap(local.LocalTrainer, "optim_step", "train:  optim_step")
+    wrap(loop, "learning_rate", "train: learning_rate")
+
+
+def wrap_naive() -> None:
+    from transformers.generation.utils import GenerationMixin
+
+    wrap(GenerationMixin, "generate", "sample: model.generate (total)", phase="sample")
+    wrap(GenerationMixin, "_sample", "sample:  GenerationMixin._sample")
+
+
+def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: Callable[[], None]) -> float:
+    """Run warmup + steps; ``start`` after the warmup step, ``stop`` at the end; returns timed seconds."""
+    marks: dict[str, float] = {}
+
+    def on_step(step: int) -> None:
+        if step == 1:
+            marks["t0"] = time.perf_counter()
+            start()
+        if step == spec["steps"] + 1:
+            stop()
+            marks["t1"] = time.perf_counter()
+
+    if contender == "grpo-core":
+        import bench_plugins
+        from run_grpo_core import make_config, register_plugins
+
+        register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
+        from grpo_core.loop import run as grpo_run
+
+        bench_plugins.ON_STEP.append(on_step)
+        grpo_run(make_config(spec))
+    else:
+        from run_naive import naive_loop
+
+        naive_loop(spec, on_step)
+    return marks["t1"] - marks["t0"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", choices=["overhead", "compute"], default="compute")
+    parser.add_argument("--contender", choices=["grpo-core", "naive"], default="grpo-core")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--profiler", choices=["phases", "torch", "cprofile"], default="phases")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", type=int, default=30)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from run import prepare
+
+    spec = prepare(args.config, args.steps, CACHE / "work" / f"profile-{args.config}-{args.contender}")
+    profiler: Any = None
+    if args.profiler == "phases":
+        wrap_common()
+        if args.contender == "grpo-core":
+            wrap_grpo_core()
+        else:
+            wrap_naive()
+
+        def start() -> None:
+            ACTIVE["on"] = True
+
+        def stop() -> None:
+            ACTIVE["on"] = False
+
+    elif args.profiler == "torch":
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        start, stop = profiler.__enter__, lambda: profiler.__exit__(None, None, None)
+    else:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        start, stop = profiler.enable, profiler.disable
+
+    seconds = run(args.contender, spec, start, stop)
+    n = args.steps
+    print(f"{args.contender} on {args.config}: {n} timed steps, {seconds / n:.3f} s/step, torch threads {torch.get_num_threads()}")
+    if args.profiler == "phases":
+        print(f"{'function (inclusive wall time)':<62} {'s/step':>8} {'% step':>7} {'calls/step':>10}")
+        order = {"sample": 0, "reward": 1, "train": 2}
+        for key in sorted(TIMES, key=lambda k: (order.get(k.split(":")[0], 3), -TIMES[k])):
+            print(f"{key:<62} {TIMES[key] / n:>8.4f} {TIMES[key] / seconds:>7.1%} {CALLS[key] / n:>10.1f}")
+    elif args.profiler == "torch":
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    else:
+        import pstats
+
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(args.rows)
+        stats.sort_stats("tottime").print_stats(args.rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
