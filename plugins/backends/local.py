@@ -238,15 +238,14 @@ class LocalSampler:
         self.version = trainer.version
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
-        flat = [list(p) for p in prompts for _ in range(num_samples)]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-        chunk = self.batch_size or len(flat)
-        completions: list[Completion] = []
-        for start in range(0, len(flat), chunk):
-            completions.extend(self._generate(flat[start : start + chunk], params))
-        return [completions[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+        per_call = max(1, self.batch_size // num_samples) if self.batch_size else len(prompts)
+        groups: list[list[Completion]] = []
+        for start in range(0, len(prompts), per_call):
+            groups.extend(self._generate([list(p) for p in prompts[start : start + per_call]], num_samples, params))
+        return groups
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
         ids = set(params.stop_token_ids)
@@ -257,61 +256,78 @@ class LocalSampler:
             ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return ids
 
-    @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Batched sampling with a KV cache; finished sequences leave the batch."""
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], G: int, params: SamplingParams) -> list[list[Completion]]:
+        """Batched sampling with a KV cache.
+
+        Each prompt is prefilled once and its cache repeated for its G completions; finished
+        sequences leave the batch, so they stop costing compute.
+        """
         from transformers import DynamicCache
 
-        B = len(prompts)
         P = max(len(p) for p in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        input_ids_B_P = torch.full((B, P), pad, dtype=torch.long)
-        attention_B_P = torch.zeros(B, P, dtype=torch.long)
+        input_ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+        attention = torch.zeros(len(prompts), P, dtype=torch.long)
         for i, p in enumerate(prompts):
-            input_ids_B_P[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention_B_P[i, P - len(p) :] = 1
-        attention = attention_B_P.to(self.device)
+            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, P - len(p) :] = 1
+        attention = attention.to(self.device)
         position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        next_input = input_ids_B_P.to(self.device)
-        stop_ids = torch.tensor(sorted(self._stop_token_ids(params)), device=self.device)
         cache = DynamicCache()
-        active = torch.arange(B, device=self.device)
-        tokens: list[list[int]] = [[] for _ in range(B)]
-        logprobs: list[list[float]] = [[] for _ in range(B)]
-        finish = ["length"] * B
+        with autocast(self.device, self.autocast_dtype):
+            logits = self.model(
+                input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position_ids,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1, :].float()  # fmt: skip
+        cache.batch_repeat_interleave(G)
+        attention = attention.repeat_interleave(G, dim=0)
+        position_ids = position_ids[:, -1:].repeat_interleave(G, dim=0)
+        logits = logits.repeat_interleave(G, dim=0)
+
+        B = len(prompts) * G
+        stop_ids = torch.tensor(sorted(self._stop_token_ids(params)), device=self.device)
+        tokens_B_L = torch.zeros(B, params.max_tokens, dtype=torch.long)
+        logprobs_B_L = torch.zeros(B, params.max_tokens)
+        lengths_B = torch.full((B,), params.max_tokens, dtype=torch.long)
+        stopped_B = torch.zeros(B, dtype=torch.bool)
+        active = torch.arange(B)
         for step in range(params.max_tokens):
-            with autocast(self.device, self.autocast_dtype):
-                out = self.model(
-                    input_ids=next_input,
-                    attention_mask=attention,
-                    position_ids=position_ids,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-            token_A, logprob_A = self._draw(out.logits[:, -1, :].float(), params)
-            done_A = torch.isin(token_A, stop_ids)
-            for j, (row, tok, lp) in enumerate(zip(active.tolist(), token_A.tolist(), logprob_A.tolist())):
-                tokens[row].append(tok)
-                logprobs[row].append(lp)
-                if done_A[j]:
-                    finish[row] = "stop"
-                elif params.stop and self._hit_stop_string(tokens[row], params.stop):
-                    finish[row] = "stop"
-                    done_A[j] = True
+            token_A, logprob_A = self._draw(logits, params)
+            token_cpu, logprob_cpu = token_A.cpu(), logprob_A.cpu()
+            tokens_B_L[active, step] = token_cpu
+            logprobs_B_L[active, step] = logprob_cpu
+            done_A = torch.isin(token_A, stop_ids).cpu()
+            if params.stop:
+                for j, row in enumerate(active.tolist()):
+                    if not done_A[j] and self._hit_stop_string(tokens_B_L[row, : step + 1].tolist(), params.stop):
+                        done_A[j] = True
+            lengths_B[active[done_A]] = step + 1
+            stopped_B[active[done_A]] = True
             if bool(done_A.all()) or step == params.max_tokens - 1:
                 break
-            keep = torch.nonzero(~done_A).squeeze(-1)
-            if len(keep) < len(active):
-                cache.batch_select_indices(keep)
-                attention = attention[keep]
-                position_ids = position_ids[keep]
-                token_A = token_A[keep]
+            if bool(done_A.any()):
+                keep = torch.nonzero(~done_A).squeeze(-1)
+                cache.batch_select_indices(keep.to(self.device))
+                keep_dev = keep.to(self.device)
+                attention, position_ids, token_A = attention[keep_dev], position_ids[keep_dev], token_A[keep_dev]
                 active = active[keep]
             attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            next_input = token_A.unsqueeze(-1)
-        return [Completion(tokens=t, logprobs=l, finish_reason=f) for t, l, f in zip(tokens, logprobs, finish)]
+            position_ids = position_ids + 1
+            with autocast(self.device, self.autocast_dtype):
+                logits = self.model(
+                    input_ids=token_A.unsqueeze(-1), attention_mask=attention, position_ids=position_ids,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1,
+                ).logits[:, -1, :].float()  # fmt: skip
+        completions = [
+            Completion(
+                tokens=tokens_B_L[i, :n].tolist(),
+                logprobs=logprobs_B_L[i, :n].tolist(),
+                finish_reason="stop" if stopped else "length",
+            )
+            for i, (n, stopped) in enumerate(zip(lengths_B.tolist(), stopped_B.tolist()))
+        ]
+        return [completions[i * G : (i + 1) * G] for i in range(len(prompts))]
 
     def _draw(self, logits_A_V: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample one token per row; its logprob is under the distribution actually sampled from."""
@@ -331,7 +347,10 @@ class LocalSampler:
             drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
             logits_A_V = logits_A_V.masked_fill(drop, -math.inf)
         logprobs_A_V = logits_A_V.log_softmax(-1)
-        token_A = torch.multinomial(logprobs_A_V.exp(), 1, generator=self.generator).squeeze(-1)
+        # Inverse-CDF draw: one uniform per row, where multinomial draws one per vocabulary entry.
+        cdf_A_V = logprobs_A_V.exp().cumsum(-1)
+        u_A = torch.rand(cdf_A_V.shape[0], 1, generator=self.generator, device=cdf_A_V.device).clamp_(min=1e-12)
+        token_A = torch.searchsorted(cdf_A_V, u_A * cdf_A_V[:, -1:]).squeeze(-1).clamp_(max=cdf_A_V.shape[-1] - 1)
         return token_A, logprobs_A_V.gather(-1, token_A.unsqueeze(-1)).squeeze(-1)
 
     def _hit_stop_string(self, completion: list[int], stops: list[str]) -> bool:
@@ -339,3 +358,4 @@ class LocalSampler:
         window = max(len(s) for s in stops) + 8
         text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
         return any(s in text for s in stops)
+

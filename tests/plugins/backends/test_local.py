@@ -164,3 +164,19 @@ def test_saved_policy_loads_with_transformers(tiny_model_dir, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(path)
     ids = torch.tensor([[5, 6, 7]])
     assert torch.allclose(loaded(ids).logits, trainer.model(ids).logits, atol=1e-6)
+
+
+def test_stop_strings_end_completions_and_are_reported_as_stop(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    tok = trainer.tokenizer
+    from collections import Counter
+
+    # Stop on the character the random model emits most often, so some completions hit it.
+    free = sampler.sample([[5, 6, 7]], 16, SamplingParams(max_tokens=10))[0]
+    stop = Counter("".join(tok.decode(c.tokens) for c in free).replace(" ", "")).most_common(1)[0][0]
+    stopped = sampler.sample([[5, 6, 7]], 16, SamplingParams(max_tokens=10, stop=[stop]))[0]
+    hits = [c for c in stopped if stop in tok.decode(c.tokens)]
+    assert hits
+    for c in hits:
+        assert c.finish_reason == "stop"
+        assert stop not in tok.decode(c.tokens[:-1])  # it ended at the token that completed the stop string
