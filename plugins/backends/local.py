@@ -101,37 +101,94 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 def target_logprobs(
     model: Any, datums: Sequence[tinker.Datum], device: torch.device, autocast_dtype: torch.dtype | None
 ) -> list[torch.Tensor]:
-    """Logprobs of each datum's target tokens in one batched forward pass.
+    """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
-    Logits are computed only from the first trained position on (the vocabulary projection
-    dominates small models); earlier targets get 0.0.
+    Targets before a datum's first trained position get 0.0: logits are computed only from
+    there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
+    is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
+    back through it.
     """
     inputs = [d.model_input.to_ints() for d in datums]
-    targets = [torch.tensor(d.loss_fn_inputs["target_tokens"].data, dtype=torch.long) for d in datums]
-    weights = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in datums]
-    lengths = [len(x) for x in inputs]
-    B, T = len(inputs), max(lengths)
-    input_ids_B_T = torch.zeros(B, T, dtype=torch.long)
-    attention_B_T = torch.zeros(B, T, dtype=torch.long)
-    targets_B_T = torch.zeros(B, T, dtype=torch.long)
-    for i, (x, y) in enumerate(zip(inputs, targets)):
-        input_ids_B_T[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        attention_B_T[i, : len(x)] = 1
-        targets_B_T[i, : len(y)] = y
-    first_trained = min((int(torch.nonzero(w)[0]) if bool((w > 0).any()) else len(w)) for w in weights)
-    start = min(first_trained, T - 1)
+    targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
+    starts = [_first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
+    prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
+    distinct = list(dict.fromkeys(prefixes))
     with autocast(device, autocast_dtype):
-        logits_B_K_V = model(
-            input_ids=input_ids_B_T.to(device),
-            attention_mask=attention_B_T.to(device),
-            logits_to_keep=T - start,
-            use_cache=False,
-        ).logits
-    logprobs_B_K = torch.gather(
-        logits_B_K_V.float().log_softmax(-1), -1, targets_B_T[:, start:].to(device).unsqueeze(-1)
-    ).squeeze(-1)
-    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
-    return [logprobs_B_T[i, :n] for i, n in enumerate(lengths)]
+        if len(distinct) < len(prefixes) and all(distinct):
+            logprobs = _logprobs_shared_prefix(model, inputs, targets, starts, prefixes, distinct, device)
+        else:
+            logprobs = _logprobs_one_pass(model, inputs, targets, min(starts), device)
+    return logprobs
+
+
+def _first_trained(weights: Sequence[float]) -> int:
+    return next((t for t, w in enumerate(weights) if w > 0), len(weights))
+
+
+def _pad(rows: Sequence[Sequence[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        span = slice(width - len(r), width) if left else slice(0, len(r))
+        ids[i, span] = torch.tensor(r, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def _gather_logprobs(logits_B_K_V: torch.Tensor, targets_B_K: torch.Tensor) -> torch.Tensor:
+    return torch.gather(logits_B_K_V.float().log_softmax(-1), -1, targets_B_K.unsqueeze(-1)).squeeze(-1)
+
+
+def _logprobs_one_pass(model: Any, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
+    input_ids_B_T, attention_B_T = _pad(inputs)
+    targets_B_T, _ = _pad(targets)
+    start = min(start, input_ids_B_T.shape[1] - 1)
+    logits = model(
+        input_ids=input_ids_B_T.to(device),
+        attention_mask=attention_B_T.to(device),
+        logits_to_keep=input_ids_B_T.shape[1] - start,
+        use_cache=False,
+    ).logits
+    logprobs_B_K = _gather_logprobs(logits, targets_B_T[:, start:].to(device))
+    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(len(inputs), start), logprobs_B_K], dim=1)
+    return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
+
+
+def _logprobs_shared_prefix(
+    model: Any, inputs: list, targets: list, starts: list[int], prefixes: list[tuple], distinct: list[tuple], device: torch.device
+) -> list[torch.Tensor]:
+    from transformers import DynamicCache
+
+    prefix_ids_U_P, prefix_mask_U_P = _pad(distinct, left=True)
+    prefix_mask_U_P = prefix_mask_U_P.to(device)
+    cache = DynamicCache()
+    model(
+        input_ids=prefix_ids_U_P.to(device),
+        attention_mask=prefix_mask_U_P,
+        position_ids=(prefix_mask_U_P.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    slot = {p: i for i, p in enumerate(distinct)}
+    row_to_prefix = torch.tensor([slot[p] for p in prefixes], device=device)
+    cache.batch_select_indices(row_to_prefix)
+    suffix_ids_B_S, suffix_mask_B_S = _pad([x[s:] for x, s in zip(inputs, starts)])
+    suffix_targets_B_S, _ = _pad([y[s:] for y, s in zip(targets, starts)])
+    positions_B_S = torch.tensor(starts).unsqueeze(-1) + torch.arange(suffix_ids_B_S.shape[1])
+    logits = model(
+        input_ids=suffix_ids_B_S.to(device),
+        attention_mask=torch.cat([prefix_mask_U_P[row_to_prefix], suffix_mask_B_S.to(device)], dim=1),
+        position_ids=positions_B_S.to(device),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    logprobs_B_S = _gather_logprobs(logits, suffix_targets_B_S.to(device))
+    return [
+        torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]])
+        for i, (x, s) in enumerate(zip(inputs, starts))
+    ]
 
 
 @attrs.define(eq=False)

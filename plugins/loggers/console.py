@@ -65,6 +65,7 @@ class ConsoleLogger:
             f"{summary['steps']} steps in {summary['seconds']:.1f}s{stop}; run directory: {run_dir} "
             f"(final policy: {summary['final_policy']})",
             highlight=False,
+            soft_wrap=True,
         )
 
 

@@ -99,11 +99,20 @@ def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tin
         loss = sum(w * (lp * m).sum() for w, lp, m in zip(weights, logprobs, masks)) / len(samples)
         return loss, {"custom": 1.0}
 
-    calls = []
-    handle = trainer.model.register_forward_hook(lambda *a: calls.append(1))
+    processed = []
+
+    def count_tokens(module, args, kwargs):
+        new = kwargs["input_ids"].shape[1]
+        processed.append(int(kwargs["attention_mask"][:, -new:].sum()))
+
+    handle = trainer.model.register_forward_pre_hook(count_tokens, with_kwargs=True)
     out = trainer.forward_backward_custom(datums, loss_fn)
     handle.remove()
-    assert len(calls) == 1
+    # One pass: every token goes through the model at most once (a group's shared prompt once
+    # for the whole group), however many model calls that takes.
+    prompt_tokens = sum(len(p) - 1 for p in prompts)
+    completion_tokens = sum(len(d.model_input.to_ints()) for d in datums) - sum(2 * (len(p) - 1) for p in prompts)
+    assert sum(processed) == prompt_tokens + completion_tokens
     assert isinstance(out, tinker.ForwardBackwardOutput)
     assert out.metrics["custom"] == 1.0
     got = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
