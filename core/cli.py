@@ -76,7 +76,7 @@ def run(config_file: str | None, **values: Any) -> None:
 
 EVAL_FIELDS = (
     "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
-    "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "device", "dtype", "seed",
+    "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "device", "dtype", "threads", "seed",
 )  # fmt: skip
 
 

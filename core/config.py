@@ -91,6 +91,7 @@ class RunConfig:
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    threads: int | None = _field(None, "CPU threads for torch (default: torch's choice; 1 helps on a busy machine)", validator=_positive)
     seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
     run_dir: str | None = _field(None, "where to write config, metrics and the final policy (default runs/<time>)")
 

@@ -19,7 +19,7 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 def evaluate(config: RunConfig, num_samples: int, batch_size: int, threshold: float, progress: Any = None) -> dict[str, float]:
-    seed_everything(config.seed)
+    seed_everything(config.seed, config.threads)
     selection = select_plugins(config)
     prompts = load_dataset(config)
     pm = selection.manager

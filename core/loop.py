@@ -40,7 +40,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     started = time.perf_counter()
     if config.temperature == 0:
         raise PluginError("GRPO compares several samples of a prompt: --temperature must be > 0 (0 is greedy, for eval)")
-    seed_everything(config.seed)
+    seed_everything(config.seed, config.threads)
     run_dir = make_run_dir(config.run_dir)
     config.write(run_dir / "config.json")
 
@@ -86,9 +86,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     return summary
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, threads: int | None = None) -> None:
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     random.seed(seed)
     torch.manual_seed(seed)
 

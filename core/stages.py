@@ -68,8 +68,7 @@ def score_groups(
         "reward/failed": float(failed),
         "reward/errors": float(errors),
     }
-    if len(selection.rewards) > 1:
-        metrics.update({f"reward/{name}": _mean(v) for name, v in per_reward.items()})
+    metrics.update({f"reward/{name}": _mean(v) for name, v in per_reward.items()})
     tokens = [s.num_completion_tokens for g in groups for s in g]
     metrics["tokens/completion"] = float(sum(tokens))
     metrics["tokens/completion_mean"] = _mean(tokens)
