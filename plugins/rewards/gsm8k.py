@@ -14,7 +14,7 @@ import attrs
 
 from grpo_core import Prompt, Sample, hookimpl, option
 
-__all__ = ["GSM8KReward", "Marker", "extract_answer", "find_answer", "parse_reference", "score"]
+__all__ = ["BOX_HEADS", "GSM8KReward", "Marker", "boxed_spans", "extract_answer", "find_answer", "parse_reference", "score"]
 
 # --------------------------------------------------------------------------------------------
 # Numbers
@@ -90,7 +90,7 @@ _ANSWER_RE_I = re.compile(_ANSWER_RE.pattern, re.IGNORECASE)
 _A_RE = re.compile(r"A[ \t]*:" + _THEN_NUM)  # "A: 18", only at the start of a line
 _TAG_RE = re.compile(r"<answer>(.*?)(?:</answer>|\Z)", re.DOTALL)
 _TAG_RE_I = re.compile(_TAG_RE.pattern, re.DOTALL | re.IGNORECASE)
-_BOX_HEADS = ("\\boxed", "\\fbox")
+BOX_HEADS = ("\\boxed", "\\fbox")
 _FRAC_RE = re.compile(r"\\[dtc]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
 _LATEX_FIXES = (("\\$", "$"), ("\\%", "%"), ("{,}", ","), ("\\!", ""), ("\\,", ""), ("−", "-"))
 _FALLBACK_WINDOW = 256
@@ -138,10 +138,10 @@ def _last_number(text: str) -> tuple[str, Fraction] | None:
     return None
 
 
-def _boxed_spans(text: str) -> list[tuple[int, str]]:
+def boxed_spans(text: str) -> list[tuple[int, str]]:
     """(start, content) of every \\boxed{...} / \\fbox{...}, nested braces matched."""
     spans = []
-    for head in _BOX_HEADS:
+    for head in BOX_HEADS:
         i = text.find(head)
         while i != -1:
             j = i + len(head)
@@ -202,7 +202,7 @@ def _find(text: str) -> Marker | None:
             if best is None or m.start() > best.start:
                 consider("tag", m.start(), _last_number(text[m.start(1) : m.end(1)]))
     if "\\" in text:
-        for start, content in _boxed_spans(text):
+        for start, content in boxed_spans(text):
             if best is None or start > best.start:
                 consider("boxed", start, _last_number(content))
     return best

@@ -25,7 +25,6 @@ __all__ = ["SympyReward", "extract_final_answer", "last_boxed", "reference_answe
 # Final answers
 # --------------------------------------------------------------------------------------------
 
-_BOX_HEADS = ("\\boxed", "\\fbox")
 # A line marker (as in gsm8k) and the rest of its line.
 _LINE_RE = re.compile(
     r"(?:####|(?i:\banswer\s+is\b)|(?i:\banswer\b[ \t]*(?:\*\*|__)?[ \t]*:)|(?m:^)[ \t]*A[ \t]*:)"
@@ -36,31 +35,9 @@ _MATH_RE = re.compile(r"\$\$?(.+?)\$\$?|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 _SENTENCE_END_RE = re.compile(r"\.(?:\s|$)|[,;](?:\s|$)|\*\*")
 
 
-def _boxed(text: str) -> list[tuple[int, str]]:
-    spans = []
-    for head in _BOX_HEADS:
-        i = text.find(head)
-        while i != -1:
-            j = i + len(head)
-            while j < len(text) and text[j] == " ":
-                j += 1
-            if j < len(text) and text[j] == "{":
-                depth = 0
-                for k in range(j, len(text)):
-                    if text[k] == "{":
-                        depth += 1
-                    elif text[k] == "}":
-                        depth -= 1
-                        if depth == 0:
-                            spans.append((i, text[j + 1 : k]))
-                            break
-            i = text.find(head, j)
-    return sorted(spans)
-
-
 def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces matched."""
-    spans = _boxed(text)
+    spans = sorted(gsm8k.boxed_spans(text))
     return spans[-1][1] if spans else None
 
 
@@ -90,14 +67,14 @@ def extract_final_answer(completion: str, strict: bool = False) -> str | None:
     answer is the math after it. A marker followed by prose ("The answer is 18 dollars") gives
     the number gsm8k reads there. Without a marker: gsm8k's last-number fallback, unless strict.
     """
-    candidates: list[tuple[int, str, str]] = [(start, content, content) for start, content in _boxed(completion)]
+    candidates: list[tuple[int, str, str]] = [(start, content, content) for start, content in sorted(gsm8k.boxed_spans(completion))]
     for m in _LINE_RE.finditer(completion):
         candidates.append((m.start(), _line_answer(m.group("rest")), m.group()))
     if "<" in completion:
         for m in _TAG_RE.finditer(completion):
             candidates.append((m.start(), m.group(1).strip(), m.group()))
     for _, candidate, context in sorted(candidates, key=lambda c: c[0], reverse=True):
-        if candidate.strip().startswith(_BOX_HEADS):
+        if candidate.strip().startswith(gsm8k.BOX_HEADS):
             continue  # "The answer is \boxed{...}": the box itself is a candidate
         answer = _as_answer(candidate, context)
         if answer is not None:
