@@ -41,11 +41,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.temperature == 0:
         raise PluginError("GRPO compares several samples of a prompt: --temperature must be > 0 (0 is greedy, for eval)")
     seed_everything(config.seed, config.threads)
-    run_dir = make_run_dir(config.run_dir)
-    config.write(run_dir / "config.json")
-
     selection = select_plugins(config)
     prompts = load_dataset(config)
+    # Only a run that got past its checks leaves a run directory behind.
+    run_dir = make_run_dir(config.run_dir)
+    config.write(run_dir / "config.json")
     pm = selection.manager
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)

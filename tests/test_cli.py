@@ -78,6 +78,7 @@ def test_bad_plugin_input_is_one_clear_line(tiny_model_dir, tiny_dataset, tmp_pa
     assert out.returncode != 0
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize(
