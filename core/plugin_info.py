@@ -33,7 +33,7 @@ def describe_all() -> list[dict[str, Any]]:
         info["options"] = [
             {
                 "name": f.name,
-                "type": getattr(f.type, "__name__", None) or str(f.type),
+                "type": f.type.__name__ if isinstance(f.type, type) else str(f.type).replace("typing.", ""),
                 "default": None if f.default is attrs.NOTHING else _default(f.default),
                 "help": f.metadata.get("help", ""),
             }

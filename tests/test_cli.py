@@ -106,7 +106,11 @@ def test_plugins_lists_builtins_with_options_and_json():
     infos = json.loads(grpo_core("plugins", "--json").stdout)
     grpo = next(i for i in infos if (i["kind"], i["name"]) == ("loss", "grpo"))
     assert grpo["distribution"] == "grpo-core" and grpo["hooks"] == ["loss"]
-    assert {"name": "kl_beta", "type": "float", "default": 0.001, "help": grpo["options"][2]["help"]} in grpo["options"]
+    options = {o["name"]: o for o in grpo["options"]}
+    assert set(options) == {"eps_low", "eps_high", "kl_beta", "kl_estimator", "agg"}
+    assert options["kl_beta"]["type"] == "float" and options["kl_beta"]["default"] == 0.001
+    assert "KL penalty" in options["kl_beta"]["help"]
+    assert options["kl_estimator"]["type"] == "Literal['k1', 'k2', 'k3']" and options["kl_estimator"]["default"] == "k3"
 
 
 def make_plugin_package(root: Path, name: str, body: str, entry_points: dict[str, str]) -> Path:
