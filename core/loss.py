@@ -25,6 +25,9 @@ AGGREGATIONS: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 LOG_RATIO_CLAMP = 20.0
+STEP_TOTAL_METRICS = frozenset({"loss/policy", "loss/active_tokens"})
+"""Metrics that are a batch's share of a step total: a step split into several calls adds them
+up. Every other loss metric is a mean over the batch, averaged by batch size."""
 
 
 @attrs.define

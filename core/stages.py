@@ -9,7 +9,7 @@ import pluggy
 
 from grpo_core.backend import Reference, Trainer, sample_to_datum
 from grpo_core.config import RunConfig
-from grpo_core.loss import LossInputs
+from grpo_core.loss import STEP_TOTAL_METRICS, LossInputs
 from grpo_core.plugins_manager import PluginError
 from grpo_core.types import Sample
 
@@ -158,8 +158,8 @@ def train_on_groups(
         # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
         step_loss += result.metrics.pop("loss")
         for key, value in result.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + value * len(idx)
-    metrics = {k: v / len(samples) for k, v in metric_sums.items()}
+            metric_sums[key] = metric_sums.get(key, 0.0) + (value if key in STEP_TOTAL_METRICS else value * len(idx))
+    metrics = {k: v if k in STEP_TOTAL_METRICS else v / len(samples) for k, v in metric_sums.items()}
     metrics["loss/total"] = step_loss
     metrics.update(
         trainer.optim_step(

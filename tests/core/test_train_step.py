@@ -54,8 +54,9 @@ def test_split_step_gradient_equals_one_call(tiny_model_dir, agg, loss_name, mon
         trainer = LocalBackend().make_trainer(config=config)
         loss = make_plugin(f"loss.{loss_name}", agg=agg, **({"kl_beta": 0.0} if loss_name == "grpo" else {}))
         metrics = train_on_groups(build_manager([loss]), trainer, None, [samples_for(trainer.tokenizer)], config, 1e-3)
-        grads.append((dict(captured), metrics["loss/total"]))
-    (one, loss_one), (split, loss_split) = grads
-    assert loss_split == pytest.approx(loss_one, rel=1e-5, abs=1e-6)
+        grads.append((dict(captured), metrics))
+    (one, metrics_one), (split, metrics_split) = grads
+    for key in ("loss/total", "loss/policy", "loss/active_tokens"):
+        assert metrics_split[key] == pytest.approx(metrics_one[key], rel=1e-5, abs=1e-6), key
     for name in one:
         assert torch.allclose(one[name], split[name], atol=1e-5, rtol=1e-4), name
