@@ -50,35 +50,41 @@ def run(config: RunConfig) -> dict[str, Any]:
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
-    total_steps = min(config.max_steps or math.inf, steps_available(len(prompts), config.prompt_groups_per_step, config.epochs))
+    total_steps = steps_available(len(prompts), config.prompt_groups_per_step, config.epochs)
+    if config.max_steps is not None:
+        total_steps = min(total_steps, config.max_steps)
     if total_steps == 0:
         raise PluginError(f"the dataset has {len(prompts)} prompts, fewer than prompt_groups_per_step={config.prompt_groups_per_step}")
     batches = prompt_batches(prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     params = sampling_params(config)
     state = RunState(run_dir=run_dir)
-    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=int(total_steps))
+    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps)
     history: list[float] = []
 
-    for step, batch in zip(range(1, int(total_steps) + 1), batches):
-        t0 = time.perf_counter()
-        groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=sampler, params=params)
-        t1 = time.perf_counter()
-        reward_metrics = score_groups(selection, groups, config.max_reward_failures_in_a_row)
-        kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups)
-        t2 = time.perf_counter()
-        train_metrics = train_on_groups(pm, trainer, reference, kept, config, learning_rate(config, step - 1, int(total_steps)))
-        if step % config.weight_sync_interval == 0:
-            state.policy_version = pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
-        t3 = time.perf_counter()
+    try:
+        for step, batch in zip(range(1, total_steps + 1), batches):
+            t0 = time.perf_counter()
+            groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=sampler, params=params)
+            t1 = time.perf_counter()
+            reward_metrics = score_groups(selection, groups, config.max_reward_failures_in_a_row)
+            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups)
+            t2 = time.perf_counter()
+            train_metrics = train_on_groups(pm, trainer, reference, kept, config, learning_rate(config, step - 1, total_steps))
+            if step % config.weight_sync_interval == 0:
+                state.policy_version = pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
+            t3 = time.perf_counter()
 
-        metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
-        metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
-        metrics["policy/version"] = trainer.version
-        history.append(metrics["reward/total"])
-        state.step = step
-        pm.hook.on_step(step=step, metrics=metrics, state=state)
-        if state.stop_reason:
-            break
+            metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
+            metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
+            metrics["policy/version"] = trainer.version
+            history.append(metrics["reward/total"])
+            state.step = step
+            pm.hook.on_step(step=step, metrics=metrics, state=state)
+            if state.stop_reason:
+                break
+    except KeyboardInterrupt:
+        # Ctrl-C ends the run, not the work: the policy so far is still saved.
+        state.request_stop(f"interrupted after step {state.step}")
 
     final = trainer.save_weights_for_sampler(str(run_dir / "final"))
     summary = summarize(history, started, run_dir, final, state)

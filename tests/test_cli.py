@@ -196,3 +196,22 @@ def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, lo
     assert config["loss"] == [loss, "tis"] and config["plugin_options"]["loss"]["tis"] == {"cap": "1.5"}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("loss/total" in m and "tis/weight_mean" in m for m in metrics)
+
+
+def test_ctrl_c_ends_the_run_and_keeps_the_policy(tiny_model_dir, tiny_dataset, tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir) + ["--max-steps", "500", "--epochs", "50"]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped: interrupted after step" in stdout
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    assert 2 <= len(metrics.read_text().splitlines()) < 500
