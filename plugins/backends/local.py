@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 import tinker
@@ -14,6 +15,7 @@ from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.backend import CustomLossFn
 from grpo_core.config import RunConfig
 from grpo_core.data import ASSETS
+from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins_manager import PluginError
 
 
@@ -30,6 +32,10 @@ class LocalBackend:
 
     sample_batch_size: int = option(0, help="most sequences generated at once (0 = the whole step)")
     attn_implementation: str = option("sdpa", help="transformers attention implementation")
+    fast_forward: bool = option(
+        True,
+        help="run Llama/Qwen2/Qwen3 models (fp32) through grpo-core's lean forward; off = transformers' own",
+    )
 
     default_weight_sync = "in_process"
 
@@ -37,7 +43,13 @@ class LocalBackend:
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
         device, autocast_dtype = resolve_device(config.device, config.dtype)
         model, tokenizer = load_model(config.model, device, self.attn_implementation)
-        return LocalTrainer(model=model, tokenizer=tokenizer, device=device, autocast_dtype=autocast_dtype)
+        return LocalTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            device=device,
+            autocast_dtype=autocast_dtype,
+            fast_forward=self.fast_forward,
+        )
 
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: LocalTrainer) -> LocalSampler:
@@ -49,13 +61,19 @@ class LocalBackend:
             device=trainer.device,
             autocast_dtype=trainer.autocast_dtype,
             seed=config.seed,
+            fast_forward=self.fast_forward,
             batch_size=self.sample_batch_size,
             version=trainer.version,
         )
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
-        return LocalReference(frozen_copy(trainer.model), trainer.device, trainer.autocast_dtype)
+        return LocalReference(
+            frozen_copy(trainer.model),
+            trainer.device,
+            trainer.autocast_dtype,
+            self.fast_forward,
+        )
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
@@ -98,8 +116,54 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
 
 
+class TransformersForward:
+    """The model's own forward, behind the same call as :class:`FastDecoder`, for the models
+    the fast path does not cover."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def new_cache(self, capacity: int | None = None) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    def layer_weights(self) -> None:
+        return None
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        logits_to_keep: int = 0,
+        weights: None = None,
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=past_key_values is not None,
+            logits_to_keep=logits_to_keep,
+        ).logits
+
+
+ModelForward = FastDecoder | TransformersForward
+
+
+def model_forward(model: Any, autocast_dtype: torch.dtype | None, fast: bool) -> ModelForward:
+    if fast and unsupported_reason(model, autocast_dtype) is None:
+        return FastDecoder(model)
+    return TransformersForward(model)
+
+
 def target_logprobs(
-    model: Any, datums: Sequence[tinker.Datum], device: torch.device, autocast_dtype: torch.dtype | None
+    forward: ModelForward,
+    datums: Sequence[tinker.Datum],
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
     """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
@@ -115,9 +179,9 @@ def target_logprobs(
     distinct = list(dict.fromkeys(prefixes))
     with autocast(device, autocast_dtype):
         if len(distinct) < len(prefixes) and all(distinct):
-            logprobs = _logprobs_shared_prefix(model, inputs, targets, starts, prefixes, distinct, device)
+            logprobs = _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
         else:
-            logprobs = _logprobs_one_pass(model, inputs, targets, min(starts), device)
+            logprobs = _logprobs_one_pass(forward, inputs, targets, min(starts), device)
     return logprobs
 
 
@@ -125,70 +189,86 @@ def _first_trained(weights: Sequence[float]) -> int:
     return next((t for t, w in enumerate(weights) if w > 0), len(weights))
 
 
-def _pad(rows: Sequence[Sequence[int]], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _pad(rows: Sequence[Sequence[int]], left: bool = False, pad: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token ids [B, width] and the mask of real tokens, or None when no row is padded (so the
+    forward can skip building masks)."""
     width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for i, r in enumerate(rows):
         span = slice(width - len(r), width) if left else slice(0, len(r))
         ids[i, span] = torch.tensor(r, dtype=torch.long)
         mask[i, span] = 1
-    return ids, mask
+    return ids, (None if all(len(r) == width for r in rows) else mask)
+
+
+def _positions(mask_B_T: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
+    """Position ids that start at 0 on each row's first real token (rows are left-padded)."""
+    if mask_B_T is None:
+        return torch.arange(T).expand(B, T)
+    return (mask_B_T.cumsum(-1) - 1).clamp(min=0)
 
 
 def _gather_logprobs(logits_B_K_V: torch.Tensor, targets_B_K: torch.Tensor) -> torch.Tensor:
     return torch.gather(logits_B_K_V.float().log_softmax(-1), -1, targets_B_K.unsqueeze(-1)).squeeze(-1)
 
 
-def _logprobs_one_pass(model: Any, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
+def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
     input_ids_B_T, attention_B_T = _pad(inputs)
     targets_B_T, _ = _pad(targets)
-    start = min(start, input_ids_B_T.shape[1] - 1)
-    logits = model(
+    B, T = input_ids_B_T.shape
+    start = min(start, T - 1)
+    # Right padding: real tokens never attend to a pad, so positions need no correction.
+    logits = forward(
         input_ids=input_ids_B_T.to(device),
-        attention_mask=attention_B_T.to(device),
-        logits_to_keep=input_ids_B_T.shape[1] - start,
-        use_cache=False,
-    ).logits
+        position_ids=torch.arange(T).expand(B, T).to(device),
+        attention_mask=None if attention_B_T is None else attention_B_T.to(device),
+        logits_to_keep=T - start,
+    )
     logprobs_B_K = _gather_logprobs(logits, targets_B_T[:, start:].to(device))
-    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(len(inputs), start), logprobs_B_K], dim=1)
+    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
     return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
 
 
 def _logprobs_shared_prefix(
-    model: Any, inputs: list, targets: list, starts: list[int], prefixes: list[tuple], distinct: list[tuple], device: torch.device
+    forward: ModelForward,
+    inputs: list,
+    targets: list,
+    starts: list[int],
+    prefixes: list[tuple],
+    distinct: list[tuple],
+    device: torch.device,
 ) -> list[torch.Tensor]:
-    from transformers import DynamicCache
-
     prefix_ids_U_P, prefix_mask_U_P = _pad(distinct, left=True)
-    prefix_mask_U_P = prefix_mask_U_P.to(device)
-    cache = DynamicCache()
-    model(
+    U, P = prefix_ids_U_P.shape
+    cache = forward.new_cache()
+    forward(
         input_ids=prefix_ids_U_P.to(device),
-        attention_mask=prefix_mask_U_P,
-        position_ids=(prefix_mask_U_P.cumsum(-1) - 1).clamp(min=0),
+        position_ids=_positions(prefix_mask_U_P, U, P).to(device),
+        attention_mask=None if prefix_mask_U_P is None else prefix_mask_U_P.to(device),
         past_key_values=cache,
-        use_cache=True,
         logits_to_keep=1,
     )
     slot = {p: i for i, p in enumerate(distinct)}
-    row_to_prefix = torch.tensor([slot[p] for p in prefixes], device=device)
-    cache.batch_select_indices(row_to_prefix)
+    row_to_prefix = torch.tensor([slot[p] for p in prefixes])
+    cache.batch_select_indices(row_to_prefix.to(device))
     suffix_ids_B_S, suffix_mask_B_S = _pad([x[s:] for x, s in zip(inputs, starts)])
     suffix_targets_B_S, _ = _pad([y[s:] for y, s in zip(targets, starts)])
-    positions_B_S = torch.tensor(starts).unsqueeze(-1) + torch.arange(suffix_ids_B_S.shape[1])
-    logits = model(
+    B, S = suffix_ids_B_S.shape
+    if prefix_mask_U_P is None and suffix_mask_B_S is None:
+        attention_B_K = None
+    else:
+        prefix_part = torch.ones(B, P, dtype=torch.long) if prefix_mask_U_P is None else prefix_mask_U_P[row_to_prefix]
+        suffix_part = torch.ones(B, S, dtype=torch.long) if suffix_mask_B_S is None else suffix_mask_B_S
+        attention_B_K = torch.cat([prefix_part, suffix_part], dim=1).to(device)
+    logits = forward(
         input_ids=suffix_ids_B_S.to(device),
-        attention_mask=torch.cat([prefix_mask_U_P[row_to_prefix], suffix_mask_B_S.to(device)], dim=1),
-        position_ids=positions_B_S.to(device),
+        position_ids=(torch.tensor(starts).unsqueeze(-1) + torch.arange(S)).to(device),
+        attention_mask=attention_B_K,
         past_key_values=cache,
-        use_cache=True,
-    ).logits
+    )
     logprobs_B_S = _gather_logprobs(logits, suffix_targets_B_S.to(device))
-    return [
-        torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]])
-        for i, (x, s) in enumerate(zip(inputs, starts))
-    ]
+    return [torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
 
 @attrs.define(eq=False)
@@ -197,15 +277,20 @@ class LocalTrainer:
     tokenizer: Any
     device: torch.device
     autocast_dtype: torch.dtype | None
+    fast_forward: bool = True
     version: int = 0
     optimizer: torch.optim.AdamW | None = None
+    forward_fn: ModelForward = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad():
-            return [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        logprobs = [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+        logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
         loss, metrics = loss_fn(datums, logprobs)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"the loss is {float(loss)}; metrics: {metrics}")
@@ -232,7 +317,10 @@ class LocalTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return {"optim/grad_norm": float(grad_norm), "optim/lr": adam_params.learning_rate}
+        return {
+            "optim/grad_norm": float(grad_norm),
+            "optim/lr": adam_params.learning_rate,
+        }
 
     def save_state(self, path: str) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -265,10 +353,15 @@ class LocalReference:
     model: Any
     device: torch.device
     autocast_dtype: torch.dtype | None
+    fast_forward: bool = True
+    forward_fn: ModelForward = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad():
-            return [lp.cpu() for lp in target_logprobs(self.model, datums, self.device, self.autocast_dtype)]
+            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
 
 
 @attrs.define(eq=False)
@@ -278,12 +371,15 @@ class LocalSampler:
     device: torch.device
     autocast_dtype: torch.dtype | None
     seed: int
+    fast_forward: bool = True
     batch_size: int = 0
     version: int = 0
     generator: torch.Generator = attrs.field(init=False)
+    forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
+        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
 
     @property
     def max_context(self) -> int | None:
@@ -301,7 +397,13 @@ class LocalSampler:
         per_call = max(1, self.batch_size // num_samples) if self.batch_size else len(prompts)
         groups: list[list[Completion]] = []
         for start in range(0, len(prompts), per_call):
-            groups.extend(self._generate([list(p) for p in prompts[start : start + per_call]], num_samples, params))
+            groups.extend(
+                self._generate(
+                    [list(p) for p in prompts[start : start + per_call]],
+                    num_samples,
+                    params,
+                )
+            )
         return groups
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
@@ -320,25 +422,20 @@ class LocalSampler:
         Each prompt is prefilled once and its cache repeated for its G completions; finished
         sequences leave the batch, so they stop costing compute.
         """
-        from transformers import DynamicCache
-
-        P = max(len(p) for p in prompts)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(prompts), P), pad, dtype=torch.long)
-        attention = torch.zeros(len(prompts), P, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, P - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[i, P - len(p) :] = 1
-        attention = attention.to(self.device)
-        position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        input_ids, attention = _pad(prompts, left=True, pad=self.tokenizer.pad_token_id or 0)
+        U, P = input_ids.shape
+        position_ids = _positions(attention, U, P).to(self.device)
+        attention = None if attention is None else attention.to(self.device)
+        # Fused once per call: in-process weight sync means the weights may have changed since.
+        weights = self.forward_fn.layer_weights()
+        cache = self.forward_fn.new_cache(capacity=P + params.max_tokens)
         with autocast(self.device, self.autocast_dtype):
-            logits = self.model(
-                input_ids=input_ids.to(self.device), attention_mask=attention, position_ids=position_ids,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1, :].float()  # fmt: skip
+            logits = self.forward_fn(
+                input_ids=input_ids.to(self.device), position_ids=position_ids, attention_mask=attention,
+                past_key_values=cache, logits_to_keep=1, weights=weights,
+            )[:, -1, :].float()  # fmt: skip
         cache.batch_repeat_interleave(G)
-        attention = attention.repeat_interleave(G, dim=0)
+        attention = None if attention is None else attention.repeat_interleave(G, dim=0)
         position_ids = position_ids[:, -1:].repeat_interleave(G, dim=0)
         logits = logits.repeat_interleave(G, dim=0)
 
@@ -367,15 +464,17 @@ class LocalSampler:
                 keep = torch.nonzero(~done_A).squeeze(-1)
                 cache.batch_select_indices(keep.to(self.device))
                 keep_dev = keep.to(self.device)
-                attention, position_ids, token_A = attention[keep_dev], position_ids[keep_dev], token_A[keep_dev]
+                position_ids, token_A = position_ids[keep_dev], token_A[keep_dev]
+                attention = None if attention is None else attention[keep_dev]
                 active = active[keep]
-            attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
+            if attention is not None:
+                attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
             position_ids = position_ids + 1
             with autocast(self.device, self.autocast_dtype):
-                logits = self.model(
-                    input_ids=token_A.unsqueeze(-1), attention_mask=attention, position_ids=position_ids,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1,
-                ).logits[:, -1, :].float()  # fmt: skip
+                logits = self.forward_fn(
+                    input_ids=token_A.unsqueeze(-1), position_ids=position_ids, attention_mask=attention,
+                    past_key_values=cache, logits_to_keep=1, weights=weights,
+                )[:, -1, :].float()  # fmt: skip
         completions = [
             Completion(
                 tokens=tokens_B_L[i, :n].tolist(),
@@ -415,4 +514,3 @@ class LocalSampler:
         window = max(len(s) for s in stops) + 8
         text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
         return any(s in text for s in stops)
-

@@ -1,17 +1,19 @@
 from __future__ import annotations
 
+import pytest
 import tinker
 import torch
 
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
-from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins.backends.fast_decoder import FastDecoder
+from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
 
 
-def make(tiny_model_dir, **config):
+def make(tiny_model_dir, fast_forward=True, **config):
     cfg = RunConfig(model=str(tiny_model_dir), **config)
-    backend = LocalBackend()
+    backend = LocalBackend(fast_forward=fast_forward)
     trainer = backend.make_trainer(config=cfg)
     sampler = backend.make_sampler(config=cfg, trainer=trainer)
     return cfg, backend, trainer, sampler
@@ -37,8 +39,10 @@ def to_samples(prompts, groups):
     ]
 
 
-def test_sampler_logprobs_equal_trainer_logprobs_at_temperature_1(tiny_model_dir):
-    _, _, trainer, sampler = make(tiny_model_dir)
+@pytest.mark.parametrize(("sampler_fast", "trainer_fast"), [(True, True), (False, False), (True, False), (False, True)])
+def test_sampler_logprobs_equal_trainer_logprobs_at_temperature_1(tiny_model_dir, sampler_fast, trainer_fast):
+    _, _, _, sampler = make(tiny_model_dir, sampler_fast)
+    _, _, trainer, _ = make(tiny_model_dir, trainer_fast)
     prompts = prompts_of(trainer.tokenizer)
     # Every 8th token stops a completion: lengths come out ragged and finished rows leave the batch.
     params = SamplingParams(max_tokens=12, temperature=1.0, stop_token_ids=list(range(0, len(trainer.tokenizer), 8)))
@@ -87,8 +91,10 @@ def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
     assert all(len(c.tokens) == 1 and c.finish_reason == "stop" for g in groups for c in g)
 
 
-def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir):
-    _, _, trainer, sampler = make(tiny_model_dir)
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir, fast_forward):
+    _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
+    assert type(trainer.forward_fn) is (FastDecoder if fast_forward else TransformersForward)
     prompts = prompts_of(trainer.tokenizer)
     samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))
     datums = [sample_to_datum(s) for s in samples]
@@ -100,14 +106,20 @@ def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tin
         return loss, {"custom": 1.0}
 
     processed = []
+    forward = trainer.forward_fn
 
-    def count_tokens(module, args, kwargs):
-        new = kwargs["input_ids"].shape[1]
-        processed.append(int(kwargs["attention_mask"][:, -new:].sum()))
+    class CountingForward:
+        def __getattr__(self, name):
+            return getattr(forward, name)
 
-    handle = trainer.model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+        def __call__(self, input_ids, attention_mask=None, **kwargs):
+            new = input_ids.shape[1]
+            processed.append(input_ids.numel() if attention_mask is None else int(attention_mask[:, -new:].sum()))
+            return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    trainer.forward_fn = CountingForward()
     out = trainer.forward_backward_custom(datums, loss_fn)
-    handle.remove()
+    trainer.forward_fn = forward
     # One pass: every token goes through the model at most once (a group's shared prompt once
     # for the whole group), however many model calls that takes.
     prompt_tokens = sum(len(p) - 1 for p in prompts)
@@ -133,7 +145,15 @@ def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tin
 def test_optim_step_applies_adam_params_and_counts_versions(tiny_model_dir, tmp_path):
     _, _, trainer, sampler = make(tiny_model_dir)
     datum = sample_to_datum(
-        Sample(prompt=None, tokens=[5, 6, 7, 8], sampling_logprobs=[0.0] * 4, loss_mask=[0, 0, 1, 1], text="", finish_reason="stop", policy_version=0)
+        Sample(
+            prompt=None,
+            tokens=[5, 6, 7, 8],
+            sampling_logprobs=[0.0] * 4,
+            loss_mask=[0, 0, 1, 1],
+            text="",
+            finish_reason="stop",
+            policy_version=0,
+        )
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.forward_backward_custom([datum], lambda d, lps: (-lps[0].sum(), {}))

@@ -1,0 +1,249 @@
+"""The local backend's fast path: a lean forward for Llama-family decoders (Llama, Qwen2, Qwen3).
+
+transformers' eager modules spend most of a small model's step outside the matmuls: a module
+call, a mask builder and a cache object per layer, three projections where one would do, a
+growing ``torch.cat`` per decoded token. This forward runs the same math over the model's own
+parameters with the q/k/v and gate/up projections fused into one matmul each, the q/k norms and
+rotary embeddings applied to q and k together, a preallocated KV cache for sampling, and masks
+built only where padding needs them. Gradients reach the model's parameters as usual.
+
+It is used where :func:`unsupported_reason` finds nothing in the way (fp32, a supported
+architecture); the local backend falls back to the transformers forward otherwise. Its logits
+match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def unsupported_reason(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
+    """Why the fast forward cannot stand in for ``model``'s own, or None when it can."""
+    config = model.config
+    if autocast_dtype is not None:
+        return "autocast (bf16) runs the transformers forward"
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type '{config.model_type}' (the fast path knows {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation '{config.hidden_act}'"
+    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "sliding-window attention"
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type '{rope_type}'"
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return "weights that are not float32"
+    return None
+
+
+@attrs.define(eq=False)
+class LayerWeights:
+    """One decoder layer's parameters, the q/k/v and gate/up projections concatenated."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm's weight per query head, then k_norm's
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+
+
+def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if tensors[0] is None else torch.cat(tensors)
+
+
+class KVCache:
+    """Keys and values per layer. With a ``capacity`` they live in preallocated buffers (for
+    sampling, no autograd); without, they are concatenated (differentiable, for training)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+
+    def past_length(self, layer: int = 0) -> int:
+        return self.lengths[layer] if layer < len(self.lengths) else 0
+
+    def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        S = k_B_H_S_D.shape[2]
+        if layer == len(self.keys):
+            if self.capacity is None:
+                self.keys.append(k_B_H_S_D)
+                self.values.append(v_B_H_S_D)
+            else:
+                B, H, _, D = k_B_H_S_D.shape
+                self.keys.append(k_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+                self.values.append(v_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+                self.keys[layer][:, :, :S] = k_B_H_S_D
+                self.values[layer][:, :, :S] = v_B_H_S_D
+            self.lengths.append(S)
+        else:
+            start = self.lengths[layer]
+            if self.capacity is None:
+                self.keys[layer] = torch.cat([self.keys[layer], k_B_H_S_D], dim=2)
+                self.values[layer] = torch.cat([self.values[layer], v_B_H_S_D], dim=2)
+            else:
+                if start + S > self.keys[layer].shape[2]:
+                    raise ValueError(f"the KV cache holds {self.keys[layer].shape[2]} positions; {start + S} asked for")
+                self.keys[layer][:, :, start : start + S] = k_B_H_S_D
+                self.values[layer][:, :, start : start + S] = v_B_H_S_D
+            self.lengths[layer] = start + S
+        end = self.lengths[layer]
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
+
+    def batch_select_indices(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+
+class FastDecoder:
+    """Callable like the model (``input_ids``, ``attention_mask``, ``position_ids``,
+    ``past_key_values``, ``logits_to_keep``); returns the logits tensor."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        self.model = model
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.scaling = model.model.layers[0].self_attn.scaling
+        self._rope_cos_T_D: torch.Tensor | None = None
+        self._rope_sin_T_D: torch.Tensor | None = None
+
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache(capacity)
+
+    def layer_weights(self) -> list[LayerWeights]:
+        """The fused weights; built from the parameters, so differentiable when grad is on."""
+        H, Hkv = self.num_heads, self.num_kv_heads
+        fused = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = (
+                getattr(attn, "q_norm", None),
+                getattr(attn, "k_norm", None),
+            )
+            fused.append(
+                LayerWeights(
+                    qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                    qkv_bias=_cat_or_none([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    qk_norm=None if q_norm is None else torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(Hkv, -1)]),
+                    o=attn.o_proj.weight,
+                    o_bias=attn.o_proj.bias,
+                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    gate_up_bias=_cat_or_none([mlp.gate_proj.bias, mlp.up_proj.bias]),
+                    down=mlp.down_proj.weight,
+                    down_bias=mlp.down_proj.bias,
+                    input_norm=layer.input_layernorm.weight,
+                    post_attention_norm=layer.post_attention_layernorm.weight,
+                )
+            )
+        return fused
+
+    def _rope(self, position_ids_B_S: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(position_ids_B_S.max()) + 1
+        if self._rope_cos_T_D is None or self._rope_cos_T_D.shape[0] < needed or self._rope_cos_T_D.device != like.device:
+            size = max(
+                needed,
+                2 * (0 if self._rope_cos_T_D is None else self._rope_cos_T_D.shape[0]),
+                256,
+            )
+            positions = torch.arange(size, device=like.device).unsqueeze(0)
+            with torch.inference_mode(False), torch.no_grad():
+                cos, sin = self.model.model.rotary_emb(like.detach(), positions)
+            self._rope_cos_T_D, self._rope_sin_T_D = cos[0].clone(), sin[0].clone()
+        return self._rope_cos_T_D[position_ids_B_S], self._rope_sin_T_D[position_ids_B_S]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: KVCache | None = None,
+        logits_to_keep: int = 0,
+        weights: list[LayerWeights] | None = None,
+    ) -> torch.Tensor:
+        """Logits of the last ``logits_to_keep`` positions (0 = all).
+
+        ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
+        new tokens also see themselves, so a padded position never attends to nothing.
+        """
+        weights = self.layer_weights() if weights is None else weights
+        B, S = input_ids.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        past = past_key_values.past_length() if past_key_values is not None else 0
+        hidden_B_S_E = self.model.model.embed_tokens(input_ids)
+        cos_B_S_D, sin_B_S_D = self._rope(position_ids, hidden_B_S_E)
+        cos_B_S_1_D, sin_B_S_1_D = cos_B_S_D.unsqueeze(2), sin_B_S_D.unsqueeze(2)
+        mask, is_causal = self._attention_mask(attention_mask, B, S, past, input_ids.device)
+        for i, w in enumerate(weights):
+            x = F.rms_norm(hidden_B_S_E, (hidden_B_S_E.shape[-1],), w.input_norm, self.eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias).view(B, S, H + 2 * Hkv, D)
+            qk_B_S_N_D, v_B_S_K_D = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
+            if w.qk_norm is not None:
+                qk_B_S_N_D = F.rms_norm(qk_B_S_N_D, (D,), None, self.eps) * w.qk_norm
+            half = D // 2
+            rotated = torch.cat([-qk_B_S_N_D[..., half:], qk_B_S_N_D[..., :half]], dim=-1)
+            qk_B_S_N_D = qk_B_S_N_D * cos_B_S_1_D + rotated * sin_B_S_1_D
+            q = qk_B_S_N_D[:, :, :H].transpose(1, 2)
+            k = qk_B_S_N_D[:, :, H:].transpose(1, 2)
+            v = v_B_S_K_D.transpose(1, 2)
+            if past_key_values is not None:
+                k, v = past_key_values.update(i, k, v)
+            attn_B_H_S_D = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=is_causal,
+                scale=self.scaling,
+                enable_gqa=Hkv != H,
+            )
+            attn_B_S_HD = attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D)
+            hidden_B_S_E = hidden_B_S_E + F.linear(attn_B_S_HD, w.o, w.o_bias)
+            x = F.rms_norm(hidden_B_S_E, (hidden_B_S_E.shape[-1],), w.post_attention_norm, self.eps)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            hidden_B_S_E = hidden_B_S_E + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        kept = hidden_B_S_E[:, -logits_to_keep:] if logits_to_keep else hidden_B_S_E
+        norm = self.model.model.norm
+        return self.model.lm_head(F.rms_norm(kept, (kept.shape[-1],), norm.weight, self.eps))
+
+    @staticmethod
+    def _attention_mask(
+        attention_mask_B_K: torch.Tensor | None,
+        B: int,
+        S: int,
+        past: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor | None, bool]:
+        """(boolean mask [B, 1, S, past + S] or None, is_causal) for scaled_dot_product_attention."""
+        if attention_mask_B_K is None:
+            if S == 1:
+                return None, False
+            if past == 0:
+                return None, True
+        K = past + S
+        query_at_S_1 = torch.arange(past, K, device=device).unsqueeze(-1)
+        causal_S_K = torch.arange(K, device=device) <= query_at_S_1
+        if attention_mask_B_K is None:
+            return causal_S_K.expand(B, 1, S, K), False
+        itself_S_K = torch.arange(K, device=device) == query_at_S_1
+        return (causal_S_K & attention_mask_B_K.bool()[:, None, None, :]) | itself_S_K, False
