@@ -37,8 +37,15 @@ from bench_common import (
 
 TRL_VERSION = "1.16.0"
 TRL_VENV = HERE / ".venv-trl"
-WORKERS = {"grpo-core": "run_grpo_core.py", "TRL": "run_trl.py", "naive": "run_naive.py"}
-WORKER_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
+WORKERS = {"grpo-core": "run_grpo_core.py", "grpo-core-hf": "run_grpo_core.py", "TRL": "run_trl.py", "naive": "run_naive.py"}
+WORKER_ARGS = {"grpo-core-hf": ["--transformers-forward"]}
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
 
 
 def log(msg: str) -> None:
@@ -62,7 +69,9 @@ def ensure_trl_venv() -> Path:
         out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
         if out.returncode == 0 and out.stdout.strip() == want:
             return python
-    log(f"setting up {TRL_VENV} (trl=={TRL_VERSION}, torch=={torch_version}, transformers=={transformers.__version__}); once, a few minutes")
+    log(
+        f"setting up {TRL_VENV} (trl=={TRL_VERSION}, torch=={torch_version}, transformers=={transformers.__version__}); once, a few minutes"
+    )
     subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, f"torch=={torch_version}"], check=True)
@@ -119,9 +128,11 @@ def run_worker(contender: str, spec: dict[str, Any], python: str, threads: int =
     result_path = work / f"result-{contender}.json"
     log_path = work / f"log-{contender}.txt"
     result_path.unlink(missing_ok=True)
-    cmd = [python, str(HERE / WORKERS[contender]), str(work / "spec.json"), str(result_path)]
+    cmd = [python, str(HERE / WORKERS[contender]), str(work / "spec.json"), str(result_path), *WORKER_ARGS.get(contender, [])]
     with log_path.open("w") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, check=False, env={**os.environ, **WORKER_ENV, **thread_env(threads)}, cwd=work)
+        proc = subprocess.run(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, check=False, env={**os.environ, **WORKER_ENV, **thread_env(threads)}, cwd=work
+        )
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{contender} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
@@ -143,7 +154,9 @@ def check_lengths(result: dict[str, Any], spec: dict[str, Any]) -> None:
     for i, step in enumerate(result["steps"], start=1):
         lengths = step["completion_lengths"]
         if len(lengths) != B or set(lengths) != {L}:
-            raise RuntimeError(f"{result['contender']} step {i}: {len(lengths)} completions of lengths {sorted(set(lengths))}, expected {B} of {L}")
+            raise RuntimeError(
+                f"{result['contender']} step {i}: {len(lengths)} completions of lengths {sorted(set(lengths))}, expected {B} of {L}"
+            )
 
 
 def summarize(results: list[dict[str, Any]], spec: dict[str, Any], peak: float) -> dict[str, Any]:
@@ -197,13 +210,13 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
         f"{repeats} run(s) x {spec['steps']} timed steps after 1 warmup step each"
     )
     cols = (
-        f"{'contender':<10} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
+        f"{'contender':<12} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
         f"{'sample s':>8} {'reward s':>8} {'train s':>7} {'other s':>7} {'smpl MFU':>8} {'trn MFU':>7} {'peak RSS':>9}"
     )
     lines = [head, cols]
     for r in rows:
         lines.append(
-            f"{r['contender']:<10} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} {r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
+            f"{r['contender']:<12} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} {r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
             f"{r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {r['mfu']:>6.1%} {r['mfu_all']:>7.1%} "
             f"{r['sample_s']:>8.3f} {r['reward_s']:>8.3f} {r['train_s']:>7.3f} {r['other_s']:>7.3f} "
             f"{r['sample_mfu']:>8.1%} {r['train_mfu']:>7.1%} {r['peak_rss_mb']:>7.0f}MB"
@@ -216,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", choices=["overhead", "compute", "all"], default="all")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warmup step)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
-    parser.add_argument("--contenders", default="grpo-core,TRL,naive", help="comma-separated subset of grpo-core,TRL,naive")
+    parser.add_argument(
+        "--contenders",
+        default="grpo-core,TRL,naive",
+        help="comma-separated subset of grpo-core,TRL,naive,grpo-core-hf (grpo-core on transformers' own forward)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -265,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(format_table(name, spec, rows, peak, args.repeats))
         by = {r["contender"]: r for r in rows}
         if "grpo-core" in by:
-            for other in ("TRL", "naive"):
+            for other in ("TRL", "naive", "grpo-core-hf"):
                 if other in by:
                     wall = by["grpo-core"]["completions_per_s"] / by[other]["completions_per_s"]
                     best = by["grpo-core"]["completions_per_s_best"] / by[other]["completions_per_s_best"]
@@ -276,10 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(2048^3, best of 10, probed {len(probes)} times: " + ", ".join(f"{p['peak_flops'] / 1e9:.1f}" for p in probes) + ")"
     )
     print("Per contender: the median timed step of all runs (min-max of all timed steps beside it), split into phases as that step ran;")
-    print("compl/s and tok/s = one step's completions and generated tokens / the median step; (best): completions / the fastest timed step.")
+    print(
+        "compl/s and tok/s = one step's completions and generated tokens / the median step; (best): completions / the fastest timed step."
+    )
     print("MFU: (2N per generated token + 6N per trained completion token) / median step / peak, N = all parameters (tied embedding once).")
     print("MFU all: counting every position the model runs on (prompt prefill, forward/backward over prompt + completion);")
-    print("smpl MFU / trn MFU: the same 'all' FLOPs of that phase / the phase's median time. Every completion of every step had exactly the forced length (checked).")
+    print(
+        "smpl MFU / trn MFU: the same 'all' FLOPs of that phase / the phase's median time. Every completion of every step had exactly the forced length (checked)."
+    )
     for table in tables:
         print()
         print(table)

@@ -58,7 +58,7 @@ def make_config(spec: dict, overrides: dict | None = None):
     return RunConfig(**kwargs)
 
 
-def main(spec_path: str, result_path: str) -> None:
+def main(spec_path: str, result_path: str, *flags: str) -> None:
     spec = load_spec(spec_path)
     register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
     import bench_plugins
@@ -68,7 +68,9 @@ def main(spec_path: str, result_path: str) -> None:
     from grpo_core.loop import run
 
     started, started_cpu = time.perf_counter(), time.process_time()
-    config = make_config(spec)
+    transformers_forward = "--transformers-forward" in flags
+    options = {"loss": {"grpo": {"kl_beta": 0.0}}, **({"backend": {"local": {"fast_forward": False}}} if transformers_forward else {})}
+    config = make_config(spec, {"plugin_options": options})
     run(config)
     shutil.rmtree(Path(config.run_dir) / "final", ignore_errors=True)  # the saved policy: not needed, tens of MB
     steps = []
@@ -88,14 +90,18 @@ def main(spec_path: str, result_path: str) -> None:
     write_result(
         result_path,
         {
-            "contender": "grpo-core",
+            "contender": "grpo-core-hf" if transformers_forward else "grpo-core",
             "rss_start_mb": bench_plugins.RUN.get("rss_start_mb"),
             "steps": steps,
             "versions": {"grpo_core": grpo_core.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
-            "split": {"sample": "rollout hook (prompt encode, batched KV-cache sampling, decode)", "reward": "rewards + advantages", "train": "forward/backward + AdamW + weight sync"},
+            "split": {
+                "sample": "rollout hook (prompt encode, batched KV-cache sampling, decode)",
+                "reward": "rewards + advantages",
+                "train": "forward/backward + AdamW + weight sync",
+            },
         },
     )
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

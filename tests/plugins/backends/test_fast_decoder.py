@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, unsupported_reason
+from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, RMSNorm, unsupported_reason
 
 VOCAB = 97
 
@@ -141,3 +141,12 @@ def test_unsupported_models_are_named_with_the_reason():
     windowed = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4))  # fmt: skip
     assert unsupported_reason(windowed, None) == "sliding-window attention"
     assert unsupported_reason(model.to(torch.float64), None) == "weights that are not float32"
+
+
+@pytest.mark.parametrize("weight_shape", [(6,), (3, 6)])
+def test_rms_norm_backward_matches_numerical_gradients(weight_shape):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 4, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(*weight_shape, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: RMSNorm.apply(x, w, 1e-6), (x, weight))
+    assert torch.allclose(RMSNorm.apply(x, weight, 1e-6), torch.nn.functional.rms_norm(x, (6,), None, 1e-6) * weight)
