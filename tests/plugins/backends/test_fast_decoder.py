@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_core.plugins.backends import fast_decoder
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, RMSNorm, unsupported_reason
 
 VOCAB = 97
@@ -34,6 +35,15 @@ def llama_linear_rope_and_mlp_bias():
 MODELS = [qwen3, qwen2_with_biases, llama_linear_rope_and_mlp_bias]
 
 
+@pytest.fixture(params=["matmul", "sdpa"])
+def attention_path(request, monkeypatch):
+    """Run a test through both attention paths: short blocks as plain matmuls, and (with the
+    threshold at 0) scaled_dot_product_attention for everything."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(fast_decoder, "SMALL_ATTENTION_SCORES", 0)
+    return request.param
+
+
 def build(make_model):
     torch.manual_seed(0)
     model = make_model().eval()
@@ -56,7 +66,7 @@ def left_padded(lengths, T, seed=1):
 
 
 @pytest.mark.parametrize("make_model", MODELS)
-def test_logits_and_gradients_equal_transformers_with_left_padding(make_model):
+def test_logits_and_gradients_equal_transformers_with_left_padding(make_model, attention_path):
     model = build(make_model)
     ids, mask, positions = left_padded([7, 4, 1], 7)
     want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
@@ -77,7 +87,7 @@ def test_logits_and_gradients_equal_transformers_with_left_padding(make_model):
 
 @pytest.mark.parametrize("make_model", MODELS)
 @pytest.mark.parametrize("capacity", [None, 12])
-def test_cached_decoding_equals_one_full_forward(make_model, capacity):
+def test_cached_decoding_equals_one_full_forward(make_model, capacity, attention_path):
     """Prefill, repeat each row's cache, drop a row, decode token by token: the logits are those
     of one forward over the whole sequences."""
     model = build(make_model)
@@ -109,7 +119,7 @@ def test_cached_decoding_equals_one_full_forward(make_model, capacity):
         assert torch.allclose(logits, want[rows, 5 + t], atol=1e-5), t
 
 
-def test_unpadded_batches_need_no_mask():
+def test_unpadded_batches_need_no_mask(attention_path):
     model = build(qwen3)
     ids = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(3))
     positions = torch.arange(6).expand(3, 6)
