@@ -26,6 +26,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "completion_tokens": 8,
         "prompts_per_step": 8,
         "group_size": 8,
+        "timed_steps": 20,  # a step is ~0.2-0.5 s: 5 would leave the median to a shared machine's whims
     },
     "compute": {
         "model": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
@@ -33,6 +34,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "completion_tokens": 32,
         "prompts_per_step": 8,
         "group_size": 8,
+        "timed_steps": 5,
     },
 }  # fmt: skip
 LEARNING_RATE = 1e-5

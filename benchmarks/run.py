@@ -227,8 +227,10 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=["overhead", "compute", "all"], default="all")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warmup step)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
     parser.add_argument(
         "--contenders",
         default="grpo-core,TRL,naive",
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     raw: dict[str, Any] = {}
     for name in names:
-        spec = prepare(name, args.steps, CACHE / "work" / stamp / name)
+        spec = prepare(name, args.steps or CONFIGS[name]["timed_steps"], CACHE / "work" / stamp / name)
         raw[name] = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "results": {c: [] for c in contenders}}
         for repeat in range(args.repeats):
             for contender in contenders:
