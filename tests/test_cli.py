@@ -203,7 +203,8 @@ def test_ctrl_c_ends_the_run_and_keeps_the_policy(tiny_model_dir, tiny_dataset, 
     import time
 
     run_dir = tmp_path / "run"
-    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir) + ["--max-steps", "500", "--epochs", "50"]
+    # Far more steps than can run before the signal: the run must end by the interrupt, not by itself.
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir) + ["--max-steps", "1000000", "--epochs", "100000"]
     proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -214,4 +215,4 @@ def test_ctrl_c_ends_the_run_and_keeps_the_policy(tiny_model_dir, tiny_dataset, 
     assert proc.returncode == 0, stderr
     assert "stopped: interrupted after step" in stdout
     assert (run_dir / "final" / "model.safetensors").is_file()
-    assert 2 <= len(metrics.read_text().splitlines()) < 500
+    assert 2 <= len(metrics.read_text().splitlines()) < 1000000
