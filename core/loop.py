@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,7 @@ class RunState:
     step: int = 0
     policy_version: int = 0
     stop_reason: str | None = None
+    interrupted: bool = False
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
@@ -61,6 +65,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps)
     history: list[float] = []
 
+    restore_ctrl_c = stop_on_ctrl_c(state)
     try:
         for step, batch in zip(range(1, total_steps + 1), batches):
             t0 = time.perf_counter()
@@ -80,16 +85,42 @@ def run(config: RunConfig) -> dict[str, Any]:
             history.append(metrics["reward/total"])
             state.step = step
             pm.hook.on_step(step=step, metrics=metrics, state=state)
+            if state.interrupted:
+                state.request_stop(f"interrupted after step {step}")
             if state.stop_reason:
                 break
     except KeyboardInterrupt:
-        # Ctrl-C ends the run, not the work: the policy so far is still saved.
+        # A second Ctrl-C ends the run at once, not the work: the policy so far is still saved.
         state.request_stop(f"interrupted after step {state.step}")
+    finally:
+        restore_ctrl_c()
 
     final = trainer.save_weights_for_sampler(str(run_dir / "final"))
     summary = summarize(history, started, run_dir, final, state)
     pm.hook.on_run_end(summary=summary, run_dir=run_dir)
     return summary
+
+
+def stop_on_ctrl_c(state: RunState) -> Callable[[], None]:
+    """Make the first Ctrl-C end the run after the current step, and a second one at once.
+
+    A flag read between steps, not an exception raised wherever the signal lands: a
+    KeyboardInterrupt raised inside library code can be swallowed there (it was, now and then,
+    with 10 ms steps), and a step cut in half leaves nothing worth keeping. Returns the function
+    that puts the previous handler back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set signal handlers
+    previous = signal.getsignal(signal.SIGINT)
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        if state.interrupted:
+            raise KeyboardInterrupt
+        state.interrupted = True
+        print("\nCtrl-C: stopping after this step and saving the policy (Ctrl-C again to stop now)", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    return lambda: signal.signal(signal.SIGINT, previous)
 
 
 def seed_everything(seed: int, threads: int | None = None) -> None:

@@ -100,3 +100,23 @@ def test_weight_sync_interval_samples_ahead_and_anchors_on_the_old_policy(tiny_m
 def test_max_steps_and_max_rows_bound_the_run(tiny_model_dir, tiny_dataset, tmp_path):
     summary = run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", max_steps=None, max_rows=4, epochs=2))
     assert summary["steps"] == 4
+
+
+def test_first_ctrl_c_asks_to_stop_after_the_step_and_a_second_one_stops_at_once(tmp_path, capsys):
+    import os
+    import signal
+
+    from grpo_core.loop import RunState, stop_on_ctrl_c
+
+    before = signal.getsignal(signal.SIGINT)
+    state = RunState(run_dir=tmp_path)
+    restore = stop_on_ctrl_c(state)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert state.interrupted and state.stop_reason is None
+        assert "stopping after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) is before
