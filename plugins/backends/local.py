@@ -272,14 +272,13 @@ def _logprobs_shared_prefix(
 
 
 @attrs.define(eq=False)
-class LocalTrainer:
+class LocalReference:
+    """A policy that only scores tokens (the KL reference); the trainer is one that also learns."""
+
     model: Any
-    tokenizer: Any
     device: torch.device
     autocast_dtype: torch.dtype | None
     fast_forward: bool = True
-    version: int = 0
-    optimizer: torch.optim.AdamW | None = None
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -288,6 +287,13 @@ class LocalTrainer:
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad():
             return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
+
+
+@attrs.define(eq=False, kw_only=True)
+class LocalTrainer(LocalReference):
+    tokenizer: Any
+    version: int = 0
+    optimizer: torch.optim.AdamW | None = None
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
@@ -351,22 +357,6 @@ class LocalTrainer:
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
-
-
-@attrs.define(eq=False)
-class LocalReference:
-    model: Any
-    device: torch.device
-    autocast_dtype: torch.dtype | None
-    fast_forward: bool = True
-    forward_fn: ModelForward = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
-
-    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
 
 
 @attrs.define(eq=False)
