@@ -190,26 +190,29 @@ def _eval_options(func: Any) -> Any:
 @click.option("--pass-threshold", default=1.0, show_default=True, help="a sample passes when its total reward reaches this")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def eval_(num_samples: int, temperature: float | None, batch_size: int, pass_threshold: float, as_json: bool, **values: Any) -> None:
-    """Measure a model: mean reward and pass@1 (pass@n with -n) on a dataset, with a progress bar."""
-    from rich.progress import Progress
+    """Measure a model: mean reward and pass@1 (pass@n with -n) on a dataset, with a progress bar.
 
-    from grpo_core import config as config_module
+    A policy trained by grpo-core is prompted as it was trained (template, fields, chat
+    template, stop strings, max tokens saved beside it) unless flags say otherwise. Without
+    --dataset: the embedded task's test split (default:test).
+    """
+    from rich.progress import Progress
 
     plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in ("backend", "rollout", "reward")}
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
     overrides["temperature"] = temperature if temperature is not None else (0.0 if num_samples == 1 else 1.0)
     try:
-        config = config_module.load(None, overrides, plugin_opts)
-        from grpo_core.evaluate import evaluate
+        from grpo_core.evaluate import eval_config, evaluate
 
+        config, settings_origin = eval_config(overrides, plugin_opts)
         with Progress(transient=True) as bar:
             task = bar.add_task("eval", total=None)
 
             def advance(n: int, total: int, mean: float) -> None:
                 bar.update(task, advance=n, total=total, description=f"eval  reward {mean:.3f}")
 
-            result = evaluate(config, num_samples, batch_size, pass_threshold, advance)
+            result = evaluate(config, num_samples, batch_size, pass_threshold, advance, settings_origin)
     except PluginError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

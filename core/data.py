@@ -1,25 +1,123 @@
-"""Datasets: JSONL rows -> Prompts, in a seeded order, epoch after epoch."""
+"""Datasets: JSONL rows -> Prompts, checked whole before the model loads, in a seeded order.
+
+``load_dataset`` reads and checks every row at start (UTF-8, JSON, a non-empty prompt, an
+answer when a selected reward needs one); ``check_prompt_lengths`` then measures every prompt
+with the rollout's own encoding against the model's context. A bad row is a DataError naming
+its file and line, or, when asked for, a skip that is counted and reported.
+
+The embedded task has two splits, ``default:train`` (also plain ``default``) and
+``default:test``; given by name or by the path of its file, it keeps its prompt template.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import re
+import sys
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from grpo_core.plugins_manager import PluginError
+import attrs
+
+from grpo_core.plugins_manager import PluginError, find, is_secret, option_fields
 from grpo_core.types import Prompt
 
+if TYPE_CHECKING:
+    from grpo_core.config import RunConfig
+
 ASSETS = Path(__file__).parent / "assets" / "default"
+EMBEDDED = "default"
+EMBEDDED_SPLITS = ("train", "test")
 DEFAULT_TASK_TEMPLATE = "Question: {prompt}\nAnswer:"
+PROMPT_SETTINGS_FILE = "grpo_core_prompt.json"
+SHOWN_SKIPS = 3
+"""How many skip reasons a notice quotes; the count covers them all."""
 
 
 class DataError(PluginError):
     """Bad dataset input; the message names the file and line."""
 
 
+@attrs.define
+class Dataset:
+    """The checked prompts of a run and what was left out of them, with reasons."""
+
+    prompts: list[Prompt]
+    path: Path
+    name: str
+    """What identifies it to a user: ``default:test`` for an embedded split, else the path."""
+    template: str
+    """The prompt template in effect (escapes decoded, the embedded task's when it is used)."""
+    skipped_bad_rows: list[str] = attrs.field(factory=list)
+    skipped_long_prompts: list[str] = attrs.field(factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """For the summary, metrics and config: how many prompts are used and how many were skipped."""
+        return {
+            "data/prompts": len(self.prompts),
+            "data/skipped_bad_rows": len(self.skipped_bad_rows),
+            "data/skipped_long_prompts": len(self.skipped_long_prompts),
+        }
+
+
+def embedded_split(dataset: str) -> str | None:
+    """The embedded task's split that ``dataset`` names (``default``, ``default:test``, or its
+    file's path), else None."""
+    name, sep, split = dataset.partition(":")
+    if name == EMBEDDED:
+        if not sep:
+            return "train"
+        if split not in EMBEDDED_SPLITS:
+            raise DataError(f"unknown split '{split}' of the embedded task; splits: {', '.join(EMBEDDED_SPLITS)}")
+        return split
+    path = Path(dataset)
+    if path.is_file():
+        for split in EMBEDDED_SPLITS:
+            if path.resolve() == _split_path(split).resolve():
+                return split
+    return None
+
+
+def _split_path(split: str) -> Path:
+    return ASSETS / "task" / f"{split}.jsonl"
+
+
 def dataset_path(dataset: str) -> Path:
-    return ASSETS / "task" / "train.jsonl" if dataset == "default" else Path(dataset)
+    split = embedded_split(dataset)
+    return _split_path(split) if split else Path(dataset)
+
+
+def dataset_name(dataset: str) -> str:
+    split = embedded_split(dataset)
+    return f"{EMBEDDED}:{split}" if split else dataset
+
+
+def decode_escapes(template: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` typed in a shell (a backslash and a letter) as the characters they name."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], template)
+
+
+def resolve_template(config: RunConfig) -> str:
+    if config.prompt_template is not None:
+        return decode_escapes(config.prompt_template)
+    return DEFAULT_TASK_TEMPLATE if embedded_split(config.dataset) else "{prompt}"
+
+
+def load_dataset(config: RunConfig, answer_needed_by: Sequence[str] = ()) -> Dataset:
+    """Read and check every row of ``config.dataset`` (up to ``max_rows`` usable ones).
+
+    :param answer_needed_by: names of the selected rewards that need a row's answer
+        (``Selection.rewards_needing_answer``); a row without one is then bad.
+    """
+    path = dataset_path(config.dataset)
+    template = resolve_template(config)
+    skipped: list[str] | None = [] if config.skip_bad_rows else None
+    prompts = load_prompts(path, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
+    dataset = Dataset(prompts, path, dataset_name(config.dataset), template, skipped_bad_rows=skipped or [])
+    _report_skips(dataset.skipped_bad_rows, f"bad rows of {path}", "--skip-bad-rows")
+    return dataset
 
 
 def load_prompts(
@@ -29,59 +127,167 @@ def load_prompts(
     template: str = "{prompt}",
     max_rows: int | None = None,
     skipped: list[str] | None = None,
+    answer_needed_by: Sequence[str] = (),
 ) -> list[Prompt]:
     """Read a JSONL file of prompts; a row may hold text in ``prompt_field`` or a ``messages`` list.
 
     A bad row raises DataError naming file and line, unless ``skipped`` is a list: then the
-    row's error is appended to it and the row left out.
+    row's error is appended to it and the row left out. Rows past ``max_rows`` usable ones
+    are not read.
     """
     if not path.is_file():
         raise DataError(f"dataset file not found: {path}")
     if "{prompt}" not in template:
         raise DataError(f"prompt template {template!r} has no {{prompt}} placeholder")
     prompts: list[Prompt] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if max_rows is not None and len(prompts) >= max_rows:
+                break
             try:
-                prompts.append(_parse_row(line, path, lineno, prompt_field, answer_field, template))
+                line = _decode_line(raw, path, lineno)
+                if not line.strip():
+                    continue
+                prompts.append(_parse_row(line, path, lineno, prompt_field, answer_field, template, answer_needed_by))
             except DataError as exc:
                 if skipped is None:
                     raise
                 skipped.append(str(exc))
-                continue
-            if max_rows is not None and len(prompts) >= max_rows:
-                break
     if not prompts:
+        if skipped:
+            raise DataError(f"{path}: no usable rows; all {len(skipped)} were bad, first: {skipped[0]}")
         raise DataError(f"{path}: no rows")
     return prompts
 
 
-def _parse_row(line: str, path: Path, lineno: int, prompt_field: str, answer_field: str, template: str) -> Prompt:
+def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+    # A byte-order mark some editors write is not part of the first row's JSON.
+    return line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def _parse_row(
+    line: str, path: Path, lineno: int, prompt_field: str, answer_field: str, template: str, answer_needed_by: Sequence[str]
+) -> Prompt:
+    where = f"{path}:{lineno}"
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: malformed JSON: {exc.msg}") from None
+        raise DataError(f"{where}: malformed JSON: {exc.msg}") from None
     if not isinstance(row, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     answer = row.get(answer_field)
     if answer is not None and not isinstance(answer, str):
         answer = str(answer)
+    if answer_needed_by and (answer is None or not answer.strip()):
+        needs = ", ".join(answer_needed_by)
+        state = "is empty" if answer is not None else f"is missing (fields: {', '.join(row) or 'none'})"
+        raise DataError(f"{where}: the answer field '{answer_field}' {state}; the {needs} reward needs it (set --answer-field)")
     messages = row.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise DataError(f"{path}:{lineno}: 'messages' must be a list of {{role, content}} objects")
+            raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+        if not messages:
+            raise DataError(f"{where}: 'messages' is empty")
+        for i, message in enumerate(messages, start=1):
+            content = message["content"]
+            if not content or (isinstance(content, str) and not content.strip()):
+                raise DataError(f"{where}: message {i} ({message['role']}) has empty content")
         return Prompt(id=f"{path.name}:{lineno}", messages=messages, answer=answer, metadata=row)
     if prompt_field not in row:
-        raise DataError(
-            f"{path}:{lineno}: missing field '{prompt_field}' (fields: {', '.join(row) or 'none'}); "
-            "set --prompt-field"
-        )
+        raise DataError(f"{where}: missing field '{prompt_field}' (fields: {', '.join(row) or 'none'}); set --prompt-field")
     text = row[prompt_field]
     if not isinstance(text, str):
-        raise DataError(f"{path}:{lineno}: field '{prompt_field}' must be a string")
+        raise DataError(f"{where}: field '{prompt_field}' must be a string")
+    if not text.strip():
+        raise DataError(f"{where}: the prompt (field '{prompt_field}') is empty")
     return Prompt(id=f"{path.name}:{lineno}", text=template.replace("{prompt}", text), answer=answer, metadata=row)
+
+
+def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_context: int | None, max_completion_tokens: int) -> None:
+    """Measure every prompt as ``rollout`` will encode it; too long for ``max_context`` with
+    ``max_completion_tokens`` is an error, or a counted skip when the rollout's
+    ``long_prompts`` option is ``skip``.
+
+    A rollout without an ``encode(tokenizer, prompt)`` method, or a model of unknown context,
+    is not checked here.
+    """
+    encode = getattr(rollout, "encode", None)
+    if encode is None or max_context is None:
+        return
+    kept, long = [], []
+    for prompt in dataset.prompts:
+        tokens = len(encode(tokenizer, prompt))
+        if tokens + max_completion_tokens <= max_context:
+            kept.append(prompt)
+        else:
+            # A prompt's id is "<file name>:<line>", so this names the full path and the line.
+            long.append(f"{dataset.path.parent / prompt.id}: {tokens} prompt tokens + {max_completion_tokens} completion tokens > {max_context}")
+    if not long:
+        return
+    if getattr(rollout, "long_prompts", "error") != "skip":
+        more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
+        raise DataError(
+            f"{long[0]}, the model's context{more}: shorten the prompts, lower --max-completion-tokens, "
+            "or pass --rollout-opt long_prompts=skip"
+        )
+    if not kept:
+        raise DataError(f"{dataset.path}: every prompt is too long for the model's context of {max_context} tokens; first: {long[0]}")
+    dataset.prompts = kept
+    dataset.skipped_long_prompts = long
+    _report_skips(long, f"prompts too long for the model's context ({dataset.path})", "long_prompts=skip")
+
+
+def _report_skips(reasons: list[str], what: str, why: str) -> None:
+    if reasons:
+        shown = "; ".join(reasons[:SHOWN_SKIPS])
+        print(f"skipped {len(reasons)} {what} ({why}); first: {shown}", file=sys.stderr)
+
+
+def prompt_settings(config: RunConfig) -> dict[str, Any]:
+    """How a run turned rows into prompt tokens, for an eval of its policy to do the same."""
+    split = embedded_split(config.dataset)
+    rollout_fields = option_fields(find(config.rollout, "rollout").load())
+    rollout_options = {
+        name: field.default for name, field in rollout_fields.items() if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory)  # type: ignore[arg-type]
+    }
+    rollout_options.update(config.options_for("rollout", config.rollout))
+    return {
+        "dataset": dataset_name(config.dataset),
+        "embedded_task": split is not None,
+        "trained_from": config.model,
+        "prompt_field": config.prompt_field,
+        "answer_field": config.answer_field,
+        "prompt_template": resolve_template(config),
+        "rollout": config.rollout,
+        "rollout_options": {k: v for k, v in rollout_options.items() if not is_secret(k, rollout_fields.get(k))},
+        "stop": list(config.stop),
+        "max_completion_tokens": config.max_completion_tokens,
+    }
+
+
+def write_prompt_settings(directory: str | Path, config: RunConfig) -> Path:
+    """Write the run's prompt settings beside a policy (``final/``, each checkpoint)."""
+    path = Path(directory) / PROMPT_SETTINGS_FILE
+    path.write_text(json.dumps(prompt_settings(config), indent=2, default=str) + "\n")
+    return path
+
+
+def read_prompt_settings(model: str | Path) -> dict[str, Any] | None:
+    """The prompt settings saved beside a policy, or None (a hub name, a model not trained here)."""
+    path = Path(model) / PROMPT_SETTINGS_FILE
+    if not path.is_file():
+        return None
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: unreadable prompt settings ({exc}); delete the file or pass the prompt flags") from None
+    if not isinstance(settings, dict):
+        raise DataError(f"{path}: unreadable prompt settings (not a JSON object)")
+    return settings
 
 
 def prompt_batches(prompts: list[Prompt], batch_size: int, epochs: int, seed: int, shuffle: bool) -> Iterator[list[Prompt]]:

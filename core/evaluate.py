@@ -1,14 +1,27 @@
-"""``grpo-core eval``: mean reward and pass@k of a model on a dataset, to measure before and after."""
+"""``grpo-core eval``: mean reward and pass@k of a model on a dataset, to measure before and after.
+
+A policy trained here carries its run's prompt settings (``grpo_core_prompt.json``: template,
+fields, chat template on/off, stop strings, max tokens); eval uses them unless a flag says
+otherwise, so a policy is measured on prompts shaped as it was trained on.
+"""
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from grpo_core.config import RunConfig
-from grpo_core.loop import load_dataset, sampling_params, seed_everything
+from grpo_core.config import load as load_config
+from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
+from grpo_core.loop import sampling_params, seed_everything
+from grpo_core.plugins_manager import PluginError
 from grpo_core.selection import select_plugins
 from grpo_core.stages import score_groups
+
+EVAL_DATASET = "default:test"
+"""What eval measures without --dataset: the embedded task's held-out split."""
+SAVED_SETTINGS = ("prompt_field", "answer_field", "prompt_template", "stop", "max_completion_tokens")
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
@@ -18,13 +31,75 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-def evaluate(config: RunConfig, num_samples: int, batch_size: int, threshold: float, progress: Any = None) -> dict[str, float]:
+def eval_config(overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tuple[RunConfig, str]:
+    """The config of an eval: flags first, then the prompt settings saved beside the model, then defaults.
+
+    Returns the config and a phrase saying where its prompt settings came from.
+    """
+    values = dict(overrides)
+    model = str(values.get("model", "default"))
+    settings = read_prompt_settings(model)
+    if "dataset" not in values:
+        if settings is not None and not settings.get("embedded_task", False):
+            raise PluginError(
+                f"{model} was trained on {settings.get('dataset')}; pass --dataset with the rows to evaluate it on (a held-out split)"
+            )
+        values["dataset"] = EVAL_DATASET
+    if settings is None:
+        return load_config(None, values, plugin_opts), "prompt settings: flags and defaults (none saved with the model)"
+    from_settings = [key for key in SAVED_SETTINGS if key not in values and key in settings]
+    values.update({key: settings[key] for key in from_settings})
+    if "prompt_template" in from_settings:
+        # Saved as used; escaped again because the template is decoded once more (\n typed in a shell).
+        values["prompt_template"] = values["prompt_template"].replace("\\", "\\\\")
+    opts = {kind: list(items) for kind, items in plugin_opts.items()}
+    if values.setdefault("rollout", settings.get("rollout")) == settings.get("rollout"):
+        # Saved first, so a --rollout-opt given for the same option wins.
+        saved = [f"{key}={_as_flag(value)}" for key, value in settings.get("rollout_options", {}).items()]
+        opts["rollout"] = saved + opts.get("rollout", [])
+    given = sorted(key for key in SAVED_SETTINGS if key in overrides)
+    origin = f"prompt settings from {model}/{PROMPT_SETTINGS_FILE}"
+    if given:
+        origin += f" (flags win: {', '.join('--' + key.replace('_', '-') for key in given)})"
+    return load_config(None, values, opts), origin
+
+
+def _as_flag(value: Any) -> str:
+    """A saved option as the ``--rollout-opt`` text that parses back to it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def evaluate(
+    config: RunConfig, num_samples: int, batch_size: int, threshold: float, progress: Any = None, settings_origin: str = ""
+) -> dict[str, float]:
     seed_everything(config.seed, config.threads)
     selection = select_plugins(config)
-    prompts = load_dataset(config)
+    dataset = load_dataset(config, selection.rewards_needing_answer)
     pm = selection.manager
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
+    rollout = selection.plugins["rollout"][0]
+    check_prompt_lengths(dataset, rollout, sampler.tokenizer, sampler.max_context, config.max_completion_tokens)
+    prompts = dataset.prompts
+    chat = getattr(rollout, "chat_template", None)
+    if chat is None:
+        chat_text = ""
+    elif getattr(sampler.tokenizer, "chat_template", None) is None:
+        chat_text = ", no chat template (the tokenizer has none)"
+    else:
+        chat_text = f", chat template {'on' if chat else 'off'}"
+    stop = f", stop {config.stop!r}" if config.stop else ""
+    model = "the embedded model" if config.is_default_model() else config.model
+    print(
+        f"eval: {model} on {dataset.name} ({len(prompts)} prompts), template {dataset.template!r}{chat_text}, "
+        f"max {config.max_completion_tokens} tokens{stop}; {settings_origin or 'prompt settings: flags and defaults'}",
+        file=sys.stderr,
+        flush=True,
+    )
     params = sampling_params(config)
     rewards: list[float] = []
     passes: dict[int, list[float]] = {1: [], num_samples: []}
@@ -46,6 +121,8 @@ def evaluate(config: RunConfig, num_samples: int, batch_size: int, threshold: fl
         "samples_per_prompt": float(num_samples),
         "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "reward/failed": float(failed),
+        "data/skipped_bad_rows": float(len(dataset.skipped_bad_rows)),
+        "data/skipped_long_prompts": float(len(dataset.skipped_long_prompts)),
     }
     for k, values in sorted(passes.items()):
         result[f"pass@{k}"] = sum(values) / len(values)

@@ -7,11 +7,12 @@ from typing import Any
 
 import attrs
 
-from grpo_core.plugins_manager import PluginError, catalog, plugin_hooks
+from grpo_core.plugins_manager import PluginError, catalog, is_secret, plugin_hooks, plugin_problems
 
 
 def describe_all() -> list[dict[str, Any]]:
-    """One record per installed plugin; a plugin that fails to import carries its error."""
+    """One record per installed plugin; a plugin that fails to import carries its error, one
+    whose hooks cannot work (see ``plugin_problems``) its ``problems``."""
     infos = []
     for entry in catalog():
         info: dict[str, Any] = {
@@ -30,12 +31,14 @@ def describe_all() -> list[dict[str, Any]]:
         attrs.resolve_types(cls)
         info["help"] = inspect.cleandoc(cls.__doc__ or "")
         info["hooks"] = plugin_hooks(cls)
+        info["problems"] = plugin_problems(entry.kind, cls, entry.qualified_name)
         info["options"] = [
             {
                 "name": f.name,
                 "type": f.type.__name__ if isinstance(f.type, type) else str(f.type).replace("typing.", ""),
                 "default": None if f.default is attrs.NOTHING else _default(f.default),
                 "help": f.metadata.get("help", ""),
+                "secret": is_secret(f.name, f),
             }
             for f in attrs.fields(cls)
             if f.init
@@ -60,9 +63,14 @@ def render(infos: list[dict[str, Any]]) -> None:
         if "error" in info:
             click.echo(f"{head}  BROKEN\n    {info['error']}\n")
             continue
-        click.echo(f"{head}  hooks: {', '.join(info['hooks'])}")
+        flag = "  INVALID" if info["problems"] else ""
+        click.echo(f"{head}  hooks: {', '.join(info['hooks']) or 'none'}{flag}")
+        for problem in info["problems"]:
+            click.echo(textwrap.fill(problem, width=100, initial_indent="    !!  ", subsequent_indent="        "))
         for line in info["help"].splitlines():
             click.echo(f"    {line}" if line else "")
         for o in info["options"]:
-            click.echo(textwrap.fill(f"{o['name']}={o['default']!r}  {o['help']}", width=100, initial_indent="    --  ", subsequent_indent="        "))
+            secret = "  (secret: not written to config.json; env:NAME reads a variable)" if o["secret"] else ""
+            text = f"{o['name']}={o['default']!r}  {o['help']}{secret}"
+            click.echo(textwrap.fill(text, width=100, initial_indent="    --  ", subsequent_indent="        "))
         click.echo()

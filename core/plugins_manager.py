@@ -11,6 +11,9 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import inspect
+import os
+import re
 import types
 import typing
 from importlib import metadata
@@ -24,15 +27,45 @@ from grpo_core import hookspecs
 GROUP = "grpo_core"
 KINDS = ("backend", "weight_sync", "rollout", "reward", "advantage", "loss", "logger")
 SINGLE_CHOICE = ("backend", "weight_sync", "rollout", "advantage", "loss")
+KIND_HOOKS = {
+    "backend": ("make_trainer", "make_sampler", "make_reference"),
+    "weight_sync": ("weight_sync",),
+    "rollout": ("rollout",),
+    "reward": ("reward",),
+    "advantage": ("advantage",),
+    "loss": ("loss",),
+    "logger": ("on_run_start", "on_step", "on_run_end"),
+}
+"""The hooks a plugin of each kind may implement; it must implement at least one of them."""
+REQUIRED_HOOKS = {"backend": ("make_trainer", "make_sampler")}
+"""Kinds that need more than one of their hooks (a backend without a sampler cannot run)."""
+SECRET_NAME = re.compile(
+    r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
+    r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
+)
+"""Option names that hold secrets even when not declared ``secret=True`` (``max_tokens`` does not match)."""
+REDACTED = "***"
+ENV_PREFIX = "env:"
 
 
 class PluginError(Exception):
     """A plugin cannot be found, loaded or configured; the message is meant for the user."""
 
 
-def option(default: Any = attrs.NOTHING, *, help: str, **kwargs: Any) -> Any:
-    """A plugin option: an attrs field whose help shows in ``grpo-core plugins``."""
-    return attrs.field(default=default, metadata={"help": help}, **kwargs)
+def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = None, **kwargs: Any) -> Any:
+    """A plugin option: an attrs field whose help shows in ``grpo-core plugins``.
+
+    ``secret=True`` keeps the value out of config.json and logs (``***``) and lets the user
+    give it as ``env:NAME`` (read from the environment when the plugin is made). Options
+    named like ``api_key``, ``token``, ``password`` or ``secret`` are secret unless
+    ``secret=False``.
+    """
+    return attrs.field(default=default, metadata={"help": help, "secret": secret}, **kwargs)
+
+
+def is_secret(name: str, field: attrs.Attribute | None = None) -> bool:
+    declared = field.metadata.get("secret") if field is not None else None
+    return bool(SECRET_NAME.match(name)) if declared is None else declared
 
 
 @attrs.frozen
@@ -47,6 +80,11 @@ class PluginEntry:
     @property
     def qualified_name(self) -> str:
         return f"{self.kind}.{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How messages name the plugin: what users type and where it comes from."""
+        return f"{self.kind} plugin '{self.name}' from {self.distribution} {self.version}"
 
     def load(self) -> type:
         """Import the plugin class; a failure names the distribution that ships it."""
@@ -63,6 +101,14 @@ class PluginEntry:
                 f"{self.kind} plugin '{self.name}' ({self.target}) is not an attrs class; "
                 "decorate it with @attrs.define so its fields become its options"
             )
+        return cls
+
+    def load_valid(self) -> type:
+        """Import the plugin class and refuse it when its hooks cannot work (see :func:`plugin_problems`)."""
+        cls = self.load()
+        problems = plugin_problems(self.kind, cls, self.qualified_name)
+        if problems:
+            raise PluginError(f"{self.label} ({self.target}) cannot be used: {'; '.join(problems)}")
         return cls
 
 
@@ -116,14 +162,39 @@ def make_plugin(name: str, kind: str | None = None, **options: Any) -> Any:
     converted to the option's type; a wrong type or unknown option raises PluginError.
     """
     entry = find(name, kind)
-    cls = entry.load()
+    cls = entry.load_valid()
     return instantiate(cls, entry.qualified_name, options)
 
 
 def instantiate(cls: type, label: str, options: dict[str, Any]) -> Any:
+    """``cls(**options)`` with options coerced to their types and ``env:NAME`` secrets read."""
+    kwargs = coerce_options(cls, label, options)
+    fields = option_fields(cls)
+    for key, value in kwargs.items():
+        if is_secret(key, fields[key]) and isinstance(value, str) and value.startswith(ENV_PREFIX):
+            variable = value[len(ENV_PREFIX) :]
+            if variable not in os.environ:
+                raise PluginError(f"option '{key}' of {label} is read from the environment variable {variable}, which is not set")
+            kwargs[key] = _coerce_option(label, key, fields[key], os.environ[variable])
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"{label}: {exc}") from exc
+
+
+def option_fields(cls: type) -> dict[str, attrs.Attribute]:
     attrs.resolve_types(cls)
-    fields = {f.name: f for f in attrs.fields(cls) if f.init}
-    kwargs = {}
+    return {f.name: f for f in attrs.fields(cls) if f.init}
+
+
+def coerce_options(cls: type, label: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Options converted to their declared types (what config.json stores); unknown ones raise.
+
+    A secret given as ``env:NAME`` stays a reference here, so the value itself is only read
+    when the plugin is made.
+    """
+    fields = option_fields(cls)
+    coerced = {}
     for key, value in options.items():
         field = fields.get(key)
         if field is None:
@@ -131,14 +202,45 @@ def instantiate(cls: type, label: str, options: dict[str, Any]) -> Any:
             hint = f"; did you mean '{close[0]}'?" if close else ""
             known = ", ".join(fields) or "none"
             raise PluginError(f"unknown option '{key}' for {label}{hint} options: {known}")
-        try:
-            kwargs[key] = coerce(value, field.type)
-        except (TypeError, ValueError) as exc:
-            raise PluginError(f"option '{key}' of {label}: {exc}") from exc
+        if is_secret(key, field) and isinstance(value, str) and value.startswith(ENV_PREFIX):
+            coerced[key] = value
+        else:
+            coerced[key] = _coerce_option(label, key, field, value)
+    return coerced
+
+
+def _coerce_option(label: str, key: str, field: attrs.Attribute, value: Any) -> Any:
     try:
-        return cls(**kwargs)
+        return coerce(value, field.type)
     except (TypeError, ValueError) as exc:
-        raise PluginError(f"{label}: {exc}") from exc
+        # The error quotes the value; a secret's value must not reach the terminal or a log.
+        reason = f"not a valid {_type_name(field.type)} (value hidden: secret option)" if is_secret(key, field) else exc
+        raise PluginError(f"option '{key}' of {label}: {reason}") from None
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def redact(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of one plugin with secret values shown as ``***`` (an ``env:NAME`` reference is kept).
+
+    Declared secrets are read from the plugin class; a plugin that cannot be loaded is
+    redacted by option names alone.
+    """
+    try:
+        fields: dict[str, attrs.Attribute] = option_fields(find(name, kind).load())
+    except PluginError:
+        fields = {}
+    return {
+        key: REDACTED if is_secret(key, fields.get(key)) and not (isinstance(value, str) and value.startswith(ENV_PREFIX)) else value
+        for key, value in options.items()
+    }
+
+
+def redact_plugin_options(plugin_options: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``config.plugin_options`` (kind -> plugin -> options) safe to write to config.json and logs."""
+    return {kind: {name: redact(kind, name, opts) for name, opts in by_name.items()} for kind, by_name in plugin_options.items()}
 
 
 def coerce(value: Any, annotation: Any) -> Any:
@@ -210,17 +312,75 @@ def coerce(value: Any, annotation: Any) -> Any:
 
 def build_manager(plugins: Iterable[Any]) -> pluggy.PluginManager:
     """A fresh manager with the hookspecs and exactly the given plugin instances."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+    pm = _new_manager()
     for plugin in plugins:
-        pm.register(plugin)
+        try:
+            pm.register(plugin)
+        except pluggy.PluginValidationError as exc:
+            cls = type(plugin)
+            raise PluginError(f"plugin {cls.__module__}:{cls.__qualname__}: {_validation_reason(exc)}") from None
     return pm
 
 
+def _new_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def _validation_reason(exc: pluggy.PluginValidationError) -> str:
+    # pluggy's first line names the plugin by its registration name (a number when unnamed);
+    # the caller names it the way users do, so only the reason is kept.
+    return "; ".join(str(exc).splitlines()[1:]) or str(exc)
+
+
 def plugin_hooks(cls: type) -> list[str]:
-    """Names of the hooks a plugin class implements."""
-    marker = hookspecs.PROJECT + "_impl"
-    return sorted(name for name in dir(cls) if hasattr(getattr(cls, name, None), marker))
+    """Names of the methods of a plugin class marked ``@hookimpl`` (hooks or not)."""
+    return sorted(name for name in dir(cls) if _impl_options(cls, name) is not None)
+
+
+def _impl_options(cls: type, name: str) -> dict[str, Any] | None:
+    return getattr(getattr(cls, name, None), hookspecs.PROJECT + "_impl", None)
+
+
+def hook_names() -> list[str]:
+    return sorted(name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), hookspecs.PROJECT + "_spec"))
+
+
+def hook_signature(hook: str) -> str:
+    """``reward(self, prompt, samples)``: how a plugin method implementing ``hook`` is declared."""
+    params = inspect.signature(getattr(hookspecs, hook)).parameters
+    return f"{hook}(self, {', '.join(params)})"
+
+
+def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
+    """Why a plugin class of ``kind`` cannot work, empty when it can.
+
+    A method marked ``@hookimpl`` that is no hook (``rewards``), one whose arguments the hook
+    does not have, and a class that implements none of its kind's hooks (a loss without
+    ``loss``) are all found here, from the class alone, before anything is instantiated.
+    """
+    problems = []
+    known = hook_names()
+    marked = plugin_hooks(cls)
+    for hook in marked:
+        if hook not in known and not (_impl_options(cls, hook) or {}).get("optionalhook"):
+            close = difflib.get_close_matches(hook, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            problems.append(f"method '{hook}' is marked @hookimpl but no hook has that name{hint}")
+    try:
+        _new_manager().register(cls, name=name)
+    except pluggy.PluginValidationError as exc:
+        problems.append(_validation_reason(exc))
+    own = KIND_HOOKS[kind]
+    required = REQUIRED_HOOKS.get(kind, ())
+    if not any(hook in marked for hook in own) or any(hook not in marked for hook in required):
+        needs = required or own
+        how = "all of" if required else ("one of" if len(needs) > 1 else "")
+        wanted = "; ".join(f"@hookimpl def {hook_signature(hook)}" for hook in needs)
+        missing = [hook for hook in needs if hook not in marked]
+        problems.append(f"a {kind} plugin must implement {how + ' ' if how else ''}{wanted} (missing: {', '.join(missing)})")
+    return problems
 
 
 def is_wrapper(plugin: Any, hook: str) -> bool:
@@ -228,11 +388,17 @@ def is_wrapper(plugin: Any, hook: str) -> bool:
     return bool(opts.get("wrapper") or opts.get("hookwrapper"))
 
 
-def check_single_choice(selected: dict[str, list[Any]]) -> None:
-    """Each single-choice stage must have exactly one (non-wrapper) implementation."""
+def check_single_choice(selected: dict[str, dict[str, Any]]) -> None:
+    """Each single-choice stage must have exactly one (non-wrapper) implementation.
+
+    ``selected``: kind -> {name users typed: instance}.
+    """
     for kind in SINGLE_CHOICE:
         hook = {"backend": "make_trainer"}.get(kind, kind)
-        impls = [p for p in selected.get(kind, []) if not is_wrapper(p, hook)]
+        by_name = selected.get(kind, {})
+        impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, hook)]
         if len(impls) != 1:
-            names = ", ".join(type(p).__name__ for p in impls) or "none"
-            raise PluginError(f"exactly one {kind} plugin must be selected, got {len(impls)} ({names})")
+            wrappers = [name for name in by_name if name not in impls]
+            names = ", ".join(impls) or "none"
+            besides = f"; {', '.join(wrappers)} only wrap{'s' if len(wrappers) == 1 else ''} one" if wrappers else ""
+            raise PluginError(f"exactly one {kind} plugin must be selected, got {len(impls)} ({names}{besides})")

@@ -8,7 +8,7 @@ import attrs
 import pluggy
 
 from grpo_core.config import RunConfig, parse_reward_spec
-from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, find, instantiate, is_wrapper
+from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, coerce_options, find, instantiate, is_wrapper
 
 
 @attrs.define
@@ -33,8 +33,18 @@ class Selection:
     def needs_reference(self) -> bool:
         return bool(getattr(self.loss, "needs_reference", False))
 
+    @property
+    def rewards_needing_answer(self) -> list[str]:
+        """Names of the selected rewards that compare against a row's answer (``needs_answer = True``)."""
+        return [r.name for r in self.rewards if getattr(r.plugin, "needs_answer", False)]
+
 
 def select_plugins(config: RunConfig) -> Selection:
+    """Find, check and instantiate the plugins the config names, before anything heavy loads.
+
+    Each plugin's options are stored back into ``config.plugin_options`` converted to their
+    types, so config.json holds ``0.3`` whether the option came from a flag or a TOML file.
+    """
     names: dict[str, list[str]] = {
         "backend": [config.backend],
         "rollout": [config.rollout],
@@ -42,21 +52,25 @@ def select_plugins(config: RunConfig) -> Selection:
         "loss": list(config.loss),
         "logger": list(config.logger),
     }
-    backend_cls = find(config.backend, "backend").load()
+    backend_cls = find(config.backend, "backend").load_valid()
     names["weight_sync"] = [config.weight_sync or getattr(backend_cls, "default_weight_sync", "in_process")]
     reward_specs = [parse_reward_spec(spec) for spec in config.reward]
     if not reward_specs:
         raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
     names["reward"] = [name for name, _ in reward_specs]
 
-    plugins: dict[str, list[Any]] = {}
+    plugins: dict[str, dict[str, Any]] = {}
+    typed_options: dict[str, dict[str, dict[str, Any]]] = {}
     for kind, kind_names in names.items():
         if len(set(kind_names)) != len(kind_names):
             raise PluginError(f"{kind} plugins selected twice: {', '.join(kind_names)}")
         for name in kind_names:
             entry = find(name, kind)
-            instance = instantiate(entry.load(), entry.qualified_name, config.options_for(kind, name))
-            plugins.setdefault(kind, []).append(instance)
+            cls = entry.load_valid()
+            options = coerce_options(cls, entry.qualified_name, config.options_for(kind, name))
+            plugins.setdefault(kind, {})[name] = instantiate(cls, entry.qualified_name, options)
+            if options:
+                typed_options.setdefault(kind, {})[name] = options
     unknown = {
         f"{kind}.{name}"
         for kind, opts in config.plugin_options.items()
@@ -66,8 +80,9 @@ def select_plugins(config: RunConfig) -> Selection:
     if unknown:
         raise PluginError(f"options given for plugins that are not selected: {', '.join(sorted(unknown))}")
     check_single_choice(plugins)
+    config.plugin_options = typed_options
 
-    rewards = [WeightedReward(name, weight, p) for (name, weight), p in zip(reward_specs, plugins["reward"])]
-    loss = next(p for p in plugins["loss"] if not is_wrapper(p, "loss"))
-    manager = build_manager(p for kind_plugins in plugins.values() for p in kind_plugins)
-    return Selection(manager=manager, plugins=plugins, rewards=rewards, loss=loss)
+    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in reward_specs]
+    loss = next(p for p in plugins["loss"].values() if not is_wrapper(p, "loss"))
+    manager = build_manager(p for by_name in plugins.values() for p in by_name.values())
+    return Selection(manager=manager, plugins={kind: list(by_name.values()) for kind, by_name in plugins.items()}, rewards=rewards, loss=loss)

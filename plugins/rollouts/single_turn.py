@@ -29,7 +29,7 @@ class SingleTurnRollout:
         self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams
     ) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
-        encoded = [self._encode(tokenizer, p) for p in prompts]
+        encoded = [self.encode(tokenizer, p) for p in prompts]
         fits = [self._fits(p, tokens, sampler.max_context, params.max_tokens) for p, tokens in zip(prompts, encoded)]
         prompt_tokens = [tokens for tokens, ok in zip(encoded, fits) if ok]
         groups = iter(sampler.sample(prompt_tokens, num_samples, params) if prompt_tokens else [])
@@ -54,6 +54,8 @@ class SingleTurnRollout:
         # A skipped prompt keeps its place as an empty group.
         return [by_prompt.get(id(p), []) for p in prompts]
 
+    # The dataset's length check at start-up (grpo_core.data.check_prompt_lengths) finds long
+    # prompts before the model loads; this one catches a rollout called on other prompts.
     def _fits(self, prompt: Prompt, tokens: list[int], max_context: int | None, max_tokens: int) -> bool:
         if max_context is None or len(tokens) + max_tokens <= max_context:
             return True
@@ -64,7 +66,12 @@ class SingleTurnRollout:
             f"the model's {max_context}: shorten it, lower --max-completion-tokens, or pass --rollout-opt long_prompts=skip"
         )
 
-    def _encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
+    def encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
+        """The prompt's tokens as the sampler will see them (chat template applied or not).
+
+        The start-up length check calls this for every dataset row; the tokens are kept, so
+        the rollout does not encode a prompt twice.
+        """
         cached = self._token_cache.get(prompt.id)
         if cached is None:
             cached = self._token_cache[prompt.id] = encode_prompt(tokenizer, prompt, self.chat_template)

@@ -6,7 +6,19 @@ import attrs
 import pytest
 
 from grpo_core import PluginError, hookimpl, make_plugin, option
-from grpo_core.plugins_manager import build_manager, catalog, check_single_choice, coerce, find, instantiate
+from grpo_core.plugins_manager import (
+    build_manager,
+    catalog,
+    check_single_choice,
+    coerce,
+    coerce_options,
+    find,
+    instantiate,
+    is_secret,
+    plugin_problems,
+    redact,
+    redact_plugin_options,
+)
 
 
 def test_catalog_lists_builtins_through_entry_points():
@@ -91,10 +103,167 @@ def test_manager_calls_exactly_the_registered_instances_and_wrappers_compose():
     assert pm.hook.loss(inputs=None) == 20.0
 
 
-def test_single_choice_stages_need_exactly_one_implementation():
-    base = {kind: [object()] for kind in ("backend", "weight_sync", "rollout", "advantage")}
-    with pytest.raises(PluginError, match="exactly one loss plugin must be selected, got 2"):
-        check_single_choice({**base, "loss": [_Loss(), _Loss()]})
-    with pytest.raises(PluginError, match="exactly one loss plugin must be selected, got 0"):
-        check_single_choice({**base, "loss": [_Wrapper()]})
-    check_single_choice({**base, "loss": [_Loss(), _Wrapper()]})
+def test_single_choice_errors_name_plugins_as_users_type_them():
+    base = {kind: {"x": object()} for kind in ("backend", "weight_sync", "rollout", "advantage")}
+    with pytest.raises(PluginError, match=r"^exactly one loss plugin must be selected, got 2 \(cispo, grpo\)$"):
+        check_single_choice({**base, "loss": {"cispo": _Loss(), "grpo": _Loss()}})
+    with pytest.raises(PluginError, match=r"^exactly one loss plugin must be selected, got 0 \(none; tis only wraps one\)$"):
+        check_single_choice({**base, "loss": {"tis": _Wrapper()}})
+    with pytest.raises(PluginError, match=r"exactly one rollout plugin must be selected, got 0 \(none\)"):
+        check_single_choice({**base, "rollout": {}, "loss": {"grpo": _Loss()}})
+    check_single_choice({**base, "loss": {"grpo": _Loss(), "tis": _Wrapper()}})
+
+
+@attrs.define
+class _Misspelled:
+    @hookimpl
+    def rewards(self, prompt, samples):
+        return [1.0 for _ in samples]
+
+
+@attrs.define
+class _WrongArgument:
+    @hookimpl
+    def reward(self, prompt, sample):
+        return [1.0]
+
+
+@attrs.define
+class _Hookless:
+    """A loss that forgot its hook."""
+
+    def loss(self, inputs):
+        return 0.0
+
+
+@attrs.define
+class _HalfBackend:
+    @hookimpl
+    def make_trainer(self, config):
+        return None
+
+
+@attrs.define
+class _StepLogger:
+    @hookimpl
+    def on_step(self, step, metrics, state):
+        pass
+
+    @hookimpl(optionalhook=True)
+    def on_something_later(self):
+        pass
+
+
+def test_plugin_problems_find_a_misspelled_hook_and_say_what_the_kind_needs():
+    assert plugin_problems("reward", _Misspelled, "reward.x") == [
+        "method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?)",
+        "a reward plugin must implement @hookimpl def reward(self, prompt, samples) (missing: reward)",
+    ]
+
+
+def test_plugin_problems_find_a_wrong_argument_and_a_missing_hook():
+    assert plugin_problems("reward", _WrongArgument, "reward.x") == [
+        "hookimpl definition: reward(self, prompt, sample); "
+        "Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
+    ]
+    assert plugin_problems("loss", _Hookless, "loss.x") == ["a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"]
+    (backend,) = plugin_problems("backend", _HalfBackend, "backend.x")
+    assert backend.startswith("a backend plugin must implement all of @hookimpl def make_trainer(self, config); @hookimpl def make_sampler(")
+    assert backend.endswith("(missing: make_sampler)")
+    # A logger may observe only steps; an optional hook is no error.
+    assert plugin_problems("logger", _StepLogger, "logger.x") == []
+    # A valid plugin of the wrong kind is still refused: a reward is not a loss.
+    assert plugin_problems("loss", type(make_plugin("format")), "loss.format")[-1].startswith("a loss plugin must implement")
+
+
+def test_every_builtin_plugin_is_valid():
+    for entry in catalog():
+        assert plugin_problems(entry.kind, entry.load(), entry.qualified_name) == [], entry
+
+
+def test_build_manager_names_a_rejected_plugin_by_its_class_not_a_number():
+    with pytest.raises(PluginError) as err:
+        build_manager([_WrongArgument()])
+    assert str(err.value) == (
+        "plugin tests.core.test_plugins_manager:_WrongArgument: hookimpl definition: reward(prompt, sample); "
+        "Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [
+        ("api_key", True), ("openai_api_key", True), ("apikey", True), ("token", True), ("hf_token", True),
+        ("access_token", True), ("password", True), ("db_password", True), ("secret", True), ("client_secret", True),
+        ("max_tokens", False), ("stop_token", False), ("tokens", False), ("top_k", False), ("secretary", False), ("url", False),
+    ],
+)  # fmt: skip
+def test_secret_option_names(name, secret):
+    assert is_secret(name) is secret
+
+
+@attrs.define
+class _Remote:
+    """A reward that calls a service."""
+
+    url: str = option("http://localhost", help="service", secret=True)
+    api_key: str = option("", help="key")
+    token: str = option("", help="not a secret here, whatever its name", secret=False)
+    retries: int = option(1, help="attempts")
+    pin: int = option(0, help="a numeric secret", secret=True)
+
+
+def test_secrets_are_read_from_the_environment_when_the_plugin_is_made(monkeypatch):
+    monkeypatch.setenv("GRPO_TEST_KEY", "sk-123")
+    monkeypatch.setenv("GRPO_TEST_PIN", "42")
+    options = {"api_key": "env:GRPO_TEST_KEY", "pin": "env:GRPO_TEST_PIN", "retries": "3", "token": "env:NOT_READ"}
+    # What config.json stores: typed values, and the reference, not the secret.
+    assert coerce_options(_Remote, "reward.remote", options) == {"api_key": "env:GRPO_TEST_KEY", "pin": "env:GRPO_TEST_PIN", "retries": 3, "token": "env:NOT_READ"}
+    plugin = instantiate(_Remote, "reward.remote", options)
+    assert (plugin.api_key, plugin.pin, plugin.retries, plugin.token) == ("sk-123", 42, 3, "env:NOT_READ")
+    monkeypatch.delenv("GRPO_TEST_KEY")
+    with pytest.raises(PluginError, match="^option 'api_key' of reward.remote is read from the environment variable GRPO_TEST_KEY, which is not set$"):
+        instantiate(_Remote, "reward.remote", options)
+
+
+def test_a_bad_secret_value_is_not_echoed():
+    with pytest.raises(PluginError) as err:
+        instantiate(_Remote, "reward.remote", {"pin": "sk-secret-1234"})
+    assert "sk-secret-1234" not in str(err.value)
+    assert str(err.value) == "option 'pin' of reward.remote: not a valid int (value hidden: secret option)"
+    with pytest.raises(PluginError, match="expected an integer, got 'many'"):
+        instantiate(_Remote, "reward.remote", {"retries": "many"})
+
+
+def test_redact_hides_secrets_and_keeps_environment_references():
+    options = {"api_key": "sk-123", "password": "env:DB_PASS", "max_tokens": 5, "scale": 0.3}
+    # Not installed: secrets by name alone.
+    assert redact("reward", "not_installed", options) == {"api_key": "***", "password": "env:DB_PASS", "max_tokens": 5, "scale": 0.3}
+    assert redact_plugin_options({"reward": {"not_installed": options}, "loss": {"grpo": {"kl_beta": 0.01}}}) == {
+        "reward": {"not_installed": {"api_key": "***", "password": "env:DB_PASS", "max_tokens": 5, "scale": 0.3}},
+        "loss": {"grpo": {"kl_beta": 0.01}},
+    }
+
+
+def test_redact_reads_declared_secrets_from_the_plugin_class(monkeypatch):
+    from grpo_core import plugins_manager
+    from grpo_core.plugins_manager import PluginEntry
+
+    entry = PluginEntry("reward", "remote", "tests.core.test_plugins_manager:_Remote", "test-dist", "0.1")
+    monkeypatch.setattr(plugins_manager, "catalog", lambda: (entry,))
+    redacted = redact("reward", "remote", {"url": "http://user:pw@host", "token": "visible", "api_key": "sk", "retries": 2})
+    assert redacted == {"url": "***", "token": "visible", "api_key": "***", "retries": 2}
+
+
+def test_make_plugin_refuses_an_invalid_plugin_naming_its_distribution(monkeypatch):
+    from grpo_core import plugins_manager
+    from grpo_core.plugins_manager import PluginEntry
+
+    entry = PluginEntry("loss", "hookless", "tests.core.test_plugins_manager:_Hookless", "grpo-loss-x", "0.2")
+    monkeypatch.setattr(plugins_manager, "catalog", lambda: (entry,))
+    with pytest.raises(PluginError) as err:
+        make_plugin("hookless")
+    assert str(err.value) == (
+        "loss plugin 'hookless' from grpo-loss-x 0.2 (tests.core.test_plugins_manager:_Hookless) cannot be used: "
+        "a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"
+    )
