@@ -35,7 +35,7 @@ from grpo_core.checkpoint import (
     save_policy,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import DEFAULT_TASK_TEMPLATE, dataset_path, load_prompts, prompt_batches, steps_available, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
 from grpo_core.plugins_manager import PluginError
 from grpo_core.selection import select_plugins
 from grpo_core.stages import compute_advantages, score_groups, train_on_groups
@@ -69,6 +69,8 @@ class RunState:
     """The signal (SIGINT, SIGTERM) that asked the run to stop."""
     rng: dict[str, Any] | None = None
     """Every RNG as it was when the last step completed: what a checkpoint of that step holds."""
+    data: dict[str, int] = attrs.field(factory=dict)
+    """Prompts used and rows skipped (``data/...``), reported in the summary and step 1's metrics."""
 
     @property
     def step(self) -> int:
@@ -91,22 +93,24 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
     check_settings(config)
     seed_everything(config.seed, config.threads)
     selection = select_plugins(config)
-    prompts = load_dataset(config)
-    total_steps = plan_steps(config, len(prompts))
-    run_dir = check_run_dir(config.run_dir, resume, overwrite)
     pm = selection.manager
+    dataset = load_dataset(config, selection.rewards_needing_answer)
+    tokenizer, max_context = pm.hook.load_tokenizer(config=config)
+    check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
+    total_steps = plan_steps(config, len(dataset.prompts))
+    run_dir = check_run_dir(config.run_dir, resume, overwrite)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     make_run_dir(run_dir, resume)
     config.write(run_dir / "config.json")
-    state = RunState(run_dir=run_dir, total_steps=total_steps)
+    state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
     if resume:
         state.loop = resume_from(run_dir, trainer, sampler, total_steps)
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
     state.rng = capture_rng(sampler)
-    batches = islice(prompt_batches(prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle), state.step, None)
+    batches = islice(prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle), state.step, None)
     params = sampling_params(config)
     pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=state.step)
 
@@ -126,6 +130,8 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
             metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
             metrics["policy/version"] = trainer.version
+            if step == 1:
+                metrics.update({k: float(v) for k, v in state.data.items()})
             complete_step(state, selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
             pm.hook.on_step(step=step, metrics=metrics, state=state)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
@@ -290,18 +296,6 @@ def save_for_sampler(trainer: Any, config: RunConfig, path: str) -> None:
     write_prompt_settings(path, config)
 
 
-def load_dataset(config: RunConfig):
-    template = config.prompt_template
-    if template is None:
-        template = DEFAULT_TASK_TEMPLATE if config.dataset == "default" else "{prompt}"
-    skipped: list[str] | None = [] if config.skip_bad_rows else None
-    path = dataset_path(config.dataset)
-    prompts = load_prompts(path, config.prompt_field, config.answer_field, template, config.max_rows, skipped)
-    if skipped:
-        print(f"skipped {len(skipped)} bad rows of {path}; first: {skipped[0]}", file=sys.stderr)
-    return prompts
-
-
 def sampling_params(config: RunConfig) -> SamplingParams:
     return SamplingParams(
         max_tokens=config.max_completion_tokens,
@@ -341,4 +335,5 @@ def summarize(state: RunState, started: float, final: str, checkpoint: Path | No
         "checkpoint": str(checkpoint) if checkpoint else None,
         "stop_reason": state.stop_reason,
         "exit_code": EXIT_CODES.get(state.signal, 0) if state.signal else 0,
+        **state.data,
     }

@@ -62,8 +62,9 @@ class ConsoleLogger:
                 f"({summary['reward_last'] - summary['reward_first']:+.3f})",
                 highlight=False,
             )
-        if summary.get("skipped"):
-            self._console.print(f"skipped: {summary['skipped']}", highlight=False)
+        skipped = {k.removeprefix("data/skipped_"): v for k, v in summary.items() if k.startswith("data/skipped_") and v}
+        if skipped:
+            self._console.print("skipped " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()), highlight=False)
         stop = f", stopped: {summary['stop_reason']}" if summary.get("stop_reason") else ""
         self._console.print(
             f"{summary['steps']} steps in {summary['seconds']:.1f}s{stop}; run directory: {run_dir} "
