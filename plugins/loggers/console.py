@@ -57,8 +57,9 @@ class ConsoleLogger:
             self._progress.stop()
         n = summary["window"]
         if n:
+            first, last = ("first step", "last step") if n == 1 else (f"first {n} steps", f"last {n} steps")
             self._console.print(
-                f"reward: first {n} steps {summary['reward_first']:.3f} -> last {n} steps {summary['reward_last']:.3f} "
+                f"reward: {first} {summary['reward_first']:.3f} -> {last} {summary['reward_last']:.3f} "
                 f"({summary['reward_last'] - summary['reward_first']:+.3f})",
                 highlight=False,
             )
