@@ -286,7 +286,8 @@ def resume_from(run_dir: Path, trainer: Any, sampler: Any, total_steps: int) -> 
     if not found:
         raise CheckpointError(f"--resume {run_dir}: no complete checkpoint there; start again with --overwrite")
     loop = load_checkpoint(found[-1], trainer, sampler)
-    if loop.step >= total_steps:
+    # A run killed after its last checkpoint but before final/ only has final/ left to write.
+    if loop.step >= total_steps and (run_dir / "final").is_dir():
         raise PluginError(f"the run in {run_dir} is complete at step {loop.step} of {total_steps}; pass --max-steps > {loop.step} to train further")
     return loop
 
