@@ -39,6 +39,11 @@ SECTIONS = {
         "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
         "max_nonfinite_steps_in_a_row",
     ],
+    "Asynchronous loop (docs/async.md)": [
+        "loop", "max_head_offpolicy_versions", "max_concurrent", "synchronous_training", "minibatches_per_step",
+        "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
+        "rollout_failure_window",
+    ],
     "Run directory, checkpoints, resume": ["run_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "config_file"],
     "Machine": ["device", "dtype", "threads", "seed", "debug"],
 }  # fmt: skip

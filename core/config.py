@@ -115,6 +115,22 @@ class RunConfig:
         3, "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run", validator=_positive
     )
 
+    # Asynchronous loop.
+    loop: Literal["sync", "async"] = _field("sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)")
+    max_head_offpolicy_versions: int = _field(
+        1, "async: a trained sample is at most this many policy versions older than the trainer (0 = on-policy)", validator=_non_negative
+    )
+    max_concurrent: int | None = _field(None, "async: most rollouts in flight at once (default: all the gate admits, prompt_groups_per_step x (max_head_offpolicy_versions + 1))", validator=_positive)
+    synchronous_training: bool = _field(False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)")
+    minibatches_per_step: int = _field(1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", validator=_positive)
+    rollout_retries: int = _field(3, "async: retries of a rollout that raised a retryable error (timeouts, connection errors)", validator=_non_negative)
+    rollout_retry_backoff: float = _field(1.0, "async: seconds before the first retry, doubled at each next one", validator=_non_negative)
+    max_rollout_failures_in_a_row: int = _field(8, "async: stop the run after this many rollouts in a row failed", validator=_positive)
+    max_rollout_failure_rate: float = _field(
+        0.5, "async: stop the run when more than this share of the last rollout_failure_window rollouts failed", validator=_non_negative
+    )
+    rollout_failure_window: int = _field(50, "async: rollouts over which the failure rate is measured", validator=_positive)
+
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")

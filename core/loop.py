@@ -89,6 +89,10 @@ class RunState:
 
 
 def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    if config.loop == "async":
+        from grpo_core.async_loop import run_async
+
+        return run_async(config, resume, overwrite)
     started = time.perf_counter()
     r = start_run(config, resume, overwrite)
     pm, state = r.selection.manager, r.state

@@ -1,0 +1,627 @@
+"""The asynchronous loop: rollouts run in worker threads while the trainer trains.
+
+Worker threads take prompts, roll them out (one prompt group per rollout), score them and
+compute their advantages; the main thread trains as soon as ``prompt_groups_per_step`` groups
+with signal have arrived. A gate bounds staleness: a rollout starts only if its groups can be
+trained within ``max_head_offpolicy_versions`` policy versions of the version that sampled
+them, and a group that arrives staler than that is never trained: its prompt goes back to the
+queue (counted). ``synchronous_training`` rolls out a whole step's batch at once and starts no
+rollout while a step trains: the synchronous loop, step for step.
+
+Versions are the trainer's optimizer steps (``trainer.version``), the number every sample
+carries in ``policy_version``; a step with ``minibatches_per_step`` K advances it by K.
+
+Everything that keeps a run from being lost is the synchronous loop's (``grpo_core.loop``):
+start-up checks, signals, the failure checkpoint, the non-finite guard, checkpoints. The async
+state (the prompts taken, those still in flight) is written beside them after every step, in
+``RUN_DIR/async/step-N.json``; a resumed run samples the in-flight prompts again before any new
+one, so no prompt is skipped or trained twice. ``RUN_DIR/async/groups.jsonl`` records what
+became of every prompt group (trained, no signal, re-queued as stale, failed) and when.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import attrs
+
+from grpo_core.backend import sample_to_datum
+from grpo_core.checkpoint import complete_checkpoints, save_policy
+from grpo_core.config import RunConfig, default_threads
+from grpo_core.loop import (
+    Run,
+    complete_step,
+    guard_run,
+    learning_rate,
+    save_for_sampler,
+    start_run,
+    summarize,
+    write_checkpoint,
+)
+from grpo_core.plugins_manager import PluginError
+from grpo_core.stages import compute_advantages, score_groups, train_on_groups
+from grpo_core.types import Prompt
+
+ASYNC_DIR = "async"
+LEDGER = "groups.jsonl"
+
+
+class RetryableRolloutError(Exception):
+    """Raise it from a rollout for a failure worth trying again (a server hiccup, a rate limit)."""
+
+
+RETRYABLE = (RetryableRolloutError, TimeoutError, ConnectionError)
+"""Rollout errors retried with backoff; any other error is a bug and stops the run."""
+
+
+class RolloutFailures(PluginError):
+    """The circuit breaker: too many rollouts failed in a row, or too large a share of the recent ones."""
+
+
+def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    started = time.perf_counter()
+    check_async_settings(config)
+    r = start_run(config, resume, overwrite)
+    if getattr(r.sampler, "own_weights", True) is False:
+        raise PluginError(f"--loop async needs a sampler with weights of its own; backend '{config.backend}' shares the trainer's")
+    pm, state = r.selection.manager, r.state
+    pm.hook.on_run_start(config=config, run_dir=state.run_dir, total_steps=state.total_steps, start_step=state.step)
+    loop = AsyncLoop(config, r)
+    with guard_run(state, config, r.trainer):
+        try:
+            loop.train()
+        finally:
+            loop.close()
+
+    checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
+    final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+    summary = summarize(state, started, final, checkpoint)
+    (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    pm.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    return summary
+
+
+def check_async_settings(config: RunConfig) -> None:
+    behind = config.minibatches_per_step * (config.weight_sync_interval - 1)
+    if not config.synchronous_training and config.max_head_offpolicy_versions < behind:
+        raise PluginError(
+            f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
+            f"--max-head-offpolicy-versions must be at least {behind}"
+        )
+    if config.minibatches_per_step > config.prompt_groups_per_step:
+        raise PluginError(
+            f"--minibatches-per-step {config.minibatches_per_step} splits a step's groups: it cannot exceed "
+            f"--prompt-groups-per-step {config.prompt_groups_per_step}"
+        )
+    if not 0.0 < config.max_rollout_failure_rate <= 1.0:
+        raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
+
+
+@attrs.define
+class Gate:
+    """Whether one more rollout may start now. Counts are prompt groups; versions the trainer's."""
+
+    max_offpolicy: int
+    groups_per_step: int
+    versions_per_step: int
+    max_concurrent: int
+    sampler_version: int
+    next_step_version: int
+    """The trainer's version when the next step that is not yet training starts."""
+    drain: bool = False
+    """synchronous_training: one rollout at a time, and none while a step trains or waits."""
+    in_flight: int = 0
+    rollouts: int = 0
+    ready: int = 0
+    """Groups with signal waiting for a step."""
+    waiting: int = 0
+    """Finished rollouts the trainer has not taken yet."""
+    training: bool = False
+
+    def landing_version(self, size: int) -> int:
+        """The earliest trainer version that can train the last of ``size`` more groups: every group
+        before them goes into an earlier step or the same one."""
+        ahead = self.in_flight + self.ready + size - 1
+        return self.next_step_version + self.versions_per_step * (ahead // self.groups_per_step)
+
+    def admits(self, size: int) -> bool:
+        if self.drain:
+            return not self.training and self.rollouts == 0 and self.waiting == 0
+        if self.rollouts >= self.max_concurrent:
+            return False
+        return self.landing_version(size) - self.sampler_version <= self.max_offpolicy
+
+
+class SharedSampler:
+    """The sampler as rollout threads see it: one generation at a time and never during a weight
+    sync, and ``version`` the oldest version the calling thread's current rollout sampled from
+    (what a rollout stamps on its samples when it reads ``sampler.version``)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.inner = sampler
+        self.lock = threading.Lock()
+        self.busy_seconds = 0.0
+        self._local = threading.local()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def begin_rollout(self) -> None:
+        self._local.oldest = self.inner.version
+
+    @property
+    def version(self) -> int:
+        oldest = getattr(self._local, "oldest", None)
+        return self.inner.version if oldest is None else oldest
+
+    def sample(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            t0 = time.perf_counter()
+            oldest = getattr(self._local, "oldest", None)
+            self._local.oldest = self.inner.version if oldest is None else min(oldest, self.inner.version)
+            try:
+                return self.inner.sample(*args, **kwargs)
+            finally:
+                self.busy_seconds += time.perf_counter() - t0
+
+    def sync(self, pm: Any, trainer: Any, step: int) -> int:
+        with self.lock:
+            return pm.hook.weight_sync(trainer=trainer, sampler=self.inner, step=step)
+
+
+@attrs.define
+class Taken:
+    """A prompt taken from the run's order: ``index`` is its place there (unique across epochs)."""
+
+    index: int
+    prompt: Prompt
+
+
+@attrs.define
+class Finished:
+    """One rollout's outcome: its prompts, and either its scored groups or why it failed."""
+
+    taken: list[Taken]
+    version: int = 0
+    """The oldest policy version any of its samples came from."""
+    groups: list[list[Any]] = attrs.field(factory=list)
+    kept: list[list[Any]] = attrs.field(factory=list)
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    sample_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    retries: int = 0
+    dropped_samples: int = 0
+    failed: str | None = None
+
+
+class PromptQueue:
+    """Prompts in the run's order, after the ones to sample again (stale or in flight at a checkpoint)."""
+
+    def __init__(self, stream: Iterator[Taken], cursor: int, again: list[Taken]) -> None:
+        self.stream = stream
+        self.cursor = cursor
+        self.again: collections.deque[Taken] = collections.deque(again)
+        self.peeked: Taken | None = None
+
+    def has_more(self) -> bool:
+        if self.again or self.peeked:
+            return True
+        self.peeked = next(self.stream, None)
+        return self.peeked is not None
+
+    def take(self, n: int) -> list[Taken]:
+        taken: list[Taken] = []
+        while len(taken) < n and self.has_more():
+            if self.again:
+                taken.append(self.again.popleft())
+            else:
+                taken.append(self.peeked)
+                self.peeked = None
+                self.cursor += 1
+        return taken
+
+
+def prompt_stream(r: Run, groups_per_step: int, cursor: int) -> Iterator[Taken]:
+    """The run's prompt order from ``cursor`` on; ``r.batches`` starts after the completed steps' batches."""
+    index = r.state.step * groups_per_step
+    for batch in r.batches:
+        for prompt in batch:
+            if index >= cursor:
+                yield Taken(index, prompt)
+            index += 1
+
+
+class AsyncLoop:
+    def __init__(self, config: RunConfig, r: Run) -> None:
+        self.config, self.r = config, r
+        self.pm = r.selection.manager
+        self.sampler = SharedSampler(r.sampler)
+        self.folder = r.state.run_dir / ASYNC_DIR
+        self.folder.mkdir(exist_ok=True)
+        saved = read_async_state(self.folder, r.state.step) if r.state.step else None
+        cursor = saved["cursor"] if saved else r.state.step * config.prompt_groups_per_step
+        again = [Taken(i, Prompt(**p)) for i, p in saved["again"]] if saved else []
+        self.queue = PromptQueue(prompt_stream(r, config.prompt_groups_per_step, cursor), cursor, again)
+        trim_ledger(self.folder / LEDGER, r.state.step)
+        self.ledger = (self.folder / LEDGER).open("a")
+        drain = config.synchronous_training
+        self.unit = config.prompt_groups_per_step if drain else 1
+        concurrent = config.max_concurrent or config.prompt_groups_per_step * (config.max_head_offpolicy_versions + 1)
+        self.gate = Gate(
+            max_offpolicy=config.max_head_offpolicy_versions,
+            groups_per_step=config.prompt_groups_per_step,
+            versions_per_step=config.minibatches_per_step,
+            max_concurrent=1 if drain else concurrent,
+            sampler_version=r.sampler.version,
+            next_step_version=r.trainer.version,
+            drain=drain,
+        )
+        self.cond = threading.Condition()
+        self.arrived: collections.deque[Finished] = collections.deque()
+        self.running: dict[int, list[Taken]] = {}
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.failures_in_a_row = 0
+        self.outcomes: collections.deque[bool] = collections.deque(maxlen=config.rollout_failure_window)
+        self.score_lock = threading.Lock()
+        self.threads = [
+            threading.Thread(target=self.work, daemon=True, name=f"grpo-core-rollout-{i}") for i in range(self.gate.max_concurrent)
+        ]
+
+    # The worker threads.
+
+    def work(self) -> None:
+        import torch
+
+        # Thread-local in OpenMP: without it a worker would use every core.
+        torch.set_num_threads(self.config.threads or default_threads())
+        while True:
+            with self.cond:
+                while not self.stopping and not (self.queue.has_more() and self.gate.admits(self.unit)):
+                    self.cond.wait()
+                if self.stopping:
+                    return
+                taken = self.queue.take(self.unit)
+                self.gate.in_flight += len(taken)
+                self.gate.rollouts += 1
+                self.running[id(taken)] = taken
+            try:
+                finished = self.roll_out(taken)
+            except BaseException as exc:  # a bug or a fatal error: the main thread raises it
+                with self.cond:
+                    self.error = self.error or exc
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                del self.running[id(taken)]
+                self.gate.in_flight -= len(taken)
+                self.gate.rollouts -= 1
+                self.gate.ready += len(finished.kept)
+                self.gate.waiting += 1
+                self.arrived.append(finished)
+                self.count_outcome(finished)
+                self.cond.notify_all()
+
+    def roll_out(self, taken: list[Taken]) -> Finished:
+        config = self.config
+        prompts = [t.prompt for t in taken]
+        t0 = time.perf_counter()
+        for attempt in range(config.rollout_retries + 1):
+            self.sampler.begin_rollout()
+            try:
+                groups = self.pm.hook.rollout(prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params)
+                break
+            except RETRYABLE as exc:
+                if attempt == config.rollout_retries:
+                    return Finished(taken, retries=attempt, failed=f"{type(exc).__name__}: {exc}", sample_seconds=time.perf_counter() - t0)
+                time.sleep(config.rollout_retry_backoff * 2**attempt)
+        version = self.sampler.version
+        # A rollout that works per trajectory may drop one by returning None in its place.
+        dropped = sum(s is None for g in groups for s in g)
+        groups = [[s for s in g if s is not None] for g in groups]
+        version = min([version, *(s.policy_version for g in groups for s in g)])
+        t1 = time.perf_counter()
+        with self.score_lock:  # rewards and their failure counter are shared by every worker
+            metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
+            kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups)
+        return Finished(
+            taken, version, groups, kept, {**metrics, **advantage_metrics},
+            sample_seconds=t1 - t0, reward_seconds=time.perf_counter() - t1, retries=attempt, dropped_samples=dropped,
+        )  # fmt: skip
+
+    def count_outcome(self, finished: Finished) -> None:
+        """The circuit breaker (called under the lock)."""
+        config = self.config
+        failed = finished.failed is not None
+        self.failures_in_a_row = self.failures_in_a_row + 1 if failed else 0
+        self.outcomes.append(failed)
+        rate = sum(self.outcomes) / len(self.outcomes)
+        if self.failures_in_a_row >= config.max_rollout_failures_in_a_row:
+            self.error = RolloutFailures(f"{self.failures_in_a_row} rollouts in a row failed after {config.rollout_retries} retries each; last: {finished.failed}")
+        elif len(self.outcomes) == self.outcomes.maxlen and rate > config.max_rollout_failure_rate:
+            self.error = RolloutFailures(
+                f"{rate:.0%} of the last {len(self.outcomes)} rollouts failed (more than --max-rollout-failure-rate "
+                f"{config.max_rollout_failure_rate:g}); last: {finished.failed}"
+            )
+
+    # The main thread.
+
+    def train(self) -> None:
+        state, config, trainer = self.r.state, self.config, self.r.trainer
+        for thread in self.threads:
+            thread.start()
+        last = time.perf_counter()
+        busy_before = self.sampler.busy_seconds
+        while state.step < state.total_steps:
+            step = state.step + 1
+            t0 = time.perf_counter()
+            batch, requeued = self.wait_for_batch(step)
+            waited = time.perf_counter() - t0
+            if batch is None:
+                state.request_stop(f"the prompts ran out after step {state.step}")
+                break
+            kept = [g for f in batch for g in f.kept]
+            start_version = trainer.version
+            staleness = [start_version - s.policy_version for g in kept for s in g]
+            t1 = time.perf_counter()
+            train_metrics = self.train_batch(kept, learning_rate(config, step - 1, state.total_steps))
+            if step % config.weight_sync_interval == 0:
+                state.loop.policy_version = self.sampler.sync(self.pm, trainer, step)
+            t2 = time.perf_counter()
+            with self.cond:
+                self.gate.sampler_version = self.sampler.inner.version
+                self.gate.next_step_version = trainer.version
+            window = t2 - last
+            busy = self.sampler.busy_seconds
+            metrics = {**merge_group_metrics(batch), **train_metrics}
+            metrics.update(
+                {
+                    "time/sample": sum(f.sample_seconds for f in batch),
+                    "time/reward": sum(f.reward_seconds for f in batch),
+                    "time/wait": waited,
+                    "time/train": t2 - t1,
+                    "time/step": window,
+                    "perf/trainer_idle_frac": waited / window if window > 0 else 0.0,
+                    "perf/sampler_busy_frac": min(1.0, (busy - busy_before) / window) if window > 0 else 0.0,
+                    "perf/samples_per_s": metrics.get("train/samples", 0.0) / window if window > 0 else 0.0,
+                    "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
+                    "staleness/max": float(max(staleness, default=0)),
+                    "async/requeued_stale": float(requeued),
+                    "async/dropped_samples": float(sum(f.dropped_samples for f in batch)),
+                    "async/rollout_retries": float(sum(f.retries for f in batch)),
+                    "async/rollout_failed": float(sum(f.failed is not None for f in batch)),
+                }
+            )
+            metrics["policy/version"] = trainer.version
+            if step == 1:
+                metrics.update({k: float(v) for k, v in state.data.items()})
+            with self.sampler.lock:  # the sampler's RNG and weights, not in the middle of a generation
+                complete_step(state, self.r.selection, self.sampler.inner, metrics, config.max_nonfinite_steps_in_a_row)
+            self.record(step, batch, start_version)
+            with self.cond:
+                metrics.update({"queue/in_flight": float(self.gate.in_flight), "queue/ready": float(self.gate.ready), "queue/again": float(len(self.queue.again))})
+            self.pm.hook.on_step(step=step, metrics=metrics, state=state)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                write_checkpoint(state, config, trainer)
+            with self.cond:
+                self.gate.training = False
+                self.cond.notify_all()
+            last, busy_before = time.perf_counter(), busy
+            if state.interrupted:
+                state.request_stop(f"interrupted after step {step}")
+            if state.stop_reason:
+                break
+
+    def wait_for_batch(self, step: int) -> tuple[list[Finished] | None, int]:
+        """The rollouts of the next step (None when the prompts ran out), and how many stale groups
+        went back to the queue. Marks the step as training: a draining gate starts nothing until it ends."""
+        requeued = 0
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                requeued += self.requeue_stale(step)
+                if self.gate.drain and self.arrived:
+                    batch = [self.arrived.popleft()]
+                elif not self.gate.drain and self.gate.ready >= self.gate.groups_per_step:
+                    batch = self.take_ready(self.gate.groups_per_step)
+                elif self.gate.in_flight == 0 and not self.queue.has_more():
+                    if not self.arrived:
+                        return None, requeued
+                    batch = self.take_ready(self.gate.ready)  # the last prompts: a short step
+                else:
+                    self.cond.wait(timeout=0.5)
+                    continue
+                self.gate.waiting -= len(batch)
+                self.gate.ready -= sum(len(f.kept) for f in batch)
+                self.gate.training = True
+                self.gate.next_step_version = self.r.trainer.version + self.gate.versions_per_step
+                self.cond.notify_all()
+                return batch, requeued
+
+    def take_ready(self, groups: int) -> list[Finished]:
+        """Arrived rollouts in order of arrival until ``groups`` groups with signal (those without
+        signal on the way go with them: they count in the step's rewards, as in the sync loop)."""
+        batch: list[Finished] = []
+        kept = 0
+        while self.arrived and (kept < groups or not self.arrived[0].kept):
+            finished = self.arrived.popleft()
+            kept += len(finished.kept)
+            batch.append(finished)
+        return batch
+
+    def requeue_stale(self, step: int) -> int:
+        """Arrived groups the next step could not train within the bound go back to the queue (under the lock)."""
+        oldest = self.r.trainer.version - self.gate.max_offpolicy
+        if self.gate.drain:
+            return 0
+        stale = [f for f in self.arrived if f.version < oldest]
+        for finished in stale:
+            self.arrived.remove(finished)
+            self.gate.waiting -= 1
+            self.gate.ready -= len(finished.kept)
+            self.queue.again.extend(finished.taken)
+            self.write_ledger(step, finished, "requeued_stale", self.r.trainer.version)
+        if stale:
+            self.cond.notify_all()
+        return sum(len(f.taken) for f in stale)
+
+    def train_batch(self, kept: list[list[Any]], lr: float) -> dict[str, float]:
+        """One optimizer step, or ``minibatches_per_step`` K of them on shares of the groups, all
+        against π_old of the step's start (so the later ones have a ratio to clip)."""
+        config, trainer = self.config, self.r.trainer
+        K = config.minibatches_per_step
+        if K == 1:
+            return train_on_groups(self.pm, trainer, self.r.reference, kept, config, lr)
+        shares = [kept[len(kept) * k // K : len(kept) * (k + 1) // K] for k in range(K)]
+        shares = [s for s in shares if s]
+        if not shares:
+            return train_on_groups(self.pm, trainer, self.r.reference, kept, config, lr)
+        old = None
+        if config.anchor == "old_policy":
+            old = trainer.forward([sample_to_datum(s) for g in kept for s in g])
+        results, offset = [], 0
+        for share in shares:
+            n = sum(len(g) for g in share)
+            view = trainer if old is None else StepStartPolicy(trainer, old[offset : offset + n])
+            results.append(train_on_groups(self.pm, view, self.r.reference, share, config, lr))
+            offset += n
+        return merge_minibatch_metrics(results)
+
+    def record(self, step: int, batch: list[Finished], version: int) -> None:
+        for finished in batch:
+            self.write_ledger(step, finished, "failed" if finished.failed else "trained", version)
+        self.ledger.flush()
+        with self.cond:
+            again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for ts in self.running.values() for t in ts)]
+            snapshot = {"cursor": self.queue.cursor, "again": [[t.index, attrs.asdict(t.prompt)] for t in again]}
+        write_async_state(self.folder, self.r.state.step, snapshot)
+
+    def write_ledger(self, step: int, finished: Finished, outcome: str, trainer_version: int) -> None:
+        kept = {id(g[0].prompt) for g in finished.kept if g}
+        for t in finished.taken:
+            what = outcome if outcome != "trained" or id(t.prompt) in kept else "no_signal"
+            line = {"step": step, "index": t.index, "prompt": t.prompt.id, "outcome": what, "sampled_version": finished.version, "trainer_version": trainer_version}
+            self.ledger.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        """Stop taking prompts; a rollout still running is abandoned (its prompts are in the async state)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.ledger.close()
+
+
+class StepStartPolicy:
+    """The trainer as a step's later minibatches see it: π_old is the policy at the step's start.
+
+    Its version matches no sample, so ``anchor_logprobs`` asks ``forward`` for π_old, which
+    returns the logprobs computed before the step's first optimizer step.
+    """
+
+    version = -1
+
+    def __init__(self, trainer: Any, old_logprobs: list[Any]) -> None:
+        self.trainer = trainer
+        self.old_logprobs = old_logprobs
+
+    def forward(self, datums: list[Any]) -> list[Any]:
+        return self.old_logprobs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+
+SUMMED = ("reward/failed", "reward/errors", "reward/timeouts", "tokens/completion", "groups/", "train/samples", "optim/skipped_nonfinite", "train/skipped")
+
+
+def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for m in results for k in m)
+    merged = {}
+    for key in keys:
+        values = [m[key] for m in results if key in m]
+        merged[key] = sum(values) if key.startswith(SUMMED) else sum(values) / len(values)
+    merged["optim/minibatches"] = float(len(results))
+    return merged
+
+
+def merge_group_metrics(batch: list[Finished]) -> dict[str, float]:
+    """A step's reward and advantage metrics from those of its rollouts, as if scored together:
+    counts add up, means are weighted by what they average over, ``reward/std`` is pooled."""
+    done = [f for f in batch if f.failed is None]
+    if not done:
+        return {"reward/total": math.nan}
+    if len(done) == 1:
+        return dict(done[0].metrics)
+    keys = dict.fromkeys(k for f in done for k in f.metrics)
+    merged: dict[str, float] = {}
+    for key in keys:
+        if key == "reward/std":
+            continue
+        parts = [(f.metrics[key], metric_weight(f, key)) for f in done if key in f.metrics]
+        if key.startswith(SUMMED):
+            merged[key] = float(sum(v for v, _ in parts))
+        else:
+            merged[key] = weighted_mean(parts)
+    scored = [(f.metrics["reward/total"], f.metrics["reward/std"], metric_weight(f, "reward/total")) for f in done if "reward/std" in f.metrics]
+    mean = merged.get("reward/total", math.nan)
+    total = sum(n for _, _, n in scored if n)
+    if total:
+        second = sum(n * (std**2 + m**2) for m, std, n in scored if n) / total
+        merged["reward/std"] = math.sqrt(max(second - mean**2, 0.0)) if total > 1 else 0.0
+    elif scored:
+        merged["reward/std"] = 0.0
+    return merged
+
+
+def metric_weight(finished: Finished, key: str) -> int:
+    samples = [s for g in finished.groups for s in g]
+    if key == "reward/total":
+        return sum(s.reward is not None for s in samples)
+    if key.startswith("reward/"):
+        return sum(s.rewards.get(key.removeprefix("reward/")) is not None for s in samples)
+    return len(samples)
+
+
+def weighted_mean(parts: list[tuple[float, int]]) -> float:
+    parts = [(v, n) for v, n in parts if n and not math.isnan(v)]
+    total = sum(n for _, n in parts)
+    return sum(v * n for v, n in parts) / total if total else math.nan
+
+
+def write_async_state(folder: Path, step: int, snapshot: dict[str, Any]) -> None:
+    """The prompts taken and those to sample again after ``step``: written before any checkpoint of
+    that step, kept as long as one exists."""
+    path = folder / f"step-{step:06d}.json"
+    tmp = path.with_name(f".tmp-{path.name}")
+    with tmp.open("w") as f:
+        json.dump(snapshot, f, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    keep = {step} | {int(p.name.removeprefix("step-")) for p in complete_checkpoints(folder.parent)}
+    for old in folder.glob("step-*.json"):
+        if int(old.stem.removeprefix("step-")) not in keep:
+            old.unlink(missing_ok=True)
+
+
+def read_async_state(folder: Path, step: int) -> dict[str, Any]:
+    path = folder / f"step-{step:06d}.json"
+    if not path.is_file():
+        raise PluginError(f"cannot resume the async loop at step {step}: {path} is missing")
+    return json.loads(path.read_text())
+
+
+def trim_ledger(path: Path, step: int) -> None:
+    """A resumed run drops what the stopped one recorded after its checkpoint."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in lines))
