@@ -81,6 +81,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
             loop.close()
 
     checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
+    prune_async_state(loop.folder, state.step)
     final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
@@ -284,9 +285,9 @@ class AsyncLoop:
         torch.set_num_threads(self.config.threads or default_threads())
         while True:
             with self.cond:
-                while not self.stopping and not (self.queue.has_more() and self.gate.admits(self.unit)):
+                while not self.done() and not (self.queue.has_more() and self.gate.admits(self.unit)):
                     self.cond.wait()
-                if self.stopping:
+                if self.done():
                     return
                 taken = self.queue.take(self.unit)
                 self.gate.in_flight += len(taken)
@@ -308,6 +309,10 @@ class AsyncLoop:
                 self.arrived.append(finished)
                 self.count_outcome(finished)
                 self.cond.notify_all()
+
+    def done(self) -> bool:
+        """Take no more prompts: the run ends, or failed (under the lock)."""
+        return self.stopping or self.error is not None
 
     def roll_out(self, taken: list[Taken]) -> Finished:
         config = self.config
@@ -343,6 +348,8 @@ class AsyncLoop:
         self.failures_in_a_row = self.failures_in_a_row + 1 if failed else 0
         self.outcomes.append(failed)
         rate = sum(self.outcomes) / len(self.outcomes)
+        if self.error is not None:
+            return
         if self.failures_in_a_row >= config.max_rollout_failures_in_a_row:
             self.error = RolloutFailures(f"{self.failures_in_a_row} rollouts in a row failed after {config.rollout_retries} retries each; last: {finished.failed}")
         elif len(self.outcomes) == self.outcomes.maxlen and rate > config.max_rollout_failure_rate:
@@ -539,7 +546,12 @@ class StepStartPolicy:
         return getattr(self.trainer, name)
 
 
-SUMMED = ("reward/failed", "reward/errors", "reward/timeouts", "tokens/completion", "groups/", "train/samples", "optim/skipped_nonfinite", "train/skipped")
+SUMMED = {"reward/failed", "reward/errors", "reward/timeouts", "tokens/completion", "train/samples", "optim/skipped_nonfinite", "train/skipped"}
+
+
+def is_count(key: str) -> bool:
+    """A metric that adds up over rollouts and minibatches (every other one is a mean)."""
+    return key in SUMMED or key.startswith("groups/")
 
 
 def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]:
@@ -547,7 +559,7 @@ def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]
     merged = {}
     for key in keys:
         values = [m[key] for m in results if key in m]
-        merged[key] = sum(values) if key.startswith(SUMMED) else sum(values) / len(values)
+        merged[key] = sum(values) if is_count(key) else sum(values) / len(values)
     merged["optim/minibatches"] = float(len(results))
     return merged
 
@@ -566,7 +578,7 @@ def merge_group_metrics(batch: list[Finished]) -> dict[str, float]:
         if key == "reward/std":
             continue
         parts = [(f.metrics[key], metric_weight(f, key)) for f in done if key in f.metrics]
-        if key.startswith(SUMMED):
+        if is_count(key):
             merged[key] = float(sum(v for v, _ in parts))
         else:
             merged[key] = weighted_mean(parts)
@@ -606,6 +618,11 @@ def write_async_state(folder: Path, step: int, snapshot: dict[str, Any]) -> None
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    prune_async_state(folder, step)
+
+
+def prune_async_state(folder: Path, step: int) -> None:
+    """Keep the async state of ``step`` and of every checkpoint still there."""
     keep = {step} | {int(p.name.removeprefix("step-")) for p in complete_checkpoints(folder.parent)}
     for old in folder.glob("step-*.json"):
         if int(old.stem.removeprefix("step-")) not in keep:

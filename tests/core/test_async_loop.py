@@ -1,0 +1,465 @@
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import attrs
+import pytest
+import torch
+
+from grpo_core import data, hookimpl, selection
+from grpo_core.async_loop import (
+    Finished,
+    Gate,
+    RetryableRolloutError,
+    RolloutFailures,
+    SharedSampler,
+    check_async_settings,
+    merge_group_metrics,
+)
+from grpo_core.config import RunConfig
+from grpo_core.loop import RunFailed, run
+from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+from grpo_core.plugins_manager import PluginEntry, PluginError
+from grpo_core.types import Prompt, Sample
+
+
+@attrs.define
+class LengthReward:
+    """Longer completions score higher: gives the random test model a learning signal."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [len(s.text) / 10 for s in samples]
+
+
+class Script:
+    """What the scripted rollout does on its n-th call for a prompt (n = 0, 1, ...): sleep
+    ``latency(prompt_id, n)`` seconds after sampling (an environment's time), raise ``error(...)``
+    when it returns one, and drop the samples ``drop(...)`` names (None in their place)."""
+
+    latency = staticmethod(lambda prompt_id, n: 0.0)
+    error = staticmethod(lambda prompt_id, n: None)
+    drop = staticmethod(lambda prompt_id, n: ())
+    calls: list[str] = []
+
+
+@attrs.define
+class ScriptedRollout(SingleTurnRollout):
+    """The real single-turn rollout, then a scripted wait, error or dropped samples."""
+
+    @hookimpl
+    def rollout(self, prompts, num_samples, sampler, params):
+        assert len(prompts) == 1, "the async loop rolls out one prompt group per call"
+        prompt = prompts[0]
+        n = Script.calls.count(prompt.id)
+        Script.calls.append(prompt.id)
+        error = Script.error(prompt.id, n)
+        if error is not None:
+            raise error
+        groups = super().rollout(prompts=prompts, num_samples=num_samples, sampler=sampler, params=params)
+        time.sleep(Script.latency(prompt.id, n))
+        dropped = Script.drop(prompt.id, n)
+        return [[None if i in dropped else s for i, s in enumerate(g)] for g in groups]
+
+
+def row(prompt_id: str) -> int:
+    return int(prompt_id.rsplit(":", 1)[1])
+
+
+@pytest.fixture(autouse=True)
+def test_plugins(monkeypatch):
+    original = selection.find
+    entries = {
+        ("reward", "length"): PluginEntry(kind="reward", name="length", target=f"{__name__}:LengthReward", distribution="tests", version="0"),
+        ("rollout", "scripted"): PluginEntry(kind="rollout", name="scripted", target=f"{__name__}:ScriptedRollout", distribution="tests", version="0"),
+    }
+    find = lambda name, kind=None: entries.get((kind, name)) or original(name, kind)  # noqa: E731
+    monkeypatch.setattr(selection, "find", find)
+    monkeypatch.setattr(data, "find", find)  # the prompt settings written beside each checkpoint
+    monkeypatch.setattr(Script, "calls", [])
+    for name in ("latency", "error", "drop"):
+        monkeypatch.setattr(Script, name, getattr(Script, name))
+
+
+def config(tiny_model_dir, tiny_dataset, run_dir, **kw):
+    base = dict(
+        model=str(tiny_model_dir),
+        dataset=str(tiny_dataset),
+        prompt_template="Question: {prompt}\nAnswer:",
+        max_steps=3,
+        prompt_groups_per_step=2,
+        completions_per_prompt=4,
+        max_completion_tokens=6,
+        learning_rate=1e-2,
+        reward=["length"],
+        logger=["jsonl"],
+        run_dir=str(run_dir),
+        drop_zero_variance_groups=False,
+        loop="async",
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def ledger_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "async" / "groups.jsonl").read_text().splitlines()]
+
+
+def weights_of(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def shared_metrics(metrics):
+    """What the sync loop also reports, without timings."""
+    async_only = ("time/", "perf/", "staleness/", "queue/", "async/")
+    return [{k: v for k, v in m.items() if not k.startswith(async_only)} for m in metrics]
+
+
+def trained_indices(ledger):
+    return sorted(line["index"] for line in ledger if line["outcome"] == "trained")
+
+
+# The gate.
+
+
+def gate(**kw):
+    base = dict(max_offpolicy=1, groups_per_step=2, versions_per_step=1, max_concurrent=100, sampler_version=0, next_step_version=0)
+    return Gate(**{**base, **kw})
+
+
+@pytest.mark.parametrize("max_offpolicy", [0, 1, 4])
+def test_the_gate_admits_exactly_the_groups_that_land_within_the_bound(max_offpolicy):
+    g = gate(max_offpolicy=max_offpolicy)
+    admitted = 0
+    while g.admits(1):
+        g.in_flight += 1
+        admitted += 1
+    # Two groups per step: the groups of the next O + 1 steps, sampled at version 0.
+    assert admitted == 2 * (max_offpolicy + 1)
+    assert g.landing_version(1) == max_offpolicy + 1
+
+
+def test_the_gate_counts_ready_groups_versions_per_step_a_step_in_training_and_the_concurrency_bound():
+    g = gate(max_offpolicy=2, in_flight=1, ready=2)
+    assert g.landing_version(1) == 1 and g.admits(1)
+    g.versions_per_step = 2  # minibatches_per_step: a step is two versions
+    assert g.landing_version(1) == 2 and g.admits(1) and g.landing_version(2) == 4 and not g.admits(2)
+    g.next_step_version = 2  # a step is training: the next one starts at version 2
+    assert g.landing_version(1) == 4 and not g.admits(1)
+    g.sampler_version = 2
+    assert g.admits(1)
+    g.rollouts = g.max_concurrent = 3
+    assert not g.admits(1)
+
+
+def test_a_draining_gate_starts_one_rollout_at_a_time_and_none_while_a_step_trains_or_waits():
+    g = gate(max_offpolicy=0, drain=True, max_concurrent=1)
+    assert g.admits(2)
+    for field in ("rollouts", "waiting"):
+        setattr(g, field, 1)
+        assert not g.admits(2)
+        setattr(g, field, 0)
+    g.training = True
+    assert not g.admits(2)
+
+
+def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
+    @attrs.define
+    class Fake:
+        version: int = 3
+        tokenizer: str = "tok"
+
+        def sample(self, prompts, num_samples, params):
+            return [["x"]]
+
+    inner = Fake()
+    shared = SharedSampler(inner)
+    shared.begin_rollout()
+    assert shared.version == 3 and shared.tokenizer == "tok"
+    inner.version = 4  # a weight sync between two turns of one rollout
+    assert shared.sample([[1]], 1, None) == [["x"]]
+    assert shared.version == 3
+    shared.begin_rollout()
+    assert shared.version == 4 and shared.busy_seconds > 0
+
+
+# Settings.
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(weight_sync_interval=3, max_head_offpolicy_versions=1), "--max-head-offpolicy-versions must be at least 2"),
+        (dict(weight_sync_interval=2, minibatches_per_step=2, max_head_offpolicy_versions=1), "must be at least 2"),
+        (dict(minibatches_per_step=3, prompt_groups_per_step=2), "cannot exceed --prompt-groups-per-step 2"),
+        (dict(max_rollout_failure_rate=1.5), "must be in (0, 1]"),
+        (dict(max_rollout_failure_rate=0.0), "must be in (0, 1]"),
+    ],
+)
+def test_settings_the_loop_cannot_honour_are_refused(kw, message):
+    with pytest.raises(PluginError, match=None) as info:
+        check_async_settings(RunConfig(loop="async", **kw))
+    assert message in str(info.value)
+
+
+def test_settings_that_fit_are_accepted():
+    check_async_settings(RunConfig(loop="async", weight_sync_interval=3, max_head_offpolicy_versions=2))
+    check_async_settings(RunConfig(loop="async", weight_sync_interval=3, max_head_offpolicy_versions=0, synchronous_training=True))
+
+
+# Metrics of several rollouts, merged.
+
+
+def scored(rewards_by_group):
+    groups = []
+    for rewards in rewards_by_group:
+        prompt = Prompt(id="p", text="q")
+        group = []
+        for r in rewards:
+            s = Sample(prompt=prompt, tokens=[1, 2], sampling_logprobs=[0.0, -1.0], loss_mask=[0.0, 1.0], text="a", finish_reason="stop", policy_version=0)
+            s.reward, s.rewards = r, {"length": r}
+            group.append(s)
+        groups.append(group)
+    return groups
+
+
+def finished_with(groups):
+    ok = [s.reward for g in groups for s in g if s.reward is not None]
+    mean = sum(ok) / len(ok)
+    metrics = {
+        "reward/total": mean,
+        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in ok) / len(ok)),
+        "reward/length": mean,
+        "reward/failed": float(sum(s.reward is None for g in groups for s in g)),
+        "groups/kept": float(len(groups)),
+        "tokens/completion_mean": 1.0,
+    }
+    return Finished(taken=[], groups=groups, kept=groups, metrics=metrics)
+
+
+def test_merged_metrics_equal_those_of_the_groups_scored_together():
+    a, b = scored([[1.0, 2.0, None]]), scored([[4.0, 0.0], [3.0, 3.0]])
+    merged = merge_group_metrics([finished_with(a), finished_with(b), Finished(taken=[], failed="boom")])
+    everything = [1.0, 2.0, 4.0, 0.0, 3.0, 3.0]
+    mean = sum(everything) / 6
+    assert merged["reward/total"] == pytest.approx(mean) and merged["reward/length"] == pytest.approx(mean)
+    assert merged["reward/std"] == pytest.approx(math.sqrt(sum((r - mean) ** 2 for r in everything) / 6))
+    assert merged["reward/failed"] == 1.0 and merged["groups/kept"] == 3.0 and merged["tokens/completion_mean"] == 1.0
+    one = finished_with(b)
+    assert merge_group_metrics([one]) == one.metrics
+    assert math.isnan(merge_group_metrics([Finished(taken=[], failed="boom")])["reward/total"])
+
+
+# Synchronous training is the synchronous loop.
+
+
+@pytest.mark.parametrize("extra", [{}, {"weight_sync_interval": 2, "max_steps": 4}])
+def test_synchronous_training_gives_the_sync_loops_metrics_and_weights(tiny_model_dir, tiny_dataset, tmp_path, extra):
+    sync, drained = tmp_path / "sync", tmp_path / "drained"
+    run(config(tiny_model_dir, tiny_dataset, sync, loop="sync", seed=3, **extra))
+    run(config(tiny_model_dir, tiny_dataset, drained, synchronous_training=True, seed=3, **extra))
+    assert shared_metrics(metrics_of(drained)) == shared_metrics(metrics_of(sync))
+    assert all(m["staleness/max"] <= (1 if extra else 0) for m in metrics_of(drained))
+    ws, wd = weights_of(sync), weights_of(drained)
+    assert all(torch.equal(ws[k], wd[k]) for k in ws)
+
+
+def test_synchronous_training_resumes_exactly(tiny_model_dir, tiny_dataset, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run(config(tiny_model_dir, tiny_dataset, whole, synchronous_training=True, max_steps=4))
+    run(config(tiny_model_dir, tiny_dataset, split, synchronous_training=True, max_steps=2))
+    from grpo_core.config import load_resumed
+
+    run(load_resumed(str(split), {"max_steps": 4}, {}), resume=True)
+    assert shared_metrics(metrics_of(split)) == shared_metrics(metrics_of(whole))
+    ww, ws = weights_of(whole), weights_of(split)
+    assert all(torch.equal(ww[k], ws[k]) for k in ww)
+
+
+# Scripted latencies: the bound holds, no prompt is lost or trained twice.
+
+
+def skewed(prompt_id, n):
+    """Every third prompt is slow the first time it is rolled out; the others are fast."""
+    return 0.6 if n == 0 and row(prompt_id) % 3 == 0 else 0.01
+
+
+@pytest.mark.parametrize("max_offpolicy", [0, 1, 4])
+def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_once(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_offpolicy):
+    monkeypatch.setattr(Script, "latency", skewed)
+    versions = []
+    original = __import__("grpo_core.stages", fromlist=["x"]).anchor_logprobs
+
+    def spy(trainer, datums, samples, sampling, anchor):
+        versions.append((trainer.version, [s.policy_version for s in samples]))
+        return original(trainer, datums, samples, sampling, anchor)
+
+    monkeypatch.setattr("grpo_core.stages.anchor_logprobs", spy)
+    r = tmp_path / "r"
+    summary = run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=18, max_steps=None, max_head_offpolicy_versions=max_offpolicy))
+    metrics, ledger = metrics_of(r), ledger_of(r)
+    assert summary["steps"] == 9 and len(metrics) == 9
+    # Every sample trained, as the trainer saw it, within the bound.
+    staleness = [trainer_version - v for trainer_version, vs in versions for v in vs]
+    assert len(staleness) == 18 * 4 and max(staleness) <= max_offpolicy
+    assert max(m["staleness/max"] for m in metrics) == max(staleness)
+    assert all(0 <= line["trainer_version"] - line["sampled_version"] <= max_offpolicy for line in ledger if line["outcome"] == "trained")
+    # Every prompt trained exactly once; those that came back too stale were sampled again.
+    assert trained_indices(ledger) == list(range(18))
+    requeued = [line for line in ledger if line["outcome"] == "requeued_stale"]
+    assert sum(m["async/requeued_stale"] for m in metrics) == len(requeued)
+    assert len(Script.calls) == 18 + len(requeued)
+    if max_offpolicy == 0:
+        assert max(staleness) == 0
+    else:
+        # The slow prompts did not hold the trainer: they were trained late, or sampled again.
+        assert max(staleness) >= 1 or requeued
+
+
+def test_a_group_that_would_break_the_bound_is_sampled_again_never_trained(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    slow_row = 3
+    monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 3.0 if n == 0 and row(prompt_id) == slow_row else 0.0)
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=24, max_steps=None, max_head_offpolicy_versions=1, max_concurrent=2, shuffle=False))
+    ledger = ledger_of(r)
+    slow = [line for line in ledger if line["prompt"].endswith(f":{slow_row}")]
+    assert [line["outcome"] for line in slow] == ["requeued_stale", "trained"]
+    assert slow[0]["trainer_version"] - slow[0]["sampled_version"] > 1
+    assert trained_indices(ledger) == list(range(24))
+    assert Script.calls.count(slow[0]["prompt"]) == 2
+
+
+def test_dropped_samples_are_counted_and_not_trained(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(Script, "drop", lambda prompt_id, n: (0,) if row(prompt_id) % 2 else ())
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=8, max_steps=None))
+    metrics = metrics_of(r)
+    assert sum(m["async/dropped_samples"] for m in metrics) == 4
+    assert sum(m["train/samples"] for m in metrics) == 8 * 4 - 4
+
+
+# Failures.
+
+
+def test_a_retryable_error_is_retried_with_backoff(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(Script, "error", lambda prompt_id, n: RetryableRolloutError("busy") if n < 2 and row(prompt_id) == 2 else None)
+    r = tmp_path / "r"
+    started = time.perf_counter()
+    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=8, max_steps=None, rollout_retry_backoff=0.2, shuffle=False))
+    assert time.perf_counter() - started >= 0.2 + 0.4
+    metrics, ledger = metrics_of(r), ledger_of(r)
+    assert sum(m["async/rollout_retries"] for m in metrics) == 2 and sum(m["async/rollout_failed"] for m in metrics) == 0
+    assert trained_indices(ledger) == list(range(8))
+
+
+def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 else None)
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=8, max_steps=None, rollout_retries=1, rollout_retry_backoff=0, shuffle=False))
+    metrics, ledger = metrics_of(r), ledger_of(r)
+    assert sum(m["async/rollout_failed"] for m in metrics) == 1 and sum(m["async/rollout_retries"] for m in metrics) == 1
+    assert [line["index"] for line in ledger if line["outcome"] == "failed"] == [1]  # row 2 is the second prompt
+    assert trained_indices(ledger) == [0, 2, 3, 4, 5, 6, 7]
+
+
+def test_a_fatal_rollout_error_stops_the_run_with_a_checkpoint(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(Script, "error", lambda prompt_id, n: ValueError("a bug") if row(prompt_id) == 7 else None)
+    r = tmp_path / "r"
+    with pytest.raises(RunFailed) as info:
+        run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=12, max_steps=None, shuffle=False, max_concurrent=1))
+    assert isinstance(info.value.cause, ValueError) and "a bug" in str(info.value)
+    assert Script.calls.count(f"add.jsonl:7") == 1  # not retried
+    assert "--resume" in info.value.saved
+
+
+@pytest.mark.parametrize(
+    ("error", "kw", "message"),
+    [
+        (lambda prompt_id, n: ConnectionError("down"), dict(max_rollout_failures_in_a_row=3), "3 rollouts in a row failed"),
+        (
+            lambda prompt_id, n: ConnectionError("down") if row(prompt_id) % 2 else None,
+            dict(max_rollout_failure_rate=0.4, rollout_failure_window=4, max_concurrent=1),
+            "50% of the last 4 rollouts failed",
+        ),
+    ],
+)
+def test_the_circuit_breaker_stops_the_run(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, error, kw, message):
+    monkeypatch.setattr(Script, "error", error)
+    with pytest.raises(RunFailed) as info:
+        run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", rollout="scripted", max_rows=16, max_steps=None, rollout_retries=0, shuffle=False, **kw))
+    assert isinstance(info.value.cause, RolloutFailures) and message in str(info.value)
+
+
+# Minibatches.
+
+
+def test_minibatches_step_the_optimizer_k_times_against_the_steps_pi_old(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core import async_loop
+
+    calls = []
+    original = async_loop.train_on_groups
+
+    def spy(pm, trainer, reference, groups, config, lr):
+        calls.append(trainer.version)
+        return original(pm, trainer, reference, groups, config, lr)
+
+    monkeypatch.setattr(async_loop, "train_on_groups", spy)
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=2, prompt_groups_per_step=4, minibatches_per_step=2, max_head_offpolicy_versions=2))
+    metrics = metrics_of(r)
+    assert [m["policy/version"] for m in metrics] == [2, 4]
+    assert all(m["optim/minibatches"] == 2 and m["train/samples"] == 16 for m in metrics)
+    # The view the minibatches train through matches no sample's version: pi_old comes from the step's start.
+    assert calls == [-1, -1, -1, -1]
+    # The second minibatch's ratio is against the policy before the first update: not 1.
+    assert all(abs(m["loss/ratio_mean"] - 1.0) > 1e-6 for m in metrics)
+
+
+def test_one_minibatch_anchors_on_the_step_start_policy_and_the_later_ones_too(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core import async_loop
+
+    ratios = []
+    original = async_loop.train_on_groups
+    monkeypatch.setattr(async_loop, "train_on_groups", lambda *a: (m := original(*a), ratios.append(m["loss/ratio_mean"]))[0])
+    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", max_steps=1, prompt_groups_per_step=4, minibatches_per_step=2, max_head_offpolicy_versions=2))
+    # First minibatch: nothing changed yet, the ratio is 1; second: the first update moved the policy.
+    assert ratios[0] == pytest.approx(1.0, abs=1e-5) and abs(ratios[1] - 1.0) > 1e-4
+
+
+# Checkpoints and resume.
+
+
+def test_resume_samples_the_in_flight_prompts_again_and_skips_none(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.5 if row(prompt_id) % 4 == 1 else 0.01)
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=20, max_steps=3, max_head_offpolicy_versions=2))
+    state = json.loads((r / "async" / "step-000003.json").read_text())
+    first = ledger_of(r)
+    assert len(trained_indices(first)) == 6
+    # Prompts were taken beyond the three steps: in flight or ready when the run stopped.
+    assert state["cursor"] > 6 and state["again"]
+    assert {i for i, _ in state["again"]}.isdisjoint(trained_indices(first))
+    from grpo_core.config import load_resumed
+
+    Script.calls.clear()
+    summary = run(load_resumed(str(r), {"max_steps": 100}, {}), resume=True)
+    ledger = ledger_of(r)
+    assert summary["steps"] == 10 and [m["step"] for m in metrics_of(r)] == list(range(1, 11))
+    assert trained_indices(ledger) == list(range(20))
+    # What was in flight is sampled first after the resume.
+    assert Script.calls[: len(state["again"])] == [p["id"] for _, p in state["again"]]
+
+
+def test_the_async_state_is_kept_for_the_checkpoints_only(tiny_model_dir, tiny_dataset, tmp_path):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=5, checkpoint_every=2, keep_checkpoints=2))
+    assert sorted(p.name for p in (r / "async").glob("step-*.json")) == ["step-000004.json", "step-000005.json"]
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
