@@ -183,6 +183,8 @@ class Taken:
 
     index: int
     prompt: Prompt
+    requeued: int = 0
+    """Times its group came back too stale; from the first, the trainer waits for it rather than go past its bound."""
 
 
 @attrs.define
@@ -266,7 +268,8 @@ class AsyncLoop:
         )
         self.cond = threading.Condition()
         self.arrived: collections.deque[Finished] = collections.deque()
-        self.running: dict[int, list[Taken]] = {}
+        self.running: dict[int, tuple[list[Taken], int]] = {}
+        """In-flight rollouts: their prompts and the sampler's version when they started."""
         self.error: BaseException | None = None
         self.stopping = False
         self.failures_in_a_row = 0
@@ -292,7 +295,7 @@ class AsyncLoop:
                 taken = self.queue.take(self.unit)
                 self.gate.in_flight += len(taken)
                 self.gate.rollouts += 1
-                self.running[id(taken)] = taken
+                self.running[id(taken)] = (taken, self.gate.sampler_version)
             try:
                 finished = self.roll_out(taken)
             except BaseException as exc:  # a bug or a fatal error: the main thread raises it
@@ -435,6 +438,9 @@ class AsyncLoop:
                 if self.error is not None:
                     raise self.error
                 requeued += self.requeue_stale(step)
+                if self.waits_for_a_requeued_group():
+                    self.cond.wait(timeout=0.5)
+                    continue
                 if self.gate.drain and self.arrived:
                     batch = [self.arrived.popleft()]
                 elif not self.gate.drain and self.gate.ready >= self.gate.groups_per_step:
@@ -453,9 +459,17 @@ class AsyncLoop:
                 self.cond.notify_all()
                 return batch, requeued
 
+    def waits_for_a_requeued_group(self) -> bool:
+        """A prompt that came back too stale once must not starve (a slow rollout each time, while
+        fast ones fill the steps): no step starts that would leave its new group too stale."""
+        last_step_version = self.r.trainer.version + self.gate.versions_per_step - self.gate.max_offpolicy
+        return any(version < last_step_version for taken, version in self.running.values() if any(t.requeued for t in taken))
+
     def take_ready(self, groups: int) -> list[Finished]:
-        """Arrived rollouts in order of arrival until ``groups`` groups with signal (those without
-        signal on the way go with them: they count in the step's rewards, as in the sync loop)."""
+        """Arrived rollouts until ``groups`` groups with signal: those sampled again after coming back
+        stale first, then in order of arrival (those without signal on the way go with them: they
+        count in the step's rewards, as in the sync loop)."""
+        self.arrived = collections.deque(sorted(self.arrived, key=lambda f: not any(t.requeued for t in f.taken)))
         batch: list[Finished] = []
         kept = 0
         while self.arrived and (kept < groups or not self.arrived[0].kept):
@@ -474,6 +488,8 @@ class AsyncLoop:
             self.arrived.remove(finished)
             self.gate.waiting -= 1
             self.gate.ready -= len(finished.kept)
+            for t in finished.taken:
+                t.requeued += 1
             self.queue.again.extend(finished.taken)
             self.write_ledger(step, finished, "requeued_stale", self.r.trainer.version)
         if stale:
@@ -507,7 +523,7 @@ class AsyncLoop:
             self.write_ledger(step, finished, "failed" if finished.failed else "trained", version)
         self.ledger.flush()
         with self.cond:
-            again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for ts in self.running.values() for t in ts)]
+            again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for ts, _ in self.running.values() for t in ts)]
             snapshot = {"cursor": self.queue.cursor, "again": [[t.index, attrs.asdict(t.prompt)] for t in again]}
         write_async_state(self.folder, self.r.state.step, snapshot)
 
