@@ -207,6 +207,8 @@ def selected_names(config: RunConfig, kind: str) -> list[str]:
 RESUMABLE = (
     "max_steps", "checkpoint_every", "keep_checkpoints", "threads", "reward_timeout",
     "max_nonfinite_steps_in_a_row", "max_reward_failures_in_a_row",
+    "max_concurrent", "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
+    "rollout_failure_window",
 )  # fmt: skip
 """Settings a resumed run may change: none of them changes what a step computes."""
 
