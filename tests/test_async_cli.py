@@ -89,3 +89,18 @@ def test_a_signal_ends_an_async_run_with_a_checkpoint_and_its_async_state(tiny_m
     out = grpo_core("run", "--resume", str(run_dir), "--max-steps", str(steps + 1))
     assert out.returncode == 0, out.stderr
     assert [m["step"] for m in metrics_of(run_dir)] == list(range(1, steps + 2))
+
+
+def test_the_async_preset_in_the_docs_runs_async_with_tis(tiny_model_dir, tiny_dataset, tmp_path):
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "async.md").read_text()
+    preset = docs.split("# async.toml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
+    (tmp_path / "async.toml").write_text(preset)
+    run_dir = tmp_path / "run"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--config", str(tmp_path / "async.toml"), "--no-drop-zero-variance-groups"))
+    assert out.returncode == 0, out.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["loop"] == "async" and config["max_head_offpolicy_versions"] == 1 and config["loss"] == ["grpo", "tis"]
+    assert config["plugin_options"]["loss"]["tis"] == {"cap": 2.0}
+    assert all("tis/weight_mean" in m and "staleness/max" in m for m in metrics_of(run_dir))
