@@ -22,6 +22,7 @@ became of every prompt group (trained, no signal, re-queued as stale, failed) an
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import os
@@ -141,14 +142,24 @@ class Gate:
 
 
 class SharedSampler:
-    """The sampler as rollout threads see it: one generation at a time and never during a weight
-    sync, and ``version`` the oldest version the calling thread's current rollout sampled from
-    (what a rollout stamps on its samples when it reads ``sampler.version``)."""
+    """The sampler as rollout threads see it.
+
+    Generations run one at a time, or up to ``sampler.concurrent_samples`` at once for a sampler
+    that takes concurrent calls (a server); a weight sync or a checkpoint of the sampler waits for
+    the running ones and holds new ones off. ``version`` is the oldest version the calling
+    thread's current rollout sampled from: what a rollout stamps on its samples when it reads
+    ``sampler.version``, correct even when a sync lands between two of its calls.
+    """
 
     def __init__(self, sampler: Any) -> None:
         self.inner = sampler
-        self.lock = threading.Lock()
+        self.parallel = max(1, int(getattr(sampler, "concurrent_samples", 1)))
         self.busy_seconds = 0.0
+        """Wall time during which at least one generation ran."""
+        self._cond = threading.Condition()
+        self._active = 0
+        self._exclusive = False
+        self._busy_since = 0.0
         self._local = threading.local()
 
     def __getattr__(self, name: str) -> Any:
@@ -163,18 +174,40 @@ class SharedSampler:
         return self.inner.version if oldest is None else oldest
 
     def sample(self, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
-            t0 = time.perf_counter()
+        with self._cond:
+            while self._exclusive or self._active >= self.parallel:
+                self._cond.wait()
+            if self._active == 0:
+                self._busy_since = time.perf_counter()
+            self._active += 1
             oldest = getattr(self._local, "oldest", None)
             self._local.oldest = self.inner.version if oldest is None else min(oldest, self.inner.version)
-            try:
-                return self.inner.sample(*args, **kwargs)
-            finally:
-                self.busy_seconds += time.perf_counter() - t0
+        try:
+            return self.inner.sample(*args, **kwargs)
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self.busy_seconds += time.perf_counter() - self._busy_since
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[Any]:
+        """The sampler itself, with no generation running (only the main thread asks)."""
+        with self._cond:
+            self._exclusive = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield self.inner
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
 
     def sync(self, pm: Any, trainer: Any, step: int) -> int:
-        with self.lock:
-            return pm.hook.weight_sync(trainer=trainer, sampler=self.inner, step=step)
+        with self.exclusive() as sampler:
+            return pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
 
 
 @attrs.define
@@ -412,8 +445,8 @@ class AsyncLoop:
             metrics["policy/version"] = trainer.version
             if step == 1:
                 metrics.update({k: float(v) for k, v in state.data.items()})
-            with self.sampler.lock:  # the sampler's RNG and weights, not in the middle of a generation
-                complete_step(state, self.r.selection, self.sampler.inner, metrics, config.max_nonfinite_steps_in_a_row)
+            with self.sampler.exclusive() as sampler:  # its RNG and weights, not in the middle of a generation
+                complete_step(state, self.r.selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
             self.record(step, batch, start_version)
             with self.cond:
                 metrics.update({"queue/in_flight": float(self.gate.in_flight), "queue/ready": float(self.gate.ready), "queue/again": float(len(self.queue.again))})
@@ -656,5 +689,11 @@ def trim_ledger(path: Path, step: int) -> None:
     """A resumed run drops what the stopped one recorded after its checkpoint."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in lines))
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    path.write_text("".join(kept))

@@ -171,16 +171,27 @@ def test_a_draining_gate_starts_one_rollout_at_a_time_and_none_while_a_step_trai
     assert not g.admits(2)
 
 
+@attrs.define
+class SlowSampler:
+    """Records how many of its generations ran at once."""
+
+    version: int = 3
+    tokenizer: str = "tok"
+    concurrent_samples: int = 1
+    seconds: float = 0.0
+    running: int = 0
+    most_at_once: int = 0
+
+    def sample(self, prompts, num_samples, params):
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        time.sleep(self.seconds)
+        self.running -= 1
+        return [["x"]]
+
+
 def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
-    @attrs.define
-    class Fake:
-        version: int = 3
-        tokenizer: str = "tok"
-
-        def sample(self, prompts, num_samples, params):
-            return [["x"]]
-
-    inner = Fake()
+    inner = SlowSampler()
     shared = SharedSampler(inner)
     shared.begin_rollout()
     assert shared.version == 3 and shared.tokenizer == "tok"
@@ -188,7 +199,31 @@ def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
     assert shared.sample([[1]], 1, None) == [["x"]]
     assert shared.version == 3
     shared.begin_rollout()
-    assert shared.version == 4 and shared.busy_seconds > 0
+    assert shared.version == 4
+
+
+@pytest.mark.parametrize("concurrent", [1, 3])
+def test_the_shared_sampler_runs_as_many_generations_at_once_as_the_sampler_takes_and_syncs_between_them(concurrent):
+    import threading
+
+    inner = SlowSampler(concurrent_samples=concurrent, seconds=0.2)
+    shared = SharedSampler(inner)
+    threads = [threading.Thread(target=shared.sample, args=([[1]], 1, None)) for _ in range(3)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    with shared.exclusive() as sampler:  # waits for the running generations, holds new ones off
+        assert sampler is inner and inner.running == 0
+        synced_at = time.perf_counter() - started
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - started
+    assert inner.most_at_once == concurrent
+    # One at a time: 3 x 0.2 s; three at once: 0.2 s. The sync waited for what was running.
+    assert elapsed >= (0.6 if concurrent == 1 else 0.2) and synced_at >= 0.2
+    assert (elapsed < 0.5) == (concurrent == 3)
+    assert shared.busy_seconds == pytest.approx(0.6 if concurrent == 1 else 0.2, abs=0.15)
 
 
 # Settings.
@@ -464,3 +499,12 @@ def test_the_async_state_is_kept_for_the_checkpoints_only(tiny_model_dir, tiny_d
     run(config(tiny_model_dir, tiny_dataset, r, max_steps=5, checkpoint_every=2, keep_checkpoints=2))
     assert sorted(p.name for p in (r / "async").glob("step-*.json")) == ["step-000004.json", "step-000005.json"]
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
+
+
+def test_a_resumed_run_drops_the_group_records_after_its_checkpoint_and_a_torn_last_line(tmp_path):
+    from grpo_core.async_loop import trim_ledger
+
+    path = tmp_path / "groups.jsonl"
+    path.write_text('{"step": 1, "index": 0}\n{"step": 2, "index": 1}\n{"step": 3, "index": 2}\n{"step": 3, "ind')
+    trim_ledger(path, 2)
+    assert path.read_text() == '{"step": 1, "index": 0}\n{"step": 2, "index": 1}\n'
