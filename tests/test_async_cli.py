@@ -104,3 +104,24 @@ def test_the_async_preset_in_the_docs_runs_async_with_tis(tiny_model_dir, tiny_d
     assert config["loop"] == "async" and config["max_head_offpolicy_versions"] == 1 and config["loss"] == ["grpo", "tis"]
     assert config["plugin_options"]["loss"]["tis"] == {"cap": 2.0}
     assert all("tis/weight_mean" in m and "staleness/max" in m for m in metrics_of(run_dir))
+
+
+def test_an_async_run_killed_mid_run_resumes_and_trains_every_prompt_exactly_once(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    # Three epochs of 36 prompts: every (epoch, prompt) place in the order must be trained once.
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")
+    args += ["--max-steps", "54", "--epochs", "3", "--checkpoint-every", "1", "--max-head-offpolicy-versions", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 4):
+        time.sleep(0.02)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not (run_dir / "final").exists(), "the run ended before it was killed"
+    out = grpo_core("run", "--resume", str(run_dir))
+    assert out.returncode == 0, out.stderr
+    assert [m["step"] for m in metrics_of(run_dir)] == list(range(1, 55))
+    ledger = [json.loads(line) for line in (run_dir / "async" / "groups.jsonl").read_text().splitlines()]
+    assert sorted(line["index"] for line in ledger if line["outcome"] == "trained") == list(range(108))
+    assert all(line["trainer_version"] - line["sampled_version"] <= 2 for line in ledger if line["outcome"] == "trained")
