@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 
 import attrs
@@ -43,6 +44,9 @@ class Script:
     error = staticmethod(lambda prompt_id, n: None)
     drop = staticmethod(lambda prompt_id, n: ())
     calls: list[str] = []
+    running = 0
+    most_at_once = 0
+    lock = threading.Lock()
 
 
 @attrs.define
@@ -55,10 +59,20 @@ class ScriptedRollout(SingleTurnRollout):
         prompt = prompts[0]
         n = Script.calls.count(prompt.id)
         Script.calls.append(prompt.id)
+        with Script.lock:
+            Script.running += 1
+            Script.most_at_once = max(Script.most_at_once, Script.running)
+        try:
+            return self.scripted(prompt, n, num_samples, sampler, params)
+        finally:
+            with Script.lock:
+                Script.running -= 1
+
+    def scripted(self, prompt, n, num_samples, sampler, params):
         error = Script.error(prompt.id, n)
         if error is not None:
             raise error
-        groups = super().rollout(prompts=prompts, num_samples=num_samples, sampler=sampler, params=params)
+        groups = super().rollout(prompts=[prompt], num_samples=num_samples, sampler=sampler, params=params)
         time.sleep(Script.latency(prompt.id, n))
         dropped = Script.drop(prompt.id, n)
         return [[None if i in dropped else s for i, s in enumerate(g)] for g in groups]
@@ -79,6 +93,8 @@ def test_plugins(monkeypatch):
     monkeypatch.setattr(selection, "find", find)
     monkeypatch.setattr(data, "find", find)  # the prompt settings written beside each checkpoint
     monkeypatch.setattr(Script, "calls", [])
+    monkeypatch.setattr(Script, "running", 0)
+    monkeypatch.setattr(Script, "most_at_once", 0)
     for name in ("latency", "error", "drop"):
         monkeypatch.setattr(Script, name, getattr(Script, name))
 
@@ -204,8 +220,6 @@ def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
 
 @pytest.mark.parametrize("concurrent", [1, 3])
 def test_the_shared_sampler_runs_as_many_generations_at_once_as_the_sampler_takes_and_syncs_between_them(concurrent):
-    import threading
-
     inner = SlowSampler(concurrent_samples=concurrent, seconds=0.2)
     shared = SharedSampler(inner)
     threads = [threading.Thread(target=shared.sample, args=([[1]], 1, None)) for _ in range(3)]
@@ -371,6 +385,14 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
     assert slow[0]["trainer_version"] - slow[0]["sampled_version"] > 1
     assert trained_indices(ledger) == list(range(36))
     assert Script.calls.count(slow[0]["prompt"]) == 2
+
+
+@pytest.mark.parametrize(("max_concurrent", "expected"), [(3, 3), (None, 2 * (4 + 1))])
+def test_max_concurrent_bounds_the_rollouts_in_flight(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_concurrent, expected):
+    monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.3)
+    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", rollout="scripted", max_rows=16, max_steps=None, max_head_offpolicy_versions=4, max_concurrent=max_concurrent))
+    # The default: every rollout the gate admits, the groups of O + 1 = 5 steps of two.
+    assert Script.most_at_once == expected
 
 
 def test_dropped_samples_are_counted_and_not_trained(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
