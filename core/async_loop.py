@@ -62,6 +62,10 @@ RETRYABLE = (RetryableRolloutError, TimeoutError, ConnectionError)
 """Rollout errors retried with backoff; any other error is a bug and stops the run."""
 
 
+class SamplerClosed(Exception):
+    """The run has ended: a rollout still going gets no more generations."""
+
+
 class RolloutFailures(PluginError):
     """The circuit breaker: too many rollouts failed in a row, or too large a share of the recent ones."""
 
@@ -159,6 +163,7 @@ class SharedSampler:
         self._cond = threading.Condition()
         self._active = 0
         self._exclusive = False
+        self._closed = False
         self._busy_since = 0.0
         self._local = threading.local()
 
@@ -177,6 +182,8 @@ class SharedSampler:
         with self._cond:
             while self._exclusive or self._active >= self.parallel:
                 self._cond.wait()
+            if self._closed:
+                raise SamplerClosed("the run has ended")
             if self._active == 0:
                 self._busy_since = time.perf_counter()
             self._active += 1
@@ -208,6 +215,15 @@ class SharedSampler:
     def sync(self, pm: Any, trainer: Any, step: int) -> int:
         with self.exclusive() as sampler:
             return pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
+
+    def close(self) -> None:
+        """Wait for the running generations and refuse new ones: no thread is left inside torch
+        when the process exits (a daemon thread there aborts the interpreter's shutdown)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            while self._active:
+                self._cond.wait()
 
 
 @attrs.define
@@ -333,7 +349,9 @@ class AsyncLoop:
                 finished = self.roll_out(taken)
             except BaseException as exc:  # a bug or a fatal error: the main thread raises it
                 with self.cond:
-                    self.error = self.error or exc
+                    if self.done():
+                        return  # the run has ended (SamplerClosed, or an error already raised)
+                    self.error = exc
                     self.cond.notify_all()
                 return
             with self.cond:
@@ -572,6 +590,7 @@ class AsyncLoop:
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
+        self.sampler.close()
         self.ledger.close()
 
 
