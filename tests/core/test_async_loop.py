@@ -240,6 +240,22 @@ def test_the_shared_sampler_runs_as_many_generations_at_once_as_the_sampler_take
     assert shared.busy_seconds == pytest.approx(0.6 if concurrent == 1 else 0.2, abs=0.15)
 
 
+def test_a_closed_shared_sampler_waits_for_the_running_generation_and_refuses_new_ones():
+    from grpo_core.async_loop import SamplerClosed
+
+    inner = SlowSampler(seconds=0.3)
+    shared = SharedSampler(inner)
+    worker = threading.Thread(target=shared.sample, args=([[1]], 1, None))
+    worker.start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    shared.close()
+    assert time.perf_counter() - started >= 0.2 and inner.running == 0
+    worker.join()
+    with pytest.raises(SamplerClosed):
+        shared.sample([[1]], 1, None)
+
+
 # Settings.
 
 
