@@ -37,10 +37,10 @@ import attrs
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_common import CACHE, build_model, make_prompts, write_dataset  # noqa: E402
+from bench_common import CACHE, build_model, make_prompts, write_dataset
 
-from grpo_core import hookimpl, option  # noqa: E402
-from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout  # noqa: E402
+from grpo_core import hookimpl, option
+from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 
 ENTRY_POINTS = """[grpo_core]
 reward.bench_chars = bench_plugins:CharReward
@@ -115,7 +115,14 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path) ->
         run_dir=str(args.work / name.replace(" ", "_").replace("=", "")),
         plugin_options={
             "loss": {"grpo": {"kl_beta": 0.0}},
-            "rollout": {"latency_env": {"turns": args.turns, "fast_latency": args.fast_latency, "slow_latency": args.slow_latency, "slow_share": args.slow_share}},
+            "rollout": {
+                "latency_env": {
+                    "turns": args.turns,
+                    "fast_latency": args.fast_latency,
+                    "slow_latency": args.slow_latency,
+                    "slow_share": args.slow_share,
+                }
+            },
         },
         **MODES[name],
     )
@@ -173,7 +180,9 @@ def main() -> None:
     if base:
         for r in results:
             if r is not base:
-                print(f"{r['mode']}: {base['wall_s'] / r['wall_s']:.2f}x the synchronous throughput; trainer idle {r['trainer_idle_frac']:.1%} vs {base['trainer_idle_frac']:.1%}")
+                speedup = base["wall_s"] / r["wall_s"]
+                idle = f"trainer idle {r['trainer_idle_frac']:.1%} vs {base['trainer_idle_frac']:.1%}"
+                print(f"{r['mode']}: {speedup:.2f}x the synchronous throughput; {idle}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1) + "\n")
 

@@ -28,8 +28,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 
@@ -375,7 +376,9 @@ class AsyncLoop:
         for attempt in range(config.rollout_retries + 1):
             self.sampler.begin_rollout()
             try:
-                groups = self.pm.hook.rollout(prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params)
+                groups = self.pm.hook.rollout(
+                    prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params
+                )
                 break
             except RETRYABLE as exc:
                 if attempt == config.rollout_retries:
@@ -405,7 +408,9 @@ class AsyncLoop:
         if self.error is not None:
             return
         if self.failures_in_a_row >= config.max_rollout_failures_in_a_row:
-            self.error = RolloutFailures(f"{self.failures_in_a_row} rollouts in a row failed after {config.rollout_retries} retries each; last: {finished.failed}")
+            self.error = RolloutFailures(
+                f"{self.failures_in_a_row} rollouts in a row failed after {config.rollout_retries} retries each; last: {finished.failed}"
+            )
         elif len(self.outcomes) == self.outcomes.maxlen and rate > config.max_rollout_failure_rate:
             self.error = RolloutFailures(
                 f"{rate:.0%} of the last {len(self.outcomes)} rollouts failed (more than --max-rollout-failure-rate "
@@ -467,7 +472,13 @@ class AsyncLoop:
                 complete_step(state, self.r.selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
             self.record(step, batch, start_version)
             with self.cond:
-                metrics.update({"queue/in_flight": float(self.gate.in_flight), "queue/ready": float(self.gate.ready), "queue/again": float(len(self.queue.again))})
+                metrics.update(
+                    {
+                        "queue/in_flight": float(self.gate.in_flight),
+                        "queue/ready": float(self.gate.ready),
+                        "queue/again": float(len(self.queue.again)),
+                    }
+                )
             self.pm.hook.on_step(step=step, metrics=metrics, state=state)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 write_checkpoint(state, config, trainer)
@@ -582,7 +593,14 @@ class AsyncLoop:
         kept = {id(g[0].prompt) for g in finished.kept if g}
         for t in finished.taken:
             what = outcome if outcome != "trained" or id(t.prompt) in kept else "no_signal"
-            line = {"step": step, "index": t.index, "prompt": t.prompt.id, "outcome": what, "sampled_version": finished.version, "trainer_version": trainer_version}
+            line = {
+                "step": step,
+                "index": t.index,
+                "prompt": t.prompt.id,
+                "outcome": what,
+                "sampled_version": finished.version,
+                "trainer_version": trainer_version,
+            }
             self.ledger.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
@@ -614,7 +632,15 @@ class StepStartPolicy:
         return getattr(self.trainer, name)
 
 
-SUMMED = {"reward/failed", "reward/errors", "reward/timeouts", "tokens/completion", "train/samples", "optim/skipped_nonfinite", "train/skipped"}
+SUMMED = {
+    "reward/failed",
+    "reward/errors",
+    "reward/timeouts",
+    "tokens/completion",
+    "train/samples",
+    "optim/skipped_nonfinite",
+    "train/skipped",
+}
 
 
 def is_count(key: str) -> bool:
@@ -650,7 +676,9 @@ def merge_group_metrics(batch: list[Finished]) -> dict[str, float]:
             merged[key] = float(sum(v for v, _ in parts))
         else:
             merged[key] = weighted_mean(parts)
-    scored = [(f.metrics["reward/total"], f.metrics["reward/std"], metric_weight(f, "reward/total")) for f in done if "reward/std" in f.metrics]
+    scored = [
+        (f.metrics["reward/total"], f.metrics["reward/std"], metric_weight(f, "reward/total")) for f in done if "reward/std" in f.metrics
+    ]
     mean = merged.get("reward/total", math.nan)
     total = sum(n for _, _, n in scored if n)
     if total:

@@ -19,24 +19,55 @@ def metrics_of(run_dir):
 
 def test_an_async_run_trains_within_the_bound_and_reports_the_async_metrics(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--max-head-offpolicy-versions", "1", "--max-steps", "4", "--no-drop-zero-variance-groups"))
+    out = grpo_core(
+        *small_run_args(
+            tiny_model_dir,
+            tiny_dataset,
+            run_dir,
+            "--loop",
+            "async",
+            "--max-head-offpolicy-versions",
+            "1",
+            "--max-steps",
+            "4",
+            "--no-drop-zero-variance-groups",
+        )
+    )
     assert out.returncode == 0, out.stderr
     metrics = metrics_of(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and [m["policy/version"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
-        for key in ("perf/trainer_idle_frac", "perf/sampler_busy_frac", "perf/samples_per_s", "staleness/mean", "queue/in_flight", "queue/ready", "async/requeued_stale", "async/dropped_samples"):
+        for key in (
+            "perf/trainer_idle_frac",
+            "perf/sampler_busy_frac",
+            "perf/samples_per_s",
+            "staleness/mean",
+            "queue/in_flight",
+            "queue/ready",
+            "async/requeued_stale",
+            "async/dropped_samples",
+        ):
             assert key in m, key
         assert 0 <= m["staleness/max"] <= 1 and 0 <= m["perf/trainer_idle_frac"] <= 1 and m["groups/kept"] == 2
     assert json.loads((run_dir / "config.json").read_text())["loop"] == "async"
     ledger = [json.loads(line) for line in (run_dir / "async" / "groups.jsonl").read_text().splitlines()]
-    assert sorted(line["index"] for line in ledger if line["outcome"] == "trained") == sorted({line["index"] for line in ledger if line["outcome"] == "trained"})
+    assert sorted(line["index"] for line in ledger if line["outcome"] == "trained") == sorted(
+        {line["index"] for line in ledger if line["outcome"] == "trained"}
+    )
     assert (run_dir / "async" / "step-000004.json").is_file() and (run_dir / "final" / "model.safetensors").is_file()
 
 
 def test_the_async_flags_have_a_section_in_help():
     out = grpo_core("run", "--help")
     assert "Asynchronous loop" in out.stdout
-    for flag in ("--loop", "--max-head-offpolicy-versions", "--max-concurrent", "--synchronous-training", "--minibatches-per-step", "--rollout-retries"):
+    for flag in (
+        "--loop",
+        "--max-head-offpolicy-versions",
+        "--max-concurrent",
+        "--synchronous-training",
+        "--minibatches-per-step",
+        "--rollout-retries",
+    ):
         assert flag in out.stdout
 
 
@@ -57,7 +88,10 @@ def test_bad_async_settings_are_one_clear_line(tiny_model_dir, tiny_dataset, tmp
 
 def test_an_async_run_resumes_and_only_scheduling_settings_may_change(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    assert grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")).returncode == 0
+    assert (
+        grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")).returncode
+        == 0
+    )
     refused = grpo_core("run", "--resume", str(run_dir), "--max-head-offpolicy-versions", "3", "--max-steps", "4")
     assert refused.returncode == 1 and "--max-head-offpolicy-versions" in refused.stderr
     out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "4", "--max-concurrent", "1", "--rollout-retries", "0")
@@ -70,7 +104,12 @@ def test_an_async_run_resumes_and_only_scheduling_settings_may_change(tiny_model
 @pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_an_async_run_with_a_checkpoint_and_its_async_state(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
     run_dir = tmp_path / "run"
-    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups") + ["--max-steps", "1000000", "--epochs", "100000"]
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups") + [
+        "--max-steps",
+        "1000000",
+        "--epochs",
+        "100000",
+    ]
     proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -98,7 +137,9 @@ def test_the_async_preset_in_the_docs_runs_async_with_tis(tiny_model_dir, tiny_d
     preset = docs.split("# async.toml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
     (tmp_path / "async.toml").write_text(preset)
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--config", str(tmp_path / "async.toml"), "--no-drop-zero-variance-groups"))
+    out = grpo_core(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--config", str(tmp_path / "async.toml"), "--no-drop-zero-variance-groups")
+    )
     assert out.returncode == 0, out.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert config["loop"] == "async" and config["max_head_offpolicy_versions"] == 1 and config["loss"] == ["grpo", "tis"]

@@ -86,10 +86,17 @@ def row(prompt_id: str) -> int:
 def test_plugins(monkeypatch):
     original = selection.find
     entries = {
-        ("reward", "length"): PluginEntry(kind="reward", name="length", target=f"{__name__}:LengthReward", distribution="tests", version="0"),
-        ("rollout", "scripted"): PluginEntry(kind="rollout", name="scripted", target=f"{__name__}:ScriptedRollout", distribution="tests", version="0"),
+        ("reward", "length"): PluginEntry(
+            kind="reward", name="length", target=f"{__name__}:LengthReward", distribution="tests", version="0"
+        ),
+        ("rollout", "scripted"): PluginEntry(
+            kind="rollout", name="scripted", target=f"{__name__}:ScriptedRollout", distribution="tests", version="0"
+        ),
     }
-    find = lambda name, kind=None: entries.get((kind, name)) or original(name, kind)  # noqa: E731
+
+    def find(name, kind=None):
+        return entries.get((kind, name)) or original(name, kind)
+
     monkeypatch.setattr(selection, "find", find)
     monkeypatch.setattr(data, "find", find)  # the prompt settings written beside each checkpoint
     monkeypatch.setattr(Script, "calls", [])
@@ -289,7 +296,15 @@ def scored(rewards_by_group):
         prompt = Prompt(id="p", text="q")
         group = []
         for r in rewards:
-            s = Sample(prompt=prompt, tokens=[1, 2], sampling_logprobs=[0.0, -1.0], loss_mask=[0.0, 1.0], text="a", finish_reason="stop", policy_version=0)
+            s = Sample(
+                prompt=prompt,
+                tokens=[1, 2],
+                sampling_logprobs=[0.0, -1.0],
+                loss_mask=[0.0, 1.0],
+                text="a",
+                finish_reason="stop",
+                policy_version=0,
+            )
             s.reward, s.rewards = r, {"length": r}
             group.append(s)
         groups.append(group)
@@ -358,7 +373,9 @@ def skewed(prompt_id, n):
 
 
 @pytest.mark.parametrize("max_offpolicy", [0, 1, 4])
-def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_once(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_offpolicy):
+def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_once(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_offpolicy
+):
     monkeypatch.setattr(Script, "latency", skewed)
     versions = []
     original = __import__("grpo_core.stages", fromlist=["x"]).anchor_logprobs
@@ -369,7 +386,9 @@ def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_
 
     monkeypatch.setattr("grpo_core.stages.anchor_logprobs", spy)
     r = tmp_path / "r"
-    summary = run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=18, max_steps=None, max_head_offpolicy_versions=max_offpolicy))
+    summary = run(
+        config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=18, max_steps=None, max_head_offpolicy_versions=max_offpolicy)
+    )
     metrics, ledger = metrics_of(r), ledger_of(r)
     assert summary["steps"] == 9 and len(metrics) == 9
     # Every sample trained, as the trainer saw it, within the bound.
@@ -394,7 +413,19 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
     slow_row = 3
     monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.8 if row(prompt_id) == slow_row else 0.1)
     r = tmp_path / "r"
-    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=36, max_steps=None, max_head_offpolicy_versions=1, max_concurrent=2, shuffle=False))
+    run(
+        config(
+            tiny_model_dir,
+            tiny_dataset,
+            r,
+            rollout="scripted",
+            max_rows=36,
+            max_steps=None,
+            max_head_offpolicy_versions=1,
+            max_concurrent=2,
+            shuffle=False,
+        )
+    )
     ledger = ledger_of(r)
     slow = [line for line in ledger if line["prompt"].endswith(f":{slow_row}")]
     assert [line["outcome"] for line in slow] == ["requeued_stale", "trained"]
@@ -406,7 +437,18 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
 @pytest.mark.parametrize(("max_concurrent", "expected"), [(3, 3), (None, 2 * (4 + 1))])
 def test_max_concurrent_bounds_the_rollouts_in_flight(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_concurrent, expected):
     monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.3)
-    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", rollout="scripted", max_rows=16, max_steps=None, max_head_offpolicy_versions=4, max_concurrent=max_concurrent))
+    run(
+        config(
+            tiny_model_dir,
+            tiny_dataset,
+            tmp_path / "r",
+            rollout="scripted",
+            max_rows=16,
+            max_steps=None,
+            max_head_offpolicy_versions=4,
+            max_concurrent=max_concurrent,
+        )
+    )
     # The default: every rollout the gate admits, the groups of O + 1 = 5 steps of two.
     assert Script.most_at_once == expected
 
@@ -437,7 +479,19 @@ def test_a_retryable_error_is_retried_with_backoff(tiny_model_dir, tiny_dataset,
 def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
     monkeypatch.setattr(Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 else None)
     r = tmp_path / "r"
-    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=8, max_steps=None, rollout_retries=1, rollout_retry_backoff=0, shuffle=False))
+    run(
+        config(
+            tiny_model_dir,
+            tiny_dataset,
+            r,
+            rollout="scripted",
+            max_rows=8,
+            max_steps=None,
+            rollout_retries=1,
+            rollout_retry_backoff=0,
+            shuffle=False,
+        )
+    )
     metrics, ledger = metrics_of(r), ledger_of(r)
     assert sum(m["async/rollout_failed"] for m in metrics) == 1 and sum(m["async/rollout_retries"] for m in metrics) == 1
     assert [line["index"] for line in ledger if line["outcome"] == "failed"] == [1]  # row 2 is the second prompt
@@ -450,7 +504,7 @@ def test_a_fatal_rollout_error_stops_the_run_with_a_checkpoint(tiny_model_dir, t
     with pytest.raises(RunFailed) as info:
         run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=12, max_steps=None, shuffle=False, max_concurrent=1))
     assert isinstance(info.value.cause, ValueError) and "a bug" in str(info.value)
-    assert Script.calls.count(f"add.jsonl:7") == 1  # not retried
+    assert Script.calls.count("add.jsonl:7") == 1  # not retried
     assert "--resume" in info.value.saved
 
 
@@ -468,7 +522,19 @@ def test_a_fatal_rollout_error_stops_the_run_with_a_checkpoint(tiny_model_dir, t
 def test_the_circuit_breaker_stops_the_run(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, error, kw, message):
     monkeypatch.setattr(Script, "error", error)
     with pytest.raises(RunFailed) as info:
-        run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", rollout="scripted", max_rows=16, max_steps=None, rollout_retries=0, shuffle=False, **kw))
+        run(
+            config(
+                tiny_model_dir,
+                tiny_dataset,
+                tmp_path / "r",
+                rollout="scripted",
+                max_rows=16,
+                max_steps=None,
+                rollout_retries=0,
+                shuffle=False,
+                **kw,
+            )
+        )
     assert isinstance(info.value.cause, RolloutFailures) and message in str(info.value)
 
 
@@ -487,7 +553,11 @@ def test_minibatches_step_the_optimizer_k_times_against_the_steps_pi_old(tiny_mo
 
     monkeypatch.setattr(async_loop, "train_on_groups", spy)
     r = tmp_path / "r"
-    run(config(tiny_model_dir, tiny_dataset, r, max_steps=2, prompt_groups_per_step=4, minibatches_per_step=2, max_head_offpolicy_versions=2))
+    run(
+        config(
+            tiny_model_dir, tiny_dataset, r, max_steps=2, prompt_groups_per_step=4, minibatches_per_step=2, max_head_offpolicy_versions=2
+        )
+    )
     metrics = metrics_of(r)
     assert [m["policy/version"] for m in metrics] == [2, 4]
     assert all(m["optim/minibatches"] == 2 and m["train/samples"] == 16 for m in metrics)
@@ -503,7 +573,17 @@ def test_one_minibatch_anchors_on_the_step_start_policy_and_the_later_ones_too(t
     ratios = []
     original = async_loop.train_on_groups
     monkeypatch.setattr(async_loop, "train_on_groups", lambda *a: (m := original(*a), ratios.append(m["loss/ratio_mean"]))[0])
-    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", max_steps=1, prompt_groups_per_step=4, minibatches_per_step=2, max_head_offpolicy_versions=2))
+    run(
+        config(
+            tiny_model_dir,
+            tiny_dataset,
+            tmp_path / "r",
+            max_steps=1,
+            prompt_groups_per_step=4,
+            minibatches_per_step=2,
+            max_head_offpolicy_versions=2,
+        )
+    )
     # First minibatch: nothing changed yet, the ratio is 1; second: the first update moved the policy.
     assert ratios[0] == pytest.approx(1.0, abs=1e-5) and abs(ratios[1] - 1.0) > 1e-4
 
