@@ -42,7 +42,17 @@ def test_listed_with_its_distribution(sympy_site):
     infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(sympy_site)}).stdout)
     sympy = next(i for i in infos if (i["kind"], i["name"]) == ("reward", "sympy"))
     assert (sympy["distribution"], sympy["version"]) == ("grpo-reward-sympy", "0.1.0")
-    assert sympy["hooks"] and "error" not in sympy
+    assert sympy["hooks"] == ["on_run_end", "reward"] and "error" not in sympy
+    # needs_answer is a class attribute the data loader reads, not an option
+    assert [o["name"] for o in sympy["options"]] == ["timeout_s", "strict", "memory_limit_mb", "startup_timeout_s"]
+
+
+def test_declares_that_it_needs_the_reference_answer(sympy_site):
+    probe = subprocess.run(
+        [sys.executable, "-c", "from grpo_core import make_plugin; print(make_plugin('sympy').needs_answer)"],
+        capture_output=True, text=True, env={"PYTHONPATH": str(sympy_site), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert probe.stdout.strip() == "True", probe.stderr
 
 
 def test_run_with_reward_sympy(sympy_site, tiny_model_dir, tiny_dataset, tmp_path):
