@@ -73,7 +73,8 @@ TINY_RUN = ("--reward", "brevity", "--reward-opt", "limit=8", "--stop", " ")
 
 def test_run_with_its_reward_and_its_loss(example_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *TINY_RUN, "--loss", "w_reinforce"), env={"PYTHONPATH": str(example_site)})
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, *TINY_RUN, "--loss", "w_reinforce")
+    out = grpo_core(*args, env={"PYTHONPATH": str(example_site)})
     assert out.returncode == 0, out.stderr
     metrics = metrics_of(run_dir)
     assert len(metrics) == 2
@@ -158,3 +159,12 @@ def test_the_readme_commands_work_as_written(tmp_path):
     options = json.loads((tmp_path / "run1" / "config.json").read_text())["plugin_options"]
     assert float(options["loss"]["w_reinforce"]["positive_weight"]) == 0.5
     assert int(options["reward"]["brevity"]["limit"]) == 16
+
+
+def test_contributing_shows_the_example_loss_and_pyproject_as_they_are():
+    contributing = (REPO / "CONTRIBUTING.md").read_text()
+    blocks = re.findall(r"```(python|toml)\n(.*?)```", contributing, re.DOTALL)
+    assert sorted(lang for lang, _ in blocks) == ["python", "toml"]
+    shown = dict(blocks)
+    assert shown["python"] == (PACKAGE / "grpo_plugins_example" / "w_reinforce.py").read_text()
+    assert shown["toml"] == (PACKAGE / "pyproject.toml").read_text()

@@ -31,9 +31,9 @@ class WReinforceLoss(KLPenalty):
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:
         padded = inputs.padded()
-        advantages_B_T = padded.advantages_B_T
-        positive_B_T = advantages_B_T > 0
-        weight_B_T = torch.where(positive_B_T, torch.full_like(advantages_B_T, self.positive_weight), torch.ones_like(advantages_B_T))
-        policy_B_T = -weight_B_T * advantages_B_T * padded.ratio_B_T()
+        adv_B_T = padded.advantages_B_T
+        positive_B_T = adv_B_T > 0
+        weight_B_T = torch.where(positive_B_T, torch.full_like(adv_B_T, self.positive_weight), torch.ones_like(adv_B_T))
+        policy_B_T = -weight_B_T * adv_B_T * padded.ratio_B_T()
         metrics = {"loss/positive_frac": padded.masked_mean(positive_B_T.float())}
         return finish_loss(padded, policy_B_T, self.agg, metrics, kl_beta=self.kl_beta, kl_estimator=self.kl_estimator)
