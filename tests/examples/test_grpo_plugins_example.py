@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,20 +18,27 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "examples" / "grpo-plugins-example"
 
 
-def pip_install_target(target: Path, *paths: str) -> None:
+def copy_of_the_package(root: Path) -> Path:
+    """The example under ``root`` as in the repository (pip builds in the source tree: not in ours)."""
+    copy = root / "examples" / PACKAGE.name
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return copy
+
+
+def pip_install_target(target: Path, *paths: str, cwd: Path | None = None) -> None:
     """pip install into ``target`` (used through PYTHONPATH), leaving the test environment as it is."""
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), *paths],
         check=True,
         capture_output=True,
-        cwd=REPO,
+        cwd=cwd,
     )
 
 
 @pytest.fixture(scope="module")
 def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
-    pip_install_target(target, str(PACKAGE))
+    pip_install_target(target, str(copy_of_the_package(tmp_path_factory.mktemp("source"))))
     return target
 
 
@@ -44,7 +52,7 @@ def test_its_own_test_suite_passes_installed(example_site):
         capture_output=True,
         text=True,
         cwd=example_site,
-        env={"PYTHONPATH": str(example_site), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+        env={"PYTHONPATH": str(example_site), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"},
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -64,6 +72,30 @@ def test_both_plugins_are_listed_with_the_distribution(example_site):
     assert {o["name"]: o["default"] for o in w_reinforce["options"]} == {
         "positive_weight": 0.1, "agg": "token-mean", "kl_beta": 0.0, "kl_estimator": "k3",
     }  # fmt: skip
+
+
+def test_two_loose_modules_package_once_named_as_contributing_says(tmp_path):
+    """The packaging trap of issue 10: two plugin modules beside pyproject.toml. Unnamed, setuptools
+    refuses them; named with py-modules, they install and both plugins are found."""
+    project = tmp_path / "loose"
+    project.mkdir()
+    for module in ("brevity.py", "w_reinforce.py"):
+        shutil.copy(PACKAGE / "grpo_plugins_example" / module, project / module)
+    pyproject = (PACKAGE / "pyproject.toml").read_text().replace("grpo_plugins_example.", "")
+    unnamed = pyproject.replace('packages = ["grpo_plugins_example"]', "")
+    (project / "pyproject.toml").write_text(unnamed)
+    refused = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target", str(tmp_path / "none"), str(project)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "Multiple top-level modules discovered in a flat-layout" in refused.stdout + refused.stderr
+
+    (project / "pyproject.toml").write_text(unnamed.replace("[tool.setuptools]\n", '[tool.setuptools]\npy-modules = ["brevity", "w_reinforce"]\n'))
+    pip_install_target(tmp_path / "site", str(project))
+    infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(tmp_path / "site")}).stdout)
+    found = {(i["kind"], i["name"]): i["target"] for i in infos if i["distribution"] == "grpo-plugins-example"}
+    assert found == {("reward", "brevity"): "brevity:BrevityReward", ("loss", "w_reinforce"): "w_reinforce:WReinforceLoss"}
+    assert all("error" not in i for i in infos if i["distribution"] == "grpo-plugins-example")
 
 
 # " " as a stop string ends many completions of the tiny model early: lengths differ within a
@@ -129,7 +161,8 @@ def test_the_readme_commands_work_as_written(tmp_path):
     pip, listing, *runs = commands
     assert pip.startswith("pip install ") and listing == "grpo-core plugins" and len(runs) == 2
     site = tmp_path / "site"
-    pip_install_target(site, *shlex.split(pip)[2:])
+    copy_of_the_package(tmp_path / "repo")
+    pip_install_target(site, *shlex.split(pip)[2:], cwd=tmp_path / "repo")
     env = {"PYTHONPATH": str(site)}
 
     shown = re.search(r"lists both.*?```\n(.*?)```", (PACKAGE / "README.md").read_text(), re.DOTALL)[1]
