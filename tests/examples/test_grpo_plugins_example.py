@@ -90,7 +90,8 @@ def test_two_loose_modules_package_once_named_as_contributing_says(tmp_path):
     )  # fmt: skip
     assert refused.returncode != 0 and "Multiple top-level modules discovered in a flat-layout" in refused.stdout + refused.stderr
 
-    (project / "pyproject.toml").write_text(unnamed.replace("[tool.setuptools]\n", '[tool.setuptools]\npy-modules = ["brevity", "w_reinforce"]\n'))
+    named = unnamed.replace("[tool.setuptools]\n", '[tool.setuptools]\npy-modules = ["brevity", "w_reinforce"]\n')
+    (project / "pyproject.toml").write_text(named)
     pip_install_target(tmp_path / "site", str(project))
     infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(tmp_path / "site")}).stdout)
     found = {(i["kind"], i["name"]): i["target"] for i in infos if i["distribution"] == "grpo-plugins-example"}

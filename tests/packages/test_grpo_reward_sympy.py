@@ -61,3 +61,19 @@ def test_run_with_reward_sympy(sympy_site, tiny_model_dir, tiny_dataset, tmp_pat
     assert out.returncode == 0, out.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["reward/failed"] == 0 for m in metrics)
+
+
+def test_readme_installs_from_paths_in_the_repository():
+    """Not on an index yet: every pip command of the README's Install section names this
+    repository's paths (from its root), never a bare distribution name."""
+    readme = (PACKAGE / "README.md").read_text()
+    install = readme[readme.index("## Install") : readme.index("## Use")]
+    commands = [line.split("#")[0].split() for line in install.splitlines() if line.startswith("pip install")]
+    assert len(commands) == 3
+    repo = PACKAGE.parents[1]
+    for words in commands:
+        targets = [w.strip('"') for w in words[2:] if w != "-e" and not w.startswith("torch==")]
+        assert targets, words
+        for target in targets:
+            assert (repo / target.removesuffix("[test]")).is_dir(), target
+    assert ["pip", "install", "./packages/grpo-reward-sympy"] in commands
