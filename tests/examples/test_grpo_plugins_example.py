@@ -56,7 +56,8 @@ def test_its_own_test_suite_passes_installed(example_site):
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert re.search(r"\b(\d+) passed\b", out.stdout) and int(re.search(r"\b(\d+) passed\b", out.stdout)[1]) >= 20
+    passed = re.search(r"\b(\d+) passed\b", out.stdout)
+    assert passed and int(passed[1]) >= 20, out.stdout[-3000:]
     assert " failed" not in out.stdout and " skipped" not in out.stdout
 
 
