@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "grpo-reward-sympy"
 @pytest.fixture(scope="module")
 def sympy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("site")
+    # pip builds in the source tree: build from a copy, so the repository's folder stays clean
+    source = tmp_path_factory.mktemp("source") / PACKAGE.name
+    shutil.copytree(PACKAGE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(PACKAGE)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)],
         check=True,
         capture_output=True,
     )
@@ -31,7 +35,7 @@ def test_its_own_test_suite_passes_installed(sympy_site):
         capture_output=True,
         text=True,
         cwd=sympy_site,
-        env={"PYTHONPATH": str(sympy_site), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(sympy_site), "PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
         timeout=600,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
