@@ -29,7 +29,8 @@ LOG_RATIO_CLAMP = 20.0
 exp(), so a far off-policy token cannot overflow (e^20 ≈ 4.9e8)."""
 STEP_TOTAL_METRICS = frozenset({"loss/policy", "loss/active_tokens"})
 """Metrics that are a batch's share of a step total: a step split into several calls adds them
-up. Every other loss metric is a mean over the batch, averaged by batch size."""
+up. Every other loss metric is a mean over the batch's trained tokens: a split step weighs each
+call's value by its trained tokens, which gives the value of one call with all sequences."""
 
 
 @attrs.define

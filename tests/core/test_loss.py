@@ -141,14 +141,40 @@ def test_split_step_gives_the_gradient_of_one_call(name, agg):
     halves = [build(seqs[:4], num_sequences=num_sequences, num_tokens=num_tokens),
               build(seqs[4:], num_sequences=num_sequences, num_tokens=num_tokens)]
     total = 0.0
+    parts = []
     for half in halves:
         part = call_loss(plugins, half)
         part.loss.backward()
         total += part.loss.item()
+        parts.append(part.metrics)
     split_grads = [x.grad for half in halves for x in half.logprobs]
     assert total == pytest.approx(out.loss.item(), abs=1e-10)
     for a, b in zip(whole.logprobs, split_grads):
         torch.testing.assert_close(b, a.grad, atol=1e-12, rtol=0)
+    # Every metric of the step: shares add up, means combine weighted by trained tokens.
+    assert set(parts[0]) == set(parts[1]) == set(out.metrics)
+    assert combine_metrics(parts) == pytest.approx(out.metrics, rel=1e-9, abs=1e-12)
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics from its calls' metrics (the rule docs/losses.md states)."""
+    tokens = [p["loss/active_tokens"] for p in parts]
+    return {
+        key: sum(p[key] for p in parts) if key in STEP_TOTAL_METRICS
+        else sum(p[key] * n for p, n in zip(parts, tokens)) / max(sum(tokens), 1.0)
+        for key in parts[0]
+    }
+
+
+def test_splitting_by_sequences_instead_of_tokens_would_change_the_means():
+    # The halves hold different token counts: weighting their means by sequence count is wrong.
+    seqs = random_batch(0)
+    plugins = [make_plugin("cispo"), make_plugin("tis")]
+    whole = call_loss(plugins, build(seqs)).metrics
+    parts = [call_loss(plugins, build(seqs[:4])).metrics, call_loss(plugins, build(seqs[4:])).metrics]
+    by_sequences = (parts[0]["loss/ratio_mean"] * 4 + parts[1]["loss/ratio_mean"] * 3) / 7
+    assert by_sequences != pytest.approx(whole["loss/ratio_mean"], rel=1e-6)
+    assert combine_metrics(parts)["loss/ratio_mean"] == pytest.approx(whole["loss/ratio_mean"], rel=1e-12)
 
 
 def test_a_half_without_normalizers_differs():
