@@ -19,6 +19,7 @@ class CISPOLoss(KLPenalty):
     Per token: −sg(clip(r, 1−eps_low, 1+eps_high))·A·w·log π. Unlike PPO-style clipping,
     no token ever loses its gradient: only the weight is truncated. Good for off-policy or
     async training and for rare but important tokens (reflection, "wait") that PPO would clip.
+    eps_low >= 1 removes the lower bound of the weight, as MiniMax-M1 trains.
     """
 
     eps_low: float = option(0.2, help="lower bound of the ratio weight: 1-eps_low (>= 1: no lower bound, as in MiniMax-M1)", validator=validate_eps_low)
