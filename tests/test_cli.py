@@ -109,7 +109,7 @@ def test_plugins_lists_builtins_with_options_and_json():
     grpo = next(i for i in infos if (i["kind"], i["name"]) == ("loss", "grpo"))
     assert grpo["distribution"] == "grpo-core" and grpo["hooks"] == ["loss"]
     options = {o["name"]: o for o in grpo["options"]}
-    assert set(options) == {"eps_low", "eps_high", "kl_beta", "kl_estimator", "agg"}
+    assert set(options) == {"eps_low", "eps_high", "ratio_log_cap", "kl_beta", "kl_estimator", "agg"}
     assert options["kl_beta"]["type"] == "float" and options["kl_beta"]["default"] == 0.001
     assert "KL penalty" in options["kl_beta"]["help"]
     assert options["kl_estimator"]["type"] == "Literal['k1', 'k2', 'k3']" and options["kl_estimator"]["default"] == "k3"
