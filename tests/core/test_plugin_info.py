@@ -34,7 +34,7 @@ def test_describe_all_flags_problems_and_secret_options(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "loss hookless  (grpo-loss-x 0.2)  hooks: none  INVALID" in out
     assert "!!  a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)" in out
-    assert "api_key=''  key of the service  (secret: not written to config.json; env:NAME reads a variable)" in out
+    assert "api_key='' key of the service (secret: not written to config.json; env:NAME reads a variable)" in " ".join(out.split())
     assert "scale=1.0  scale\n" in out
 
 
