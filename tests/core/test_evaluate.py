@@ -152,7 +152,7 @@ def test_eval_refuses_rows_without_the_answer_gsm8k_needs(tiny_model_dir, tmp_pa
     assert counted.returncode == 0, counted.stderr
     assert json.loads(counted.stdout.strip().splitlines()[-1])["data/skipped_bad_rows"] == 1.0
     # A reward that reads no answer does not need one.
-    assert grpo_core(*args[:-4], "--reward", "format", "--max-completion-tokens", "2").returncode == 0
+    assert grpo_core(*args[:5], "--reward", "format", "--max-completion-tokens", "2").returncode == 0
 
 
 @pytest.mark.slow
