@@ -124,14 +124,19 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
 
 def test_eval_cli_reports_bad_rows_clearly_or_counts_them(tiny_model_dir, tmp_path):
     data = tmp_path / "data.jsonl"
-    data.write_bytes(b'{"question": "what is 1 plus 2?"}\n{"question": "\xff"}\n{"question": " "}\n{"question": "' + b"zq!~" * 100 + b'"}\n')
+    data.write_bytes(
+        b'{"question": "what is 1 plus 2?"}\n{"question": "\xff"}\n{"question": " "}\n{"question": "' + b"zq!~" * 100 + b'"}\n'
+    )
     args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward", "format", "--max-completion-tokens", "4", "--json"]
     bad = grpo_core(*args)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == f"Error: {data}:2: not valid UTF-8 (byte 0xff at column 15)"
     skipped = grpo_core(*args, "--skip-bad-rows")
     assert skipped.returncode == 1
-    assert skipped.stderr.strip().splitlines()[-1].startswith(f"Error: {data}:4: ") and "+ 4 completion tokens > 256, the model's context" in skipped.stderr
+    assert (
+        skipped.stderr.strip().splitlines()[-1].startswith(f"Error: {data}:4: ")
+        and "+ 4 completion tokens > 256, the model's context" in skipped.stderr
+    )
     assert f"skipped 2 bad rows of {data} (--skip-bad-rows); first: {data}:2: not valid UTF-8" in skipped.stderr
     counted = grpo_core(*args, "--skip-bad-rows", "--rollout-opt", "long_prompts=skip")
     assert counted.returncode == 0, counted.stderr

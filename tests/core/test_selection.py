@@ -5,8 +5,7 @@ import json
 import attrs
 import pytest
 
-from grpo_core import PluginError, hookimpl
-from grpo_core import plugins_manager
+from grpo_core import PluginError, hookimpl, plugins_manager
 from grpo_core.config import load
 from grpo_core.plugins_manager import PluginEntry, catalog
 from grpo_core.selection import select_plugins
