@@ -93,10 +93,11 @@ def evaluate(
     else:
         chat_text = f", chat template {'on' if chat else 'off'}"
     stop = f", stop {config.stop!r}" if config.stop else ""
+    sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature:g}, {num_samples} samples per prompt"
     model = "the embedded model" if config.is_default_model() else config.model
     print(
         f"eval: {model} on {dataset.name} ({len(prompts)} prompts), template {dataset.template!r}{chat_text}, "
-        f"max {config.max_completion_tokens} tokens{stop}; {settings_origin or 'prompt settings: flags and defaults'}",
+        f"max {config.max_completion_tokens} tokens{stop}, {sampling}; {settings_origin or 'prompt settings: flags and defaults'}",
         file=sys.stderr,
         flush=True,
     )

@@ -46,6 +46,8 @@ def test_eval_cli_reports_reward_and_pass_at_k(tiny_model_dir, tiny_dataset, tmp
         "prompts": 5.0, "samples_per_prompt": 3.0, "reward/mean": 0.0, "reward/failed": 0.0,
         "data/skipped_bad_rows": 0.0, "data/skipped_long_prompts": 0.0, "pass@1": 0.0, "pass@3": 0.0,
     }  # fmt: skip
+    assert eval_line(always).endswith("max 3 tokens, greedy; prompt settings: flags and defaults (none saved with the model)")
+    assert ", temperature 1, 3 samples per prompt; " in eval_line(never)
     bad = grpo_core("eval", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "none.jsonl"))
     assert bad.returncode != 0 and "dataset file not found" in bad.stderr
 
@@ -115,7 +117,7 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
     assert out.returncode == 0, out.stderr
     assert eval_line(out) == (
         f"eval: {policy} on {tiny_dataset} (4 prompts), template 'Question: {{prompt}}\\nAnswer:', "
-        f"no chat template (the tokenizer has none), max 5 tokens; prompt settings from {policy}/{PROMPT_SETTINGS_FILE}"
+        f"no chat template (the tokenizer has none), max 5 tokens, greedy; prompt settings from {policy}/{PROMPT_SETTINGS_FILE}"
     )
     assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 4.0
     missing = grpo_core("eval", "--model", str(policy))
@@ -172,7 +174,7 @@ def test_a_trained_default_policy_is_evaluated_as_it_was_trained(tmp_path):
     assert out.returncode == 0, out.stderr
     assert eval_line(out) == (
         f"eval: {final} on default:test (20 prompts), template 'Question: {{prompt}}\\nAnswer:', "
-        f"no chat template (the tokenizer has none), max 32 tokens; prompt settings from {final}/{PROMPT_SETTINGS_FILE}"
+        f"no chat template (the tokenizer has none), max 32 tokens, greedy; prompt settings from {final}/{PROMPT_SETTINGS_FILE}"
     )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["prompts"] == 20.0 and result["reward/failed"] == 0.0
