@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import attrs
 import pytest
@@ -27,7 +28,14 @@ def write(tmp_path, lines):
 
 
 def test_rows_become_prompts_with_template_and_answers(tmp_path):
-    path = write(tmp_path, [json.dumps({"question": "2+2?", "answer": "#### 4"}), "", json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": 5})])
+    path = write(
+        tmp_path,
+        [
+            json.dumps({"question": "2+2?", "answer": "#### 4"}),
+            "",
+            json.dumps({"messages": [{"role": "user", "content": "hi"}], "answer": 5}),
+        ],
+    )
     prompts = load_prompts(path, template="Q: {prompt}\nA:")
     assert prompts[0].text == "Q: 2+2?\nA:" and prompts[0].answer == "#### 4"
     assert prompts[0].id == "d.jsonl:1"
@@ -100,7 +108,10 @@ def test_a_byte_order_mark_is_not_part_of_the_first_row(tmp_path):
         ({"question": "  \n"}, r"d.jsonl:2: the prompt \(field 'question'\) is empty"),
         ({"question": ""}, r"d.jsonl:2: the prompt \(field 'question'\) is empty"),
         ({"messages": []}, r"d.jsonl:2: 'messages' is empty"),
-        ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": " "}]}, r"d.jsonl:2: message 2 \(user\) has empty content"),
+        (
+            {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": " "}]},
+            r"d.jsonl:2: message 2 \(user\) has empty content",
+        ),
     ],
 )
 def test_empty_prompts_are_bad_rows(tmp_path, row, message):
@@ -113,9 +124,13 @@ def test_empty_prompts_are_bad_rows(tmp_path, row, message):
 
 
 def test_an_answer_is_required_only_when_a_reward_needs_one(tmp_path):
-    path = write(tmp_path, [json.dumps({"question": "a", "answer": 4}), json.dumps({"question": "b"}), json.dumps({"question": "c", "answer": " "})])
+    path = write(
+        tmp_path, [json.dumps({"question": "a", "answer": 4}), json.dumps({"question": "b"}), json.dumps({"question": "c", "answer": " "})]
+    )
     assert [p.answer for p in load_prompts(path)] == ["4", None, " "]
-    with pytest.raises(DataError, match=r"d.jsonl:2: the answer field 'answer' is missing \(fields: question\); the gsm8k, sympy reward needs it"):
+    with pytest.raises(
+        DataError, match=r"d.jsonl:2: the answer field 'answer' is missing \(fields: question\); the gsm8k, sympy reward needs it"
+    ):
         load_prompts(path, answer_needed_by=["gsm8k", "sympy"])
     skipped: list[str] = []
     assert [p.text for p in load_prompts(path, skipped=skipped, answer_needed_by=["gsm8k"])] == ["a"]
@@ -135,7 +150,13 @@ def test_a_file_of_only_bad_rows_says_so(tmp_path):
 
 @pytest.mark.parametrize(
     ("typed", "decoded"),
-    [(r"Q: {prompt}\nA:", "Q: {prompt}\nA:"), (r"{prompt}\t=", "{prompt}\t="), (r"a\\nb {prompt}", "a\\nb {prompt}"), ("x\n{prompt}", "x\n{prompt}"), (r"\d {prompt}", r"\d {prompt}")],
+    [
+        (r"Q: {prompt}\nA:", "Q: {prompt}\nA:"),
+        (r"{prompt}\t=", "{prompt}\t="),
+        (r"a\\nb {prompt}", "a\\nb {prompt}"),
+        ("x\n{prompt}", "x\n{prompt}"),
+        (r"\d {prompt}", r"\d {prompt}"),
+    ],
 )
 def test_template_escapes_typed_in_a_shell_are_decoded(typed, decoded):
     assert decode_escapes(typed) == decoded
@@ -149,14 +170,23 @@ def config_for(**values):
 
 def test_embedded_splits_by_name_or_path_keep_the_task_template(tmp_path):
     train = load_dataset(config_for(dataset="default"))
-    assert (train.name, train.path, train.template, len(train.prompts)) == ("default:train", ASSETS / "task" / "train.jsonl", DEFAULT_TASK_TEMPLATE, 5000)
+    assert (train.name, train.path, train.template, len(train.prompts)) == (
+        "default:train",
+        ASSETS / "task" / "train.jsonl",
+        DEFAULT_TASK_TEMPLATE,
+        5000,
+    )
     test = load_dataset(config_for(dataset="default:test"))
     assert (test.name, test.path.name, len(test.prompts)) == ("default:test", "test.jsonl", 500)
     assert test.prompts[0].text.startswith("Question: ") and test.prompts[0].text.endswith("\nAnswer:")
     by_path = load_dataset(config_for(dataset=str(ASSETS / "task" / "test.jsonl")))
     assert (by_path.name, by_path.template) == ("default:test", DEFAULT_TASK_TEMPLATE)
     assert [p.text for p in by_path.prompts] == [p.text for p in test.prompts]
-    assert load_dataset(config_for(dataset="default:train", max_rows=3)).counts == {"data/prompts": 3, "data/skipped_bad_rows": 0, "data/skipped_long_prompts": 0}
+    assert load_dataset(config_for(dataset="default:train", max_rows=3)).counts == {
+        "data/prompts": 3,
+        "data/skipped_bad_rows": 0,
+        "data/skipped_long_prompts": 0,
+    }
     with pytest.raises(DataError, match="unknown split 'dev' of the embedded task; splits: train, test"):
         load_dataset(config_for(dataset="default:dev"))
     # Another file is not the embedded task, even with the same rows.
@@ -169,7 +199,13 @@ def test_embedded_splits_by_name_or_path_keep_the_task_template(tmp_path):
 
 
 def test_load_dataset_checks_answers_and_reports_skips(tmp_path, capsys):
-    rows = [json.dumps({"question": "a", "answer": "1"}), json.dumps({"question": ""}), json.dumps({"question": "c"}), "{", json.dumps({"question": "e", "answer": "5"})]
+    rows = [
+        json.dumps({"question": "a", "answer": "1"}),
+        json.dumps({"question": ""}),
+        json.dumps({"question": "c"}),
+        "{",
+        json.dumps({"question": "e", "answer": "5"}),
+    ]
     path = write(tmp_path, rows)
     with pytest.raises(DataError, match=r"d.jsonl:2: the prompt \(field 'question'\) is empty"):
         load_dataset(config_for(dataset=str(path)), ["gsm8k"])
@@ -269,3 +305,23 @@ def test_prompt_settings_round_trip(tmp_path):
     (tmp_path / PROMPT_SETTINGS_FILE).write_text("{not json")
     with pytest.raises(DataError, match=f"{PROMPT_SETTINGS_FILE}: unreadable prompt settings"):
         read_prompt_settings(tmp_path)
+
+
+def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(tiny_model_dir, tiny_dataset, tmp_path):
+    from tests.test_cli import grpo_core, small_run_args
+
+    good = tiny_dataset.read_bytes()
+    for bad_row, message in [
+        (b'{"question": "\xff"}\n', "not valid UTF-8 (byte 0xff at column 15)"),
+        (b'{"question": " "}\n', "the prompt (field 'question') is empty"),
+    ]:
+        data = tmp_path / "data.jsonl"
+        data.write_bytes(good[: good.index(b"\n") + 1] + bad_row + good[good.index(b"\n") + 1 :])
+        # A model that does not exist: the data must be refused before anything tries to load it.
+        out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+        assert out.returncode == 1 and out.stderr.strip() == f"Error: {data}:2: {message}"
+        assert not (tmp_path / "r").exists()
+        skipped = grpo_core(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--max-steps", "1", "--skip-bad-rows"))
+        assert skipped.returncode == 0, skipped.stderr
+        assert f"skipped 1 bad rows of {data}" in skipped.stderr and f"{data}:2: {message}" in skipped.stderr
+        shutil.rmtree(tmp_path / "r")
