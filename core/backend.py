@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
+from grpo_core.plugins_manager import PluginError
+
 if TYPE_CHECKING:
     import tinker
     import torch
 
     from grpo_core.types import Completion, Sample, SamplingParams
+
+class NonFiniteWeights(PluginError):
+    """The policy's weights hold NaN or inf; no policy or checkpoint is written from them."""
+
 
 CustomLossFn = Callable[
     [Sequence["tinker.Datum"], Sequence["torch.Tensor"]], "tuple[torch.Tensor, dict[str, float]]"
@@ -36,19 +42,26 @@ class Trainer(Protocol):
     def forward_backward_custom(
         self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn
     ) -> tinker.ForwardBackwardOutput:
-        """One forward pass, ``loss_fn`` on its logprobs, backward; gradients accumulate."""
+        """One forward pass, ``loss_fn`` on its logprobs, backward; gradients accumulate.
+
+        A non-finite loss is not backpropagated; the next ``optim_step`` is then skipped."""
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
-        """Apply the accumulated gradients (AdamW, clipping per ``grad_clip_norm``), zero them."""
+        """Apply the accumulated gradients (AdamW, clipping per ``grad_clip_norm``), zero them.
+
+        With a non-finite loss or gradient norm the step is skipped (weights and optimizer state
+        untouched) and the metrics say so: ``optim/skipped_nonfinite`` = 1.0. Weights that turn
+        non-finite raise :class:`NonFiniteWeights`."""
 
     def save_state(self, path: str) -> None:
-        """Write weights and optimizer state."""
+        """Write weights and optimizer state (refusing non-finite weights)."""
 
     def load_state(self, path: str) -> None:
         """Restore what ``save_state`` wrote."""
 
     def save_weights_for_sampler(self, path: str) -> str:
-        """Write the current policy so that a sampler (or transformers) can load it."""
+        """Write the current policy so that a sampler (or transformers) can load it (refusing
+        non-finite weights)."""
 
 
 @runtime_checkable
@@ -73,6 +86,10 @@ class Sampler(Protocol):
         self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams
     ) -> list[list[Completion]]:
         """``num_samples`` completions for each tokenized prompt."""
+
+    # Optional, for exact resume: ``state_dict() -> dict`` (its RNG, version, and weights it
+    # keeps apart from the trainer's) and ``load_state_dict(state)``. A sampler without them
+    # (a remote server) resumes with fresh randomness.
 
 
 def sample_to_datum(sample: Sample) -> tinker.Datum:

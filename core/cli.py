@@ -4,20 +4,68 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+import traceback
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
+import attrs
 import click
 
 from grpo_core import __version__
 from grpo_core.plugins_manager import KINDS, PluginError
 
+EXIT_ERROR = 1
+"""A run that the user can fix: bad config, data or plugin; a training failure it explains."""
+EXIT_INTERNAL = 3
+"""An unexpected error (a bug in grpo-core or a plugin): the traceback is written to a file."""
+
+SECTIONS = {
+    "Model and data": [
+        "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
+        "epochs", "max_steps", "shuffle",
+    ],
+    "Plugins (what is installed, with options and help: grpo-core plugins)": [
+        "backend", "rollout", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
+    ],
+    "The GRPO step": [
+        "prompt_groups_per_step", "completions_per_prompt", "max_completion_tokens", "temperature", "top_p", "top_k",
+        "stop", "drop_zero_variance_groups", "weight_sync_interval", "anchor", "max_reward_failures_in_a_row",
+        "reward_timeout", "max_samples_per_fwd_bwd", "min_samples_per_fwd_bwd",
+    ],
+    "Optimizer": [
+        "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
+        "max_nonfinite_steps_in_a_row",
+    ],
+    "Run directory, checkpoints, resume": ["run_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "config_file"],
+    "Machine": ["device", "dtype", "threads", "seed", "debug"],
+}  # fmt: skip
+
+
+class SectionedCommand(click.Command):
+    """``--help`` in the sections above, each option with its default."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
+        for title, names in [*SECTIONS.items(), ("Other", [n for n in records if not any(n in v for v in SECTIONS.values())])]:
+            rows = [records[n] for n in names if records.get(n)]
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def _default_text(field: Any) -> str:
+    default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+    if default is None or default == []:
+        return ""
+    return f" [default: {', '.join(map(str, default)) if isinstance(default, list) else default}]"
 
 
 def _click_option(field: Any) -> Any:
     flag = "--" + field.name.replace("_", "-")
-    help_text = field.metadata.get("help", "")
+    help_text = field.metadata.get("help", "") + _default_text(field)
     annotation = field.type
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     base = args[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
@@ -53,25 +101,69 @@ def main() -> None:
     """GRPO-family reinforcement learning of language models, every part a plugin."""
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @_run_options
-def run(config_file: str | None, **values: Any) -> None:
-    """Train a policy with GRPO. With no arguments: the embedded tiny model and task, on CPU."""
+@click.option("--resume", "resume", metavar="RUN_DIR", help="continue that run from its newest checkpoint, with its own config")
+@click.option("--overwrite", is_flag=True, help="replace what --run-dir holds (a non-empty run directory is refused otherwise)")
+@click.option("--debug", is_flag=True, help="show the traceback of an error")
+def run(config_file: str | None, resume: str | None, overwrite: bool, debug: bool, **values: Any) -> None:
+    """Train a policy with GRPO. With no arguments: the embedded tiny model and task, on CPU (its own
+    settings: core/assets/default/run.toml; any flag wins).
+
+    \b
+    Checkpoints go to RUN_DIR/checkpoints/step-N/ every --checkpoint-every steps and at the end;
+    --resume RUN_DIR continues a stopped run exactly (same seed on CPU: the same weights as a run
+    that never stopped). Ctrl-C or SIGTERM stops after the current step, saving a checkpoint and
+    the policy (a second one stops at once, still saving). A plugin option that is a secret (an
+    API key, a token) is never written; give it as env:VARIABLE to read it from the environment.
+
+    \b
+    Exit codes: 0 done; 1 an error you can fix (message says what); 2 bad command line;
+    3 internal error (traceback written to the run directory); 130 Ctrl-C; 143 SIGTERM.
+    """
     from grpo_core import config as config_module
 
     plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KINDS}
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
+    run_dir: str | None = resume or overrides.get("run_dir")
     try:
-        config = config_module.load(config_file, overrides, plugin_opts)
+        if resume:
+            if config_file:
+                raise PluginError("--resume uses the run's own config.json: --config cannot be given with it")
+            config = config_module.load_resumed(resume, overrides, plugin_opts)
+        else:
+            config = config_module.load(config_file, overrides, plugin_opts)
         from grpo_core.loop import run as run_loop
 
-        run_loop(config)
-    except PluginError as exc:
-        raise click.ClickException(str(exc)) from None
+        summary = run_loop(config, resume=bool(resume), overwrite=overwrite)
+    except Exception as exc:
+        _fail(exc, run_dir, debug)
     except KeyboardInterrupt:
+        # Before training started (loading): nothing to save.
         click.echo("interrupted", err=True)
         sys.exit(130)
+    sys.exit(summary["exit_code"])
+
+
+def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
+    """One clear message and a non-zero exit; an unexpected error also leaves its traceback in a file."""
+    from grpo_core.loop import RunFailed
+
+    saved = exc.saved if isinstance(exc, RunFailed) else None
+    cause = exc.cause if isinstance(exc, RunFailed) else exc
+    if debug:
+        traceback.print_exception(cause)
+    expected = isinstance(cause, (PluginError, OSError))
+    message = str(cause) if isinstance(cause, PluginError) else f"{type(cause).__name__}: {cause}"
+    click.echo(f"error: {message}" if expected else f"internal error: {message}", err=True)
+    if not expected:
+        where = Path(run_dir) if run_dir and Path(run_dir).is_dir() else Path(tempfile.mkdtemp(prefix="grpo-core-"))
+        (where / "traceback.txt").write_text("".join(traceback.format_exception(cause)))
+        click.echo(f"  the traceback is in {where / 'traceback.txt'} (--debug shows it); please report it", err=True)
+    if saved:
+        click.echo(f"  {saved}", err=True)
+    sys.exit(EXIT_ERROR if expected else EXIT_INTERNAL)
 
 
 EVAL_FIELDS = (

@@ -37,6 +37,29 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
+def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1), got {value}")
+
+
+def _at_least_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 2:
+        raise ValueError(f"{attribute.name} must be >= 2: a group of one has no advantage (got {value})")
+
+
+def default_threads() -> int:
+    """Half the CPUs this process may use, at least 1.
+
+    Measured on a 2-CPU machine (docs/performance.md): 2 threads are 1.55x faster than 1 when
+    the machine is idle but 2.8-3.6x slower beside another busy process, while 1 thread is never
+    more than 1.55x off its best. Half the CPUs keeps that margin on bigger machines too.
+    """
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // 2)
+
+
 @attrs.define
 class RunConfig:
     # What to train on.
@@ -65,7 +88,7 @@ class RunConfig:
 
     # The GRPO step.
     prompt_groups_per_step: int = _field(8, "prompts per optimizer step", validator=_positive)
-    completions_per_prompt: int = _field(8, "group size G", validator=_positive)
+    completions_per_prompt: int = _field(8, "group size G (at least 2)", validator=_at_least_two)
     max_completion_tokens: int = _field(32, "max generated tokens per completion", validator=_positive)
     temperature: float = _field(1.0, "sampling temperature (0 = greedy, for eval)", validator=_non_negative)
     top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)")
@@ -75,25 +98,31 @@ class RunConfig:
     weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", validator=_positive)
     anchor: Literal["old_policy", "sampling"] = _field("old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)")
     max_reward_failures_in_a_row: int = _field(64, "stop the run after this many samples in a row whose reward failed", validator=_positive)
+    reward_timeout: float = _field(300.0, "seconds one reward call may take before its samples fail (0 = no limit)", validator=_non_negative)
     max_samples_per_fwd_bwd: int | None = _field(None, "split a step into forward/backward calls of at most this many samples", validator=_positive)
     min_samples_per_fwd_bwd: int = _field(1, "a last forward/backward call with fewer samples joins the one before", validator=_positive)
 
     # Optimizer.
-    learning_rate: float = _field(1e-5, "peak learning rate (AdamW)")
+    learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", validator=_non_negative)
     lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup")
-    warmup_steps: int = _field(0, "linear warmup steps")
-    beta1: float = _field(0.9, "Adam beta1")
-    beta2: float = _field(0.999, "Adam beta2")
-    adam_eps: float = _field(1e-8, "Adam epsilon")
-    weight_decay: float = _field(0.0, "AdamW weight decay")
-    grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)")
+    warmup_steps: int = _field(0, "linear warmup steps", validator=_non_negative)
+    beta1: float = _field(0.9, "Adam beta1, in [0, 1)", validator=_unit_interval)
+    beta2: float = _field(0.999, "Adam beta2, in [0, 1)", validator=_unit_interval)
+    adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", validator=_positive)
+    weight_decay: float = _field(0.0, "AdamW weight decay", validator=_non_negative)
+    grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", validator=_non_negative)
+    max_nonfinite_steps_in_a_row: int = _field(
+        3, "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run", validator=_positive
+    )
 
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = _field(None, "CPU threads for torch (default: torch's choice; 1 helps on a busy machine)", validator=_positive)
+    threads: int | None = _field(None, "CPU threads for torch (default: half the CPUs, at least 1)", validator=_positive)
     seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
-    run_dir: str | None = _field(None, "where to write config, metrics and the final policy (default runs/<time>)")
+    run_dir: str | None = _field(None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)")
+    checkpoint_every: int = _field(50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative)
+    keep_checkpoints: int = _field(2, "keep the newest K checkpoints", validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if not 0.0 < self.top_p <= 1.0:
@@ -111,7 +140,11 @@ class RunConfig:
         return attrs.asdict(self)
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """The resolved config as JSON, secret plugin options shown as ``***``."""
+        from grpo_core.plugins_manager import redact_plugin_options
+
+        data = {**self.to_dict(), "plugin_options": redact_plugin_options(self.plugin_options)}
+        path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def cli_fields() -> list[attrs.Attribute]:
@@ -152,9 +185,63 @@ def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[
 
 
 def selected_names(config: RunConfig, kind: str) -> list[str]:
-    value = getattr(config, kind)
+    return selected_names_from(attrs.asdict(config), kind)
+
+
+RESUMABLE = (
+    "max_steps", "checkpoint_every", "keep_checkpoints", "threads", "reward_timeout",
+    "max_nonfinite_steps_in_a_row", "max_reward_failures_in_a_row",
+)  # fmt: skip
+"""Settings a resumed run may change: none of them changes what a step computes."""
+
+
+def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
+    """The config of the run in ``run_dir``, with the changes ``--resume`` allows.
+
+    Flags that would change what a step computes are refused unless they repeat the stored
+    value; plugin options may only supply secrets, which config.json never holds.
+    """
+    from grpo_core.plugins_manager import REDACTED
+
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise PluginError(f"--resume {run_dir}: no config.json there; is it a grpo-core run directory?")
+    stored = json.loads(path.read_text())
+    fields = {f.name: f for f in cli_fields()}
+    refused = []
+    for key, value in overrides.items():
+        if key not in fields:
+            raise PluginError(f"unknown config key '{key}'")
+        if key in RESUMABLE:
+            stored[key] = value
+        elif coerce([value] if fields[key].type == list[str] and isinstance(value, str) else value, fields[key].type) != stored.get(key):
+            refused.append(f"--{key.replace('_', '-')}")
+    if refused:
+        allowed = ", ".join(f"--{k.replace('_', '-')}" for k in RESUMABLE)
+        raise PluginError(f"--resume continues the run as it was configured: {', '.join(refused)} cannot change (allowed: {allowed})")
+    options: dict[str, dict[str, dict[str, Any]]] = stored.pop("plugin_options", {}) or {}
+    for kind, items in plugin_opts.items():
+        for name, given in parse_plugin_opts(kind, items, selected_names_from(stored, kind)).items():
+            for key, value in given.items():
+                if options.get(kind, {}).get(name, {}).get(key) != REDACTED:
+                    raise PluginError(f"--resume: --{kind}-opt {name}.{key} cannot change; only secret options, which are not saved, are given again")
+                options[kind][name][key] = value
+    missing = [f"{kind}.{name}.{key}" for kind, by in options.items() for name, o in by.items() for key, v in o.items() if v == REDACTED]
+    if missing:
+        raise PluginError(f"--resume: secret options were not saved; give them again ({', '.join(missing)}), e.g. as env:VARIABLE")
+    stored["run_dir"] = str(run_dir)
+    try:
+        config = RunConfig(**{k: coerce(v, fields[k].type) for k, v in stored.items() if k in fields})
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"{path}: {exc}") from None
+    config.plugin_options = options
+    return config
+
+
+def selected_names_from(stored: dict[str, Any], kind: str) -> list[str]:
+    value = stored.get(kind)
     if kind == "reward":
-        return [parse_reward_spec(s)[0] for s in value]
+        return [parse_reward_spec(s)[0] for s in value or []]
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]

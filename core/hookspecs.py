@@ -31,6 +31,16 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec(firstresult=True)
+def load_tokenizer(config: RunConfig) -> tuple[Any, int | None]:
+    """The tokenizer of ``config.model`` and its longest context, without loading the weights
+    (first result wins; kind ``backend``). Lets a run check every prompt before the model loads.
+
+    :param config: the resolved run configuration.
+    :returns: ``(tokenizer, max_context)``; max_context is None when the model does not say.
+    """
+
+
+@hookspec(firstresult=True)
 def make_trainer(config: RunConfig) -> Trainer:
     """Create the policy trainer for ``config.model`` (first result wins; kind ``backend``).
 
@@ -129,12 +139,14 @@ def loss(inputs: LossInputs) -> LossOutput:
 
 
 @hookspec
-def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None) -> None:
+def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None, start_step: int) -> None:
     """Called once before the first step on every active plugin (loggers open their outputs).
 
     :param config: the resolved run configuration.
     :param run_dir: where the run writes its config, metrics and final policy.
     :param total_steps: the number of steps the run will take, when known.
+    :param start_step: 0 for a new run; for a resumed one, the checkpoint's step: the run goes on
+        at ``start_step + 1``, and a logger that appends drops what it wrote for later steps.
     """
 
 

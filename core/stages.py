@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import pluggy
 
@@ -18,31 +19,67 @@ if TYPE_CHECKING:
 
 
 class RewardError(PluginError):
-    """Rewards failed on too many samples in a row."""
+    """Rewards failed on too many samples in a row, or a reward broke its contract."""
+
+
+class CallTimeout(Exception):
+    """A call did not return in time (it goes on in a daemon thread, which is abandoned)."""
+
+
+T = TypeVar("T")
+
+
+def call_with_timeout(fn: Callable[[], T], timeout: float) -> T:
+    """``fn()``, or CallTimeout after ``timeout`` seconds (0 = wait for ever).
+
+    A daemon thread, not a pool: a call that never returns must not hold the process at exit.
+    """
+    if not timeout:
+        return fn()
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # handed back to the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True, name="grpo-core-reward")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise CallTimeout(f"did not return within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def score_groups(
-    selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int
+    selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int, timeout: float = 0.0
 ) -> dict[str, float]:
-    """Weighted sum of every reward; a None/NaN or a raising reward marks the sample failed.
+    """Weighted sum of every reward; a None/NaN, a raising or a timed-out reward marks the sample failed.
 
     A failed sample is not trained on; the run stops once ``max_failures_in_a_row`` samples
-    in a row have failed, with the last error.
+    in a row have failed, with the last error. ``timeout`` bounds each reward call (0 = none).
     """
-    failed = errors = 0
+    failed = errors = timeouts = 0
     per_reward: dict[str, list[float]] = {r.name: [] for r in selection.rewards}
     for group in groups:
         if not group:
             continue
         for r in selection.rewards:
             try:
-                scores = list(r.plugin.reward(prompt=group[0].prompt, samples=group))
+                scores = list(call_with_timeout(lambda r=r, group=group: r.plugin.reward(prompt=group[0].prompt, samples=group), timeout))
+            except CallTimeout as exc:
+                scores = [None] * len(group)
+                timeouts += 1
+                selection.last_reward_error = f"reward '{r.name}' {exc}"
             except Exception as exc:  # a reward's bug must not lose the run: the group is marked failed
                 scores = [None] * len(group)
                 errors += 1
                 selection.last_reward_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
-                raise ValueError(f"reward '{r.name}' returned {len(scores)} scores for {len(group)} samples")
+                raise RewardError(f"reward '{r.name}' returned {len(scores)} scores for {len(group)} samples")
             for sample, score in zip(group, scores):
                 ok = score is not None and not math.isnan(score)
                 sample.rewards[r.name] = float(score) if ok else None
@@ -67,6 +104,7 @@ def score_groups(
         "reward/std": _std(totals),
         "reward/failed": float(failed),
         "reward/errors": float(errors),
+        "reward/timeouts": float(timeouts),
     }
     metrics.update({f"reward/{name}": _mean(v) for name, v in per_reward.items()})
     tokens = [s.num_completion_tokens for g in groups for s in g]

@@ -51,14 +51,16 @@ def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, t
     out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss-opt", "kl_beta=0.01"))
     assert out.returncode == 0, out.stderr
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["max_steps"] == 2 and config["plugin_options"]["loss"]["grpo"]["kl_beta"] == "0.01"
+    assert config["max_steps"] == 2 and config["plugin_options"]["loss"]["grpo"]["kl_beta"] == 0.01
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         for key in ("reward/total", "reward/std", "groups/kept", "groups/dropped_zero_variance", "tokens/completion", "time/sample", "time/train", "time/step"):
             assert key in m, key
         assert m["tokens/completion"] > 0
-    assert "reward: first 2 steps" in out.stdout and "run directory" in out.stdout
+    # Two steps: the summary compares step 1 with step 2, not two windows that overlap.
+    assert f"reward: first step {lines[0]['reward/total']:.3f} -> last step {lines[1]['reward/total']:.3f}" in out.stdout
+    assert "run directory" in out.stdout
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "qwen3"
@@ -198,7 +200,8 @@ def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, lo
     assert all("loss/total" in m and "tis/weight_mean" in m for m in metrics)
 
 
-def test_ctrl_c_ends_the_run_and_keeps_the_policy(tiny_model_dir, tiny_dataset, tmp_path):
+@pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
     import signal
     import time
 
@@ -210,9 +213,11 @@ def test_ctrl_c_ends_the_run_and_keeps_the_policy(tiny_model_dir, tiny_dataset, 
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signum))
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    assert proc.returncode == code, stderr
     assert "stopped: interrupted after step" in stdout
     assert (run_dir / "final" / "model.safetensors").is_file()
-    assert 2 <= len(metrics.read_text().splitlines()) < 1000000
+    steps = len(metrics.read_text().splitlines())
+    assert 2 <= steps < 1000000
+    assert json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())["step"] == steps

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -12,7 +13,7 @@ import tinker
 import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
-from grpo_core.backend import CustomLossFn
+from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.data import ASSETS
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
@@ -40,6 +41,18 @@ class LocalBackend:
     default_weight_sync = "in_process"
 
     @hookimpl
+    def load_tokenizer(self, config: RunConfig) -> tuple[Any, int | None]:
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = model_path(config.model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            max_context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+        except (OSError, ValueError) as exc:
+            raise PluginError(f"cannot load model '{config.model}': {str(exc).splitlines()[0]}") from None
+        return tokenizer, max_context
+
+    @hookimpl
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
         device, autocast_dtype = resolve_device(config.device, config.dtype)
         model, tokenizer = load_model(config.model, device, self.attn_implementation)
@@ -54,7 +67,8 @@ class LocalBackend:
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: LocalTrainer) -> LocalSampler:
         # Sampling may only run ahead of training on its own copy of the weights.
-        model = trainer.model if config.weight_sync_interval == 1 else frozen_copy(trainer.model)
+        own_weights = config.weight_sync_interval > 1
+        model = frozen_copy(trainer.model) if own_weights else trainer.model
         return LocalSampler(
             model=model,
             tokenizer=trainer.tokenizer,
@@ -64,6 +78,7 @@ class LocalBackend:
             fast_forward=self.fast_forward,
             batch_size=self.sample_batch_size,
             version=trainer.version,
+            own_weights=own_weights,
         )
 
     @hookimpl
@@ -87,13 +102,39 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype |
     return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
 
 
+def model_path(name: str) -> str:
+    """The embedded model's folder, a local folder, or a hub name that can be reached.
+
+    A hub name is tried in the local cache first; otherwise the hub is probed once, so that
+    a machine without network fails at once with one line instead of a minute of retries.
+    """
+    if name == "default":
+        return str(ASSETS)
+    if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE") or name.count("/") > 1:
+        return name
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name
+    import httpx
+
+    try:
+        httpx.head(f"{constants.ENDPOINT}/api/models/{name}", timeout=10, follow_redirects=True)
+    except httpx.HTTPError as exc:
+        raise PluginError(
+            f"cannot load model '{name}': it is not a local folder nor in the Hugging Face cache, and "
+            f"{constants.ENDPOINT} cannot be reached ({exc}); download it where there is network or pass a folder"
+        ) from None
+    return name
+
+
 def load_model(name: str, device: torch.device, attn_implementation: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     # The run shows its own progress; per-shard load bars would only interleave with it.
     hf_logging.disable_progress_bar()
-    path = str(ASSETS) if name == "default" else name
+    path = model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
@@ -294,13 +335,17 @@ class LocalTrainer(LocalReference):
     tokenizer: Any
     version: int = 0
     optimizer: torch.optim.AdamW | None = None
+    nonfinite_loss: bool = False
+    """A non-finite loss since the last optimizer step: that step will be skipped."""
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
         loss, metrics = loss_fn(datums, logprobs)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss is {float(loss)}; metrics: {metrics}")
-        loss.backward()
+        if torch.isfinite(loss):
+            loss.backward()
+        else:
+            # No backward: a NaN would spread into every gradient; optim_step skips the step.
+            self.nonfinite_loss = True
         return tinker.ForwardBackwardOutput(
             loss_fn_output_type="TorchLossReturn",
             loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
@@ -319,14 +364,30 @@ class LocalTrainer(LocalReference):
                 weight_decay=adam_params.weight_decay,
             )
         max_norm = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.optimizer.step()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skip = self.nonfinite_loss or not math.isfinite(grad_norm)
+        if not skip:
+            self.optimizer.step()
+            self.version += 1
+            if not self.weights_finite():
+                raise NonFiniteWeights(
+                    f"the optimizer step made weights non-finite (grad norm {grad_norm:.3g}, lr {adam_params.learning_rate:g}); "
+                    "nothing is saved from them"
+                )
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
+        self.nonfinite_loss = False
         return {
-            "optim/grad_norm": float(grad_norm),
+            "optim/grad_norm": grad_norm,
             "optim/lr": adam_params.learning_rate,
+            "optim/skipped_nonfinite": float(skip),
         }
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def _refuse_nonfinite(self, what: str) -> None:
+        if not self.weights_finite():
+            raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
     def _make_optimizer(self) -> torch.optim.AdamW:
         # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
@@ -334,6 +395,7 @@ class LocalTrainer(LocalReference):
         return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], fused=fused)
 
     def save_state(self, path: str) -> None:
+        self._refuse_nonfinite(path)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         torch.save(
             {
@@ -354,6 +416,7 @@ class LocalTrainer(LocalReference):
         self.version = state["version"]
 
     def save_weights_for_sampler(self, path: str) -> str:
+        self._refuse_nonfinite(path)
         self.model.save_pretrained(path, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path
@@ -369,6 +432,8 @@ class LocalSampler:
     fast_forward: bool = True
     batch_size: int = 0
     version: int = 0
+    own_weights: bool = False
+    """Samples from a copy of its own (ahead of training), not from the trainer's weights."""
     generator: torch.Generator = attrs.field(init=False)
     forward_fn: ModelForward = attrs.field(init=False)
 
@@ -384,6 +449,20 @@ class LocalSampler:
         if self.model is not trainer.model:
             self.model.load_state_dict(trainer.model.state_dict())
         self.version = trainer.version
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to sample on exactly as before: the RNG, the version, and the
+        weights when sampling runs ahead on a copy of its own (weight_sync_interval > 1)."""
+        state: dict[str, Any] = {"generator": self.generator.get_state(), "version": self.version}
+        if self.own_weights:
+            state["model"] = self.model.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.version = state["version"]
+        if "model" in state:
+            self.model.load_state_dict(state["model"])
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
         for i, p in enumerate(prompts):

@@ -25,9 +25,10 @@ class ConsoleLogger:
     _total: int | None = attrs.field(default=None, init=False, repr=False)
 
     @hookimpl
-    def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None) -> None:
+    def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
         self._total = total_steps
-        self._console.print(f"grpo-core: training {config.model} on {config.dataset} -> {run_dir}")
+        resumed = f" (resuming after step {start_step})" if start_step else ""
+        self._console.print(f"grpo-core: training {config.model} on {config.dataset} -> {run_dir}{resumed}")
         if self._console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]step"),
@@ -38,7 +39,7 @@ class ConsoleLogger:
                 TimeRemainingColumn(),
                 console=self._console,
             )
-            self._task = self._progress.add_task("train", total=total_steps, stats="")
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self._progress.start()
 
     @hookimpl
@@ -55,11 +56,16 @@ class ConsoleLogger:
         if self._progress is not None:
             self._progress.stop()
         n = summary["window"]
-        self._console.print(
-            f"reward: first {n} steps {summary['reward_first']:.3f} -> last {n} steps {summary['reward_last']:.3f} "
-            f"({summary['reward_last'] - summary['reward_first']:+.3f})",
-            highlight=False,
-        )
+        if n:
+            first, last = ("first step", "last step") if n == 1 else (f"first {n} steps", f"last {n} steps")
+            self._console.print(
+                f"reward: {first} {summary['reward_first']:.3f} -> {last} {summary['reward_last']:.3f} "
+                f"({summary['reward_last'] - summary['reward_first']:+.3f})",
+                highlight=False,
+            )
+        skipped = {k.removeprefix("data/skipped_"): v for k, v in summary.items() if k.startswith("data/skipped_") and v}
+        if skipped:
+            self._console.print("skipped " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()), highlight=False)
         stop = f", stopped: {summary['stop_reason']}" if summary.get("stop_reason") else ""
         self._console.print(
             f"{summary['steps']} steps in {summary['seconds']:.1f}s{stop}; run directory: {run_dir} "

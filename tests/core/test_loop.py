@@ -9,6 +9,7 @@ import torch
 from grpo_core import hookimpl, selection
 from grpo_core.config import RunConfig
 from grpo_core.loop import run
+from grpo_core.plugins_manager import PluginEntry
 
 
 @attrs.define
@@ -23,14 +24,8 @@ class LengthReward:
 @pytest.fixture(autouse=True)
 def length_reward(monkeypatch):
     original = selection.find
-
-    class Entry:
-        qualified_name = "reward.length"
-
-        def load(self):
-            return LengthReward
-
-    monkeypatch.setattr(selection, "find", lambda name, kind=None: Entry() if (kind, name) == ("reward", "length") else original(name, kind))
+    entry = PluginEntry(kind="reward", name="length", target=f"{__name__}:LengthReward", distribution="tests", version="0")
+    monkeypatch.setattr(selection, "find", lambda name, kind=None: entry if (kind, name) == ("reward", "length") else original(name, kind))
 
 
 def config(tiny_model_dir, tiny_dataset, run_dir, **kw):
@@ -82,7 +77,9 @@ def test_training_changes_the_policy_and_counts_versions(tiny_model_dir, tiny_da
     before, after = load_file(tiny_model_dir / "model.safetensors"), weights_of(tmp_path / "r")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert [m["policy/version"] for m in metrics] == [1, 2, 3]
-    assert summary["steps"] == 3 and summary["window"] == 3
+    # Three steps: the summary compares step 1 with step 3, never overlapping windows.
+    assert summary["steps"] == 3 and summary["window"] == 1
+    assert summary["reward_first"] == metrics[0]["reward/total"] and summary["reward_last"] == metrics[2]["reward/total"]
     assert all("loss/total" in m and "optim/grad_norm" in m for m in metrics)
 
 
@@ -102,21 +99,23 @@ def test_max_steps_and_max_rows_bound_the_run(tiny_model_dir, tiny_dataset, tmp_
     assert summary["steps"] == 4
 
 
-def test_first_ctrl_c_asks_to_stop_after_the_step_and_a_second_one_stops_at_once(tmp_path, capsys):
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_one_stops_at_once(tmp_path, capsys, signum):
     import os
     import signal
 
-    from grpo_core.loop import RunState, stop_on_ctrl_c
+    from grpo_core.loop import RunState, stop_on_signals
 
-    before = signal.getsignal(signal.SIGINT)
+    sig = getattr(signal, signum)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     state = RunState(run_dir=tmp_path)
-    restore = stop_on_ctrl_c(state)
+    restore = stop_on_signals(state)
     try:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert state.interrupted and state.stop_reason is None
-        assert "stopping after this step" in capsys.readouterr().err
+        os.kill(os.getpid(), sig)
+        assert state.signal == sig and state.stop_reason is None
+        assert "stopping after this step and saving" in capsys.readouterr().err
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), sig)
     finally:
         restore()
-    assert signal.getsignal(signal.SIGINT) is before
+    assert {s: signal.getsignal(s) for s in before} == before

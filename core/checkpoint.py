@@ -1,0 +1,177 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+``RUN_DIR/checkpoints/step-000050/`` holds the trainer's state (through ``trainer.save_state``,
+so a remote trainer checkpoints remotely), the sampler's state (its RNG, and its weights when
+it keeps a copy of its own), every process RNG, the loop's counters and the prompt settings.
+A checkpoint is written into a temporary folder, fsynced and renamed: a folder named
+``step-*`` is complete, whatever happened while it was written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+
+from grpo_core.plugins_manager import PluginError
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "state.json"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(PluginError):
+    """A checkpoint or policy could not be written or read; the message says what is still valid."""
+
+
+@attrs.define
+class LoopState:
+    """The loop's counters that a resumed run must continue from."""
+
+    step: int = 0
+    policy_version: int = 0
+    reward_failures_in_a_row: int = 0
+    nonfinite_in_a_row: int = 0
+    history: list[float | None] = attrs.field(factory=list)
+    """``reward/total`` of every step so far (the summary compares its first and last steps)."""
+
+
+def capture_rng(sampler: Any) -> dict[str, Any]:
+    """Every random state a step consumes, taken at a step boundary."""
+    import torch
+
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    if hasattr(sampler, "state_dict"):
+        rng["sampler"] = sampler.state_dict()
+    return rng
+
+
+def restore_rng(rng: dict[str, Any], sampler: Any) -> None:
+    import torch
+
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "sampler" in rng:
+        sampler.load_state_dict(rng["sampler"])
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"step-{step:06d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Checkpoint folders of a run, oldest first; half-written ones (temporary names) never count."""
+    folder = run_dir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.name.startswith("step-") and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def save_checkpoint(
+    run_dir: Path,
+    loop: LoopState,
+    trainer: Any,
+    rng: dict[str, Any],
+    write_extra: Callable[[Path], Any],
+    keep: int,
+) -> Path:
+    """Write the checkpoint of ``loop.step`` atomically and keep the newest ``keep``.
+
+    ``write_extra(folder)`` adds what other modules own (the prompt settings). A failure leaves
+    the previous checkpoints as they were.
+    """
+    import torch
+
+    final = checkpoint_dir(run_dir, loop.step)
+    if (final / STATE_FILE).is_file():
+        return final  # this step is saved already (a periodic checkpoint that is also the last)
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        trainer.save_state(str(tmp / "trainer.pt"))
+        torch.save(rng, tmp / "rng.pt")
+        write_extra(tmp)
+        # state.json last: its presence inside a step-* folder marks a whole checkpoint.
+        (tmp / STATE_FILE).write_text(json.dumps(attrs.asdict(loop), indent=1) + "\n")
+        fsync_tree(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of that name
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        previous = [p.name for p in complete_checkpoints(run_dir)]
+        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"could not write checkpoint {final.name}: {type(exc).__name__}: {exc}; {kept}") from exc
+    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, trainer: Any, sampler: Any) -> LoopState:
+    """Restore trainer, sampler and RNGs from ``path``; returns the loop's counters."""
+    import torch
+
+    try:
+        loop = LoopState(**json.loads((path / STATE_FILE).read_text()))
+        trainer.load_state(str(path / "trainer.pt"))
+        restore_rng(torch.load(path / "rng.pt", weights_only=False), sampler)
+    except Exception as exc:
+        raise CheckpointError(f"cannot resume from {path}: {type(exc).__name__}: {exc}") from exc
+    return loop
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Temporary folders left by a run killed while writing (never valid checkpoints)."""
+    folder = run_dir / CHECKPOINTS
+    for p in folder.glob(f"{TMP_PREFIX}*") if folder.is_dir() else []:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def save_policy(path: Path, write: Any) -> str:
+    """Write a policy folder atomically: ``write(tmp)`` fills a temporary folder that replaces ``path``."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(str(tmp))
+        fsync_tree(tmp)
+        old = path.with_name(f"{TMP_PREFIX}{path.name}-old-{os.getpid()}")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(path.parent)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, Exception):
+            raise
+        raise CheckpointError(f"could not write the policy to {path}: {type(exc).__name__}: {exc}") from exc
+    return str(path)
+
+
+def fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with p.open("rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(folder)
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,154 @@
+"""Checkpoints are atomic, complete, pruned, and restore every state a step consumes."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+import torch
+
+from grpo_core import checkpoint
+from grpo_core.checkpoint import (
+    CheckpointError,
+    LoopState,
+    capture_rng,
+    complete_checkpoints,
+    load_checkpoint,
+    remove_partial,
+    save_checkpoint,
+    save_policy,
+)
+
+
+class FakeTrainer:
+    """Writes and reads a small tensor file, as a trainer's save_state/load_state do."""
+
+    def __init__(self, value: float = 1.0) -> None:
+        self.weights = torch.full((3,), value)
+
+    def save_state(self, path: str) -> None:
+        torch.save({"w": self.weights}, path)
+
+    def load_state(self, path: str) -> None:
+        self.weights = torch.load(path, weights_only=True)["w"]
+
+
+class FakeSampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def save(run_dir, step, trainer=None, keep=5, sampler=None):
+    loop = LoopState(step=step, policy_version=step, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * step)
+    return save_checkpoint(run_dir, loop, trainer or FakeTrainer(step), capture_rng(sampler or FakeSampler(0)), lambda d: (d / "extra.json").write_text("{}"), keep)
+
+
+def test_a_checkpoint_restores_weights_counters_and_every_rng(tmp_path):
+    sampler = FakeSampler(seed=7)
+    random.seed(3)
+    torch.manual_seed(3)
+    path = save(tmp_path, 4, trainer=FakeTrainer(4.0), sampler=sampler)
+    expected = (random.random(), torch.rand(2), torch.rand(2, generator=sampler.generator))
+    random.seed(99)
+    torch.manual_seed(99)
+    torch.rand(5, generator=sampler.generator)
+
+    trainer = FakeTrainer(0.0)
+    loop = load_checkpoint(path, trainer, sampler)
+    assert loop == LoopState(step=4, policy_version=4, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * 4)
+    assert torch.equal(trainer.weights, torch.full((3,), 4.0))
+    got = (random.random(), torch.rand(2), torch.rand(2, generator=sampler.generator))
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
+    assert sorted(p.name for p in path.iterdir()) == ["extra.json", "rng.pt", "state.json", "trainer.pt"]
+
+
+def test_only_the_newest_k_are_kept_and_a_step_saved_twice_is_written_once(tmp_path):
+    for step in (2, 4, 6):
+        save(tmp_path, step, keep=2)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000004", "step-000006"]
+    before = (tmp_path / "checkpoints" / "step-000006" / "trainer.pt").stat().st_mtime_ns
+    save(tmp_path, 6, trainer=FakeTrainer(123.0), keep=2)
+    assert (tmp_path / "checkpoints" / "step-000006" / "trainer.pt").stat().st_mtime_ns == before
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_valid_and_says_so(tmp_path, monkeypatch):
+    save(tmp_path, 2)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step-000004: OSError: .*No space left.*step-000002 is intact"):
+        save(tmp_path, 4)
+    monkeypatch.undo()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]  # no temporary folder left
+    trainer = FakeTrainer(0.0)
+    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0)).step == 2
+    assert torch.equal(trainer.weights, torch.full((3,), 2.0))
+
+
+def test_a_folder_killed_mid_write_is_never_taken_for_a_checkpoint(tmp_path):
+    save(tmp_path, 2)
+    partial = tmp_path / "checkpoints" / ".tmp-step-000004-123"
+    partial.mkdir()
+    (partial / "trainer.pt").write_bytes(b"half")
+    unnamed = tmp_path / "checkpoints" / "step-000006"  # a name without its state.json
+    unnamed.mkdir()
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002"]
+    remove_partial(tmp_path)
+    assert not partial.exists()
+
+
+def test_state_json_is_written_last(tmp_path, monkeypatch):
+    order = []
+    real_write = checkpoint.Path.write_text
+
+    def spy(self, *args, **kwargs):
+        order.append(self.name)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.Path, "write_text", spy)
+    save(tmp_path, 1)
+    assert order[-1] == "state.json" and "extra.json" in order
+
+
+def test_a_checkpoint_that_cannot_be_read_is_a_clear_error(tmp_path):
+    path = save(tmp_path, 2)
+    (path / "rng.pt").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match="cannot resume from .*step-000002"):
+        load_checkpoint(path, FakeTrainer(), FakeSampler(0))
+
+
+def test_a_policy_folder_is_replaced_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "final"
+
+    def write(weights: bytes):
+        def fill(folder: str) -> None:
+            (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+            (tmp_path / folder / "model.safetensors").write_bytes(weights)
+
+        return fill
+
+    assert save_policy(final, write(b"v1")) == str(final)
+    assert (final / "model.safetensors").read_bytes() == b"v1"
+
+    def broken(folder: str) -> None:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="could not write the policy to .*final: OSError"):
+        save_policy(final, broken)
+    assert (final / "model.safetensors").read_bytes() == b"v1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    save_policy(final, write(b"v2"))
+    assert (final / "model.safetensors").read_bytes() == b"v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
