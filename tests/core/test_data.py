@@ -319,7 +319,7 @@ def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(t
         data.write_bytes(good[: good.index(b"\n") + 1] + bad_row + good[good.index(b"\n") + 1 :])
         # A model that does not exist: the data must be refused before anything tries to load it.
         out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
-        assert out.returncode == 1 and out.stderr.strip() == f"Error: {data}:2: {message}"
+        assert out.returncode == 1 and out.stderr.strip() == f"error: {data}:2: {message}"
         assert not (tmp_path / "r").exists()
         skipped = grpo_core(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--max-steps", "1", "--skip-bad-rows"))
         assert skipped.returncode == 0, skipped.stderr

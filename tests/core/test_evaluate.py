@@ -121,7 +121,7 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 4.0
     missing = grpo_core("eval", "--model", str(policy))
-    assert missing.returncode == 1 and f"Error: {policy} was trained on {tiny_dataset}; pass --dataset" in missing.stderr
+    assert missing.returncode == 1 and f"error: {policy} was trained on {tiny_dataset}; pass --dataset" in missing.stderr
 
 
 def test_eval_cli_reports_bad_rows_clearly_or_counts_them(tiny_model_dir, tmp_path):
@@ -132,11 +132,13 @@ def test_eval_cli_reports_bad_rows_clearly_or_counts_them(tiny_model_dir, tmp_pa
     args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward", "format", "--max-completion-tokens", "4", "--json"]
     bad = grpo_core(*args)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == f"Error: {data}:2: not valid UTF-8 (byte 0xff at column 15)"
+    assert bad.stderr.strip() == f"error: {data}:2: not valid UTF-8 (byte 0xff at column 15)"
+    debug = grpo_core(*args, "--debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and debug.stderr.strip().endswith("not valid UTF-8 (byte 0xff at column 15)")
     skipped = grpo_core(*args, "--skip-bad-rows")
     assert skipped.returncode == 1
     assert (
-        skipped.stderr.strip().splitlines()[-1].startswith(f"Error: {data}:4: ")
+        skipped.stderr.strip().splitlines()[-1].startswith(f"error: {data}:4: ")
         and "+ 4 completion tokens > 256, the model's context" in skipped.stderr
     )
     assert f"skipped 2 bad rows of {data} (--skip-bad-rows); first: {data}:2: not valid UTF-8" in skipped.stderr
@@ -153,7 +155,7 @@ def test_eval_refuses_rows_without_the_answer_gsm8k_needs(tiny_model_dir, tmp_pa
     bad = grpo_core(*args)
     assert bad.returncode == 1
     assert bad.stderr.strip() == (
-        f"Error: {data}:2: the answer field 'answer' is missing (fields: question); the gsm8k reward needs it (set --answer-field)"
+        f"error: {data}:2: the answer field 'answer' is missing (fields: question); the gsm8k reward needs it (set --answer-field)"
     )
     counted = grpo_core(*args, "--skip-bad-rows")
     assert counted.returncode == 0, counted.stderr

@@ -168,9 +168,10 @@ def test_plugin_problems_find_a_wrong_argument_and_a_missing_hook():
     assert plugin_problems("loss", _Hookless, "loss.x") == ["a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"]
     (backend,) = plugin_problems("backend", _HalfBackend, "backend.x")
     assert backend.startswith(
-        "a backend plugin must implement all of @hookimpl def make_trainer(self, config); @hookimpl def make_sampler("
+        "a backend plugin must implement all of @hookimpl def load_tokenizer(self, config); "
+        "@hookimpl def make_trainer(self, config); @hookimpl def make_sampler("
     )
-    assert backend.endswith("(missing: make_sampler)")
+    assert backend.endswith("(missing: load_tokenizer, make_sampler)")
     # A logger may observe only steps; an optional hook is no error.
     assert plugin_problems("logger", _StepLogger, "logger.x") == []
     # A valid plugin of the wrong kind is still refused: a reward is not a loss.
