@@ -134,7 +134,9 @@ def test_eval_cli_reports_bad_rows_clearly_or_counts_them(tiny_model_dir, tmp_pa
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == f"error: {data}:2: not valid UTF-8 (byte 0xff at column 15)"
     debug = grpo_core(*args, "--debug")
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and debug.stderr.strip().endswith("not valid UTF-8 (byte 0xff at column 15)")
+    assert (
+        debug.returncode == 1 and "Traceback" in debug.stderr and debug.stderr.strip().endswith("not valid UTF-8 (byte 0xff at column 15)")
+    )
     skipped = grpo_core(*args, "--skip-bad-rows")
     assert skipped.returncode == 1
     assert (
