@@ -120,6 +120,11 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
         f"no chat template (the tokenizer has none), max 5 tokens, greedy; prompt settings from {policy}/{PROMPT_SETTINGS_FILE}"
     )
     assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 4.0
+    # A template typed in a shell: backslash-n is a line break, as in the README.
+    typed = grpo_core("eval", "--model", str(policy), "--dataset", str(tiny_dataset), "--max-rows", "1", "--reward", "format",
+                      "--prompt-template", r"Q: {prompt}\nA:")  # fmt: skip
+    assert typed.returncode == 0, typed.stderr
+    assert "template 'Q: {prompt}\\nA:'" in eval_line(typed) and eval_line(typed).endswith("(flags win: --prompt-template)")
     missing = grpo_core("eval", "--model", str(policy))
     assert missing.returncode == 1 and f"error: {policy} was trained on {tiny_dataset}; pass --dataset" in missing.stderr
 
