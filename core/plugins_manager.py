@@ -28,7 +28,7 @@ GROUP = "grpo_core"
 KINDS = ("backend", "weight_sync", "rollout", "reward", "advantage", "loss", "logger")
 SINGLE_CHOICE = ("backend", "weight_sync", "rollout", "advantage", "loss")
 KIND_HOOKS = {
-    "backend": ("make_trainer", "make_sampler", "make_reference"),
+    "backend": ("load_tokenizer", "make_trainer", "make_sampler", "make_reference"),
     "weight_sync": ("weight_sync",),
     "rollout": ("rollout",),
     "reward": ("reward",),
@@ -37,8 +37,8 @@ KIND_HOOKS = {
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }
 """The hooks a plugin of each kind may implement; it must implement at least one of them."""
-REQUIRED_HOOKS = {"backend": ("make_trainer", "make_sampler")}
-"""Kinds that need more than one of their hooks (a backend without a sampler cannot run)."""
+REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer", "make_sampler")}
+"""Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then trains and samples)."""
 SECRET_NAME = re.compile(
     r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"

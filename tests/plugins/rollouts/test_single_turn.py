@@ -63,3 +63,20 @@ def test_long_prompts_error_or_skip(sampler):
         make_plugin("single_turn").rollout(prompts=[long, short], num_samples=2, sampler=sampler, params=params)
     groups = make_plugin("single_turn", long_prompts="skip").rollout(prompts=[long, short], num_samples=2, sampler=sampler, params=params)
     assert len(groups[0]) == 0 and len(groups[1]) == 2
+
+
+def test_encode_is_what_the_rollout_samples_from_and_is_kept(sampler):
+    rollout = make_plugin("single_turn")
+    prompt = Prompt(id="d.jsonl:3", text="what is 2 plus 2?")
+    tokens = rollout.encode(sampler.tokenizer, prompt)
+    assert tokens == sampler.tokenizer(prompt.text)["input_ids"]
+    # The start-up length check encodes every prompt; the rollout then reuses those tokens.
+    rollout._token_cache[prompt.id] = tokens[:3]
+    sample = rollout.rollout(prompts=[prompt], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=1))[0][0]
+    assert sample.tokens[:3] == tokens[:3] and sample.loss_mask[:4] == [0.0, 0.0, 0.0, 1.0]
+    sampler.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        assert make_plugin("single_turn").encode(sampler.tokenizer, prompt) == sampler.tokenizer("<user>what is 2 plus 2?\n<assistant>")["input_ids"]
+        assert make_plugin("single_turn", chat_template=False).encode(sampler.tokenizer, prompt) == tokens
+    finally:
+        sampler.tokenizer.chat_template = None
