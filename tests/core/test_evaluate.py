@@ -24,10 +24,10 @@ def test_greedy_sampling_is_a_point_mass(tiny_model_dir):
     from grpo_core import SamplingParams
     from grpo_core.config import RunConfig
     from grpo_core.plugins.backends.local import LocalBackend
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
     config = RunConfig(model=str(tiny_model_dir))
-    backend = LocalBackend()
-    sampler = backend.make_sampler(config=config, trainer=backend.make_trainer(config=config))
+    sampler = LocalSamplerPlugin().make_sampler(config=config, trainer=LocalBackend().make_trainer(config=config))
     a, b = sampler.sample([[5, 6, 7]], 2, SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert a.tokens == b.tokens and a.logprobs == [0.0] * len(a.tokens)
 

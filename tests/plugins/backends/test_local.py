@@ -9,13 +9,14 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
 
 def make(tiny_model_dir, fast_forward=True, **config):
     cfg = RunConfig(model=str(tiny_model_dir), **config)
     backend = LocalBackend(fast_forward=fast_forward)
     trainer = backend.make_trainer(config=cfg)
-    sampler = backend.make_sampler(config=cfg, trainer=trainer)
+    sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
     return cfg, backend, trainer, sampler
 
 

@@ -5,6 +5,7 @@ import pytest
 from grpo_core import PluginError, Prompt, SamplingParams, make_plugin
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 
@@ -12,8 +13,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% 
 @pytest.fixture(scope="module")
 def sampler(tiny_model_dir):
     config = RunConfig(model=str(tiny_model_dir))
-    backend = LocalBackend()
-    return backend.make_sampler(config=config, trainer=backend.make_trainer(config=config))
+    return LocalSamplerPlugin().make_sampler(config=config, trainer=LocalBackend().make_trainer(config=config))
 
 
 def test_text_prompts_become_aligned_samples(sampler):
