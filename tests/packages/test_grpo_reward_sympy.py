@@ -81,3 +81,12 @@ def test_readme_installs_from_paths_in_the_repository():
         for target in targets:
             assert (repo / target.removesuffix("[test]")).is_dir(), target
     assert ["pip", "install", "./packages/grpo-reward-sympy"] in commands
+
+
+def test_a_row_without_answer_is_refused_up_front(sympy_site, tiny_model_dir, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+    out = grpo_core(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)})
+    assert out.returncode == 1
+    assert "rows.jsonl:2: the answer field 'answer' is missing (fields: question); the sympy reward needs it" in out.stderr
+    assert not (tmp_path / "r").exists()
