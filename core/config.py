@@ -48,7 +48,7 @@ def _at_least_two(instance: Any, attribute: attrs.Attribute, value: int) -> None
 
 
 def default_threads() -> int:
-    """Half the CPUs this process may use, at least 1.
+    """``OMP_NUM_THREADS`` when set, else half the CPUs this process may use, at least 1.
 
     Measured on a 2-CPU machine (docs/performance.md): 2 threads are 1.55x faster than 1 when
     the machine is idle but 2.8-3.6x slower beside another busy process, while 1 thread is never
@@ -56,6 +56,8 @@ def default_threads() -> int:
     """
     import os
 
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // 2)
 
@@ -64,10 +66,10 @@ def default_threads() -> int:
 class RunConfig:
     # What to train on.
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
-    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' = the embedded arithmetic task")
+    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' or 'default:train' = the embedded task's train split, 'default:test' its test split")
     prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
     answer_field: str = _field("answer", "dataset field holding the reference answer")
-    prompt_template: str | None = _field(None, "format of the prompt text with {prompt}; default: the embedded task's, else '{prompt}'")
+    prompt_template: str | None = _field(None, "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); default: the embedded task's, else '{prompt}'")
     max_rows: int | None = _field(None, "use at most this many dataset rows", validator=_positive)
     epochs: int = _field(1, "passes over the dataset", validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
@@ -75,7 +77,8 @@ class RunConfig:
     skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping")
 
     # Plugins.
-    backend: str = _field("local", "trainer/sampler backend")
+    backend: str = _field("local", "trainer backend (the policy being trained, and its reference)")
+    sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's")
     rollout: str = _field("single_turn", "rollout plugin")
     reward: list[str] = _field(["gsm8k"], "reward plugins as NAME[:WEIGHT]; repeat for several")
     advantage: str = _field("grpo", "advantage plugin")
@@ -134,7 +137,7 @@ class RunConfig:
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = _field(None, "CPU threads for torch (default: half the CPUs, at least 1)", validator=_positive)
+    threads: int | None = _field(None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive)
     seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
     run_dir: str | None = _field(None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)")
     checkpoint_every: int = _field(50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative)
@@ -288,7 +291,9 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("model", DEFAULT) == DEFAULT and values.get("dataset", DEFAULT) == DEFAULT:
+    from grpo_core.data import embedded_split
+
+    if values.get("model", DEFAULT) == DEFAULT and embedded_split(str(values.get("dataset", DEFAULT))) is not None:
         # The embedded model and task come with settings tuned for them; anything given wins.
         preset = tomllib.loads(DEFAULT_PRESET.read_text()) if DEFAULT_PRESET.is_file() else {}
         values = {**preset, **values}
