@@ -76,7 +76,8 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     check_async_settings(config)
     r = start_run(config, resume, overwrite)
     if getattr(r.sampler, "own_weights", True) is False:
-        raise PluginError(f"--loop async needs a sampler with weights of its own; backend '{config.backend}' shares the trainer's")
+        sampler = config.sampler or f"the {config.backend} backend's default"
+        raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler}) shares the trainer's weights")
     pm, state = r.selection.manager, r.state
     pm.hook.on_run_start(config=config, run_dir=state.run_dir, total_steps=state.total_steps, start_step=state.step)
     loop = AsyncLoop(config, r)
