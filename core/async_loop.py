@@ -35,16 +35,15 @@ from typing import Any
 import attrs
 
 from grpo_core.backend import sample_to_datum
-from grpo_core.checkpoint import complete_checkpoints, save_policy
+from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.loop import (
     Run,
     complete_step,
+    finish_run,
     guard_run,
     learning_rate,
-    save_for_sampler,
     start_run,
-    summarize,
     write_checkpoint,
 )
 from grpo_core.plugins_manager import PluginError
@@ -87,12 +86,8 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
         finally:
             loop.close()
 
-    checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
+    summary = finish_run(r, config, started)
     prune_async_state(loop.folder, state.step)
-    final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
-    summary = summarize(state, started, final, checkpoint)
-    (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
-    pm.hook.on_run_end(summary=summary, run_dir=state.run_dir)
     return summary
 
 

@@ -92,7 +92,9 @@ def rollout(
 ) -> list[list[Sample]]:
     """Produce ``num_samples`` samples for each prompt (first result wins; kind ``rollout``).
 
-    Called with a whole batch of prompt groups so a sampler can generate them together.
+    The synchronous loop calls it with a whole step's batch of prompt groups so a sampler can
+    generate them together; the async loop calls it with one prompt per call (with
+    ``--synchronous-training``, the step's batch).
 
     :param prompts: the prompts of this step's groups.
     :param num_samples: completions per prompt (the group size G).

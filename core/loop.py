@@ -126,11 +126,17 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             if state.stop_reason:
                 break
 
+    return finish_run(r, config, started)
+
+
+def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
+    """The last checkpoint, ``final/``, the summary (also as summary.json), and the loggers' end."""
+    state = r.state
     checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
     final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
-    pm.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
     return summary
 
 

@@ -12,7 +12,7 @@ import attrs
 import tinker
 import torch
 
-from grpo_core import Completion, SamplingParams, hookimpl, option
+from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.data import ASSETS

@@ -32,7 +32,7 @@ class LocalSamplerPlugin:
         if not isinstance(trainer, LocalTrainer):
             raise PluginError(f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler")
         # Sampling may only run ahead of training on its own copy of the weights.
-        own_weights = config.weight_sync_interval > 1
+        own_weights = config.weight_sync_interval > 1 or config.loop == "async"
         return LocalSampler(
             model=frozen_copy(trainer.model) if own_weights else trainer.model,
             tokenizer=trainer.tokenizer,
@@ -79,7 +79,8 @@ class LocalSampler:
         weights when sampling runs ahead on a copy of its own (weight_sync_interval > 1)."""
         state: dict[str, Any] = {"generator": self.generator.get_state(), "version": self.version}
         if self.own_weights:
-            state["model"] = self.model.state_dict()
+            # A copy: a checkpoint taken at a step boundary must not follow later syncs.
+            state["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
