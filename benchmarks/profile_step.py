@@ -70,13 +70,14 @@ def wrap_common() -> None:
 def wrap_grpo_core() -> None:
     from grpo_core import loop
     from grpo_core.plugins.backends import local
+    from grpo_core.plugins.samplers import local as local_sampler
     from grpo_core.plugins.backends.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
     from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 
     wrap(SingleTurnRollout, "rollout", "sample: rollout hook (total)", phase="sample")
-    wrap(local.LocalSampler, "_generate", "sample:  LocalSampler._generate")
-    wrap(local.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, inverse-CDF draw)")
+    wrap(local_sampler.LocalSampler, "_generate", "sample:  LocalSampler._generate")
+    wrap(local_sampler.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, inverse-CDF draw)")
     wrap(FastDecoder, "__call__", "{phase}: model forward (FastDecoder)")
     wrap(loop, "score_groups", "reward: score_groups", phase="reward")
     wrap(loop, "compute_advantages", "reward: compute_advantages", phase="reward")

@@ -28,7 +28,7 @@ SECTIONS = {
         "epochs", "max_steps", "shuffle",
     ],
     "Plugins (what is installed, with options and help: grpo-core plugins)": [
-        "backend", "rollout", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
+        "backend", "sampler", "rollout", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
     ],
     "The GRPO step": [
         "prompt_groups_per_step", "completions_per_prompt", "max_completion_tokens", "temperature", "top_p", "top_k",
@@ -168,7 +168,8 @@ def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
 
 EVAL_FIELDS = (
     "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
-    "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "device", "dtype", "threads", "seed",
+    "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "reward_timeout",
+    "device", "dtype", "threads", "seed",
 )  # fmt: skip
 
 
@@ -189,7 +190,10 @@ def _eval_options(func: Any) -> Any:
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="prompts generated together")
 @click.option("--pass-threshold", default=1.0, show_default=True, help="a sample passes when its total reward reaches this")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
-def eval_(num_samples: int, temperature: float | None, batch_size: int, pass_threshold: float, as_json: bool, **values: Any) -> None:
+@click.option("--debug", is_flag=True, help="show the traceback of an error")
+def eval_(
+    num_samples: int, temperature: float | None, batch_size: int, pass_threshold: float, as_json: bool, debug: bool, **values: Any
+) -> None:
     """Measure a model: mean reward and pass@1 (pass@n with -n) on a dataset, with a progress bar.
 
     A policy trained by grpo-core is prompted as it was trained (template, fields, chat
@@ -213,8 +217,11 @@ def eval_(num_samples: int, temperature: float | None, batch_size: int, pass_thr
                 bar.update(task, advance=n, total=total, description=f"eval  reward {mean:.3f}")
 
             result = evaluate(config, num_samples, batch_size, pass_threshold, advance, settings_origin)
-    except PluginError as exc:
-        raise click.ClickException(str(exc)) from None
+    except Exception as exc:
+        _fail(exc, None, debug)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
     if as_json:
         click.echo(json.dumps(result))
     else:

@@ -64,10 +64,10 @@ def default_threads() -> int:
 class RunConfig:
     # What to train on.
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
-    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' = the embedded arithmetic task")
+    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' or 'default:train' = the embedded task's train split, 'default:test' its test split")
     prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
     answer_field: str = _field("answer", "dataset field holding the reference answer")
-    prompt_template: str | None = _field(None, "format of the prompt text with {prompt}; default: the embedded task's, else '{prompt}'")
+    prompt_template: str | None = _field(None, "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); default: the embedded task's, else '{prompt}'")
     max_rows: int | None = _field(None, "use at most this many dataset rows", validator=_positive)
     epochs: int = _field(1, "passes over the dataset", validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
@@ -75,7 +75,8 @@ class RunConfig:
     skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping")
 
     # Plugins.
-    backend: str = _field("local", "trainer/sampler backend")
+    backend: str = _field("local", "trainer backend (the policy being trained, and its reference)")
+    sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's")
     rollout: str = _field("single_turn", "rollout plugin")
     reward: list[str] = _field(["gsm8k"], "reward plugins as NAME[:WEIGHT]; repeat for several")
     advantage: str = _field("grpo", "advantage plugin")
@@ -270,7 +271,9 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
-    if values.get("model", DEFAULT) == DEFAULT and values.get("dataset", DEFAULT) == DEFAULT:
+    from grpo_core.data import embedded_split
+
+    if values.get("model", DEFAULT) == DEFAULT and embedded_split(str(values.get("dataset", DEFAULT))) is not None:
         # The embedded model and task come with settings tuned for them; anything given wins.
         preset = tomllib.loads(DEFAULT_PRESET.read_text()) if DEFAULT_PRESET.is_file() else {}
         values = {**preset, **values}

@@ -15,8 +15,9 @@ import json
 import random
 import re
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -179,13 +180,6 @@ def _parse_row(
         raise DataError(f"{where}: malformed JSON: {exc.msg}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-    answer = row.get(answer_field)
-    if answer is not None and not isinstance(answer, str):
-        answer = str(answer)
-    if answer_needed_by and (answer is None or not answer.strip()):
-        needs = ", ".join(answer_needed_by)
-        state = "is empty" if answer is not None else f"is missing (fields: {', '.join(row) or 'none'})"
-        raise DataError(f"{where}: the answer field '{answer_field}' {state}; the {needs} reward needs it (set --answer-field)")
     messages = row.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -196,7 +190,9 @@ def _parse_row(
             content = message["content"]
             if not content or (isinstance(content, str) and not content.strip()):
                 raise DataError(f"{where}: message {i} ({message['role']}) has empty content")
-        return Prompt(id=f"{path.name}:{lineno}", messages=messages, answer=answer, metadata=row)
+        return Prompt(
+            id=f"{path.name}:{lineno}", messages=messages, answer=_answer(row, where, answer_field, answer_needed_by), metadata=row
+        )
     if prompt_field not in row:
         raise DataError(f"{where}: missing field '{prompt_field}' (fields: {', '.join(row) or 'none'}); set --prompt-field")
     text = row[prompt_field]
@@ -204,7 +200,19 @@ def _parse_row(
         raise DataError(f"{where}: field '{prompt_field}' must be a string")
     if not text.strip():
         raise DataError(f"{where}: the prompt (field '{prompt_field}') is empty")
+    answer = _answer(row, where, answer_field, answer_needed_by)
     return Prompt(id=f"{path.name}:{lineno}", text=template.replace("{prompt}", text), answer=answer, metadata=row)
+
+
+def _answer(row: dict[str, Any], where: str, answer_field: str, answer_needed_by: Sequence[str]) -> str | None:
+    answer = row.get(answer_field)
+    if answer is not None and not isinstance(answer, str):
+        answer = str(answer)
+    if answer_needed_by and (answer is None or not answer.strip()):
+        needs = ", ".join(answer_needed_by)
+        state = "is empty" if answer is not None else f"is missing (fields: {', '.join(row) or 'none'})"
+        raise DataError(f"{where}: the answer field '{answer_field}' {state}; the {needs} reward needs it (set --answer-field)")
+    return answer
 
 
 def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_context: int | None, max_completion_tokens: int) -> None:
@@ -225,7 +233,9 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
             kept.append(prompt)
         else:
             # A prompt's id is "<file name>:<line>", so this names the full path and the line.
-            long.append(f"{dataset.path.parent / prompt.id}: {tokens} prompt tokens + {max_completion_tokens} completion tokens > {max_context}")
+            long.append(
+                f"{dataset.path.parent / prompt.id}: {tokens} prompt tokens + {max_completion_tokens} completion tokens > {max_context}"
+            )
     if not long:
         return
     if getattr(rollout, "long_prompts", "error") != "skip":
@@ -252,7 +262,9 @@ def prompt_settings(config: RunConfig) -> dict[str, Any]:
     split = embedded_split(config.dataset)
     rollout_fields = option_fields(find(config.rollout, "rollout").load())
     rollout_options = {
-        name: field.default for name, field in rollout_fields.items() if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory)  # type: ignore[arg-type]
+        name: field.default
+        for name, field in rollout_fields.items()
+        if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory)  # type: ignore[arg-type]
     }
     rollout_options.update(config.options_for("rollout", config.rollout))
     return {

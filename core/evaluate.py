@@ -80,10 +80,11 @@ def evaluate(
     selection = select_plugins(config)
     dataset = load_dataset(config, selection.rewards_needing_answer)
     pm = selection.manager
+    rollout = selection.plugins["rollout"][0]
+    tokenizer, max_context = pm.hook.load_tokenizer(config=config)
+    check_prompt_lengths(dataset, rollout, tokenizer, max_context, config.max_completion_tokens)
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
-    rollout = selection.plugins["rollout"][0]
-    check_prompt_lengths(dataset, rollout, sampler.tokenizer, sampler.max_context, config.max_completion_tokens)
     prompts = dataset.prompts
     chat = getattr(rollout, "chat_template", None)
     if chat is None:
@@ -93,10 +94,11 @@ def evaluate(
     else:
         chat_text = f", chat template {'on' if chat else 'off'}"
     stop = f", stop {config.stop!r}" if config.stop else ""
+    sampling = "greedy" if config.temperature == 0 else f"temperature {config.temperature:g}, {num_samples} samples per prompt"
     model = "the embedded model" if config.is_default_model() else config.model
     print(
         f"eval: {model} on {dataset.name} ({len(prompts)} prompts), template {dataset.template!r}{chat_text}, "
-        f"max {config.max_completion_tokens} tokens{stop}; {settings_origin or 'prompt settings: flags and defaults'}",
+        f"max {config.max_completion_tokens} tokens{stop}, {sampling}; {settings_origin or 'prompt settings: flags and defaults'}",
         file=sys.stderr,
         flush=True,
     )
@@ -107,7 +109,7 @@ def evaluate(
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params)
-        failed += int(score_groups(selection, groups, max_failures_in_a_row=math.inf)["reward/failed"])
+        failed += int(score_groups(selection, groups, math.inf, config.reward_timeout)["reward/failed"])
         for group in groups:
             scores = [s.reward for s in group if s.reward is not None]
             rewards.extend(scores)

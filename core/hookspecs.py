@@ -5,7 +5,7 @@ method marked ``@hookimpl`` implements the hook of the same name below. A run in
 only the plugins its config names and registers those instances on a fresh plugin manager.
 
 Selection, checked at start-up by ``grpo_core.plugins_manager``:
-- single-choice stages (backend, weight_sync, rollout, advantage, loss) have exactly one
+- single-choice stages (backend, sampler, weight_sync, rollout, advantage, loss) have exactly one
   implementation; their hooks are ``firstresult``.
 - ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
@@ -51,7 +51,8 @@ def make_trainer(config: RunConfig) -> Trainer:
 
 @hookspec(firstresult=True)
 def make_sampler(config: RunConfig, trainer: Trainer) -> Sampler:
-    """Create the sampler that generates rollouts (first result wins; kind ``backend``).
+    """Create the sampler that generates rollouts (first result wins; kind ``sampler``, chosen
+    with ``--sampler`` or by the backend's ``default_sampler``).
 
     :param config: the resolved run configuration.
     :param trainer: the trainer made by ``make_trainer``; a local sampler may share its weights.

@@ -90,6 +90,62 @@ class RunState:
 
 def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
+    r = start_run(config, resume, overwrite)
+    pm, state = r.selection.manager, r.state
+    pm.hook.on_run_start(config=config, run_dir=state.run_dir, total_steps=state.total_steps, start_step=state.step)
+
+    with guard_run(state, config, r.trainer):
+        for step, batch in zip(range(state.step + 1, state.total_steps + 1), r.batches):
+            t0 = time.perf_counter()
+            groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=r.sampler, params=r.params)
+            t1 = time.perf_counter()
+            reward_metrics = score_groups(r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
+            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups)
+            t2 = time.perf_counter()
+            lr = learning_rate(config, step - 1, state.total_steps)
+            train_metrics = train_on_groups(pm, r.trainer, r.reference, kept, config, lr)
+            if step % config.weight_sync_interval == 0:
+                state.loop.policy_version = pm.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
+            t3 = time.perf_counter()
+
+            metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
+            metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
+            metrics["policy/version"] = r.trainer.version
+            if step == 1:
+                metrics.update({k: float(v) for k, v in state.data.items()})
+            complete_step(state, r.selection, r.sampler, metrics, config.max_nonfinite_steps_in_a_row)
+            pm.hook.on_step(step=step, metrics=metrics, state=state)
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                write_checkpoint(state, config, r.trainer)
+            if state.interrupted:
+                state.request_stop(f"interrupted after step {step}")
+            if state.stop_reason:
+                break
+
+    checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
+    final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+    summary = summarize(state, started, final, checkpoint)
+    (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    pm.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    return summary
+
+
+@attrs.define
+class Run:
+    """Everything a run's steps use, ready to go."""
+
+    selection: Any
+    trainer: Any
+    reference: Any
+    sampler: Any
+    state: RunState
+    batches: Iterator[list[Any]]
+    params: SamplingParams
+
+
+def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
+    """Check every input before anything heavy loads, then build the models and, when resuming,
+    restore the newest checkpoint."""
     check_settings(config)
     seed_everything(config.seed, config.threads)
     selection = select_plugins(config)
@@ -110,43 +166,8 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
         state.loop = resume_from(run_dir, trainer, sampler, total_steps)
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
     state.rng = capture_rng(sampler)
-    batches = islice(prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle), state.step, None)
-    params = sampling_params(config)
-    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=state.step)
-
-    with guard_run(state, config, trainer):
-        for step, batch in zip(range(state.step + 1, total_steps + 1), batches):
-            t0 = time.perf_counter()
-            groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=sampler, params=params)
-            t1 = time.perf_counter()
-            reward_metrics = score_groups(selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups)
-            t2 = time.perf_counter()
-            train_metrics = train_on_groups(pm, trainer, reference, kept, config, learning_rate(config, step - 1, total_steps))
-            if step % config.weight_sync_interval == 0:
-                state.loop.policy_version = pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
-            t3 = time.perf_counter()
-
-            metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
-            metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
-            metrics["policy/version"] = trainer.version
-            if step == 1:
-                metrics.update({k: float(v) for k, v in state.data.items()})
-            complete_step(state, selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
-            pm.hook.on_step(step=step, metrics=metrics, state=state)
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                write_checkpoint(state, config, trainer)
-            if state.interrupted:
-                state.request_stop(f"interrupted after step {step}")
-            if state.stop_reason:
-                break
-
-    checkpoint = write_checkpoint(state, config, trainer) if state.step else None
-    final = save_policy(run_dir / "final", lambda path: save_for_sampler(trainer, config, path))
-    summary = summarize(state, started, final, checkpoint)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
-    pm.hook.on_run_end(summary=summary, run_dir=run_dir)
-    return summary
+    order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
+    return Run(selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
 
 
 def complete_step(state: RunState, selection: Any, sampler: Any, metrics: dict[str, float], max_nonfinite: int) -> None:

@@ -1,4 +1,4 @@
-"""The loss contract (see SPEC-losses.md): inputs, output, aggregation, and ``call_loss``.
+"""The loss contract: inputs, output, aggregation, and ``call_loss`` (formulas: docs/losses.md).
 
 Sequences arrive as lists of 1-D tensors of different lengths. Losses work on the padded
 ``B x T`` view (``LossInputs.padded()``): padding has mask 0, so it contributes nothing, and
@@ -25,9 +25,12 @@ AGGREGATIONS: tuple[str, ...] = (
     "seq-mean-token-sum-norm",
 )
 LOG_RATIO_CLAMP = 20.0
+"""Default of ``ratio_log_cap`` / ``seq_ratio_log_cap``: a log-ratio is clipped to ±this before
+exp(), so a far off-policy token cannot overflow (e^20 ≈ 4.9e8)."""
 STEP_TOTAL_METRICS = frozenset({"loss/policy", "loss/active_tokens"})
 """Metrics that are a batch's share of a step total: a step split into several calls adds them
-up. Every other loss metric is a mean over the batch, averaged by batch size."""
+up. Every other loss metric is a mean over the batch's trained tokens: a split step weighs each
+call's value by its trained tokens, which gives the value of one call with all sequences."""
 
 
 @attrs.define
@@ -121,11 +124,11 @@ class PaddedLossInputs:
             max_tokens=inputs.max_tokens,
         )
 
-    def ratio_B_T(self) -> torch.Tensor:
-        """r_t = exp(clip(π_t − π_old,t, −20, 20))."""
+    def ratio_B_T(self, log_cap: float = LOG_RATIO_CLAMP) -> torch.Tensor:
+        """r_t = exp(clip(π_t − π_old,t, −log_cap, log_cap)); no gradient where the clip binds."""
         import torch
 
-        log_ratio = (self.logprobs_B_T - self.old_logprobs_B_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        log_ratio = (self.logprobs_B_T - self.old_logprobs_B_T).clamp(-log_cap, log_cap)
         return torch.exp(log_ratio)
 
     def weighted(self, term_B_T: torch.Tensor) -> torch.Tensor:
@@ -245,11 +248,29 @@ def clipped_surrogate(
     return term_B_T, metrics
 
 
-def sequence_log_ratio(padded: PaddedLossInputs) -> torch.Tensor:
-    """GSPO's log s_i = Σ_t m_t(π_t − π_old,t) / Σ_t m_t, clipped to [−20, 20] (B; 0 when all-masked)."""
+def sequence_log_ratio(padded: PaddedLossInputs, log_cap: float = LOG_RATIO_CLAMP) -> torch.Tensor:
+    """GSPO's log s_i = Σ_t m_t(π_t − π_old,t) / Σ_t m_t, clipped to [−log_cap, log_cap] (B; 0 when all-masked)."""
     diff_B_T = masked_diff(padded, padded.logprobs_B_T, padded.old_logprobs_B_T)
     count_B = padded.mask_B_T.sum(-1).clamp(min=1.0)
-    return ((diff_B_T * padded.mask_B_T).sum(-1) / count_B).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return ((diff_B_T * padded.mask_B_T).sum(-1) / count_B).clamp(-log_cap, log_cap)
+
+
+def kl_metrics(padded: PaddedLossInputs) -> dict[str, float]:
+    """The KL a run watches, k3 estimates (unbiased, never negative) over trained tokens.
+
+    ``kl/mean``: KL(π ‖ π_ref), when reference logprobs are given, whatever the loss's own
+    ``kl_estimator``; ``kl/policy_old``: KL(π_old ‖ π), from tokens sampled near π_old,
+    exp(x) − x − 1 with x = π − π_old (log-ratio clipped to ±20): how far this step's policy
+    has moved from the one the ratio anchors on.
+    """
+    import torch
+
+    metrics: dict[str, float] = {}
+    if padded.ref_logprobs_B_T is not None:
+        metrics["kl/mean"] = padded.masked_mean(kl_term(padded, "k3"))
+    x_B_T = masked_diff(padded, padded.logprobs_B_T, padded.old_logprobs_B_T).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    metrics["kl/policy_old"] = padded.masked_mean(torch.exp(x_B_T) - x_B_T - 1.0)
+    return metrics
 
 
 def finish_loss(
@@ -267,10 +288,11 @@ def finish_loss(
     ``policy_B_T`` is the policy term before TIS: it is multiplied by w here, while the KL term
     (``kl_beta`` · KL_t, when kl_beta > 0) and ``penalty_B_T`` (a regularizer such as DRO's
     quadratic term) never are. Adds ``loss/policy`` (the aggregated, weighted policy term),
-    ``loss/kl`` (mean KL_t over trained tokens, when on), ``loss/active_tokens`` and, unless the
-    loss set it, ``loss/ratio_mean``.
+    ``loss/kl`` (mean KL_t over trained tokens, when on), ``loss/active_tokens``, the
+    :func:`kl_metrics` and, unless the loss set it, ``loss/ratio_mean``.
     """
     metrics = dict(metrics or {})
+    metrics.update(kl_metrics(padded))
     policy_B_T = padded.weighted(policy_B_T)
     term_B_T = policy_B_T
     if penalty_B_T is not None:
@@ -295,8 +317,24 @@ def validate_non_negative(instance: Any, attribute: Any, value: float) -> None:
 
 
 def validate_eps_low(instance: Any, attribute: Any, value: float) -> None:
-    if not 0 <= value < 1:
-        raise ValueError(f"{attribute.name} must be in [0, 1) (the ratio is clipped at 1-{attribute.name}), not {value!r}")
+    """eps_low ≥ 0 with no upper limit: eps_low ≥ 1 puts the lower clip 1 − eps_low at or below 0,
+    where no ratio reaches it, so the lower clip is off (how MiniMax-M1 runs CISPO)."""
+    if not value >= 0:
+        raise ValueError(f"{attribute.name} must be >= 0 (the ratio is clipped at 1-{attribute.name}; >= 1 removes that bound), not {value!r}")
+
+
+def validate_positive(instance: Any, attribute: Any, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, not {value!r}")
+
+
+def log_cap_option(ratio: str) -> Any:
+    """The ``ratio_log_cap`` / ``seq_ratio_log_cap`` option of a loss, default 20."""
+    return attrs.field(
+        default=LOG_RATIO_CLAMP,
+        validator=validate_positive,
+        metadata={"help": f"clip the {ratio} log-ratio to ±this before exp() (no gradient where it binds)"},
+    )
 
 
 def validate_positive_or_none(instance: Any, attribute: Any, value: float | None) -> None:

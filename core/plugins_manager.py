@@ -25,10 +25,11 @@ import pluggy
 from grpo_core import hookspecs
 
 GROUP = "grpo_core"
-KINDS = ("backend", "weight_sync", "rollout", "reward", "advantage", "loss", "logger")
-SINGLE_CHOICE = ("backend", "weight_sync", "rollout", "advantage", "loss")
+KINDS = ("backend", "sampler", "weight_sync", "rollout", "reward", "advantage", "loss", "logger")
+SINGLE_CHOICE = ("backend", "sampler", "weight_sync", "rollout", "advantage", "loss")
 KIND_HOOKS = {
-    "backend": ("make_trainer", "make_sampler", "make_reference"),
+    "backend": ("load_tokenizer", "make_trainer", "make_reference"),
+    "sampler": ("make_sampler",),
     "weight_sync": ("weight_sync",),
     "rollout": ("rollout",),
     "reward": ("reward",),
@@ -37,8 +38,8 @@ KIND_HOOKS = {
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }
 """The hooks a plugin of each kind may implement; it must implement at least one of them."""
-REQUIRED_HOOKS = {"backend": ("make_trainer", "make_sampler")}
-"""Kinds that need more than one of their hooks (a backend without a sampler cannot run)."""
+REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer")}
+"""Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then trains)."""
 SECRET_NAME = re.compile(
     r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
@@ -394,7 +395,7 @@ def check_single_choice(selected: dict[str, dict[str, Any]]) -> None:
     ``selected``: kind -> {name users typed: instance}.
     """
     for kind in SINGLE_CHOICE:
-        hook = {"backend": "make_trainer"}.get(kind, kind)
+        hook = {"backend": "make_trainer", "sampler": "make_sampler"}.get(kind, kind)
         by_name = selected.get(kind, {})
         impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, hook)]
         if len(impls) != 1:

@@ -53,6 +53,7 @@ def select_plugins(config: RunConfig) -> Selection:
         "logger": list(config.logger),
     }
     backend_cls = find(config.backend, "backend").load_valid()
+    names["sampler"] = [config.sampler or getattr(backend_cls, "default_sampler", "local")]
     names["weight_sync"] = [config.weight_sync or getattr(backend_cls, "default_weight_sync", "in_process")]
     reward_specs = [parse_reward_spec(spec) for spec in config.reward]
     if not reward_specs:

@@ -195,9 +195,12 @@ def train_on_groups(
         result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
         # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
         step_loss += result.metrics.pop("loss")
+        # Every other metric is a mean over the call's trained tokens: weighted by them, the
+        # step's value is that of one call with all sequences.
+        call_tokens = float(sum(mask[i].sum() for i in idx))
         for key, value in result.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + (value if key in STEP_TOTAL_METRICS else value * len(idx))
-    metrics = {k: v if k in STEP_TOTAL_METRICS else v / len(samples) for k, v in metric_sums.items()}
+            metric_sums[key] = metric_sums.get(key, 0.0) + (value if key in STEP_TOTAL_METRICS else value * call_tokens)
+    metrics = {k: v if k in STEP_TOTAL_METRICS else v / max(num_tokens, 1.0) for k, v in metric_sums.items()}
     metrics["loss/total"] = step_loss
     metrics.update(
         trainer.optim_step(

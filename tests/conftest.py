@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+DATA = REPO / "tests" / "data"
+"""Data the tests read, shipped in the repository (each folder with its license)."""
 
 
 def build_tiny_model(path: Path, seed: int = 0) -> Path:
@@ -55,3 +56,9 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(6) for b in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture(scope="session")
+def gsm8k_test_split() -> Path:
+    """GSM8K's test split (1,319 rows, MIT, OpenAI), shipped in tests/data/gsm8k."""
+    return DATA / "gsm8k" / "test.jsonl"

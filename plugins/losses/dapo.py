@@ -7,6 +7,7 @@ from grpo_core.loss import (
     KLPenalty,
     clipped_surrogate,
     finish_loss,
+    log_cap_option,
     validate_agg,
     validate_eps_low,
     validate_non_negative,
@@ -28,15 +29,16 @@ class DAPOLoss(KLPenalty):
     every token equally, so long answers are not diluted. Use it for long chain-of-thought RL.
     """
 
-    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down", validator=validate_eps_low)
+    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low)
     eps_high: float = option(0.28, help="upper clip range (clip-higher): ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
+    ratio_log_cap: float = log_cap_option("token")
     dual_clip: float | None = option(None, help="dual-clip constant c > 1 for negative advantages (None = off; 3 is common)", validator=_validate_dual_clip)
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:
         padded = inputs.padded()
-        policy_B_T, metrics = clipped_surrogate(padded, padded.ratio_B_T(), self.eps_low, self.eps_high)
+        policy_B_T, metrics = clipped_surrogate(padded, padded.ratio_B_T(self.ratio_log_cap), self.eps_low, self.eps_high)
         if self.dual_clip is not None:
             adv_B_T = padded.advantages_B_T
             negative_B_T = adv_B_T < 0

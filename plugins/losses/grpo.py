@@ -6,6 +6,7 @@ from grpo_core.loss import (
     KLPenalty,
     clipped_surrogate,
     finish_loss,
+    log_cap_option,
     validate_agg,
     validate_eps_low,
     validate_non_negative,
@@ -22,13 +23,14 @@ class GRPOLoss(KLPenalty):
     always-positive KL estimator, k1 the original one.
     """
 
-    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down", validator=validate_eps_low)
+    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low)
     eps_high: float = option(0.2, help="upper clip range: ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
+    ratio_log_cap: float = log_cap_option("token")
     kl_beta: float = option(0.001, help="weight of the KL penalty to the reference policy; 0 = no reference model", validator=validate_non_negative)
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:
         padded = inputs.padded()
-        policy_B_T, metrics = clipped_surrogate(padded, padded.ratio_B_T(), self.eps_low, self.eps_high)
+        policy_B_T, metrics = clipped_surrogate(padded, padded.ratio_B_T(self.ratio_log_cap), self.eps_low, self.eps_high)
         return finish_loss(padded, policy_B_T, self.agg, metrics, kl_beta=self.kl_beta, kl_estimator=self.kl_estimator)

@@ -5,6 +5,7 @@ from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,
     finish_loss,
+    log_cap_option,
     validate_agg,
     validate_positive_or_none,
 )
@@ -20,12 +21,13 @@ class ImportanceSamplingLoss(KLPenalty):
     """
 
     clip_rho: float | None = option(None, help="truncate the ratio at this value (None = no truncation)", validator=validate_positive_or_none)
+    ratio_log_cap: float = log_cap_option("token")
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:
         padded = inputs.padded()
-        ratio_B_T = padded.ratio_B_T()
+        ratio_B_T = padded.ratio_B_T(self.ratio_log_cap)
         metrics = {"loss/ratio_mean": padded.masked_mean(ratio_B_T)}
         rho_B_T = ratio_B_T
         if self.clip_rho is not None:

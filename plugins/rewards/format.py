@@ -21,7 +21,11 @@ class FormatReward:
 
     The default pattern asks for a GSM8K-style final line "#### N". Weigh it lightly beside a
     correctness reward, e.g. `--reward gsm8k --reward format:0.1`.
+
+    ``needs_answer = False``: it reads the completion only, so dataset rows need no answer.
     """
+
+    needs_answer = False
 
     pattern: str = option(r"(?m)^####\s*-?[\d,]*\.?\d+\s*$", help="regular expression searched in the completion", validator=_compiles)
 

@@ -284,7 +284,12 @@ class GSM8KReward:
     Format shaping, both 0 by default and both non-negative, applied whether or not the
     answer is right: reward = correctness + format_bonus if the completion has a "#### N"
     line, - format_penalty if it has no explicit answer marker at all.
+
+    ``needs_answer = True``: every prompt must carry a reference answer (the data loader
+    checks this before training starts).
     """
+
+    needs_answer = True
 
     strict: bool = option(False, help="require an explicit answer marker; no last-number fallback")
     format_bonus: float = option(

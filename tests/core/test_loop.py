@@ -119,3 +119,13 @@ def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_one_stops_at_on
     finally:
         restore()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_the_run_seed_orders_the_data(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core import loop
+
+    seeds = []
+    real = loop.prompt_batches
+    monkeypatch.setattr(loop, "prompt_batches", lambda prompts, size, epochs, seed, shuffle: seeds.append(seed) or real(prompts, size, epochs, seed, shuffle))
+    run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", seed=7, max_steps=1))
+    assert seeds == [7]

@@ -189,7 +189,11 @@ class SympyReward:
     reference is the prompt's answer: a GSM8K answer ("#### N"), a \\boxed{} solution or a bare
     expression. Each check runs in a worker process and scores 0 when it takes longer than
     timeout_s (the worker is then replaced); plain numbers are compared without sympy.
+    Every dataset row needs an answer.
     """
+
+    # Read by grpo-core's data loader: rows without a reference answer are refused up front.
+    needs_answer = True
 
     timeout_s: float = option(
         2.0, help="time limit of one sympy check (seconds); a check over it scores 0; 0 = no limit, in-process"

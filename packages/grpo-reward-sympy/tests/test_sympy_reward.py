@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import pytest
 
 from grpo_core import Prompt, Sample, make_plugin
@@ -203,6 +204,13 @@ def test_plugin_strict_option() -> None:
     plugin = make_plugin("sympy", strict="true")
     prompt = Prompt(id="s1", text="?", answer="18")
     assert plugin.reward(prompt=prompt, samples=[sample(prompt, "9 * 2 = 18"), sample(prompt, "A: 18")]) == [0.0, 1.0]
+
+
+def test_plugin_declares_that_it_needs_the_reference_answer() -> None:
+    assert SympyReward.needs_answer is True
+    assert make_plugin("sympy").needs_answer is True
+    # a class attribute, not an option: it cannot be switched off from the command line
+    assert "needs_answer" not in {f.name for f in attrs.fields(SympyReward)}
 
 
 @pytest.mark.parametrize("answer", [None, "", "  "])

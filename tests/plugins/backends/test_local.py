@@ -9,13 +9,14 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
 
 def make(tiny_model_dir, fast_forward=True, **config):
     cfg = RunConfig(model=str(tiny_model_dir), **config)
     backend = LocalBackend(fast_forward=fast_forward)
     trainer = backend.make_trainer(config=cfg)
-    sampler = backend.make_sampler(config=cfg, trainer=trainer)
+    sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
     return cfg, backend, trainer, sampler
 
 
@@ -80,7 +81,27 @@ def test_sampling_is_repeatable_with_the_seed_and_stops_at_max_tokens(tiny_model
     b = make(tiny_model_dir, seed=3)[3].sample([[5, 6, 7]], 3, SamplingParams(max_tokens=5))
     assert [c.tokens for c in a[0]] == [c.tokens for c in b[0]]
     assert all(len(c.tokens) <= 5 for c in a[0])
-    assert all(c.finish_reason in ("stop", "length") for c in a[0])
+    assert_finish_reasons(a[0], max_tokens=5, stop_ids={make(tiny_model_dir)[2].tokenizer.eos_token_id})
+
+
+def assert_finish_reasons(completions, max_tokens, stop_ids):
+    """"stop" exactly when the last token is a stop token (and no earlier one is); otherwise
+    "length", and then the completion is max_tokens long."""
+    for c in completions:
+        assert not stop_ids & set(c.tokens[:-1]), c.tokens
+        if c.tokens[-1] in stop_ids:
+            assert c.finish_reason == "stop", c
+        else:
+            assert c.finish_reason == "length" and len(c.tokens) == max_tokens, c
+
+
+def test_finish_reason_is_stop_at_a_stop_token_and_length_at_max_tokens(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir, seed=5)
+    # A quarter of the vocabulary stops: both reasons occur among 16 completions of 6 tokens.
+    stop_ids = set(range(0, len(trainer.tokenizer), 4))
+    completions = sampler.sample([[5, 6, 7]], 16, SamplingParams(max_tokens=6, stop_token_ids=sorted(stop_ids)))[0]
+    assert {c.finish_reason for c in completions} == {"stop", "length"}
+    assert_finish_reasons(completions, max_tokens=6, stop_ids=stop_ids | {trainer.tokenizer.eos_token_id})
 
 
 def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
@@ -209,3 +230,118 @@ def test_stop_strings_end_completions_and_are_reported_as_stop(tiny_model_dir):
     for c in hits:
         assert c.finish_reason == "stop"
         assert stop not in tok.decode(c.tokens[:-1])  # it ended at the token that completed the stop string
+
+
+# --- the optimizer: every AdamW setting and gradient clipping, against a hand-computed update ---
+
+
+def adam_datum():
+    return sample_to_datum(
+        Sample(prompt=None, tokens=[5, 6, 7, 8, 9, 10], sampling_logprobs=[0.0] * 6, loss_mask=[0, 0, 1, 1, 1, 1],
+               text="", finish_reason="stop", policy_version=0)
+    )  # fmt: skip
+
+
+def hand_adamw(param, grad, state, step, p: tinker.AdamParams):
+    """One AdamW step in float64 (decoupled weight decay, bias-corrected moments), as written
+    by Loshchilov & Hutter (arXiv:1711.05101) and Kingma & Ba (arXiv:1412.6980)."""
+    m, v = state.get("m", torch.zeros_like(param)), state.get("v", torch.zeros_like(param))
+    m = p.beta1 * m + (1 - p.beta1) * grad
+    v = p.beta2 * v + (1 - p.beta2) * grad**2
+    state.update(m=m, v=v)
+    m_hat, v_hat = m / (1 - p.beta1**step), v / (1 - p.beta2**step)
+    return param * (1 - p.learning_rate * p.weight_decay) - p.learning_rate * m_hat / (v_hat.sqrt() + p.eps)
+
+
+def two_adam_steps(trainer, params: tinker.AdamParams, reference: tinker.AdamParams):
+    """Two optimizer steps (beta1/beta2 only matter from the second); returns the largest error
+    against the hand-computed update with ``params`` and the largest gap to the one with
+    ``reference`` settings."""
+    states: tuple[dict, dict] = ({}, {})
+    error = gap = 0.0
+    for step in (1, 2):
+        trainer.forward_backward_custom([adam_datum()], lambda d, lps: (-lps[0].sum(), {}))
+        named = list(trainer.model.named_parameters())
+        before = {n: p.detach().double().clone() for n, p in named}
+        grads = {n: p.grad.double().clone() if p.grad is not None else torch.zeros_like(before[n]) for n, p in named}
+        trainer.optim_step(params)
+        for n, p in named:
+            want = hand_adamw(before[n], grads[n], states[0].setdefault(n, {}), step, params)
+            other = hand_adamw(before[n], grads[n], states[1].setdefault(n, {}), step, reference)
+            error = max(error, float((p.detach().double() - want).abs().max()))
+            gap = max(gap, float((want - other).abs().max()))
+    return error, gap
+
+
+DEFAULT_ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+
+
+@pytest.mark.parametrize("setting", [{}, {"beta1": 0.5}, {"beta2": 0.7}, {"eps": 1e-2}, {"weight_decay": 0.5}],
+                         ids=["defaults", "beta1", "beta2", "eps", "weight_decay"])
+def test_optim_step_applies_every_adamw_setting(tiny_model_dir, setting):
+    _, _, trainer, _ = make(tiny_model_dir)
+    error, gap = two_adam_steps(trainer, tinker.AdamParams(**{**DEFAULT_ADAM, **setting}), tinker.AdamParams(**DEFAULT_ADAM))
+    assert error < 1e-6
+    if setting:  # the setting changes the update far beyond float32 rounding: ignoring it fails
+        assert gap > 1e-4
+
+
+@pytest.mark.parametrize("clip_over_norm", [0.1, 0.0, 10.0], ids=["clipped", "off", "not_binding"])
+def test_grad_clip_norm_rescales_the_gradient_to_the_limit(tiny_model_dir, clip_over_norm):
+    _, _, trainer, _ = make(tiny_model_dir)
+    trainer.forward_backward_custom([adam_datum()], lambda d, lps: (-lps[0].sum(), {}))
+    named = list(trainer.model.named_parameters())
+    grads = {n: p.grad.double().clone() for n, p in named if p.grad is not None}
+    norm = float(torch.sqrt(sum((g**2).sum() for g in grads.values())))
+    before = {n: p.detach().double().clone() for n, p in named}
+    # eps = 1 makes Adam's first step ≈ lr·g, so the gradient's scale shows in the update.
+    params = tinker.AdamParams(**{**DEFAULT_ADAM, "eps": 1.0, "grad_clip_norm": clip_over_norm * norm})
+    metrics = trainer.optim_step(params)
+    assert metrics["optim/grad_norm"] == pytest.approx(norm, rel=1e-5)  # reported before clipping
+    # torch's clip: g · min(1, limit / (‖g‖ + 1e-6))
+    scale = min(1.0, clip_over_norm * norm / (norm + 1e-6)) if clip_over_norm > 0 else 1.0
+    for n, p in named:
+        want = hand_adamw(before[n], grads.get(n, torch.zeros_like(before[n])) * scale, {}, 1, params)
+        assert torch.allclose(p.detach().double(), want, atol=1e-7, rtol=0), n
+    if clip_over_norm == 0.1:  # the unclipped update is far from the clipped one: not clipping fails
+        n = max(grads, key=lambda k: float(grads[k].abs().max()))
+        gap = hand_adamw(before[n], grads[n], {}, 1, params) - hand_adamw(before[n], grads[n] * scale, {}, 1, params)
+        assert float(gap.abs().max()) > 1e-4
+
+
+# --- the one-pass forward (distinct prompts, G = 1) against direct autograd ----------------------
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, fast_forward, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    paths = []
+    for name in ("_logprobs_one_pass", "_logprobs_shared_prefix"):
+        original = getattr(local, name)
+        monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
+    _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
+    tok = trainer.tokenizer
+    prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
+    samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=6)))  # G = 1: no shared prefix
+    samples[2].loss_mask[-2] = 0.0  # a gap inside a completion (e.g. a tool's output)
+    datums = [sample_to_datum(s) for s in samples]
+    weights = torch.tensor([0.7, -1.3, 2.0])
+    masks = [torch.tensor(s.loss_mask[1:]) for s in samples]
+
+    out = trainer.forward_backward_custom(datums, lambda d, lps: (sum(w * (lp * m).sum() for w, lp, m in zip(weights, lps, masks)), {}))
+    assert paths == ["_logprobs_one_pass"]
+    got = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.model.zero_grad(set_to_none=True)
+
+    total = 0.0
+    for w, s, m, returned in zip(weights, samples, masks, out.loss_fn_outputs):
+        ids = torch.tensor([s.tokens])
+        lp = trainer.model(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        trained = m > 0
+        # The logprobs the loss saw are those of the right tokens at the right positions.
+        assert torch.allclose(returned["logprobs"].to_torch()[trained], lp.detach()[trained], atol=1e-5)
+        total = total + w * (lp * m).sum()
+    total.backward()
+    for name, p in trainer.model.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-5, rtol=1e-4), name

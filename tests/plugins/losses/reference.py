@@ -1,9 +1,9 @@
-"""A deliberately simple reference for SPEC-losses.md, independent of the plugin code.
+"""A deliberately simple reference for the formulas of docs/losses.md, independent of the plugin code.
 
 Plain Python floats (float64), one loop over sequences and one over tokens, and the
 gradient with respect to every logprob written out by hand from the spec's formulas (no
-autograd, no torch, nothing from grpo_core). Tests compare the plugins' values and autograd
-gradients to these numbers.
+autograd, no torch, nothing from grpo_core), and every metric a loss reports. Tests compare
+the plugins' values, autograd gradients and metrics to these numbers.
 
 A sequence is a dict of equal-length lists of floats: ``logprobs`` (π), ``old`` (π_old),
 ``sampling`` (π_s), ``ref`` (π_ref, optional), ``mask`` (m) and ``adv`` (A).
@@ -18,11 +18,11 @@ CLAMP = 20.0
 
 DEFAULTS = {
     "reinforce": {"agg": "seq-mean-token-sum", "kl_beta": 0.0, "kl_estimator": "k3"},
-    "importance_sampling": {"agg": "seq-mean-token-sum", "clip_rho": None, "kl_beta": 0.0, "kl_estimator": "k3"},
-    "grpo": {"agg": "seq-mean-token-sum", "eps_low": 0.2, "eps_high": 0.2, "kl_beta": 0.001, "kl_estimator": "k3"},
-    "dapo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "kl_beta": 0.0, "kl_estimator": "k3"},
-    "gspo": {"agg": "seq-mean-token-mean", "eps_low": 3e-4, "eps_high": 4e-4, "kl_beta": 0.0, "kl_estimator": "k3"},
-    "cispo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "kl_beta": 0.0, "kl_estimator": "k3"},
+    "importance_sampling": {"agg": "seq-mean-token-sum", "clip_rho": None, "ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
+    "grpo": {"agg": "seq-mean-token-sum", "eps_low": 0.2, "eps_high": 0.2, "ratio_log_cap": 20.0, "kl_beta": 0.001, "kl_estimator": "k3"},
+    "dapo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "dual_clip": None, "kl_beta": 0.0, "kl_estimator": "k3"},
+    "gspo": {"agg": "seq-mean-token-mean", "eps_low": 3e-4, "eps_high": 4e-4, "seq_ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
+    "cispo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
     "dro": {"agg": "seq-mean-token-sum", "beta": 0.05},
 }
 
@@ -31,11 +31,11 @@ def clip(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
 
-def ratio(p: float, old: float) -> tuple[float, float]:
-    """r = exp(clip(π − π_old, −20, 20)) and dr/dπ (0 where the clip binds)."""
+def ratio(p: float, old: float, cap: float = CLAMP) -> tuple[float, float]:
+    """r = exp(clip(π − π_old, −cap, cap)) and dr/dπ (0 where the clip binds)."""
     d = p - old
-    r = math.exp(clip(d, -CLAMP, CLAMP))
-    return r, (r if -CLAMP < d < CLAMP else 0.0)
+    r = math.exp(clip(d, -cap, cap))
+    return r, (r if -cap < d < cap else 0.0)
 
 
 def safe_exp(x: float) -> float:
@@ -89,7 +89,7 @@ def ppo(r: float, dr: float, a: float, lo: float, hi: float) -> tuple[float, flo
 def token_term(name: str, o: dict, seq: dict, t: int, w: float, log_s: float) -> tuple[float, float]:
     """ℓ_t and dℓ_t/dπ_t for one token."""
     p, old, a = seq["logprobs"][t], seq["old"][t], seq["adv"][t]
-    r, dr = ratio(p, old)
+    r, dr = ratio(p, old, o.get("ratio_log_cap", CLAMP))
     if name == "reinforce":
         value, grad = -a * w * p, -a * w
     elif name == "importance_sampling":
@@ -125,6 +125,75 @@ def token_term(name: str, o: dict, seq: dict, t: int, w: float, log_s: float) ->
     return value, grad
 
 
+def sequence_log_ratio(seq: dict, cap: float = CLAMP) -> float:
+    """GSPO's log s_i: the masked mean of π − π_old, clipped to ±cap (0 when nothing is trained)."""
+    count = sum(seq["mask"])
+    if count == 0:
+        return 0.0
+    log_s = sum(m * (p - q) for m, p, q in zip(seq["mask"], seq["logprobs"], seq["old"])) / count
+    return clip(log_s, -cap, cap)
+
+
+def reference_metrics(name: str, seqs: list[dict], options: dict | None = None, tis: dict | None = None,
+                      with_ref: bool = True, **normalizers) -> dict[str, float]:
+    """Every metric the loss (and TIS) reports, from the definitions in docs/losses.md."""
+    o = dict(DEFAULTS[name])
+    o.update(options or {})
+    trained = [(seq, t) for seq in seqs for t in range(len(seq["mask"])) if seq["mask"][t] > 0]
+
+    def mean(f) -> float:
+        return sum(f(seq, t) for seq, t in trained) / len(trained) if trained else 0.0
+
+    def r(seq: dict, t: int) -> float:  # the ratio the loss clips: token r_t, or GSPO's s_i
+        if name == "gspo":
+            return math.exp(sequence_log_ratio(seq, o["seq_ratio_log_cap"]))
+        return ratio(seq["logprobs"][t], seq["old"][t], o.get("ratio_log_cap", CLAMP))[0]
+
+    policy = reference_loss(name, seqs, options, tis, policy_only=True, **normalizers)[0]
+    metrics = {"loss/policy": policy, "loss/active_tokens": float(sum(sum(seq["mask"]) for seq in seqs)),
+               "loss/ratio_mean": mean(r)}
+    x = lambda seq, t: clip(seq["logprobs"][t] - seq["old"][t], -CLAMP, CLAMP)  # noqa: E731
+    metrics["kl/policy_old"] = mean(lambda seq, t: math.exp(x(seq, t)) - x(seq, t) - 1.0)
+    if with_ref:
+        metrics["kl/mean"] = mean(lambda seq, t: kl(seq["logprobs"][t], seq["ref"][t], "k3")[0])
+    if o.get("kl_beta", 0.0) > 0:
+        metrics["loss/kl"] = mean(lambda seq, t: kl(seq["logprobs"][t], seq["ref"][t], o["kl_estimator"])[0])
+    adv = lambda seq, t: seq["adv"][t]  # noqa: E731
+    if name in ("grpo", "dapo", "gspo"):
+        metrics["loss/clip_frac_low"] = mean(lambda seq, t: float(r(seq, t) < 1 - o["eps_low"] and adv(seq, t) < 0))
+        metrics["loss/clip_frac_high"] = mean(lambda seq, t: float(r(seq, t) > 1 + o["eps_high"] and adv(seq, t) > 0))
+    if name == "cispo":
+        metrics["loss/clip_frac_low"] = mean(lambda seq, t: float(r(seq, t) < 1 - o["eps_low"]))
+        metrics["loss/clip_frac_high"] = mean(lambda seq, t: float(r(seq, t) > 1 + o["eps_high"]))
+    if name == "dapo" and o["dual_clip"] is not None:
+        def dual_binds(seq: dict, t: int) -> float:
+            a = adv(seq, t)
+            s = ppo(r(seq, t), 0.0, a, 1 - o["eps_low"], 1 + o["eps_high"])[0]
+            return float(a < 0 and s > -o["dual_clip"] * a)
+        metrics["loss/clip_frac_dual"] = mean(dual_binds)
+    if name == "importance_sampling" and o["clip_rho"] is not None:
+        metrics["loss/clip_frac_high"] = mean(lambda seq, t: float(r(seq, t) > o["clip_rho"]))
+    if name == "dro":
+        metrics["loss/dro_penalty"] = mean(lambda seq, t: 0.5 * o["beta"] * (seq["logprobs"][t] - seq["old"][t]) ** 2)
+    if tis is not None:
+        level, cap, icepop = tis.get("level", "token"), tis.get("cap", 2.0), tis.get("icepop")
+
+        def raw(seq: dict, t: int) -> float:
+            if level == "token":
+                return math.exp(clip(seq["old"][t] - seq["sampling"][t], -CLAMP, CLAMP))
+            count = sum(seq["mask"])
+            return safe_exp(sum(m * (q - s) for m, q, s in zip(seq["mask"], seq["old"], seq["sampling"])) / count)
+
+        metrics["tis/clip_frac"] = mean(lambda seq, t: float(raw(seq, t) > cap))
+        metrics["tis/weight_mean"] = mean(lambda seq, t: tis_weights(seq, level, cap, icepop)[t])
+        if icepop is not None:
+            def dropped(seq: dict, t: int) -> float:
+                ratio_t = safe_exp(seq["old"][t] - seq["sampling"][t])
+                return float(ratio_t < 1.0 / icepop or ratio_t > icepop)
+            metrics["tis/icepop_frac"] = mean(dropped)
+    return metrics
+
+
 def reference_loss(
     name: str,
     seqs: list[dict],
@@ -133,10 +202,17 @@ def reference_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     max_tokens: int | None = None,
+    policy_only: bool = False,
 ) -> tuple[float, list[list[float]]]:
-    """The loss value and d loss / d π for every token of every sequence."""
+    """The loss value and d loss / d π for every token of every sequence.
+
+    ``policy_only``: the policy term alone (``loss/policy``: with w, without KL or DRO's penalty).
+    """
     o = dict(DEFAULTS[name])
     o.update(options or {})
+    if policy_only:
+        o["kl_beta"] = 0.0
+        o["beta"] = 0.0
     agg = o["agg"]
     counts = [sum(seq["mask"]) for seq in seqs]
     n_seq = num_sequences if num_sequences is not None else sum(1 for c in counts if c > 0)
@@ -150,10 +226,7 @@ def reference_loss(
             w = [1.0] * n
         else:
             w = tis_weights(seq, tis.get("level", "token"), tis.get("cap", 2.0), tis.get("icepop"))
-        log_s = 0.0
-        if count > 0:
-            log_s = sum(m * (p - q) for m, p, q in zip(seq["mask"], seq["logprobs"], seq["old"])) / count
-            log_s = clip(log_s, -CLAMP, CLAMP)
+        log_s = sequence_log_ratio(seq, o.get("seq_ratio_log_cap", CLAMP))
         if count == 0:
             coef = 0.0  # an all-masked sequence contributes nothing
         elif agg == "token-sum":
@@ -312,11 +385,19 @@ def assert_matches_reference(name: str, seqs: list[dict], options: dict | None =
     value, grads = reference_loss(name, seqs, options, tis, max_tokens=inputs.max_tokens, **normalizers)
     assert out.loss.dim() == 0
     assert abs(out.loss.item() - value) <= atol, (out.loss.item(), value)
+    assert_metrics_match(out.metrics, reference_metrics(name, seqs, options, tis, max_tokens=inputs.max_tokens, **normalizers), atol)
     for i, (x, g) in enumerate(zip(inputs.logprobs, grads)):
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
         torch.testing.assert_close(grad, torch.tensor(g, dtype=torch.float64), atol=atol, rtol=0,
                                    msg=lambda m: f"sequence {i}: {m}")
     return out
+
+
+def assert_metrics_match(got: dict[str, float], want: dict[str, float], atol: float = 1e-9) -> None:
+    """The same metric names, each with the reference's value (relative for large ones)."""
+    assert set(got) == set(want), (sorted(set(got) - set(want)), sorted(set(want) - set(got)))
+    for key, value in want.items():
+        assert abs(got[key] - value) <= atol * max(1.0, abs(value)), (key, got[key], value)
 
 
 def check_all_scenarios(name: str, options: dict | None, agg: str, tis_mode: str) -> None:

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -8,7 +10,11 @@ from .reference import AGGS, SCENARIOS, TIS_MODES, assert_matches_reference, che
 
 @pytest.mark.parametrize("tis", list(TIS_MODES))
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("options", [{}, {"kl_beta": 0.05, "kl_estimator": "k1"}], ids=["default", "kl_k1"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"kl_beta": 0.05, "kl_estimator": "k1"}, {"ratio_log_cap": 0.5}, {"eps_low": 1.0}],
+    ids=["default", "kl_k1", "ratio_log_cap", "no_lower_bound"],
+)
 def test_matches_reference(options, agg, tis):
     check_all_scenarios("cispo", options, agg, tis)
 
@@ -44,6 +50,24 @@ def test_call_loss_with_tis_equals_reference():
 
 def test_defaults_follow_the_spec():
     loss = make_plugin("cispo")
-    assert (loss.eps_low, loss.eps_high, loss.agg) == (0.2, 0.28, "token-mean")
+    assert (loss.eps_low, loss.eps_high, loss.agg, loss.ratio_log_cap) == (0.2, 0.28, "token-mean", 20.0)
     assert loss.needs_reference is False
     assert make_plugin("cispo", kl_beta=0.01).needs_reference is True
+
+
+@pytest.mark.parametrize("eps_low", [1.0, 1e6])
+def test_eps_low_of_one_or_more_means_no_lower_bound(eps_low):
+    # MiniMax-M1 runs CISPO with no lower bound: a token with r = e^{−3} is weighted by r itself,
+    # not raised to 1 − eps_low; the upper bound still holds (e^{3} -> 1.28).
+    lp = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([3.0, -3.0], dtype=torch.float64)
+    inputs = LossInputs(logprobs=[lp], old_logprobs=[old], sampling_logprobs=[old],
+                        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)])
+    out = call_loss([make_plugin("cispo", eps_low=eps_low, agg="token-sum")], inputs)
+    out.loss.backward()
+    assert lp.grad.tolist() == pytest.approx([-math.exp(-3.0), -1.28])
+    assert out.metrics["loss/clip_frac_low"] == 0.0 and out.metrics["loss/clip_frac_high"] == 0.5
+    default = call_loss([make_plugin("cispo", agg="token-sum")], LossInputs(
+        logprobs=[lp.detach().clone().requires_grad_()], old_logprobs=[old], sampling_logprobs=[old],
+        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)]))
+    assert default.metrics["loss/clip_frac_low"] == 0.5  # with eps_low = 0.2 the same token is raised to 0.8

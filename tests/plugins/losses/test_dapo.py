@@ -10,7 +10,11 @@ from .reference import AGGS, TIS_MODES, check_all_scenarios
 
 @pytest.mark.parametrize("tis", list(TIS_MODES))
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("options", [{}, {"dual_clip": 3.0}], ids=["default", "dual_clip"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"dual_clip": 3.0}, {"ratio_log_cap": 0.5}, {"eps_low": 1.5, "dual_clip": 2.0}],
+    ids=["default", "dual_clip", "ratio_log_cap", "no_lower_clip"],
+)
 def test_matches_reference(options, agg, tis):
     check_all_scenarios("dapo", options, agg, tis)
 
@@ -46,7 +50,7 @@ def test_dual_clip_binds_only_for_negative_advantages():
 
 def test_defaults_follow_the_spec():
     loss = make_plugin("dapo")
-    assert (loss.eps_low, loss.eps_high, loss.dual_clip, loss.agg) == (0.2, 0.28, None, "token-mean")
+    assert (loss.eps_low, loss.eps_high, loss.dual_clip, loss.agg, loss.ratio_log_cap) == (0.2, 0.28, None, "token-mean", 20.0)
     assert loss.needs_reference is False
 
 

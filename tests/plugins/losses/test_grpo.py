@@ -11,6 +11,8 @@ VARIANTS = {
     "default": {},
     "no_kl": {"kl_beta": 0.0},
     "k1_eps": {"eps_low": 0.1, "eps_high": 0.3, "kl_beta": 0.1, "kl_estimator": "k1"},
+    "ratio_log_cap": {"ratio_log_cap": 0.5},
+    "no_lower_clip": {"eps_low": 1.0},
 }
 
 
@@ -90,7 +92,7 @@ def test_clip_fractions():
 
 @pytest.mark.parametrize(
     "options",
-    [{"agg": "x"}, {"eps_low": "abc"}, {"kl_estimator": "k4"}, {"kl_beta": -1.0}, {"eps_low": 1.5}, {"epsilon": 0.2}],
+    [{"agg": "x"}, {"eps_low": "abc"}, {"kl_estimator": "k4"}, {"kl_beta": -1.0}, {"eps_low": -0.1}, {"ratio_log_cap": 0.0}, {"epsilon": 0.2}],
 )
 def test_bad_options_raise_plugin_error(options):
     with pytest.raises(PluginError):
@@ -100,3 +102,35 @@ def test_bad_options_raise_plugin_error(options):
 def test_string_options_are_parsed():
     loss = make_plugin("loss.grpo", eps_high="0.28", kl_beta="0", agg="token-mean")
     assert (loss.eps_high, loss.kl_beta, loss.agg) == (0.28, 0.0, "token-mean")
+
+
+def test_eps_low_of_one_or_more_removes_the_lower_clip():
+    # A < 0 and r = e^{−3}: eps_low = 0.2 clips (r < 0.8, no gradient); eps_low ≥ 1 puts the
+    # lower bound at or below 0, which no ratio reaches: the token keeps −r·A and its gradient.
+    r = math.exp(-3.0)
+    for eps_low, value, grad, clipped in [(0.2, 0.8, 0.0, 1.0), (1.0, r, r, 0.0), (4.0, r, r, 0.0)]:
+        lp = torch.tensor([0.0], dtype=torch.float64, requires_grad=True)
+        inputs = LossInputs(
+            logprobs=[lp], old_logprobs=[torch.tensor([3.0], dtype=torch.float64)],
+            sampling_logprobs=[torch.tensor([3.0], dtype=torch.float64)],
+            mask=[torch.ones(1, dtype=torch.float64)], advantages=[torch.tensor([-1.0], dtype=torch.float64)],
+        )
+        out = call_loss([make_plugin("loss.grpo", eps_low=eps_low, kl_beta=0.0)], inputs)
+        out.loss.backward()
+        assert out.loss.item() == pytest.approx(value), eps_low
+        assert lp.grad.item() == pytest.approx(grad), eps_low
+        assert out.metrics["loss/clip_frac_low"] == clipped
+
+
+def test_ratio_log_cap_clips_the_token_log_ratio():
+    # π − π_old = 2 with ratio_log_cap = 1: r = e^{1}, no gradient; −0.5 is inside: r = e^{−0.5}.
+    lp = torch.tensor([0.0, 0.0], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([-2.0, 0.5], dtype=torch.float64)
+    inputs = LossInputs(logprobs=[lp], old_logprobs=[old], sampling_logprobs=[old],
+                        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.tensor([-1.0, -1.0], dtype=torch.float64)])
+    out = call_loss([make_plugin("loss.grpo", ratio_log_cap=1.0, eps_low=0.9, eps_high=5.0, kl_beta=0.0, agg="token-sum")], inputs)
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx(math.e + math.exp(-0.5))
+    assert lp.grad.tolist() == pytest.approx([0.0, math.exp(-0.5)])
+    assert out.metrics["loss/ratio_mean"] == pytest.approx((math.e + math.exp(-0.5)) / 2)
+    assert make_plugin("loss.grpo").ratio_log_cap == 20.0

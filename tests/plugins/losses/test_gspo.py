@@ -10,7 +10,11 @@ from .reference import AGGS, TIS_MODES, check_all_scenarios
 
 @pytest.mark.parametrize("tis", list(TIS_MODES))
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("options", [{}, {"eps_low": 0.2, "eps_high": 0.2}], ids=["default", "wide_clip"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"eps_low": 0.2, "eps_high": 0.2}, {"seq_ratio_log_cap": 0.05}, {"eps_low": 1.0, "eps_high": 0.2}],
+    ids=["default", "wide_clip", "seq_ratio_log_cap", "no_lower_clip"],
+)
 def test_matches_reference(options, agg, tis):
     check_all_scenarios("gspo", options, agg, tis)
 
@@ -56,5 +60,16 @@ def test_clip_acts_on_the_sequence_ratio():
 
 def test_defaults_follow_the_spec():
     loss = make_plugin("gspo")
-    assert (loss.eps_low, loss.eps_high, loss.agg) == (3e-4, 4e-4, "seq-mean-token-mean")
+    assert (loss.eps_low, loss.eps_high, loss.agg, loss.seq_ratio_log_cap) == (3e-4, 4e-4, "seq-mean-token-mean", 20.0)
+    assert not hasattr(loss, "ratio_log_cap")  # GSPO clips the sequence ratio, never a token ratio
     assert loss.needs_reference is False
+
+
+def test_seq_ratio_log_cap_clips_the_sequence_log_ratio():
+    # log s = mean(π − π_old) = 0.1 over 3 tokens, capped at 0.05: s = e^{0.05} for every token,
+    # with its gradient s·∇π_t (GSPO's token form keeps the gradient under the cap).
+    inputs = _single([-1.2, -2.0, -0.6, 5.0], [1.0, -2.0, 0.5, 7.0], [1.0, 1.0, 1.0, 0.0])
+    s = math.exp(0.05)
+    out = call_loss([make_plugin("gspo", eps_low=0.5, eps_high=0.5, seq_ratio_log_cap=0.05, agg="token-sum")], inputs)
+    assert out.loss.item() == pytest.approx(-s * (1.0 - 2.0 + 0.5))
+    assert out.metrics["loss/ratio_mean"] == pytest.approx(s)

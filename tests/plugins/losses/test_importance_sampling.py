@@ -10,7 +10,7 @@ from .reference import AGGS, TIS_MODES, assert_matches_reference, check_all_scen
 
 @pytest.mark.parametrize("tis", list(TIS_MODES))
 @pytest.mark.parametrize("agg", AGGS)
-@pytest.mark.parametrize("options", [{}, {"clip_rho": 1.5}], ids=["default", "clip_rho"])
+@pytest.mark.parametrize("options", [{}, {"clip_rho": 1.5}, {"ratio_log_cap": 0.5}], ids=["default", "clip_rho", "ratio_log_cap"])
 def test_matches_reference(options, agg, tis):
     check_all_scenarios("importance_sampling", options, agg, tis)
 
@@ -48,3 +48,13 @@ def test_log_ratio_is_clamped_at_20():
 
 def test_no_reference_needed():
     assert make_plugin("importance_sampling").needs_reference is False
+
+
+def test_ratio_log_cap_option():
+    # The cookbook-style cap: π − π_old = 3 with ratio_log_cap = 2 gives r = e^{2} and no gradient.
+    inputs = _inputs([0.0, -1.0], [-3.0, -1.0], [1.0, 1.0])
+    out = call_loss([make_plugin("importance_sampling", ratio_log_cap=2.0, agg="token-sum")], inputs)
+    assert out.loss.item() == pytest.approx(-(math.exp(2.0) + 1.0))
+    out.loss.backward()
+    assert inputs.logprobs[0].grad.tolist() == pytest.approx([0.0, -1.0])
+    assert make_plugin("importance_sampling").ratio_log_cap == 20.0

@@ -21,3 +21,11 @@ def test_custom_pattern_and_bad_pattern():
     assert reward.reward(prompt=None, samples=samples("<answer>3</answer>", "3")) == [1.0, 0.0]
     with pytest.raises(PluginError, match="is not a regular expression"):
         make_plugin("format", pattern="(")
+
+
+def test_format_needs_no_reference_answer():
+    reward = make_plugin("format")
+    assert reward.needs_answer is False
+    assert "needs_answer" in type(reward).__doc__
+    no_answer = Sample(prompt=None, tokens=[1], sampling_logprobs=[0.0], loss_mask=[1.0], text="#### 7", finish_reason="stop", policy_version=0)
+    assert reward.reward(prompt=None, samples=[no_answer]) == [1.0]

@@ -10,8 +10,6 @@ import pytest
 from grpo_core import PluginError, Prompt, Sample, make_plugin
 from grpo_core.plugins.rewards.gsm8k import extract_answer, find_answer, parse_reference, score
 
-GSM8K_TEST = Path(__file__).resolve().parents[3].parent / "shared/data/gsm8k/test.jsonl"
-
 
 def sample(prompt: Prompt, text: str) -> Sample:
     return Sample(
@@ -210,6 +208,11 @@ def test_parse_reference() -> None:
     assert parse_reference(" $1,000 ") == "1000"
     assert parse_reference("3/4") == "3/4"
     assert parse_reference("0.50") == "0.5"
+    # The number right after the last "####" is the reference, not the last number of the text.
+    assert parse_reference("#### 18 (3 boxes)") == "18"
+    assert parse_reference("6 boxes of 3 = 18\n#### 18 (3 boxes of 6)") == "18"
+    assert score("The answer is 18", "#### 18 (3 boxes)") == 1.0
+    assert score("The answer is 3", "#### 18 (3 boxes)") == 0.0
     with pytest.raises(ValueError, match="no number"):
         parse_reference("eighteen")
     with pytest.raises(ValueError, match="no number"):
@@ -233,6 +236,18 @@ def test_plugin_is_registered_as_reward() -> None:
     reward = make_plugin("gsm8k", kind="reward")
     assert type(reward).__name__ == "GSM8KReward"
     assert type(reward).__doc__ and "####" in type(reward).__doc__
+
+
+def test_plugin_declares_that_it_needs_a_reference_answer() -> None:
+    # The data loader reads this class attribute to reject rows without an answer up front.
+    assert make_plugin("gsm8k").needs_answer is True
+    assert "needs_answer" in type(make_plugin("gsm8k")).__doc__
+
+
+def test_plugin_scores_a_reference_with_text_after_the_marker() -> None:
+    reward = make_plugin("gsm8k")
+    prompt = Prompt(id="q1", text="?", answer="6 boxes of 3 = 18\n#### 18 (3 boxes)")
+    assert reward.reward(prompt=prompt, samples=[sample(prompt, "#### 18"), sample(prompt, "#### 3")]) == [1.0, 0.0]
 
 
 def test_plugin_strict_option_from_cli_string() -> None:
@@ -290,14 +305,21 @@ def test_plugin_unparsable_answer_names_the_prompt() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_gsm8k_path_is_the_shared_data() -> None:
-    assert GSM8K_TEST.parts[-4:] == ("shared", "data", "gsm8k", "test.jsonl")
+def test_gsm8k_test_split_ships_in_the_repository_with_its_license(gsm8k_test_split: Path) -> None:
+    repo = Path(__file__).resolve().parents[3]
+    assert gsm8k_test_split.is_relative_to(repo / "tests" / "data")
+    license_text = (gsm8k_test_split.parent / "LICENSE").read_text()
+    assert license_text.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in license_text
+    rows = [json.loads(line) for line in gsm8k_test_split.read_text().splitlines() if line.strip()]
+    assert len(rows) == 1319 and all(set(r) == {"question", "answer"} for r in rows)
+    assert rows[0]["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert parse_reference(rows[0]["answer"]) == "18"
 
 
-def test_gsm8k_gold_answers_score_themselves_and_not_others() -> None:
+def test_gsm8k_gold_answers_score_themselves_and_not_others(gsm8k_test_split: Path) -> None:
     # Fails (does not skip) when the data is missing: this is the acceptance test.
-    assert GSM8K_TEST.is_file(), f"GSM8K test split missing: {GSM8K_TEST}"
-    answers = [json.loads(line)["answer"] for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    assert gsm8k_test_split.is_file(), f"GSM8K test split missing: {gsm8k_test_split}"
+    answers = [json.loads(line)["answer"] for line in gsm8k_test_split.read_text().splitlines() if line.strip()]
     assert len(answers) == 1319
     self_fail = [i for i, a in enumerate(answers) if score(a, a) != 1.0 or score(a, a, strict=True) != 1.0]
     assert not self_fail, f"{len(self_fail)} gold answers do not score 1.0 against themselves: {self_fail[:10]}"

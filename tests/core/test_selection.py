@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+
+from grpo_core import PluginError, hookimpl, plugins_manager
+from grpo_core.config import load
+from grpo_core.plugins_manager import PluginEntry, catalog
+from grpo_core.selection import select_plugins
+from tests.test_cli import grpo_core, small_run_args
+
+
+def test_options_are_stored_typed_whether_from_flags_or_toml(tmp_path):
+    from_flags = load(None, {"loss": ["cispo"]}, {"loss": ["eps_high=0.3"], "rollout": ["chat_template=false", "long_prompts=skip"]})
+    toml = tmp_path / "run.toml"
+    toml.write_text("[loss.cispo]\neps_high = 0.3\n[rollout.single_turn]\nchat_template = false\nlong_prompts = 'skip'\n")
+    from_file = load(str(toml), {}, {})
+    assert from_flags.plugin_options["loss"]["cispo"]["eps_high"] == "0.3"  # as typed, before selection
+    select_plugins(from_flags)
+    select_plugins(from_file)
+    expected = {"loss": {"cispo": {"eps_high": 0.3}}, "rollout": {"single_turn": {"chat_template": False, "long_prompts": "skip"}}}
+    assert from_flags.plugin_options == from_file.plugin_options == expected
+    assert json.loads(json.dumps(from_flags.to_dict()))["plugin_options"] == expected
+    # An integer in TOML for a float option is stored as the float it is.
+    toml.write_text("[loss.cispo]\neps_high = 1\n")
+    config = load(str(toml), {}, {})
+    select_plugins(config)
+    assert type(config.plugin_options["loss"]["cispo"]["eps_high"]) is float
+
+
+def test_config_json_of_a_run_holds_typed_options(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", "--loss-opt", "kl_beta=0.01"))
+    assert out.returncode == 0, out.stderr
+    assert json.loads((run_dir / "config.json").read_text())["plugin_options"] == {"loss": {"grpo": {"kl_beta": 0.01}}}
+
+
+def test_two_losses_are_named_as_typed():
+    with pytest.raises(PluginError, match=r"^exactly one loss plugin must be selected, got 2 \(cispo, grpo\)$"):
+        select_plugins(load(None, {"loss": ["cispo", "grpo"]}, {}))
+    with pytest.raises(PluginError, match=r"^exactly one loss plugin must be selected, got 0 \(none; tis only wraps one\)$"):
+        select_plugins(load(None, {"loss": ["tis"]}, {}))
+
+
+@attrs.define
+class Misspelled:
+    @hookimpl
+    def rewards(self, prompt, samples):
+        return [1.0 for _ in samples]
+
+
+@attrs.define
+class NeedsAnswer:
+    needs_answer = True
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [1.0 for _ in samples]
+
+
+@attrs.define
+class NoAnswer:
+    needs_answer = False
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [1.0 for _ in samples]
+
+
+@attrs.define
+class Silent:
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [1.0 for _ in samples]
+
+
+@pytest.fixture
+def test_rewards(monkeypatch):
+    module = "tests.core.test_selection"
+    extra = tuple(
+        PluginEntry("reward", name, f"{module}:{cls}", "grpo-test-rewards", "0.1")
+        for name, cls in [("misspelled", "Misspelled"), ("exact", "NeedsAnswer"), ("shape", "NoAnswer"), ("silent", "Silent")]
+    )
+    builtins = catalog()
+    monkeypatch.setattr(plugins_manager, "catalog", lambda: builtins + extra)
+
+
+def test_an_invalid_plugin_is_refused_before_anything_is_made(test_rewards):
+    with pytest.raises(PluginError) as err:
+        select_plugins(load(None, {"reward": ["misspelled"], "model": "/no/such/model"}, {}))
+    assert str(err.value) == (
+        "reward plugin 'misspelled' from grpo-test-rewards 0.1 (tests.core.test_selection:Misspelled) cannot be used: "
+        "method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?); "
+        "a reward plugin must implement @hookimpl def reward(self, prompt, samples) (missing: reward)"
+    )
+
+
+def test_rewards_needing_an_answer_are_those_that_say_so(test_rewards):
+    selection = select_plugins(load(None, {"reward": ["exact", "shape:0.1", "silent"]}, {}))
+    assert selection.rewards_needing_answer == ["exact"]
+    assert select_plugins(load(None, {"reward": ["shape", "silent"]}, {})).rewards_needing_answer == []
