@@ -107,6 +107,8 @@ class ServerClient:
         backoff: tuple[float, float] = (0.5, 10.0),
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.timeout = timeout
         self.retry_deadline = retry_deadline
         self.backoff_first, self.backoff_max = backoff
         self.on_reconnect: Callable[[], None] | None = None

@@ -11,7 +11,7 @@ import attrs
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.backend import sample_to_datum
-from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerResponseError, prompt_logprobs
+from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
 
 TIED_OUTPUT_FILE = "lm_head.safetensors"
 UNTIE_FLAG = """--hf-overrides '{"tie_word_embeddings": false}'"""
@@ -31,7 +31,8 @@ class VLLMWeightSync:
     (prompt logprobs) to compare with the trainer's logprobs of the same tokens. Beyond the
     tolerance it writes and reloads once more (on_mismatch=repair), and stops the run with what
     differs if that does not help. A server that went away and came back is synced again before
-    it samples. Metrics: sync/logprob_max_abs_diff, sync/repairs, time/weight_sync.
+    it samples. Behind a load balancer, list every server in replicas: each is reloaded and checked.
+    Metrics: sync/logprob_max_abs_diff (the worst server), sync/repairs, time/weight_sync.
 
     Tied embeddings: vLLM's in-place reload re-processes only the layers whose weights it reads, so
     a tied output layer (lm_head, not in a tied checkpoint) keeps the weights it started with
@@ -44,10 +45,15 @@ class VLLMWeightSync:
     tolerance: float = option(1e-3, help="largest |server - trainer| logprob on the probe accepted after a sync (fp32; larger for bf16)")
     on_mismatch: Literal["repair", "stop"] = option("repair", help="beyond the tolerance: repair (write and reload again, stop if still off) or stop")
     probe_tokens: int = option(64, help="tokens in the probe sequence scored on both sides")
+    replicas: list[str] = option(
+        attrs.Factory(list),
+        help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
+    )
     last_metrics: dict[str, float] = attrs.field(factory=dict, init=False)
     """The last sync's metrics; the weight_sync hook returns only the version."""
     written_version: int | None = attrs.field(default=None, init=False)
     run_dir: Path | None = attrs.field(default=None, init=False)
+    replica_clients: dict[str, ServerClient] = attrs.field(factory=dict, init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.tolerance <= 0:
@@ -71,21 +77,33 @@ class VLLMWeightSync:
         return sampler.version
 
     def sync(self, trainer: Any, sampler: Any) -> dict[str, float]:
-        """Write (unless this version is already written), reload, verify; repair once if allowed."""
+        """Write (unless this version is already written), then reload and verify every server;
+        repair once where allowed."""
         if self.written_version != trainer.version:
             self.write(trainer)
-        self.reload(sampler)
-        diff = self.verify(trainer, sampler)
-        repairs = 0
-        if diff > self.tolerance and self.on_mismatch == "repair":
-            repairs = 1
-            self.write(trainer)
-            self.reload(sampler)
-            diff = self.verify(trainer, sampler)
-        if diff > self.tolerance:
-            raise WeightSyncMismatch(self._mismatch_message(trainer, diff, repaired=bool(repairs)))
+        worst, repairs = 0.0, 0
+        for client in self.clients(sampler):
+            self.reload(client)
+            diff = self.verify(trainer, sampler, client)
+            if diff > self.tolerance and self.on_mismatch == "repair":
+                repairs += 1
+                self.write(trainer)
+                self.reload(client)
+                diff = self.verify(trainer, sampler, client)
+            if diff > self.tolerance:
+                raise WeightSyncMismatch(self._mismatch_message(trainer, diff, client.base_url, repaired=repairs > 0))
+            worst = max(worst, diff)
         sampler.version = trainer.version
-        return {"sync/logprob_max_abs_diff": diff, "sync/repairs": float(repairs)}
+        return {"sync/logprob_max_abs_diff": worst, "sync/repairs": float(repairs)}
+
+    def clients(self, sampler: Any) -> list[ServerClient]:
+        if not self.replicas:
+            return [sampler.client]
+        for url in self.replicas:
+            if url not in self.replica_clients:
+                base = sampler.client
+                self.replica_clients[url] = ServerClient(url, api_key=base.api_key, timeout=base.timeout, retry_deadline=base.retry_deadline)
+        return [self.replica_clients[url] for url in self.replicas]
 
     @property
     def folder(self) -> Path:
@@ -104,16 +122,15 @@ class VLLMWeightSync:
             write_tied_output_layer(folder, trainer.model.get_input_embeddings().weight)
         self.written_version = trainer.version
 
-    def reload(self, sampler: Any) -> None:
+    def reload(self, client: ServerClient) -> None:
         path = self.server_weights_dir or str(self.folder.resolve())
-        client = sampler.client
         try:
             client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, resync=False)
             # Cached prompt prefixes hold keys and values of the old weights.
             client.post("/reset_prefix_cache", {}, resync=False)
         except ServerResponseError as exc:
             hint = " (start vLLM with VLLM_SERVER_DEV_MODE=1 for /collective_rpc and /reset_prefix_cache)" if "HTTP 404" in str(exc) else ""
-            raise PluginError(f"the server could not reload the weights from {path}: {exc}{hint}") from None
+            raise PluginError(f"the server at {client.base_url} could not reload the weights from {path}: {exc}{hint}") from None
 
     def probe(self, tokenizer: Any, max_context: int | None) -> list[int]:
         """A fixed sequence: text the tokenizer knows, then ids drawn over the whole vocabulary."""
@@ -122,10 +139,11 @@ class VLLMWeightSync:
         draw = random.Random(0)
         return ids + [draw.randrange(len(tokenizer)) for _ in range(length - len(ids))]
 
-    def verify(self, trainer: Any, sampler: Any) -> float:
-        """The largest |server - trainer| logprob over the probe's tokens."""
+    def verify(self, trainer: Any, sampler: Any, client: ServerClient | None = None) -> float:
+        """The largest |server - trainer| logprob over the probe's tokens (on the sampler's server,
+        or on ``client``'s)."""
         tokens = self.probe(trainer.tokenizer, sampler.max_context)
-        server = prompt_logprobs(sampler.client, sampler.model, tokens, resync=False)[1:]
+        server = prompt_logprobs(client or sampler.client, sampler.model, tokens, resync=False)[1:]
         probe = Sample(
             prompt=Prompt(id="weight-sync-probe", text=""),
             tokens=tokens,
@@ -138,9 +156,9 @@ class VLLMWeightSync:
         ours = trainer.forward([sample_to_datum(probe)])[0].tolist()
         return max(abs(a - b) for a, b in zip(server, ours))
 
-    def _mismatch_message(self, trainer: Any, diff: float, repaired: bool) -> str:
+    def _mismatch_message(self, trainer: Any, diff: float, url: str, repaired: bool) -> str:
         message = (
-            f"after syncing policy version {trainer.version}, the server's logprobs differ from the trainer's by up to {diff:.3g} "
+            f"after syncing policy version {trainer.version}, the logprobs of the server at {url} differ from the trainer's by up to {diff:.3g} "
             f"(tolerance {self.tolerance:g}) on a {self.probe_tokens}-token probe"
             + (", also after writing and reloading the weights again" if repaired else "")
         )

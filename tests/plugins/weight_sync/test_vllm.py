@@ -195,3 +195,34 @@ def test_tied_output_layer_goes_into_a_sharded_checkpoint_index(tmp_path):
 
     assert torch.equal(load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"], embedding)
     assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"] == TIED_OUTPUT_FILE
+
+
+def test_every_replica_behind_a_load_balancer_is_reloaded_and_checked(untied_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, balancer, sampler = setup(untied_model_dir)
+    replicas = {}
+    for name in ("a", "b"):
+        fake = FakeVLLM(trainer.tokenizer, model=AutoModelForCausalLM.from_pretrained(untied_model_dir).eval())
+        replicas[name] = (fake, ServerClient(f"http://{name}", transport=httpx.MockTransport(fake), backoff=(0.01, 0.05)))
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path), replicas=["http://a", "http://b"])
+    plugin.replica_clients = {f"http://{name}": client for name, (_, client) in replicas.items()}
+    replicas["b"][0].ignore_reloads = 1
+    train_a_step(trainer)
+    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert [len(fake.reload_paths) for fake, _ in replicas.values()] == [1, 2] and balancer.reload_paths == []
+    assert plugin.last_metrics["sync/repairs"] == 1.0 and plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5
+    for _, client in replicas.values():
+        assert plugin.verify(trainer, sampler, client) < 1e-5
+
+    replicas["b"][0].ignore_reloads = 5
+    train_a_step(trainer, seed=2)
+    with pytest.raises(WeightSyncMismatch, match=r"the logprobs of the server at http://b differ"):
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=2)
+
+
+def test_replicas_option_reads_a_comma_separated_list():
+    from grpo_core.plugins_manager import make_plugin
+
+    plugin = make_plugin("weight_sync.vllm", replicas="http://a:8000,http://b:8000")
+    assert plugin.replicas == ["http://a:8000", "http://b:8000"] and VLLMWeightSync().replicas == []
