@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--verbose", action="store_true", help="print every round")
     args = parser.parse_args(argv)
 
     from transformers import AutoTokenizer
@@ -103,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = round_grpo_core(sampler, prompts, args.group_size, params)
             else:
                 tokens = asyncio.run(round_bare(base_url, bodies, args.concurrency))
-            return time.perf_counter() - started, tokens
+            seconds = time.perf_counter() - started
+            if args.verbose:
+                extra = f" {sampler.last_metrics}" if contender == "grpo-core" else ""
+                print(f"  {contender}: {tokens} tokens in {seconds:.2f}s{extra}", flush=True)
+            return seconds, tokens
 
         timed("grpo-core"), timed("bare")  # warmup
         results: dict[str, list[float]] = {"grpo-core": [], "bare": []}
