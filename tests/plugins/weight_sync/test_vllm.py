@@ -71,7 +71,7 @@ def test_sync_writes_reloads_clears_the_cache_and_verifies(untied_model_dir, tmp
 
 
 def test_a_tied_model_follows_every_sync_exactly_because_lm_head_is_written(tiny_model_dir, tmp_path):
-    trainer, fake, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
+    trainer, _, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     for step in (1, 2, 3):
         train_a_step(trainer, seed=step)
@@ -110,7 +110,7 @@ def test_a_lost_reload_is_repaired_and_counted(untied_model_dir, tmp_path):
 
 
 def test_tolerance_decides(untied_model_dir, tmp_path):
-    trainer, fake, sampler = setup(untied_model_dir, ignore_reloads=10)
+    trainer, _, sampler = setup(untied_model_dir, ignore_reloads=10)
     train_a_step(trainer, scale=0.01)
     diff = VLLMWeightSync(weights_dir=str(tmp_path)).verify(trainer, sampler)
     assert VLLMWeightSync(weights_dir=str(tmp_path), tolerance=diff * 2).weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
