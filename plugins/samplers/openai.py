@@ -178,9 +178,13 @@ class ServerClient:
                     try:
                         return response.json()
                     except ValueError:
-                        raise ServerResponseError(f"{method} {self.base_url}{path} answered with something that is not JSON: {response.text[:200]!r}") from None
+                        raise ServerResponseError(
+                            f"{method} {self.base_url}{path} answered with something that is not JSON: {response.text[:200]!r}"
+                        ) from None
                 if response.status_code not in RETRY_STATUS:
-                    raise ServerResponseError(f"{method} {self.base_url}{path} failed with HTTP {response.status_code}: {_server_message(response)}")
+                    raise ServerResponseError(
+                        f"{method} {self.base_url}{path} failed with HTTP {response.status_code}: {_server_message(response)}"
+                    )
                 error = f"HTTP {response.status_code}: {_server_message(response)}"
                 retry_after = _retry_after(response)
             now = time.monotonic()
@@ -262,10 +266,11 @@ class ServerSampler:
     ``sampler/reconnects``, ``sampler/prompts``, ``sampler/completions``), for the step's metrics."""
     logprobs_mode: str | None = None
     """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
+    vocab_size: int = attrs.field(init=False)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+    def __attrs_post_init__(self) -> None:
+        # Once: len() of a large tokenizer counts its added tokens every time.
+        self.vocab_size = len(self.tokenizer)
 
     def check_tokenizer(self) -> None:
         """Tokenize a probe on the server and here: prompts are sent as ids, so both must agree."""
@@ -273,7 +278,9 @@ class ServerSampler:
         try:
             theirs = self.client.post("/tokenize", {"model": self.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})["tokens"]
         except ServerResponseError as exc:
-            raise PluginError(f"cannot check the server's tokenizer ({exc}); a server without /tokenize needs --sampler-opt check_tokenizer=false") from None
+            raise PluginError(
+                f"cannot check the server's tokenizer ({exc}); a server without /tokenize needs --sampler-opt check_tokenizer=false"
+            ) from None
         if ours != theirs:
             at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             raise PluginError(
@@ -378,7 +385,9 @@ def parse_completions(data: dict[str, Any], num_prompts: int, n: int, vocab_size
         if finish is None:
             raise ServerResponseError(f"the server ended a completion with finish_reason {choice.get('finish_reason')!r}")
         # Greedy decoding samples from a point mass: every chosen token has logprob 0, as in-process.
-        completions.append(Completion(tokens=list(tokens), logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish))
+        completions.append(
+            Completion(tokens=list(tokens), logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish)
+        )
     return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
 
 

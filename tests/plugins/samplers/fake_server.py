@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -36,6 +37,9 @@ class FakeVLLM:
         self.ignore_reloads = 0
         """Reloads answered OK that change nothing (a server that lost a reload)."""
         self.reload_paths: list[str] = []
+        self.authorizations: list[str | None] = []
+        self.delay = 0.0
+        """Seconds every completion takes (a slow server)."""
         self.lock = threading.Lock()
         self.output_weight = None
         if model is not None:
@@ -45,6 +49,7 @@ class FakeVLLM:
         body = json.loads(request.content) if request.content else {}
         with self.lock:
             self.requests.append((request.url.path, body))
+            self.authorizations.append(request.headers.get("authorization"))
             failure = self.failures.pop(0) if self.failures else None
         if isinstance(failure, Exception):
             raise failure
@@ -59,6 +64,7 @@ class FakeVLLM:
             ids = self.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
             return httpx.Response(200, json={"tokens": [i + self.tokenize_shift for i in ids], "count": len(ids)})
         if path == "/v1/completions":
+            time.sleep(self.delay)
             if body.get("prompt_logprobs") is not None:
                 return httpx.Response(200, json={"choices": [self.score(body["prompt"][0])]})
             # Plain json.dumps: a broken server may send NaN, which httpx's json= refuses to encode.
@@ -144,7 +150,9 @@ class LocalHTTPServer:
 
             def _serve(self) -> None:
                 length = int(self.headers.get("content-length") or 0)
-                request = httpx.Request(self.command, f"http://fake{self.path}", headers=dict(self.headers), content=self.rfile.read(length))
+                request = httpx.Request(
+                    self.command, f"http://fake{self.path}", headers=dict(self.headers), content=self.rfile.read(length)
+                )
                 try:
                     response = fake(request)
                 except httpx.TransportError:
@@ -152,11 +160,14 @@ class LocalHTTPServer:
                     self.close_connection = True
                     return
                 content = response.read()
-                self.send_response(response.status_code)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(content)))
-                self.end_headers()
-                self.wfile.write(content)
+                try:
+                    self.send_response(response.status_code)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(content)))
+                    self.end_headers()
+                    self.wfile.write(content)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on this request (its timeout)
 
             do_GET = do_POST = _serve
 

@@ -138,7 +138,9 @@ def test_retry_deadline_ends_with_a_clear_error(tokenizer):
     fake.failures = [503] * 1000
     sampler = make_sampler(fake, tokenizer, retry_deadline=0.3)
     started = time.monotonic()
-    with pytest.raises(ServerUnavailable, match=r"POST http://fake/v1/completions kept failing .*retry deadline 0.3s.*HTTP 503: fake failure 503"):
+    with pytest.raises(
+        ServerUnavailable, match=r"POST http://fake/v1/completions kept failing .*retry deadline 0.3s.*HTTP 503: fake failure 503"
+    ):
         sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
     assert time.monotonic() - started < 2.0
     assert sum(1 for p, _ in fake.requests if p == "/v1/completions") >= 3
@@ -273,7 +275,9 @@ def test_tokenizer_check(tokenizer):
     sampler.check_tokenizer()
     assert fake.requests[-1] == ("/tokenize", {"model": "tiny", "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
     fake.tokenize_shift = 1
-    with pytest.raises(PluginError, match=r"the server's tokenizer differs from the trainer's: a probe text tokenizes differently from token 0 on"):
+    with pytest.raises(
+        PluginError, match=r"the server's tokenizer differs from the trainer's: a probe text tokenizes differently from token 0 on"
+    ):
         sampler.check_tokenizer()
     fake.answer = lambda method, path, body: httpx.Response(404, json={"detail": "Not Found"})
     with pytest.raises(PluginError, match="needs --sampler-opt check_tokenizer=false"):
@@ -361,3 +365,23 @@ def test_a_server_that_never_answers_stops_make_sampler_within_the_deadline(toke
     with pytest.raises(ServerUnavailable, match=r"GET http://127.0.0.1:\d+/v1/models kept failing .*ConnectError"):
         OpenAISampler(base_url=url, retry_deadline=0.5).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
     assert time.monotonic() - started < 5.0
+
+
+def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
+    fake = FakeVLLM(tokenizer)
+    server = LocalHTTPServer(fake)
+    try:
+        monkeypatch.setenv("GRPO_TEST_KEY", "sk-from-env")
+        from grpo_core.plugins_manager import make_plugin
+
+        plugin = make_plugin("sampler.openai", base_url=server.url, api_key="env:GRPO_TEST_KEY", timeout="0.5", retry_deadline="1.0")
+        sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        assert set(fake.authorizations) == {"Bearer sk-from-env"}
+        # A completion slower than the timeout is cut off and retried until the deadline.
+        fake.delay = 0.8
+        with pytest.raises(ServerUnavailable, match="ReadTimeout"):
+            sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+        sampler.close()
+    finally:
+        fake.delay = 0.0
+        server.close()
