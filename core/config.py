@@ -48,7 +48,7 @@ def _at_least_two(instance: Any, attribute: attrs.Attribute, value: int) -> None
 
 
 def default_threads() -> int:
-    """Half the CPUs this process may use, at least 1.
+    """``OMP_NUM_THREADS`` when set, else half the CPUs this process may use, at least 1.
 
     Measured on a 2-CPU machine (docs/performance.md): 2 threads are 1.55x faster than 1 when
     the machine is idle but 2.8-3.6x slower beside another busy process, while 1 thread is never
@@ -56,6 +56,8 @@ def default_threads() -> int:
     """
     import os
 
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cpus // 2)
 
@@ -119,7 +121,7 @@ class RunConfig:
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = _field(None, "CPU threads for torch (default: half the CPUs, at least 1)", validator=_positive)
+    threads: int | None = _field(None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive)
     seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
     run_dir: str | None = _field(None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)")
     checkpoint_every: int = _field(50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative)

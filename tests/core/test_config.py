@@ -70,3 +70,33 @@ def test_learning_rate_warmup_then_decay():
     assert learning_rate(cosine, 0, 4) == 1.0
     assert learning_rate(cosine, 2, 4) == pytest.approx(0.5)
     assert learning_rate(RunConfig(learning_rate=0.3), 50, 60) == 0.3
+
+
+def test_default_threads_follow_omp_num_threads_else_half_the_cpus(monkeypatch):
+    import os
+
+    from grpo_core.config import default_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert default_threads() == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert default_threads() == 1
+
+
+def test_a_run_sets_the_threads_it_is_given(monkeypatch):
+    import torch
+
+    from grpo_core.loop import seed_everything
+
+    before = torch.get_num_threads()
+    try:
+        seed_everything(0, 1)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        seed_everything(0, None)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

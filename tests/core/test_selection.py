@@ -45,43 +45,34 @@ def test_two_losses_are_named_as_typed():
 
 
 @attrs.define
-class Misspelled:
+class Silent:
+    """A reward that says nothing about answers (so needs none)."""
+
     @hookimpl
-    def rewards(self, prompt, samples):
+    def reward(self, prompt, samples):
         return [1.0 for _ in samples]
 
 
 @attrs.define
-class NeedsAnswer:
+class NeedsAnswer(Silent):
     needs_answer = True
 
-    @hookimpl
-    def reward(self, prompt, samples):
-        return [1.0 for _ in samples]
-
 
 @attrs.define
-class NoAnswer:
+class NoAnswer(Silent):
     needs_answer = False
-
-    @hookimpl
-    def reward(self, prompt, samples):
-        return [1.0 for _ in samples]
-
-
-@attrs.define
-class Silent:
-    @hookimpl
-    def reward(self, prompt, samples):
-        return [1.0 for _ in samples]
 
 
 @pytest.fixture
 def test_rewards(monkeypatch):
-    module = "tests.core.test_selection"
     extra = tuple(
-        PluginEntry("reward", name, f"{module}:{cls}", "grpo-test-rewards", "0.1")
-        for name, cls in [("misspelled", "Misspelled"), ("exact", "NeedsAnswer"), ("shape", "NoAnswer"), ("silent", "Silent")]
+        PluginEntry("reward", name, target, "grpo-test-rewards", "0.1")
+        for name, target in [
+            ("misspelled", "tests.core.test_plugins_manager:_Misspelled"),
+            ("exact", "tests.core.test_selection:NeedsAnswer"),
+            ("shape", "tests.core.test_selection:NoAnswer"),
+            ("silent", "tests.core.test_selection:Silent"),
+        ]
     )
     builtins = catalog()
     monkeypatch.setattr(plugins_manager, "catalog", lambda: builtins + extra)
@@ -91,7 +82,7 @@ def test_an_invalid_plugin_is_refused_before_anything_is_made(test_rewards):
     with pytest.raises(PluginError) as err:
         select_plugins(load(None, {"reward": ["misspelled"], "model": "/no/such/model"}, {}))
     assert str(err.value) == (
-        "reward plugin 'misspelled' from grpo-test-rewards 0.1 (tests.core.test_selection:Misspelled) cannot be used: "
+        "reward plugin 'misspelled' from grpo-test-rewards 0.1 (tests.core.test_plugins_manager:_Misspelled) cannot be used: "
         "method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?); "
         "a reward plugin must implement @hookimpl def reward(self, prompt, samples) (missing: reward)"
     )
