@@ -224,3 +224,33 @@ def test_a_run_goes_on_through_a_server_kill_and_restart(vllm_venv, models, tmp_
         check.close()
     finally:
         server.stop()
+
+
+def test_a_server_that_never_comes_back_ends_the_run_with_a_checkpoint_and_a_clear_error(vllm_venv, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    server = start_server(model, tmp_path)
+    try:
+        run_dir = tmp_path / "run"
+        command = [
+            sys.executable, "-m", "grpo_core.cli", "run", "--model", str(model), "--dataset", str(tiny_dataset),
+            "--prompt-template", TEMPLATE, "--max-steps", "50", "--prompt-groups-per-step", "2",
+            "--completions-per-prompt", "4", "--max-completion-tokens", "6", "--run-dir", str(run_dir),
+            "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--sampler-opt", "retry_deadline=5",
+            "--weight-sync", "vllm",
+        ]  # fmt: skip
+        run = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server.kill()
+        output, _ = run.communicate(timeout=120)
+        print(output[-600:])
+        assert run.returncode == 1, output
+        assert "kept failing" in output and "retry deadline 5s" in output and server.url in output
+        assert f"continue with: grpo-core run --resume {run_dir}" in output
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    finally:
+        server.stop()
