@@ -1,0 +1,1 @@
+"""Samplers that run apart from the trainer (plugin kind ``sampler``)."""

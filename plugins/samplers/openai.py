@@ -1,0 +1,410 @@
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import attrs
+import httpx
+
+from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
+
+TOKENIZER_PROBE = "Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\""
+"""Text tokenized on both sides at start: digits, spaces, newlines, tabs, punctuation, non-ASCII."""
+RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+DROPPED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Transport errors that mean the server went away (killed, restarted, connection reset), after
+which it may serve other weights than the last ones synced."""
+FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+class ServerUnavailable(PluginError):
+    """The server did not answer within the retry deadline."""
+
+
+class ServerResponseError(PluginError):
+    """The server answered, but not with what training needs (token ids, logprobs)."""
+
+
+@attrs.define
+class OpenAISampler:
+    """Sample from an OpenAI-compatible completions server (vLLM; SGLang and others that return
+    token ids and logprobs).
+
+    Prompts go as token ids to POST /v1/completions with n = completions per prompt; the server
+    returns the sampled token ids (vLLM: return_token_ids) and the logprob of each one. Requests
+    are split and kept in flight in parallel; 429, 5xx, timeouts and refused connections are
+    retried with backoff and jitter until the retry deadline. At start the server tokenizes a
+    probe text, which must match the trainer's tokenizer. vLLM must run with
+    --logprobs-mode processed_logprobs when sampling changes the distribution (temperature, top-p,
+    top-k): training needs the logprobs of the distribution actually sampled from.
+    """
+
+    base_url: str = option("http://127.0.0.1:8000", help="the server's address (a trailing /v1 is accepted)")
+    model: str = option("", help="the model name the server serves (empty = the only one it lists)")
+    api_key: str = option("", help="bearer token for the server; give it as env:NAME", secret=True, repr=False)
+    timeout: float = option(600.0, help="seconds one request may take before it is retried")
+    concurrency: int = option(32, help="requests in flight at once")
+    prompts_per_request: int = option(1, help="prompts sent in one request (each with n completions)")
+    retry_deadline: float = option(600.0, help="seconds a failing request is retried before the run stops")
+    check_tokenizer: bool = option(True, help="compare the server's tokenizer with the trainer's at start")
+
+    default_weight_sync = "vllm"
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("timeout", "retry_deadline"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("concurrency", "prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @hookimpl
+    def make_sampler(self, config: Any, trainer: Any) -> ServerSampler:
+        client = ServerClient(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            timeout=self.timeout,
+            concurrency=self.concurrency,
+            retry_deadline=self.retry_deadline,
+        )
+        try:
+            sampler = ServerSampler(
+                client=client,
+                tokenizer=trainer.tokenizer,
+                model=self.model or client.only_model(),
+                version=trainer.version,
+                prompts_per_request=self.prompts_per_request,
+            )
+            sampler.max_context = client.max_model_len(sampler.model)
+            if self.check_tokenizer:
+                sampler.check_tokenizer()
+        except BaseException:
+            client.close()
+            raise
+        return sampler
+
+
+class ServerClient:
+    """An httpx client on an event loop of its own thread: the sync ``call`` runs a coroutine there.
+
+    Every request is retried on 429/5xx/timeouts/dropped connections with exponential backoff and
+    jitter until ``retry_deadline`` seconds after its first failure. After a dropped connection
+    ``on_reconnect`` (set by a weight sync) runs once, before any request is sent again: a server
+    that restarted serves the weights it was started with, not the last ones synced.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str = "",
+        timeout: float = 600.0,
+        concurrency: int = 32,
+        retry_deadline: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        backoff: tuple[float, float] = (0.5, 10.0),
+    ) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.retry_deadline = retry_deadline
+        self.backoff_first, self.backoff_max = backoff
+        self.on_reconnect: Callable[[], None] | None = None
+        self.counts = {"requests": 0, "retries": 0, "reconnects": 0}
+        self._epoch = 0
+        """Counts dropped connections handled; a request that saw a drop at epoch e resyncs unless
+        another request already did so since."""
+        self._jitter = random.Random()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-core-sampler-http", daemon=True)
+        self._thread.start()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+        async def make_client() -> httpx.AsyncClient:
+            return httpx.AsyncClient(
+                base_url=self.base_url,
+                headers=headers,
+                timeout=timeout,
+                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                transport=transport,
+            )
+
+        self._http = self.call(make_client())
+        self._lock = self.call(_make_lock())
+        self.semaphore = self.call(_make_semaphore(concurrency))
+
+    def call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self.call(self._http.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def get(self, path: str, resync: bool = True) -> Any:
+        return self.call(self.request("GET", path, None, resync))
+
+    def post(self, path: str, body: dict[str, Any], resync: bool = True) -> Any:
+        return self.call(self.request("POST", path, body, resync))
+
+    async def request(self, method: str, path: str, body: dict[str, Any] | None, resync: bool = True) -> Any:
+        """The decoded JSON answer; retried until the deadline, then :class:`ServerUnavailable`."""
+        first_failure: float | None = None
+        dropped_at: int | None = None
+        attempt = 0
+        while True:
+            if dropped_at is not None and resync:
+                await self._reconnect(dropped_at)
+                dropped_at = None
+            self.counts["requests"] += 1
+            retry_after = None
+            try:
+                response = await self._http.request(method, path, json=body)
+            except httpx.TransportError as exc:
+                if isinstance(exc, DROPPED):
+                    dropped_at = self._epoch
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            else:
+                if response.is_success:
+                    if not response.content:
+                        return None
+                    try:
+                        return response.json()
+                    except ValueError:
+                        raise ServerResponseError(
+                            f"{method} {self.base_url}{path} answered with something that is not JSON: {response.text[:200]!r}"
+                        ) from None
+                if response.status_code not in RETRY_STATUS:
+                    raise ServerResponseError(
+                        f"{method} {self.base_url}{path} failed with HTTP {response.status_code}: {_server_message(response)}"
+                    )
+                error = f"HTTP {response.status_code}: {_server_message(response)}"
+                retry_after = _retry_after(response)
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if now - first_failure >= self.retry_deadline:
+                raise ServerUnavailable(
+                    f"{method} {self.base_url}{path} kept failing for {now - first_failure:.0f}s "
+                    f"({attempt + 1} attempts, retry deadline {self.retry_deadline:g}s); last error: {error}"
+                )
+            self.counts["retries"] += 1
+            delay = min(self.backoff_max, self.backoff_first * 2**attempt)
+            # Equal jitter: clients that failed together do not all come back at the same instant.
+            delay = delay / 2 + self._jitter.uniform(0, delay / 2)
+            if retry_after is not None:
+                delay = max(delay, min(retry_after, self.backoff_max))
+            await asyncio.sleep(min(delay, max(0.0, first_failure + self.retry_deadline - now)))
+            attempt += 1
+
+    async def _reconnect(self, dropped_at: int) -> None:
+        async with self._lock:
+            if self._epoch != dropped_at:
+                return
+            if self.on_reconnect is not None:
+                # The weight sync posts through this same loop, which stays free meanwhile.
+                await asyncio.to_thread(self.on_reconnect)
+            self._epoch += 1
+            self.counts["reconnects"] += 1
+
+    def only_model(self) -> str:
+        models = [m["id"] for m in self.get("/v1/models").get("data", [])]
+        if len(models) != 1:
+            raise PluginError(f"the server at {self.base_url} serves {models or 'no models'}; choose one with --sampler-opt model=NAME")
+        return models[0]
+
+    def max_model_len(self, model: str) -> int | None:
+        cards = [m for m in self.get("/v1/models").get("data", []) if m.get("id") == model]
+        if not cards:
+            raise PluginError(f"the server at {self.base_url} does not serve model '{model}'")
+        return cards[0].get("max_model_len")
+
+
+async def _make_lock() -> asyncio.Lock:
+    return asyncio.Lock()
+
+
+async def _make_semaphore(n: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(n)
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:300] or response.reason_phrase
+    error = data.get("error", data) if isinstance(data, dict) else data
+    message = error.get("message", error) if isinstance(error, dict) else error
+    return str(message)[:300]
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    try:
+        return float(response.headers["retry-after"])
+    except (KeyError, ValueError):
+        return None
+
+
+@attrs.define(eq=False)
+class ServerSampler:
+    """The :class:`grpo_core.backend.Sampler` of an OpenAI-compatible server."""
+
+    client: ServerClient
+    tokenizer: Any
+    model: str
+    version: int = 0
+    prompts_per_request: int = 1
+    max_context: int | None = None
+    last_metrics: dict[str, float] = attrs.field(factory=dict)
+    """Counts of the last ``sample`` call (``sampler/requests``, ``sampler/retries``,
+    ``sampler/reconnects``, ``sampler/prompts``, ``sampler/completions``), for the step's metrics."""
+    logprobs_mode: str | None = None
+    """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
+    vocab_size: int = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Once: len() of a large tokenizer counts its added tokens every time.
+        self.vocab_size = len(self.tokenizer)
+
+    def check_tokenizer(self) -> None:
+        """Tokenize a probe on the server and here: prompts are sent as ids, so both must agree."""
+        ours = self.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        try:
+            theirs = self.client.post("/tokenize", {"model": self.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})["tokens"]
+        except ServerResponseError as exc:
+            raise PluginError(
+                f"cannot check the server's tokenizer ({exc}); a server without /tokenize needs --sampler-opt check_tokenizer=false"
+            ) from None
+        if ours != theirs:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise PluginError(
+                f"the server's tokenizer differs from the trainer's: a probe text tokenizes differently from token {at} on "
+                f"(trainer {ours[at : at + 5]}, server {theirs[at : at + 5]}); serve the same model folder or tokenizer as the trainer's"
+            )
+
+    def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+        before = dict(self.client.counts)
+        if needs_processed_logprobs(params) and self.logprobs_mode != "processed":
+            self._check_logprobs_mode(list(prompts[0]), params)
+        chunks = [[list(p) for p in prompts[i : i + self.prompts_per_request]] for i in range(0, len(prompts), self.prompts_per_request)]
+        results = self.client.call(self._sample_chunks(chunks, num_samples, params))
+        groups = [group for chunk in results for group in chunk]
+        self.last_metrics = {f"sampler/{k}": float(v - before[k]) for k, v in self.client.counts.items()}
+        self.last_metrics.update({"sampler/prompts": float(len(prompts)), "sampler/completions": float(sum(len(g) for g in groups))})
+        return groups
+
+    async def _sample_chunks(self, chunks: list[list[list[int]]], n: int, params: SamplingParams) -> list[list[list[Completion]]]:
+        async def one(chunk: list[list[int]]) -> list[list[Completion]]:
+            async with self.client.semaphore:
+                data = await self.client.request("POST", "/v1/completions", completion_body(self.model, chunk, n, params))
+            return parse_completions(data, len(chunk), n, self.vocab_size, greedy=params.temperature == 0)
+
+        return list(await asyncio.gather(*(one(c) for c in chunks)))
+
+    def _check_logprobs_mode(self, prompt: list[int], params: SamplingParams) -> None:
+        """Draw one token with the run's settings, then score it at temperature 1: equal logprobs
+        mean the server reports the raw distribution's, not the one sampled from."""
+        sampled = self.client.post("/v1/completions", completion_body(self.model, [prompt], 1, attrs.evolve(params, max_tokens=1, stop=[])))
+        drawn = parse_completions(sampled, 1, 1, self.vocab_size, greedy=False)[0][0]
+        if not drawn.tokens:
+            return
+        raw = prompt_logprobs(self.client, self.model, prompt + drawn.tokens[:1])[-1]
+        if abs(drawn.logprobs[0] - raw) > 1e-4:
+            self.logprobs_mode = "processed"
+        elif raw < -1e-3:
+            self.logprobs_mode = "raw"
+            raise PluginError(
+                "the server reports the logprobs of the raw model, not of the distribution it samples from "
+                f"(temperature {params.temperature}, top_p {params.top_p}, top_k {params.top_k}); "
+                "start vLLM with --logprobs-mode processed_logprobs"
+            )
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def needs_processed_logprobs(params: SamplingParams) -> bool:
+    return params.temperature not in (0.0, 1.0) or params.top_p < 1.0 or params.top_k > 0
+
+
+def completion_body(model: str, prompts: list[list[int]], n: int, params: SamplingParams) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompts,
+        "n": n,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    if params.top_k > 0:
+        body["top_k"] = params.top_k
+    if params.stop:
+        body["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        body["stop_token_ids"] = list(params.stop_token_ids)
+    return body
+
+
+def parse_completions(data: dict[str, Any], num_prompts: int, n: int, vocab_size: int, greedy: bool) -> list[list[Completion]]:
+    """The completions of one response, grouped by prompt; anything training cannot use is an error."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != num_prompts * n:
+        raise ServerResponseError(f"the server returned {len(choices)} completions for {num_prompts} prompt(s) x n={n}")
+    completions = []
+    for choice in choices:
+        tokens = choice.get("token_ids")
+        if tokens is None:
+            raise ServerResponseError(
+                "the server returned completion text without its token ids; grpo-core trains on the sampled ids and never "
+                "re-tokenizes text: use a server that returns them (vLLM >= 0.10.2 with return_token_ids)"
+            )
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(tokens) or any(lp is None or not math.isfinite(lp) for lp in logprobs):
+            raise ServerResponseError(
+                f"the server returned no usable logprob for every sampled token ({len(tokens)} tokens, logprobs: {str(logprobs)[:120]}); "
+                "training needs the logprob of each sampled token (request field logprobs)"
+            )
+        outside = [t for t in tokens if not 0 <= t < vocab_size]
+        if outside:
+            raise ServerResponseError(
+                f"the server sampled token ids outside the tokenizer's vocabulary of {vocab_size}: {outside[:5]}; "
+                "the server's model and the trainer's tokenizer do not match"
+            )
+        finish = FINISH_REASONS.get(choice.get("finish_reason"))
+        if finish is None:
+            raise ServerResponseError(f"the server ended a completion with finish_reason {choice.get('finish_reason')!r}")
+        # Greedy decoding samples from a point mass: every chosen token has logprob 0, as in-process.
+        completions.append(
+            Completion(tokens=list(tokens), logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish)
+        )
+    return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+
+def prompt_logprobs(client: ServerClient, model: str, tokens: list[int], resync: bool = True) -> list[float]:
+    """The server's logprob of each token given those before it (the first has none: 0.0)."""
+    data = client.post(
+        "/v1/completions",
+        {"model": model, "prompt": [tokens], "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        resync=resync,
+    )
+    rows = (data.get("choices") or [{}])[0].get("prompt_logprobs")
+    if rows is None or len(rows) != len(tokens):
+        raise ServerResponseError("the server returned no prompt logprobs (vLLM's prompt_logprobs request field)")
+    out = [0.0]
+    for token, row in zip(tokens[1:], rows[1:]):
+        entry = (row or {}).get(str(token))
+        if entry is None:
+            raise ServerResponseError(f"the server's prompt logprobs miss token {token}")
+        out.append(float(entry["logprob"] if isinstance(entry, dict) else entry))
+    return out

