@@ -10,7 +10,7 @@ client only decodes the JSON and takes token ids and logprobs out. Rounds altern
 bare, grpo-core, ...) after one warmup round each. Throughput is completion tokens per second
 (sampled lengths vary, so tokens, not requests, are what both are asked to produce); the ratio
 is grpo-core's median over the bare client's. Without --base-url the server is started from the
-tests' cached virtualenv (.cache/vllm-venv, built on first use) and stopped at the end.
+tests' cached virtualenv (~/.cache/grpo-core/vllm-venv, built on first use) and stopped at the end.
 """
 
 from __future__ import annotations

@@ -100,6 +100,9 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
 
     with guard_run(state, config, r.trainer):
         for step, batch in zip(range(state.step + 1, state.total_steps + 1), r.batches):
+            # The sync that the last step made due happens here, so that a sync that fails leaves
+            # the checkpoint of a whole step behind, and the last step costs no sync at all.
+            sync_metrics = sync_weights(r, step - 1) if step > 1 and (step - 1) % config.weight_sync_interval == 0 else {}
             t0 = time.perf_counter()
             groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=r.sampler, params=r.params)
             t1 = time.perf_counter()
@@ -108,11 +111,9 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             t2 = time.perf_counter()
             lr = learning_rate(config, step - 1, state.total_steps)
             train_metrics = train_on_groups(pm, r.trainer, r.reference, kept, config, lr)
-            if step % config.weight_sync_interval == 0:
-                state.loop.policy_version = pm.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
             t3 = time.perf_counter()
 
-            metrics = {**reward_metrics, **advantage_metrics, **train_metrics}
+            metrics = {**sync_metrics, **reward_metrics, **advantage_metrics, **train_metrics, **getattr(r.sampler, "last_metrics", {})}
             metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
             metrics["policy/version"] = r.trainer.version
             if step == 1:
@@ -127,6 +128,13 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
                 break
 
     return finish_run(r, config, started)
+
+
+def sync_weights(r: Run, step: int) -> dict[str, float]:
+    """Bring the trainer's weights to the sampler; returns the sync's metrics (``sync/*``, ``time/weight_sync``)."""
+    pm = r.selection.manager
+    r.state.loop.policy_version = pm.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
+    return dict(getattr(r.selection.plugins["weight_sync"][0], "last_metrics", {}))
 
 
 def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
@@ -177,7 +185,12 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
-    return Run(selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
+    r = Run(selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
+    if not hasattr(sampler, "load_state_dict"):
+        # A sampler that keeps no state of its own (a server) gets the weights it must sample
+        # from, checked, before the first step: the resumed policy, or the one it may not have.
+        sync_weights(r, state.step)
+    return r
 
 
 def complete_step(state: RunState, selection: Any, sampler: Any, metrics: dict[str, float], max_nonfinite: int) -> None:

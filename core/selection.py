@@ -54,7 +54,9 @@ def select_plugins(config: RunConfig) -> Selection:
     }
     backend_cls = find(config.backend, "backend").load_valid()
     names["sampler"] = [config.sampler or getattr(backend_cls, "default_sampler", "local")]
-    names["weight_sync"] = [config.weight_sync or getattr(backend_cls, "default_weight_sync", "in_process")]
+    sampler_cls = find(names["sampler"][0], "sampler").load_valid()
+    default_sync = getattr(sampler_cls, "default_weight_sync", None) or getattr(backend_cls, "default_weight_sync", "in_process")
+    names["weight_sync"] = [config.weight_sync or default_sync]
     reward_specs = [parse_reward_spec(spec) for spec in config.reward]
     if not reward_specs:
         raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import attrs
 
-from grpo_core import hookimpl
+from grpo_core import PluginError, hookimpl
 
 
 @attrs.define
@@ -14,5 +14,7 @@ class InProcessWeightSync:
 
     @hookimpl
     def weight_sync(self, trainer, sampler, step: int) -> int:
+        if not hasattr(sampler, "load_weights_from"):
+            raise PluginError(f"--weight-sync in_process hands weights to a sampler in this process; a {type(sampler).__name__} needs its own (e.g. --weight-sync vllm)")
         sampler.load_weights_from(trainer)
         return sampler.version

