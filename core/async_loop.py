@@ -77,8 +77,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     if getattr(r.sampler, "own_weights", True) is False:
         sampler = config.sampler or f"the {config.backend} backend's default"
         raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler}) shares the trainer's weights")
-    pm, state = r.selection.manager, r.state
-    pm.hook.on_run_start(config=config, run_dir=state.run_dir, total_steps=state.total_steps, start_step=state.step)
+    state = r.state
     loop = AsyncLoop(config, r)
     with guard_run(state, config, r.trainer):
         try:

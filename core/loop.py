@@ -96,7 +96,6 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
     started = time.perf_counter()
     r = start_run(config, resume, overwrite)
     pm, state = r.selection.manager, r.state
-    pm.hook.on_run_start(config=config, run_dir=state.run_dir, total_steps=state.total_steps, start_step=state.step)
 
     with guard_run(state, config, r.trainer):
         for step, batch in zip(range(state.step + 1, state.total_steps + 1), r.batches):
@@ -130,6 +129,11 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
     return finish_run(r, config, started)
 
 
+def keeps_no_state(sampler: Any) -> bool:
+    """A sampler that checkpoints nothing of its own (a server) holds whatever weights it was last sent."""
+    return not hasattr(sampler, "load_state_dict")
+
+
 def sync_weights(r: Run, step: int) -> dict[str, float]:
     """Bring the trainer's weights to the sampler; returns the sync's metrics (``sync/*``, ``time/weight_sync``)."""
     pm = r.selection.manager
@@ -140,6 +144,8 @@ def sync_weights(r: Run, step: int) -> dict[str, float]:
 def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     """The last checkpoint, ``final/``, the summary (also as summary.json), and the loggers' end."""
     state = r.state
+    if keeps_no_state(r.sampler) and state.loop.policy_version != r.trainer.version:
+        sync_weights(r, state.step)  # a server goes on serving the final policy
     checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
     final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
     summary = summarize(state, started, final, checkpoint)
@@ -186,7 +192,8 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
-    if not hasattr(sampler, "load_state_dict"):
+    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=state.step)
+    if keeps_no_state(sampler):
         # A sampler that keeps no state of its own (a server) gets the weights it must sample
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
