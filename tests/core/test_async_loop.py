@@ -24,6 +24,7 @@ from grpo_core.loop import RunFailed, run
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 from grpo_core.plugins_manager import PluginEntry, PluginError
 from grpo_core.types import Prompt, Sample
+from tests.core.test_loop import config as sync_config
 
 
 @attrs.define
@@ -107,23 +108,8 @@ def test_plugins(monkeypatch):
 
 
 def config(tiny_model_dir, tiny_dataset, run_dir, **kw):
-    base = dict(
-        model=str(tiny_model_dir),
-        dataset=str(tiny_dataset),
-        prompt_template="Question: {prompt}\nAnswer:",
-        max_steps=3,
-        prompt_groups_per_step=2,
-        completions_per_prompt=4,
-        max_completion_tokens=6,
-        learning_rate=1e-2,
-        reward=["length"],
-        logger=["jsonl"],
-        run_dir=str(run_dir),
-        drop_zero_variance_groups=False,
-        loop="async",
-    )
-    base.update(kw)
-    return RunConfig(**base)
+    """test_loop's small run, on the async loop."""
+    return sync_config(tiny_model_dir, tiny_dataset, run_dir, **{"loop": "async", **kw})
 
 
 def metrics_of(run_dir):
