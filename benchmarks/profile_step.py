@@ -116,7 +116,7 @@ def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: C
         from grpo_core.loop import run as grpo_run
 
         bench_plugins.ON_STEP.append(on_step)
-        grpo_run(make_config(spec))
+        grpo_run(make_config(spec), overwrite=True)
     else:
         from run_naive import naive_loop
 

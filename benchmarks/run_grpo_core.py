@@ -52,6 +52,7 @@ def make_config(spec: dict, overrides: dict | None = None):
         device="cpu",
         seed=spec["seed"],
         run_dir=str(work / "grpo_core_run"),
+        checkpoint_every=0,  # only the end checkpoint, after the timed steps
         plugin_options={"loss": {"grpo": {"kl_beta": 0.0}}},
     )
     kwargs.update(overrides or {})
@@ -71,7 +72,7 @@ def main(spec_path: str, result_path: str, *flags: str) -> None:
     transformers_forward = "--transformers-forward" in flags
     options = {"loss": {"grpo": {"kl_beta": 0.0}}, **({"backend": {"local": {"fast_forward": False}}} if transformers_forward else {})}
     config = make_config(spec, {"plugin_options": options})
-    run(config)
+    run(config, overwrite=True)  # each repeat reuses the work folder
     shutil.rmtree(Path(config.run_dir) / "final", ignore_errors=True)  # the saved policy: not needed, tens of MB
     steps = []
     prev = prev_cpu = None
