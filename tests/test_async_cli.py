@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.test_cli import grpo_core, small_run_args
+from tests.test_cli import grpo_core, signal_after_two_steps, small_run_args
 
 
 def metrics_of(run_dir):
@@ -104,23 +103,8 @@ def test_an_async_run_resumes_and_only_scheduling_settings_may_change(tiny_model
 @pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_an_async_run_with_a_checkpoint_and_its_async_state(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
     run_dir = tmp_path / "run"
-    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups") + [
-        "--max-steps",
-        "1000000",
-        "--epochs",
-        "100000",
-    ]
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(getattr(signal, signum))
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
-    assert "stopped: interrupted after step" in stdout
-    steps = len(metrics.read_text().splitlines())
-    assert 2 <= steps < 1000000
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")
+    steps = signal_after_two_steps(args, run_dir, signum, code)
     assert json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())["step"] == steps
     state = json.loads((run_dir / "async" / f"step-{steps:06d}.json").read_text())
     assert state["cursor"] >= steps * 2

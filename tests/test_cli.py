@@ -201,14 +201,14 @@ def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, lo
     assert all("loss/total" in m and "tis/weight_mean" in m for m in metrics)
 
 
-@pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
+def signal_after_two_steps(args: list[str], run_dir: Path, signum: str, code: int) -> int:
+    """Start an endless run, send ``signum`` once two steps are logged, check the exit code and
+    the summary line; returns the number of steps it completed."""
     import signal
     import time
 
-    run_dir = tmp_path / "run"
     # Far more steps than can run before the signal: the run must end by the interrupt, not by itself.
-    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir) + ["--max-steps", "1000000", "--epochs", "100000"]
+    args = [*args, "--max-steps", "1000000", "--epochs", "100000"]
     proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
@@ -218,7 +218,14 @@ def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(ti
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == code, stderr
     assert "stopped: interrupted after step" in stdout
-    assert (run_dir / "final" / "model.safetensors").is_file()
     steps = len(metrics.read_text().splitlines())
     assert 2 <= steps < 1000000
+    return steps
+
+
+@pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
+    run_dir = tmp_path / "run"
+    steps = signal_after_two_steps(small_run_args(tiny_model_dir, tiny_dataset, run_dir), run_dir, signum, code)
+    assert (run_dir / "final" / "model.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())["step"] == steps
