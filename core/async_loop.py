@@ -474,7 +474,7 @@ class AsyncLoop:
                         "queue/again": float(len(self.queue.again)),
                     }
                 )
-            self.pm.hook.on_step(step=step, metrics=metrics, state=state)
+            self.pm.hook.on_step(step=step, metrics=metrics, state=state, groups=[g for f in batch for g in f.groups])
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 write_checkpoint(state, config, trainer)
             with self.cond:

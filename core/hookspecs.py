@@ -154,12 +154,14 @@ def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None, star
 
 
 @hookspec
-def on_step(step: int, metrics: dict[str, float], state: RunState) -> None:
+def on_step(step: int, metrics: dict[str, float], state: RunState, groups: Sequence[Sequence[Sample]]) -> None:
     """Called after each optimizer step on every active plugin (loggers, checkpoints, early stop).
 
     :param step: the number of optimizer steps taken so far (1 after the first).
     :param metrics: this step's namespaced metrics (``reward/total``, ``loss/policy``, ...).
     :param state: the run's state; ``state.request_stop(reason)`` ends the run after this step.
+    :param groups: the step's scored prompt groups (samples with text, rewards and advantages),
+        for loggers that show samples; an implementation that does not need them omits it.
     """
 
 

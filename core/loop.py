@@ -118,7 +118,7 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             if step == 1:
                 metrics.update({k: float(v) for k, v in state.data.items()})
             complete_step(state, r.selection, r.sampler, metrics, config.max_nonfinite_steps_in_a_row)
-            pm.hook.on_step(step=step, metrics=metrics, state=state)
+            pm.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
             if config.checkpoint_every and step % config.checkpoint_every == 0:
                 write_checkpoint(state, config, r.trainer)
             if state.interrupted:
