@@ -1,9 +1,12 @@
-"""Datasets: JSONL rows -> Prompts, checked whole before the model loads, in a seeded order.
+"""Datasets: rows -> Prompts, checked whole before the model loads, in a seeded order.
 
-``load_dataset`` reads and checks every row at start (UTF-8, JSON, a non-empty prompt, an
-answer when a selected reward needs one); ``check_prompt_lengths`` then measures every prompt
-with the rollout's own encoding against the model's context. A bad row is a DataError naming
-its file and line, or, when asked for, a skip that is counted and reported.
+Rows come from a JSONL file, a Parquet file, a folder written by HF ``datasets``'
+``save_to_disk``, or a Hugging Face hub dataset (``dataset_source``); the last three need the
+``datasets`` extra. ``load_dataset`` reads and checks every row at start (UTF-8, JSON, a
+non-empty prompt, an answer when a selected reward needs one), whatever its source;
+``check_prompt_lengths`` then measures every prompt with the rollout's own encoding against
+the model's context. A bad row is a DataError naming its file and line (or index), or, when
+asked for, a skip that is counted and reported.
 
 The embedded task has two splits, ``default:train`` (also plain ``default``) and
 ``default:test``; given by name or by the path of its file, it keeps its prompt template.
@@ -11,7 +14,9 @@ The embedded task has two splits, ``default:train`` (also plain ``default``) and
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import random
 import re
 import sys
@@ -85,11 +90,6 @@ def _split_path(split: str) -> Path:
     return ASSETS / "task" / f"{split}.jsonl"
 
 
-def dataset_path(dataset: str) -> Path:
-    split = embedded_split(dataset)
-    return _split_path(split) if split else Path(dataset)
-
-
 def dataset_name(dataset: str) -> str:
     split = embedded_split(dataset)
     return f"{EMBEDDED}:{split}" if split else dataset
@@ -112,17 +112,62 @@ def load_dataset(config: RunConfig, answer_needed_by: Sequence[str] = ()) -> Dat
     :param answer_needed_by: names of the selected rewards that need a row's answer
         (``Selection.rewards_needing_answer``); a row without one is then bad.
     """
-    path = dataset_path(config.dataset)
+    source = dataset_source(config.dataset)
     template = resolve_template(config)
     skipped: list[str] | None = [] if config.skip_bad_rows else None
-    prompts = load_prompts(path, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
-    dataset = Dataset(prompts, path, dataset_name(config.dataset), template, skipped_bad_rows=skipped or [])
-    _report_skips(dataset.skipped_bad_rows, f"bad rows of {path}", "--skip-bad-rows")
+    prompts = load_prompts(source, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
+    dataset = Dataset(prompts, source.path, dataset_name(config.dataset), template, skipped_bad_rows=skipped or [])
+    _report_skips(dataset.skipped_bad_rows, f"bad rows of {source.path}", "--skip-bad-rows")
     return dataset
 
 
+@attrs.frozen
+class Source:
+    """Where a dataset's rows come from: a JSONL or Parquet file, a folder written by HF
+    ``datasets``' ``save_to_disk``, or a dataset on the Hugging Face hub.
+
+    A row is named ``<path>:<line>`` in a JSONL file and ``<path>[<index>]`` otherwise (the
+    index counts from 0, as ``dataset[index]`` does); its prompt's id is that name without the
+    folders before ``path.name``.
+    """
+
+    kind: str
+    """``jsonl``, ``parquet``, ``saved`` or ``hub``."""
+    path: Path
+    """The file or folder; for the hub, the name as given (it names rows in messages)."""
+    split: str | None = None
+    hub_name: str | None = None
+    hub_config: str | None = None
+
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+"""A name ending so is a file: when it does not exist, it is not looked up on the hub."""
+SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
+"""What ``save_to_disk`` writes in a folder: the first for splits (a DatasetDict), the second for one Dataset."""
+HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def dataset_source(dataset: str) -> Source:
+    """Which source ``dataset`` names: the embedded task's split; an existing file (``.parquet``:
+    Parquet, else JSONL); a ``save_to_disk`` folder, ``FOLDER`` or ``FOLDER:SPLIT``; else a hub
+    dataset, ``NAME``, ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT`` (split ``train`` by default)."""
+    split = embedded_split(dataset)
+    if split:
+        return Source("jsonl", _split_path(split))
+    path = Path(dataset)
+    if path.is_file():
+        return Source("parquet" if path.suffix == ".parquet" else "jsonl", path)
+    folder, sep, folder_split = dataset.rpartition(":")
+    if path.is_dir() or (sep and Path(folder).is_dir()):
+        return Source("saved", path, split=folder_split if not path.is_dir() else None)
+    name, *parts = dataset.split(":")
+    if path.suffix in FILE_SUFFIXES or not HUB_NAME.match(name) or len(parts) > 2 or not all(parts):
+        raise DataError(f"dataset file not found: {dataset}")
+    return Source("hub", path, split=parts[-1] if parts else "train", hub_name=name, hub_config=parts[0] if len(parts) == 2 else None)
+
+
 def load_prompts(
-    path: Path,
+    dataset: str | Path | Source,
     prompt_field: str = "question",
     answer_field: str = "answer",
     template: str = "{prompt}",
@@ -130,30 +175,29 @@ def load_prompts(
     skipped: list[str] | None = None,
     answer_needed_by: Sequence[str] = (),
 ) -> list[Prompt]:
-    """Read a JSONL file of prompts; a row may hold text in ``prompt_field`` or a ``messages`` list.
+    """Read the prompts of a dataset (see ``dataset_source``); a row may hold text in
+    ``prompt_field`` or a ``messages`` list.
 
-    A bad row raises DataError naming file and line, unless ``skipped`` is a list: then the
-    row's error is appended to it and the row left out. Rows past ``max_rows`` usable ones
-    are not read.
+    A bad row raises DataError naming file and line (or index), unless ``skipped`` is a list:
+    then the row's error is appended to it and the row left out. Rows past ``max_rows`` usable
+    ones are not read. Every source's rows go through the same checks.
     """
-    if not path.is_file():
-        raise DataError(f"dataset file not found: {path}")
     if "{prompt}" not in template:
         raise DataError(f"prompt template {template!r} has no {{prompt}} placeholder")
+    source = dataset if isinstance(dataset, Source) else dataset_source(str(dataset))
+    path = source.path
     prompts: list[Prompt] = []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if max_rows is not None and len(prompts) >= max_rows:
-                break
-            try:
-                line = _decode_line(raw, path, lineno)
-                if not line.strip():
-                    continue
-                prompts.append(_parse_row(line, path, lineno, prompt_field, answer_field, template, answer_needed_by))
-            except DataError as exc:
-                if skipped is None:
-                    raise
-                skipped.append(str(exc))
+    for at, raw in _raw_rows(source):
+        if max_rows is not None and len(prompts) >= max_rows:
+            break
+        try:
+            row = _row(raw, f"{path}{at}")
+            if row is not None:
+                prompts.append(_prompt(row, f"{path}{at}", f"{path.name}{at}", prompt_field, answer_field, template, answer_needed_by))
+        except DataError as exc:
+            if skipped is None:
+                raise
+            skipped.append(str(exc))
     if not prompts:
         if skipped:
             raise DataError(f"{path}: no usable rows; all {len(skipped)} were bad, first: {skipped[0]}")
@@ -161,25 +205,94 @@ def load_prompts(
     return prompts
 
 
-def _decode_line(raw: bytes, path: Path, lineno: int) -> str:
+def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
+    """``(where in the source, raw row)``: a JSONL line's bytes, or a row of the other sources as a dict."""
+    if source.kind == "jsonl":
+        with source.path.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                # A byte-order mark some editors write is not part of the first row's JSON.
+                yield f":{lineno}", raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
+        return
+    if source.kind == "parquet":
+        parquet = import_extra("pyarrow.parquet", "datasets", "a Parquet dataset")
+        index = 0
+        for batch in parquet.ParquetFile(source.path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield f"[{index}]", row
+                index += 1
+        return
+    table = _load_saved(source) if source.kind == "saved" else _load_hub(source)
+    for index, row in enumerate(table):
+        yield f"[{index}]", row
+
+
+def _load_saved(source: Source) -> Any:
+    datasets = import_extra("datasets", "datasets", "a dataset folder")
+    folder = source.path if source.split is None else Path(str(source.path).rpartition(":")[0])
+    if not any((folder / marker).is_file() for marker in SAVED_DATASET_MARKERS):
+        raise DataError(f"{folder}: not a dataset folder (save_to_disk of HF datasets writes {' or '.join(SAVED_DATASET_MARKERS)} in one)")
     try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
-    # A byte-order mark some editors write is not part of the first row's JSON.
-    return line.removeprefix("\ufeff") if lineno == 1 else line
+        saved = datasets.load_from_disk(str(folder))
+    except Exception as exc:  # noqa: BLE001 - whatever datasets raises, the user needs the folder and the reason
+        raise DataError(f"{folder}: cannot read the saved dataset: {exc}") from None
+    if not isinstance(saved, datasets.DatasetDict):
+        if source.split is not None:
+            raise DataError(f"{folder} holds one dataset, not splits; drop ':{source.split}'")
+        return saved
+    split = source.split or "train"
+    if split not in saved:
+        raise DataError(f"{folder} has no split '{split}'; splits: {', '.join(saved)} (choose one with {folder}:SPLIT)")
+    return saved[split]
 
 
-def _parse_row(
-    line: str, path: Path, lineno: int, prompt_field: str, answer_field: str, template: str, answer_needed_by: Sequence[str]
-) -> Prompt:
-    where = f"{path}:{lineno}"
+def _load_hub(source: Source) -> Any:
+    datasets = import_extra("datasets", "datasets", f"the hub dataset {source.path}")
+    try:
+        return datasets.load_dataset(source.hub_name, source.hub_config, split=source.split)
+    except Exception as exc:  # noqa: BLE001 - the hub, the network and the dataset's own script fail in many ways
+        offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+        why = f" (offline: {' and '.join(offline)} set)" if offline else ""
+        raise DataError(
+            f"{source.path}: no such file or folder, and loading it from the Hugging Face hub failed{why}: {exc}; "
+            "for a hub dataset give NAME, NAME:SPLIT or NAME:CONFIG:SPLIT"
+        ) from None
+
+
+def import_extra(module: str, extra: str, needed_for: str) -> Any:
+    """Import ``module`` of an optional extra; missing, a PluginError tells how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise PluginError(f"{needed_for} needs the optional extra '{extra}': pip install 'grpo-core[{extra}]'") from None
+
+
+def _row(raw: bytes | dict[str, Any], where: str) -> dict[str, Any] | None:
+    """A row as a dict, or None for a blank JSONL line."""
+    if isinstance(raw, dict):
+        return raw
+    line = _decode_line(raw, where)
+    if not line.strip():
+        return None
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{where}: malformed JSON: {exc.msg}") from None
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _decode_line(raw: bytes, where: str) -> str:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})") from None
+    return line
+
+
+def _prompt(
+    row: dict[str, Any], where: str, prompt_id: str, prompt_field: str, answer_field: str, template: str, answer_needed_by: Sequence[str]
+) -> Prompt:
     messages = row.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
@@ -190,18 +303,16 @@ def _parse_row(
             content = message["content"]
             if not content or (isinstance(content, str) and not content.strip()):
                 raise DataError(f"{where}: message {i} ({message['role']}) has empty content")
-        return Prompt(
-            id=f"{path.name}:{lineno}", messages=messages, answer=_answer(row, where, answer_field, answer_needed_by), metadata=row
-        )
+        return Prompt(id=prompt_id, messages=messages, answer=_answer(row, where, answer_field, answer_needed_by), metadata=row)
     if prompt_field not in row:
         raise DataError(f"{where}: missing field '{prompt_field}' (fields: {', '.join(row) or 'none'}); set --prompt-field")
     text = row[prompt_field]
-    if not isinstance(text, str):
+    if text is not None and not isinstance(text, str):
         raise DataError(f"{where}: field '{prompt_field}' must be a string")
-    if not text.strip():
+    if not text or not text.strip():
         raise DataError(f"{where}: the prompt (field '{prompt_field}') is empty")
     answer = _answer(row, where, answer_field, answer_needed_by)
-    return Prompt(id=f"{path.name}:{lineno}", text=template.replace("{prompt}", text), answer=answer, metadata=row)
+    return Prompt(id=prompt_id, text=template.replace("{prompt}", text), answer=answer, metadata=row)
 
 
 def _answer(row: dict[str, Any], where: str, answer_field: str, answer_needed_by: Sequence[str]) -> str | None:
