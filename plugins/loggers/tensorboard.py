@@ -38,7 +38,10 @@ class TensorBoardLogger(SampleTableOptions):
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run_dir / self.log_dir), purge_step=start_step + 1 if start_step else None)
+        # Every start marks a session start at its first step. TensorBoard takes the first mark
+        # in a log folder as the start and a later one as a restart: it then hides what the
+        # stopped run wrote from that step on.
+        self._writer = SummaryWriter(log_dir=str(run_dir / self.log_dir), purge_step=start_step + 1)
 
     @hookimpl
     def on_step(self, step: int, metrics: dict[str, float], state: Any, groups: Sequence[Sequence[Sample]]) -> None:

@@ -40,7 +40,7 @@ class WandbLogger(SampleTableOptions):
 
     project: str = option("grpo-core", help="W&B project")
     entity: str | None = option(None, help="W&B entity (user or team); default: your default entity")
-    name: str | None = option(None, help="the run's name in W&B; default: the run directory's name")
+    run_name: str | None = option(None, help="the run's name in W&B; default: the run directory's name")
     group: str | None = option(None, help="W&B group, to show several runs together")
     tags: str = option("", help="comma-separated W&B tags")
     mode: str | None = option(None, help="online, offline or disabled; default: WANDB_MODE, else online", validator=_validate_mode)
@@ -55,21 +55,20 @@ class WandbLogger(SampleTableOptions):
         import wandb
 
         id_file = run_dir / RUN_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
-        id_file.write_text(run_id + "\n")
         config_file = run_dir / "config.json"
         self._run = wandb.init(
             project=self.project,
             entity=self.entity,
-            name=self.name or run_dir.name,
+            name=self.run_name or run_dir.name,
             group=self.group,
             tags=[t.strip() for t in self.tags.split(",") if t.strip()],
             mode=self.mode,
-            id=run_id,
+            id=id_file.read_text().strip() if id_file.is_file() else None,
             resume="allow",
             dir=os.environ.get("WANDB_DIR") or str(run_dir),
             config=json.loads(config_file.read_text()) if config_file.is_file() else None,
         )
+        id_file.write_text(self._run.id + "\n")
 
     @hookimpl
     def on_step(self, step: int, metrics: dict[str, float], state: Any, groups: Sequence[Sequence[Sample]]) -> None:
