@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import attrs
 import pytest
 
+from grpo_core import PluginError
 from grpo_core.data import (
     ASSETS,
     DEFAULT_TASK_TEMPLATE,
@@ -325,3 +327,166 @@ def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(t
         assert skipped.returncode == 0, skipped.stderr
         assert f"skipped 1 bad rows of {data}" in skipped.stderr and f"{data}:2: {message}" in skipped.stderr
         shutil.rmtree(tmp_path / "r")
+
+
+# Other sources: Parquet files, save_to_disk folders and the hub go through the same row checks.
+
+ROWS = [
+    {"q": "2+2?", "a": "4"},
+    {"q": "", "a": "1"},
+    {"q": None, "a": "2"},
+    {"q": "3+3?", "a": None},
+    {"q": "1+1?", "a": "2"},
+]
+"""One good row, an empty prompt, a null prompt, a missing answer, one more good row."""
+
+
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def save_to_disk(folder, rows=None, splits=None):
+    import datasets
+
+    if splits is None:
+        datasets.Dataset.from_list(rows).save_to_disk(str(folder))
+    else:
+        datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in splits.items()}).save_to_disk(str(folder))
+    return folder
+
+
+def test_a_parquet_file_has_the_same_field_mapping_and_bad_rows_named_by_index(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", ROWS)
+    skipped: list[str] = []
+    prompts = load_prompts(path, "q", "a", "Q: {prompt}", skipped=skipped, answer_needed_by=["gsm8k"])
+    assert [(p.id, p.text, p.answer) for p in prompts] == [("d.parquet[0]", "Q: 2+2?", "4"), ("d.parquet[4]", "Q: 1+1?", "2")]
+    assert prompts[1].metadata == {"q": "1+1?", "a": "2"}
+    assert skipped == [
+        f"{path}[1]: the prompt (field 'q') is empty",
+        f"{path}[2]: the prompt (field 'q') is empty",
+        f"{path}[3]: the answer field 'a' is missing (fields: q, a); the gsm8k reward needs it (set --answer-field)",
+    ]
+    with pytest.raises(DataError, match=rf"^{path}\[1\]: the prompt \(field 'q'\) is empty$"):
+        load_prompts(path, "q", "a")
+    with pytest.raises(DataError, match=rf"^{path}\[0\]: missing field 'question' \(fields: q, a\); set --prompt-field$"):
+        load_prompts(path)
+    assert [p.text for p in load_prompts(path, "q", "a", max_rows=1)] == ["2+2?"]
+
+
+def test_a_parquet_file_of_chats(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "hi"}], "answer": "5"}, {"messages": [], "answer": "6"}]
+    path = write_parquet(tmp_path / "chat.parquet", rows)
+    skipped: list[str] = []
+    (prompt,) = load_prompts(path, skipped=skipped)
+    assert (prompt.messages, prompt.answer, skipped) == ([{"role": "user", "content": "hi"}], "5", [f"{path}[1]: 'messages' is empty"])
+
+
+def test_a_saved_dataset_folder_with_or_without_splits(tmp_path):
+    one = save_to_disk(tmp_path / "one", ROWS)
+    assert [p.id for p in load_prompts(one, "q", "a", skipped=[])] == ["one[0]", "one[3]", "one[4]"]
+    with pytest.raises(DataError, match=rf"^{one}\[1\]: the prompt \(field 'q'\) is empty$"):
+        load_prompts(one, "q", "a")
+    with pytest.raises(DataError, match=f"{one} holds one dataset, not splits; drop ':test'"):
+        load_prompts(f"{one}:test", "q", "a")
+    split = save_to_disk(tmp_path / "split", splits={"train": ROWS[:1], "test": ROWS[4:]})
+    assert [(p.id, p.text) for p in load_prompts(split, "q", "a")] == [("split[0]", "2+2?")]
+    assert [(p.id, p.text) for p in load_prompts(f"{split}:test", "q", "a")] == [("split:test[0]", "1+1?")]
+    with pytest.raises(DataError, match=rf"{split} has no split 'dev'; splits: train, test \(choose one with {split}:SPLIT\)"):
+        load_prompts(f"{split}:dev", "q", "a")
+    only_test = save_to_disk(tmp_path / "only_test", splits={"test": ROWS[:1]})
+    with pytest.raises(DataError, match="has no split 'train'; splits: test"):
+        load_prompts(only_test, "q", "a")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(DataError, match=r"plain: not a dataset folder \(save_to_disk of HF datasets writes dataset_dict.json or state.json"):
+        load_prompts(tmp_path / "plain")
+
+
+def test_load_dataset_reads_a_saved_split_through_the_config(tmp_path, capsys):
+    split = save_to_disk(tmp_path / "saved", splits={"train": ROWS})
+    capsys.readouterr()  # datasets' progress bar
+    dataset = load_dataset(config_for(dataset=str(split), prompt_field="q", answer_field="a", skip_bad_rows=True), ["gsm8k"])
+    assert (dataset.name, dataset.path, [p.text for p in dataset.prompts]) == (str(split), split, ["2+2?", "1+1?"])
+    assert dataset.counts["data/skipped_bad_rows"] == 3
+    assert capsys.readouterr().err.startswith(f"skipped 3 bad rows of {split} (--skip-bad-rows); first: {split}[1]: the prompt")
+
+
+def test_prompt_lengths_name_the_row_of_any_source(tmp_path):
+    path = write_parquet(tmp_path / "d.parquet", [{"question": "x" * 5}, {"question": "x" * 20}])
+    with pytest.raises(DataError, match=rf"^{path}\[1\]: 22 prompt tokens \+ 4 completion tokens > 12"):
+        check_prompt_lengths(load_dataset(config_for(dataset=str(path))), CharRollout(), None, max_context=12, max_completion_tokens=4)
+
+
+@pytest.mark.parametrize(
+    ("given", "call"),
+    [
+        ("openai/gsm8k", ("openai/gsm8k", None, "train")),
+        ("openai/gsm8k:test", ("openai/gsm8k", None, "test")),
+        ("openai/gsm8k:main:test", ("openai/gsm8k", "main", "test")),
+    ],
+)
+def test_a_hub_name_loads_through_datasets_with_config_and_split(monkeypatch, given, call):
+    import datasets
+
+    calls = []
+
+    def load(name, config, split):
+        calls.append((name, config, split))
+        return datasets.Dataset.from_list([{"question": "2+2?", "answer": "#### 4"}, {"question": " "}])
+
+    monkeypatch.setattr(datasets, "load_dataset", load)
+    skipped: list[str] = []
+    prompts = load_prompts(given, skipped=skipped)
+    assert calls == [call]
+    assert [(p.id, p.text, p.answer) for p in prompts] == [(f"{given.split('/')[1]}[0]", "2+2?", "#### 4")]
+    assert skipped == [f"{given}[1]: the prompt (field 'question') is empty"]
+
+
+def test_a_hub_name_fails_clearly_offline(tmp_path):
+    from tests.test_cli import grpo_core, small_run_args
+
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = grpo_core(*small_run_args(tmp_path / "no-model", "someone/no-such-data:test", tmp_path / "r"), env=offline)
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    message = out.stderr.strip()
+    assert message.startswith(
+        "error: someone/no-such-data:test: no such file or folder, and loading it from the Hugging Face hub failed "
+        "(offline: HF_HUB_OFFLINE and HF_DATASETS_OFFLINE set): "
+    )
+    assert "OfflineModeIsEnabled" in message  # datasets' own reason: it never tried the network
+    assert message.endswith("; for a hub dataset give NAME, NAME:SPLIT or NAME:CONFIG:SPLIT")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("given", ["missing.jsonl", "missing.parquet", "dir/missing.json", "/abs/path/none", "a/b/c", "x:y:z:w", "bad name"])
+def test_a_missing_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, given):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # a hub lookup would fail differently
+    with pytest.raises(DataError, match=f"^dataset file not found: {given}$"):
+        load_prompts(given)
+
+
+@pytest.mark.parametrize(
+    ("make", "module", "needed_for"),
+    [
+        (lambda tmp: write_parquet(tmp / "d.parquet", ROWS), "pyarrow.parquet", "a Parquet dataset"),
+        (lambda tmp: save_to_disk(tmp / "saved", ROWS), "datasets", "a dataset folder"),
+        (lambda tmp: "someone/data", "datasets", "the hub dataset someone/data"),
+    ],
+)
+def test_without_the_datasets_extra_the_message_names_it(tmp_path, monkeypatch, make, module, needed_for):
+    given = make(tmp_path)
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(PluginError, match=rf"^{needed_for} needs the optional extra 'datasets': pip install 'grpo-core\[datasets\]'$"):
+        load_prompts(given, "q", "a")
+
+
+def test_a_run_stops_on_a_bad_parquet_row_before_the_model_loads(tmp_path):
+    from tests.test_cli import grpo_core, small_run_args
+
+    data = write_parquet(tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}])
+    out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+    assert out.returncode == 1 and out.stderr.strip() == f"error: {data}[1]: the prompt (field 'question') is empty"

@@ -156,7 +156,7 @@ def test_wandb_dir_and_mode_are_respected(tmp_path, monkeypatch):
     run_steps(make_plugin("wandb"), tmp_path / "run", [1])
     assert len(run_folders(tmp_path / "elsewhere")) == 1 and not (tmp_path / "run" / "wandb").exists()
     monkeypatch.delenv("WANDB_DIR")
-    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the option wins; were it ignored, nothing would be written (and no network tried)
     run_steps(make_plugin("wandb", mode="offline"), tmp_path / "offline", [1])
     assert len(run_folders(tmp_path / "offline")) == 1
     monkeypatch.setenv("WANDB_MODE", "offline")
