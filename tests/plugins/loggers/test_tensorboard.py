@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -97,3 +98,24 @@ def test_without_the_extra_the_message_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importing it raises ImportError
     with pytest.raises(PluginError, match=r"^--logger tensorboard needs the optional extra 'tensorboard': pip install 'grpo-core\[tensorboard\]'$"):
         make_plugin("tensorboard")
+
+
+def test_a_run_with_logger_tensorboard_logs_what_metrics_jsonl_holds(tiny_model_dir, tiny_dataset, tmp_path):
+    from tests.test_cli import grpo_core, small_run_args
+
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3"),
+        "--logger", "jsonl", "--logger", "tensorboard", "--logger-opt", "jsonl.samples_every=2", "--logger-opt", "tensorboard.samples_every=2",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events = read_events(run_dir / "tensorboard")
+    assert scalars(events, "reward/total") == [(m["step"], pytest.approx(m["reward/total"])) for m in metrics]
+    assert len(metrics) == 3 and tags(events, "scalars") == sorted({k for m in metrics for k in m if k != "step"})
+    assert scalars(events, "time/step") == [(m["step"], pytest.approx(m["time/step"])) for m in metrics]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    (step, rows), = table(events).items()
+    assert step == 2 and {s["step"] for s in samples} == {2}
+    columns = [c.strip("*") for c in rows[0]]
+    assert [[cell(s[c]) for c in columns] for s in samples] == rows[1:]

@@ -173,3 +173,27 @@ def test_without_the_extra_the_message_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: importing it raises ImportError
     with pytest.raises(PluginError, match=r"^--logger wandb needs the optional extra 'wandb': pip install 'grpo-core\[wandb\]'$"):
         make_plugin("wandb")
+
+
+def test_a_run_with_logger_wandb_offline_writes_a_run_folder(tiny_model_dir, tiny_dataset, tmp_path):
+    from tests.test_cli import grpo_core, small_run_args
+
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3"),
+        "--logger", "jsonl", "--logger", "wandb", "--logger-opt", "jsonl.samples_every=2", "--logger-opt", "wandb.samples_every=2",
+        "--logger-opt", "wandb.project=tiny",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (folder,) = run_folders(run_dir)
+    records = read_records(folder)
+    run = run_record(records)
+    assert (run.run_id, run.project, run.display_name) == ((run_dir / RUN_ID_FILE).read_text().strip(), "tiny", "run")
+    assert json.loads(next(i.value_json for i in run.config.update if i.key == "logger")) == ["jsonl", "wandb"]
+    metrics = {m.pop("step"): m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    logged = history(records)
+    assert sorted(logged) == [1, 2, 3]
+    assert all(logged[step][k] == pytest.approx(v) for step, m in metrics.items() for k, v in m.items() if v is not None)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    (step, table), = tables(folder).items()
+    assert step == 2 and table["data"] == [[s[c] for c in table["columns"]] for s in samples]
