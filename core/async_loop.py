@@ -211,9 +211,12 @@ class SharedSampler:
 
     def sync(self, r: Run, step: int) -> dict[str, float]:
         """The run's weight sync, with no generation in flight: a server never serves a mix of
-        old and new weights to one rollout."""
+        old and new weights to one rollout. ``time/wait_sync``: how long the trainer waited for
+        the generations in flight to end (idle time, like ``time/wait``)."""
+        asked = time.perf_counter()
         with self.exclusive():
-            return sync_weights(r, step)
+            waited = time.perf_counter() - asked
+            return {**sync_weights(r, step), "time/wait_sync": waited}
 
     def close(self) -> None:
         """Wait for the running generations and refuse new ones: no thread is left inside torch
@@ -451,7 +454,7 @@ class AsyncLoop:
                     "time/wait": waited,
                     "time/train": t2 - t1,
                     "time/step": window,
-                    "perf/trainer_idle_frac": waited / window if window > 0 else 0.0,
+                    "perf/trainer_idle_frac": (waited + sync_metrics.get("time/wait_sync", 0.0)) / window if window > 0 else 0.0,
                     "perf/sampler_busy_frac": min(1.0, (busy - busy_before) / window) if window > 0 else 0.0,
                     "perf/samples_per_s": metrics.get("train/samples", 0.0) / window if window > 0 else 0.0,
                     "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
