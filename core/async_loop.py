@@ -44,6 +44,7 @@ from grpo_core.loop import (
     guard_run,
     learning_rate,
     start_run,
+    sync_weights,
     write_checkpoint,
 )
 from grpo_core.plugins_manager import PluginError
@@ -208,9 +209,14 @@ class SharedSampler:
                 self._exclusive = False
                 self._cond.notify_all()
 
-    def sync(self, pm: Any, trainer: Any, step: int) -> int:
-        with self.exclusive() as sampler:
-            return pm.hook.weight_sync(trainer=trainer, sampler=sampler, step=step)
+    def sync(self, r: Run, step: int) -> dict[str, float]:
+        """The run's weight sync, with no generation in flight: a server never serves a mix of
+        old and new weights to one rollout. ``time/wait_sync``: how long the trainer waited for
+        the generations in flight to end (idle time, like ``time/wait``)."""
+        asked = time.perf_counter()
+        with self.exclusive():
+            waited = time.perf_counter() - asked
+            return {**sync_weights(r, step), "time/wait_sync": waited}
 
     def close(self) -> None:
         """Wait for the running generations and refuse new ones: no thread is left inside torch
@@ -433,15 +439,14 @@ class AsyncLoop:
             staleness = [start_version - s.policy_version for g in kept for s in g]
             t1 = time.perf_counter()
             train_metrics = self.train_batch(kept, learning_rate(config, step - 1, state.total_steps))
-            if step % config.weight_sync_interval == 0:
-                state.loop.policy_version = self.sampler.sync(self.pm, trainer, step)
+            sync_metrics = self.sampler.sync(self.r, step) if step % config.weight_sync_interval == 0 else {}
             t2 = time.perf_counter()
             with self.cond:
                 self.gate.sampler_version = self.sampler.inner.version
                 self.gate.next_step_version = trainer.version
             window = t2 - last
             busy = self.sampler.busy_seconds
-            metrics = {**merge_group_metrics(batch), **train_metrics}
+            metrics = {**merge_group_metrics(batch), **train_metrics, **sync_metrics}
             metrics.update(
                 {
                     "time/sample": sum(f.sample_seconds for f in batch),
@@ -449,7 +454,7 @@ class AsyncLoop:
                     "time/wait": waited,
                     "time/train": t2 - t1,
                     "time/step": window,
-                    "perf/trainer_idle_frac": waited / window if window > 0 else 0.0,
+                    "perf/trainer_idle_frac": (waited + sync_metrics.get("time/wait_sync", 0.0)) / window if window > 0 else 0.0,
                     "perf/sampler_busy_frac": min(1.0, (busy - busy_before) / window) if window > 0 else 0.0,
                     "perf/samples_per_s": metrics.get("train/samples", 0.0) / window if window > 0 else 0.0,
                     "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,

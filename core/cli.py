@@ -68,8 +68,16 @@ def _default_text(field: Any) -> str:
     return f" [default: {', '.join(map(str, default)) if isinstance(default, list) else default}]"
 
 
+FLAG_ALIASES = {"backend": "trainer"}
+"""Second spellings of a flag: ``--trainer tinker`` reads as what it selects, the policy trainer."""
+
+
+def _flags(name: str) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in (name, FLAG_ALIASES.get(name)) if n]
+
+
 def _click_option(field: Any) -> Any:
-    flag = "--" + field.name.replace("_", "-")
+    flag, *aliases = _flags(field.name)
     help_text = field.metadata.get("help", "") + _default_text(field)
     annotation = field.type
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -77,11 +85,11 @@ def _click_option(field: Any) -> Any:
     if base is bool:
         return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
     if typing.get_origin(base) is list:
-        return click.option(flag, multiple=True, help=help_text)
+        return click.option(flag, *aliases, field.name, multiple=True, help=help_text)
     if typing.get_origin(base) is Literal:
-        return click.option(flag, type=click.Choice(typing.get_args(base)), default=None, help=help_text)
+        return click.option(flag, *aliases, field.name, type=click.Choice(typing.get_args(base)), default=None, help=help_text)
     param_type = {int: int, float: float}.get(base, str)
-    return click.option(flag, type=param_type, default=None, help=help_text)
+    return click.option(flag, *aliases, field.name, type=param_type, default=None, help=help_text)
 
 
 def _run_options(func: Any) -> Any:
@@ -91,7 +99,7 @@ def _run_options(func: Any) -> Any:
         func = _click_option(field)(func)
     for kind in reversed(KINDS):
         func = click.option(
-            f"--{kind.replace('_', '-')}-opt",
+            *(f"{flag}-opt" for flag in _flags(kind)),
             f"{kind}_opt",
             multiple=True,
             metavar="[NAME.]KEY=VALUE",
@@ -184,7 +192,7 @@ def _eval_options(func: Any) -> Any:
     for field in reversed([f for f in cli_fields() if f.name in EVAL_FIELDS]):
         func = _click_option(field)(func)
     for kind in ("backend", "rollout", "reward"):
-        func = click.option(f"--{kind}-opt", f"{kind}_opt", multiple=True, metavar="[NAME.]KEY=VALUE", help=f"option of the {kind} plugin")(func)
+        func = click.option(*(f"{flag}-opt" for flag in _flags(kind)), f"{kind}_opt", multiple=True, metavar="[NAME.]KEY=VALUE", help=f"option of the {kind} plugin")(func)
     return func
 
 

@@ -73,6 +73,9 @@ def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, t
         (["--loss-opt", "eps_low=abc"], "option 'eps_low' of loss.grpo: expected a number, got 'abc'"),
         (["--loss-opt", "eps_lo=0.1"], "unknown option 'eps_lo' for loss.grpo"),
         (["--max-steps", "zero"], "'zero' is not a valid integer"),
+        # --trainer and --trainer-opt are the same flags as --backend and --backend-opt
+        (["--trainer", "locall"], "unknown backend 'locall'; did you mean 'local'?"),
+        (["--trainer-opt", "fast_forwardd=true"], "unknown option 'fast_forwardd' for backend.local"),
     ],
 )
 def test_bad_plugin_input_is_one_clear_line(tiny_model_dir, tiny_dataset, tmp_path, extra, message):

@@ -79,6 +79,7 @@ class OpenAISampler:
                 model=self.model or client.only_model(),
                 version=trainer.version,
                 prompts_per_request=self.prompts_per_request,
+                concurrent_samples=self.concurrency,
             )
             sampler.max_context = client.max_model_len(sampler.model)
             if self.check_tokenizer:
@@ -261,6 +262,9 @@ class ServerSampler:
     version: int = 0
     prompts_per_request: int = 1
     max_context: int | None = None
+    concurrent_samples: int = 1
+    """``sample`` calls the async loop's workers may make at once: the server batches them, and
+    the client's window (``concurrency``) bounds the requests they make together."""
     last_metrics: dict[str, float] = attrs.field(factory=dict)
     """Counts of the last ``sample`` call (``sampler/requests``, ``sampler/retries``,
     ``sampler/reconnects``, ``sampler/prompts``, ``sampler/completions``), for the step's metrics."""

@@ -211,6 +211,34 @@ def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
     assert shared.version == 4
 
 
+def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_the_sync_metrics():
+    from types import SimpleNamespace
+
+    inner = SlowSampler(seconds=0.4)
+    shared = SharedSampler(inner)
+    sync_plugin = SimpleNamespace(last_metrics={"sync/logprob_max_abs_diff": 0.0})
+
+    def weight_sync(trainer, sampler, step):
+        assert sampler is inner and inner.running == 0  # nothing sampled while the weights change
+        return step
+
+    r = SimpleNamespace(
+        selection=SimpleNamespace(manager=SimpleNamespace(hook=SimpleNamespace(weight_sync=weight_sync)), plugins={"weight_sync": [sync_plugin]}),
+        state=SimpleNamespace(loop=SimpleNamespace(policy_version=0)),
+        trainer=None,
+        sampler=inner,
+    )
+    thread = threading.Thread(target=shared.sample, args=([[1]], 1, None))
+    thread.start()
+    while not inner.running:
+        time.sleep(0.005)
+    metrics = shared.sync(r, 7)
+    thread.join()
+    assert r.state.loop.policy_version == 7
+    assert metrics["sync/logprob_max_abs_diff"] == 0.0
+    assert 0.2 < metrics["time/wait_sync"] < 0.6
+
+
 @pytest.mark.parametrize("concurrent", [1, 3])
 def test_the_shared_sampler_runs_as_many_generations_at_once_as_the_sampler_takes_and_syncs_between_them(concurrent):
     inner = SlowSampler(concurrent_samples=concurrent, seconds=0.3)

@@ -164,7 +164,17 @@ def test_the_server_killed_and_restarted_is_waited_for_and_synced_again(vllm_ven
         server.stop()
 
 
-def test_grpo_core_run_with_the_openai_sampler_and_vllm_weight_sync(untied_server, models, tmp_path, tiny_dataset):
+@pytest.mark.parametrize(
+    "loop",
+    [
+        [],
+        # Rollouts overlap training: several sample calls at once on the server, and every sync
+        # waits for them, so no rollout mixes two versions' weights.
+        ["--loop", "async", "--max-head-offpolicy-versions", "1", "--max-concurrent", "3"],
+    ],
+    ids=["sync", "async"],
+)
+def test_grpo_core_run_with_the_openai_sampler_and_vllm_weight_sync(untied_server, models, tmp_path, tiny_dataset, loop):
     model = models["untied"]
     _, sampler = connect(untied_server, model)
     sampler.close()
@@ -173,13 +183,19 @@ def test_grpo_core_run_with_the_openai_sampler_and_vllm_weight_sync(untied_serve
         "run", "--model", str(model), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
         "--max-steps", "3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
         "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--learning-rate", "1e-3",
-        "--sampler", "openai", "--sampler-opt", f"base_url={untied_server.url}", "--weight-sync", "vllm",
+        "--sampler", "openai", "--sampler-opt", f"base_url={untied_server.url}", "--weight-sync", "vllm", *loop,
         env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert all(m["tokens/completion"] > 0 for m in lines)
+    # Every sync was checked against the trainer; the sync loop syncs at the start of the next step.
+    synced = [m for m in lines if "sync/logprob_max_abs_diff" in m]
+    assert len(synced) == (3 if loop else 2)
+    assert all(m["sync/logprob_max_abs_diff"] < TOLERANCE and m["time/weight_sync"] > 0 for m in synced)
+    if loop:
+        assert max(m["staleness/max"] for m in lines) <= 1
     assert (run_dir / "sampler-weights" / "model.safetensors").exists()
     # The server now holds the run's final policy.
     trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))

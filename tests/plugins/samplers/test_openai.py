@@ -104,6 +104,40 @@ def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
         sampler.close()
 
 
+def test_sample_calls_from_several_threads_share_the_window_and_get_their_own_groups(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    in_flight, peak, lock = [0], [0], threading.Lock()
+
+    async def slow(request):
+        import asyncio
+
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        await asyncio.sleep(0.05)
+        with lock:
+            in_flight[0] -= 1
+        return fake(request)
+
+    client = ServerClient("http://fake", concurrency=3, transport=httpx.MockTransport(slow), backoff=FAST_BACKOFF)
+    sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny")
+    prompts = {t: [[10 * t + 1], [10 * t + 2]] for t in range(4)}
+    results = {}
+
+    def call(t):
+        results[t] = sampler.sample(prompts[t], 2, SamplingParams(max_tokens=2))
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert peak[0] == 3
+    for t, groups in results.items():
+        assert [[c.tokens for c in g] for g in groups] == [[expected_tokens(fake, p, j, 2) for j in range(2)] for p in prompts[t]]
+    sampler.close()
+
+
 def test_top_k_and_greedy(tokenizer):
     fake = FakeVLLM(tokenizer)
     sampler = make_sampler(fake, tokenizer)
@@ -374,9 +408,12 @@ def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
         monkeypatch.setenv("GRPO_TEST_KEY", "sk-from-env")
         from grpo_core.plugins_manager import make_plugin
 
-        plugin = make_plugin("sampler.openai", base_url=server.url, api_key="env:GRPO_TEST_KEY", timeout="0.5", retry_deadline="1.0")
+        plugin = make_plugin(
+            "sampler.openai", base_url=server.url, api_key="env:GRPO_TEST_KEY", timeout="0.5", retry_deadline="1.0", concurrency="5"
+        )
         sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
         assert set(fake.authorizations) == {"Bearer sk-from-env"}
+        assert sampler.concurrent_samples == 5  # the async loop's workers may call it this many at once
         # A completion slower than the timeout is cut off and retried until the deadline.
         fake.delay = 0.8
         with pytest.raises(ServerUnavailable, match="ReadTimeout"):
