@@ -250,7 +250,9 @@ def _load_hub(source: Source) -> Any:
     try:
         return datasets.load_dataset(source.hub_name, source.hub_config, split=source.split)
     except Exception as exc:  # noqa: BLE001 - the hub, the network and the dataset's own script fail in many ways
-        offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")]
+        offline = [
+            v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+        ]
         why = f" (offline: {' and '.join(offline)} set)" if offline else ""
         raise DataError(
             f"{source.path}: no such file or folder, and loading it from the Hugging Face hub failed{why}: {exc}; "

@@ -71,7 +71,7 @@ def _plugin_section(info: dict[str, Any], flag: str) -> list[str]:
     lines = [f"### {info['name']} {{#{info['kind']}-{info['name']}}}", ""]
     lines += [f"`--{flag} {info['name']}` · hooks: {', '.join(f'`{h}`' for h in info.get('hooks', [])) or 'none'} · `{info['target']}`", ""]
     if "error" in info:
-        return [*lines, f"!!! failure \"does not import\"\n    {_text(info['error'])}", ""]
+        return [*lines, f'!!! failure "does not import"\n    {_text(info["error"])}', ""]
     for paragraph in info["help"].split("\n\n"):
         lines += [_text(paragraph), ""]
     if not info["options"]:
@@ -103,7 +103,12 @@ def hook_reference() -> str:
     from grpo_core.plugins_manager import KIND_HOOKS
 
     kinds_of = {hook: [kind for kind, hooks in KIND_HOOKS.items() if hook in hooks] for hooks in KIND_HOOKS.values() for hook in hooks}
-    lines = ["# Hooks", "", "Generated from [`core/hookspecs.py`](../../core/hookspecs.py), the contract between the core and every plugin.", ""]
+    lines = [
+        "# Hooks",
+        "",
+        "Generated from [`core/hookspecs.py`](../../core/hookspecs.py), the contract between the core and every plugin.",
+        "",
+    ]
     lines += [_rest(inspect.getdoc(hookspecs) or ""), ""]
     specs = [(f, getattr(f, f"{PROJECT}_spec", None)) for _, f in inspect.getmembers(hookspecs, inspect.isfunction)]
     # In the file's order, which is the loop's.
@@ -128,12 +133,12 @@ def _signature(function: Any) -> str:
 def _rest(doc: str) -> str:
     """reStructuredText field lists and roles as Markdown."""
     doc = re.sub(r":(?:class|func|meth):`~?([^`]+)`", r"`\1`", doc).replace("``", "`")
-    doc = re.sub(r"^:param (\w+):", r"- `\1`:", doc, flags=re.M)
-    doc = re.sub(r"^:returns?:", "- returns:", doc, flags=re.M)
+    doc = re.sub(r"^:param (\w+):", r"- `\1`:", doc, flags=re.MULTILINE)
+    doc = re.sub(r"^:returns?:", "- returns:", doc, flags=re.MULTILINE)
     # A field's continuation lines are indented; as Markdown they continue the list item.
-    doc = re.sub(r"^( +)(?=\S)", "  ", doc, flags=re.M)
+    doc = re.sub(r"^( +)(?=\S)", "  ", doc, flags=re.MULTILINE)
     # Markdown starts a list only after a blank line.
-    return re.sub(r"^((?!- |  )\S.*)\n(?=- )", r"\1\n\n", doc, flags=re.M)
+    return re.sub(r"^((?!- |  )\S.*)\n(?=- )", r"\1\n\n", doc, flags=re.MULTILINE)
 
 
 # ----- repository files the pages link to -----------------------------------------------------

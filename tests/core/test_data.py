@@ -401,7 +401,9 @@ def test_a_saved_dataset_folder_with_or_without_splits(tmp_path):
     with pytest.raises(DataError, match="has no split 'train'; splits: test"):
         load_prompts(only_test, "q", "a")
     (tmp_path / "plain").mkdir()
-    with pytest.raises(DataError, match=r"plain: not a dataset folder \(save_to_disk of HF datasets writes dataset_dict.json or state.json"):
+    with pytest.raises(
+        DataError, match=r"plain: not a dataset folder \(save_to_disk of HF datasets writes dataset_dict.json or state.json"
+    ):
         load_prompts(tmp_path / "plain")
 
 
@@ -461,7 +463,9 @@ def test_a_hub_name_fails_clearly_offline(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("given", ["missing.jsonl", "missing.parquet", "dir/missing.json", "/abs/path/none", "a/b/c", "x:y:z:w", "bad name"])
+@pytest.mark.parametrize(
+    "given", ["missing.jsonl", "missing.parquet", "dir/missing.json", "/abs/path/none", "a/b/c", "x:y:z:w", "bad name"]
+)
 def test_a_missing_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch, given):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, "datasets", None)  # a hub lookup would fail differently
@@ -487,6 +491,8 @@ def test_without_the_datasets_extra_the_message_names_it(tmp_path, monkeypatch, 
 def test_a_run_stops_on_a_bad_parquet_row_before_the_model_loads(tmp_path):
     from tests.test_cli import grpo_core, small_run_args
 
-    data = write_parquet(tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}])
+    data = write_parquet(
+        tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}]
+    )
     out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
     assert out.returncode == 1 and out.stderr.strip() == f"error: {data}[1]: the prompt (field 'question') is empty"

@@ -28,7 +28,10 @@ def two_groups() -> list[list[Sample]]:
     plain = Prompt(id="d.jsonl:1", text="Q: 2+2?\nA:", answer="4")
     chat = Prompt(id="d.jsonl:2", messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}], answer="2")
     return [
-        [sample(plain, " 4\n#### 4", {"gsm8k": 1.0, "format": 0.5}, 0.75), sample(plain, " five `x`", {"gsm8k": 0.0, "format": 0.0}, -0.75)],
+        [
+            sample(plain, " 4\n#### 4", {"gsm8k": 1.0, "format": 0.5}, 0.75),
+            sample(plain, " five `x`", {"gsm8k": 0.0, "format": 0.0}, -0.75),
+        ],
         [sample(chat, "2", {"gsm8k": 1.0, "format": 0.0}, None), sample(chat, "?", {"gsm8k": None, "format": 0.0}, None, 3)],
     ]
 

@@ -96,7 +96,9 @@ def test_a_resumed_run_hides_the_steps_after_its_checkpoint(tmp_path):
 def test_without_the_extra_the_message_names_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed: importing it raises ImportError
-    with pytest.raises(PluginError, match=r"^--logger tensorboard needs the optional extra 'tensorboard': pip install 'grpo-core\[tensorboard\]'$"):
+    with pytest.raises(
+        PluginError, match=r"^--logger tensorboard needs the optional extra 'tensorboard': pip install 'grpo-core\[tensorboard\]'$"
+    ):
         make_plugin("tensorboard")
 
 
@@ -115,7 +117,7 @@ def test_a_run_with_logger_tensorboard_logs_what_metrics_jsonl_holds(tiny_model_
     assert len(metrics) == 3 and tags(events, "scalars") == sorted({k for m in metrics for k in m if k != "step"})
     assert scalars(events, "time/step") == [(m["step"], pytest.approx(m["time/step"])) for m in metrics]
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    (step, rows), = table(events).items()
+    ((step, rows),) = table(events).items()
     assert step == 2 and {s["step"] for s in samples} == {2}
     columns = [c.strip("*") for c in rows[0]]
     assert [[cell(s[c]) for c in columns] for s in samples] == rows[1:]

@@ -195,5 +195,5 @@ def test_a_run_with_logger_wandb_offline_writes_a_run_folder(tiny_model_dir, tin
     assert sorted(logged) == [1, 2, 3]
     assert all(logged[step][k] == pytest.approx(v) for step, m in metrics.items() for k, v in m.items() if v is not None)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    (step, table), = tables(folder).items()
+    ((step, table),) = tables(folder).items()
     assert step == 2 and table["data"] == [[s[c] for c in table["columns"]] for s in samples]
