@@ -134,7 +134,9 @@ class Source:
     kind: str
     """``jsonl``, ``parquet``, ``saved`` or ``hub``."""
     path: Path
-    """The file or folder; for the hub, the name as given (it names rows in messages)."""
+    """What names the rows in messages: the file or folder, with ``:SPLIT`` when one is given; the hub name."""
+    location: Path | None = None
+    """The file or folder on disk (None for the hub)."""
     split: str | None = None
     hub_name: str | None = None
     hub_config: str | None = None
@@ -153,13 +155,15 @@ def dataset_source(dataset: str) -> Source:
     dataset, ``NAME``, ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT`` (split ``train`` by default)."""
     split = embedded_split(dataset)
     if split:
-        return Source("jsonl", _split_path(split))
+        return Source("jsonl", _split_path(split), _split_path(split))
     path = Path(dataset)
     if path.is_file():
-        return Source("parquet" if path.suffix == ".parquet" else "jsonl", path)
+        return Source("parquet" if path.suffix == ".parquet" else "jsonl", path, path)
+    if path.is_dir():
+        return Source("saved", path, path)
     folder, sep, folder_split = dataset.rpartition(":")
-    if path.is_dir() or (sep and Path(folder).is_dir()):
-        return Source("saved", path, split=folder_split if not path.is_dir() else None)
+    if sep and Path(folder).is_dir():
+        return Source("saved", path, Path(folder), split=folder_split)
     name, *parts = dataset.split(":")
     if path.suffix in FILE_SUFFIXES or not HUB_NAME.match(name) or len(parts) > 2 or not all(parts):
         raise DataError(f"dataset file not found: {dataset}")
@@ -208,7 +212,7 @@ def load_prompts(
 def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
     """``(where in the source, raw row)``: a JSONL line's bytes, or a row of the other sources as a dict."""
     if source.kind == "jsonl":
-        with source.path.open("rb") as f:
+        with source.location.open("rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 # A byte-order mark some editors write is not part of the first row's JSON.
                 yield f":{lineno}", raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw
@@ -216,7 +220,7 @@ def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
     if source.kind == "parquet":
         parquet = import_extra("pyarrow.parquet", "datasets", "a Parquet dataset")
         index = 0
-        for batch in parquet.ParquetFile(source.path).iter_batches(batch_size=1024):
+        for batch in parquet.ParquetFile(source.location).iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 yield f"[{index}]", row
                 index += 1
@@ -228,7 +232,7 @@ def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
 
 def _load_saved(source: Source) -> Any:
     datasets = import_extra("datasets", "datasets", "a dataset folder")
-    folder = source.path if source.split is None else Path(str(source.path).rpartition(":")[0])
+    folder = source.location
     if not any((folder / marker).is_file() for marker in SAVED_DATASET_MARKERS):
         raise DataError(f"{folder}: not a dataset folder (save_to_disk of HF datasets writes {' or '.join(SAVED_DATASET_MARKERS)} in one)")
     try:

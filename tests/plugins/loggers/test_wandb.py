@@ -8,12 +8,11 @@ import struct
 import sys
 
 import pytest
+import wandb
 
 from grpo_core import PluginError, make_plugin
 from grpo_core.plugins.loggers.wandb import RUN_ID_FILE
 from tests.plugins.loggers.scored_groups import EXPECTED_ROWS, two_groups
-
-wandb = pytest.importorskip("wandb")  # the test extra installs it; only the extra-missing test below needs none
 
 
 @pytest.fixture(autouse=True)
