@@ -51,6 +51,8 @@ class TensorBoardLogger(SampleTableOptions):
                 self._writer.add_scalar(key, value, step)
         rows = sample_rows(step, groups[: self.samples_groups]) if self.wants_samples(step) else []
         if rows:
+            # add_text writes a single string; a table is a 2-D string tensor, so it goes to the
+            # writer's own event file directly.
             self._writer._get_file_writer().add_summary(text_table(SAMPLES_TAG, rows), step)
         self._writer.flush()
 

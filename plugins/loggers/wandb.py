@@ -32,8 +32,8 @@ class WandbLogger(SampleTableOptions):
     Every `samples_every` steps the samples of the step's first `samples_groups` prompt groups
     are logged as a W&B Table (key `samples`): prompt, completion, reward/total, reward/<name>
     per reward plugin, advantage, tokens, finish reason. The W&B run id is kept in
-    <run_dir>/wandb_run_id, so `--resume` goes on with the same W&B run (steps the stopped run
-    logged after its checkpoint keep their first values). W&B's files go to <run_dir>/wandb
+    <run_dir>/wandb_run_id, so `--resume` goes on with the same W&B run (W&B ignores steps it
+    already has: those the stopped run logged after its checkpoint keep their first values). W&B's files go to <run_dir>/wandb
     unless WANDB_DIR is set; `mode=offline` (or WANDB_MODE=offline) logs without a network, for
     `wandb sync` later. Needs `pip install 'grpo-core[wandb]'`.
     """
