@@ -76,7 +76,7 @@ def _plugin_section(info: dict[str, Any], flag: str) -> list[str]:
         lines += [_text(paragraph), ""]
     if not info["options"]:
         return [*lines, "No options.", ""]
-    lines += ["| option | default | |", "|---|---|---|"]
+    lines += ["| option | default | what it sets |", "|---|---|---|"]
     for option in info["options"]:
         secret = " Secret: never written to config.json; `env:NAME` reads a variable." if option["secret"] else ""
         lines.append(f"| `{option['name']}` | `{_cell(repr(option['default']))}` | {_cell(_text(option['help']))}{secret} |")
