@@ -66,7 +66,7 @@ def default_threads() -> int:
 class RunConfig:
     # What to train on.
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
-    dataset: str = _field(DEFAULT, "JSONL file of prompts; 'default' or 'default:train' = the embedded task's train split, 'default:test' its test split")
+    dataset: str = _field(DEFAULT, "prompts: a JSONL or Parquet file, a folder saved by HF datasets (FOLDER[:SPLIT]), a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); 'default' or 'default:train' = the embedded task's train split, 'default:test' its test split")
     prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
     answer_field: str = _field("answer", "dataset field holding the reference answer")
     prompt_template: str | None = _field(None, "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); default: the embedded task's, else '{prompt}'")
