@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -13,7 +12,7 @@ from grpo_core import Completion, PluginError, Prompt, SamplingParams, make_plug
 from grpo_core.data import ASSETS
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
-from tests.test_cli import grpo_core
+from tests.test_cli import grpo_core, small_run_args
 
 QWEN_TEMPLATE = """
 {%- if tools %}
@@ -68,7 +67,9 @@ def qwen_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = QWEN_TEMPLATE
@@ -243,7 +244,10 @@ def test_a_template_that_rewrites_history_is_an_error_naming_the_position(qwen_t
     message = str(err.value)
     # The rewrite starts at the policy's "<think>", right after the opening.
     assert f"At character {len(opening)} of its text, in the policy's turn 1 (from token {len(ids(tok, opening))})" in message
-    assert "the conversation reads '<think>what is 1 plus 2</think> The answ' but the template now renders 'The answer is 4.<|im_end|>\\n<|im_start|>u'" in message
+    assert (
+        "the conversation reads '<think>what is 1 plus 2</think> The answ' but the template now renders 'The answer is 4.<|im_end|>\\n<|im_start|>u'"
+        in message
+    )
     assert message.startswith("prompt r, after turn 1: the chat template does not extend the conversation")
 
     rollout, sampler, groups = rollout_with("end")
@@ -291,7 +295,9 @@ def test_openings_that_differ_within_a_group_are_sampled_one_by_one(embedded_tok
             return EnvStep(messages=[], reward=1.0, done=True)
 
     sampler = ScriptedSampler(tok, [[" 2" + EOS, " 4" + EOS]])
-    (group,) = run(make_plugin("multi_turn"), [Prompt(id="x", text="x")], 2, sampler, env=lambda p: Once([{"role": "user", "content": next(openings)}]))
+    (group,) = run(
+        make_plugin("multi_turn"), [Prompt(id="x", text="x")], 2, sampler, env=lambda p: Once([{"role": "user", "content": next(openings)}])
+    )
     assert [(len(p), n) for p, n, _ in sampler.calls] == [(2, 1)]
     assert [s.tokens[: s.turns[0].start] for s in group] == [
         ids(tok, "Question: 1 plus 1?\nAnswer:"),
@@ -330,7 +336,9 @@ def test_max_total_tokens_cuts_the_turn_that_reaches_it(embedded_tokenizer):
     observation = ids(tok, "\nmore\nAnswer:")
     limit = len(opening) + len(first) + len(observation) + 2
     sampler = ScriptedSampler(tok, [[" 1" + EOS], [" 1 2 3 4 5" + EOS]])
-    (sample,) = run(make_plugin("multi_turn", max_total_tokens=limit, max_turns=10), [Prompt(id="c", text="c")], 1, sampler, env=lambda p: Endless())[0]
+    (sample,) = run(
+        make_plugin("multi_turn", max_total_tokens=limit, max_turns=10), [Prompt(id="c", text="c")], 1, sampler, env=lambda p: Endless()
+    )[0]
     # The second round may sample only what is left.
     assert [params.max_tokens for _, _, params in sampler.calls] == [limit - len(opening), 2]
     assert len(sample.tokens) == limit and sample.finish_reason == "length"
@@ -381,7 +389,9 @@ def tool_conversation(tok, replies, tools, **options):
     """A conversation without an environment: tool turns, then a last turn without a call."""
     sampler = ScriptedSampler(tok, [[r] for r in replies])
     rollout = make_plugin("multi_turn", **options)
-    (sample,) = run(rollout, [Prompt(id="t", messages=[{"role": "user", "content": "what is 1 plus 2?"}])], 1, sampler, tools=tools, max_tokens=200)[0]
+    (sample,) = run(
+        rollout, [Prompt(id="t", messages=[{"role": "user", "content": "what is 1 plus 2?"}])], 1, sampler, tools=tools, max_tokens=200
+    )[0]
     text = tok.decode(sample.tokens, skip_special_tokens=False)
     return sample, text, rollout.last_metrics
 
@@ -416,10 +426,10 @@ def test_tool_results_and_errors_come_back_as_tool_messages(qwen_tokenizer):
 
 def test_a_slow_tool_times_out_unless_the_timeout_is_off(qwen_tokenizer):
     call = '<tool_call>{"name": "fake", "arguments": {}}</tool_call>'
-    sample, text, metrics = tool_conversation(qwen_tokenizer, [call, "done" + EOS], {"fake": FakeTool(delay=0.5)}, tool_timeout=0.1)
+    _, text, metrics = tool_conversation(qwen_tokenizer, [call, "done" + EOS], {"fake": FakeTool(delay=0.5)}, tool_timeout=0.1)
     assert "<tool_response>\nerror: fake did not return within 0.1 s\n</tool_response>" in text
     assert metrics["tool/timeouts"] == 1.0 and metrics["tool/errors"] == 1.0
-    sample, text, metrics = tool_conversation(qwen_tokenizer, [call, "done" + EOS], {"fake": FakeTool(delay=0.3)}, tool_timeout=0)
+    _, text, metrics = tool_conversation(qwen_tokenizer, [call, "done" + EOS], {"fake": FakeTool(delay=0.3)}, tool_timeout=0)
     assert "<tool_response>\ngot {}\n</tool_response>" in text and metrics["tool/timeouts"] == 0.0
 
 
@@ -451,8 +461,16 @@ def test_a_special_token_inside_a_turn_is_kept_and_the_template_closes_a_turn_it
 def test_the_template_option(qwen_tokenizer, embedded_tokenizer):
     prompt = Prompt(id="t", text="what is 1 plus 2?")
     for template, tokenizer, expected in (
-        ("auto", qwen_tokenizer, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n"),
-        ("tokenizer", qwen_tokenizer, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n"),
+        (
+            "auto",
+            qwen_tokenizer,
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
+        ),
+        (
+            "tokenizer",
+            qwen_tokenizer,
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
+        ),
         ("plain", qwen_tokenizer, "what is 1 plus 2?"),
         ("auto", embedded_tokenizer, "what is 1 plus 2?"),
     ):
@@ -527,6 +545,23 @@ def test_sampler_logprobs_line_up_with_the_trainer_on_a_real_model(tiny_model_di
         mask = torch.tensor(sample.loss_mask[1:]) > 0
         assert int(mask.sum()) == sum(t.end - t.start for t in sample.turns)
         assert torch.allclose(logprobs[mask], torch.tensor(sample.sampling_logprobs[1:])[mask], atol=1e-4)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_a_small_run_through_the_cli_reports_the_conversations(tiny_model_dir, tiny_dataset, tmp_path, loop):
+    run_dir = tmp_path / "run"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--rollout", "multi_turn", "--env", "retry_math", "--loop", loop)
+    out = grpo_core(*args, "--env-opt", "max_turns=2", "--max-completion-tokens", "4", "--no-drop-zero-variance-groups")
+    assert out.returncode == 0, out.stderr[-3000:]
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["reward"] == ["env"] and config["plugin_options"] == {"env": {"retry_math": {"max_turns": 2}}}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    for m in metrics:
+        # An untrained model is rarely right: most conversations take both tries.
+        assert 1.0 <= m["multi_turn/turns_mean"] <= 2.0 and m["multi_turn/max_turns_frac"] == 0.0
+        assert m["tool/calls"] == 0.0 and m["multi_turn/prefix_failures"] == 0.0
+        assert 0.0 <= m["reward/env"] <= 1.0 and m["train/samples"] == 8.0
 
 
 @pytest.mark.slow
