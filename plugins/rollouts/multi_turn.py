@@ -147,16 +147,17 @@ class MultiTurnRollout:
         }
         return samples
 
-    def _template(self, tokenizer: Any) -> str:
+    def _template(self, tokenizer: Any) -> str | None:
+        """The plain template, or None for the tokenizer's own (which may be several, by name)."""
         own = getattr(tokenizer, "chat_template", None)
         if self.template == "tokenizer" and own is None:
             raise PluginError(
                 "the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one"
             )
-        return PLAIN_TEMPLATE if self.template == "plain" or own is None else own
+        return PLAIN_TEMPLATE if self.template == "plain" or own is None else None
 
     def _open(
-        self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str, tool_specs: list
+        self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str | None, tool_specs: list
     ) -> Conversation:
         episode = env(prompt) if env is not None else None
         if env is not None and (
@@ -201,7 +202,7 @@ class MultiTurnRollout:
         conv: Conversation,
         completion: Completion,
         tokenizer: Any,
-        template: str,
+        template: str | None,
         tool_specs: list,
         tools: Mapping[str, Any],
         limit: int | None,
@@ -334,7 +335,7 @@ class MultiTurnRollout:
         )
 
 
-def render(tokenizer: Any, template: str, messages: list[dict[str, Any]], tool_specs: list) -> str:
+def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], tool_specs: list) -> str:
     """The conversation as the template writes it, ending with the next assistant header."""
     extra = {"tools": tool_specs} if tool_specs else {}
     return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra)

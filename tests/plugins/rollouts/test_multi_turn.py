@@ -496,9 +496,12 @@ def test_bad_options_are_refused(options, message):
         make_plugin("multi_turn", **options)
 
 
-def test_an_env_reset_that_returns_no_episode_is_an_error(embedded_tokenizer):
+def test_an_env_reset_that_returns_no_episode_or_no_messages_is_an_error(embedded_tokenizer):
+    rollout, sampler = make_plugin("multi_turn"), ScriptedSampler(embedded_tokenizer, [])
     with pytest.raises(PluginError, match=r"the environment's env_reset returned None for prompt e, not an episode"):
-        run(make_plugin("multi_turn"), [Prompt(id="e", text="x")], 1, ScriptedSampler(embedded_tokenizer, []), env=lambda p: None)
+        run(rollout, [Prompt(id="e", text="x")], 1, sampler, env=lambda p: None)
+    with pytest.raises(PluginError, match=r"prompt e: the conversation opens with no messages"):
+        run(rollout, [Prompt(id="e", text="x")], 1, sampler, env=lambda p: Endless(messages=[]))
 
 
 def test_policy_version_is_the_oldest_a_conversation_was_sampled_from(embedded_tokenizer):
