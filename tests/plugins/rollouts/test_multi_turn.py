@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -569,18 +570,22 @@ def test_a_small_run_through_the_cli_reports_the_conversations(tiny_model_dir, t
 
 @pytest.mark.slow
 def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
+    """The embedded model and task, retried on a wrong answer: 40 steps of the embedded preset."""
     run_dir = tmp_path / "run"
     out = grpo_core(
-        "run", "--rollout", "multi_turn", "--env", "retry_math", "--max-steps", "12", "--seed", "0",
-        "--run-dir", str(run_dir), "--checkpoint-every", "0", cwd=tmp_path, timeout=900,
+        "run", "--rollout", "multi_turn", "--env", "retry_math", "--max-steps", "40", "--seed", "0",
+        "--run-dir", str(run_dir), "--checkpoint-every", "0", cwd=tmp_path, timeout=1800,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["reward"] == ["env"] and config["env"] == "retry_math" and config["rollout"] == "multi_turn"
+    match = re.search(r"reward: first 10 steps ([\d.]+) -> last 10 steps ([\d.]+)", out.stdout)
+    assert match, out.stdout[-2000:]
+    first, last = map(float, match.groups())
+    print(f"retry_math via the CLI: reward first 10 steps {first:.3f}, last 10 steps {last:.3f}")
+    assert 0.1 < first < 0.45 and last - first >= 0.1
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rewards = [m["reward/total"] for m in metrics]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    print(f"retry_math via the CLI: reward first 4 steps {first:.3f}, last 4 steps {last:.3f}")
-    assert last - first >= 0.15
-    assert all(1.0 <= m["multi_turn/turns_mean"] <= 3.0 for m in metrics) and metrics[0]["multi_turn/turns_mean"] > 1.5
-    assert all(m["multi_turn/prefix_failures"] == 0 for m in metrics)
+    turns = [m["multi_turn/turns_mean"] for m in metrics]
+    # Right answers come sooner: fewer turns per conversation.
+    assert sum(turns[-10:]) / 10 < sum(turns[:10]) / 10
+    assert all(1.0 <= t <= 3.0 for t in turns) and all(m["multi_turn/prefix_failures"] == 0 for m in metrics)
