@@ -643,6 +643,10 @@ SUMMED = {
     "train/samples",
     "optim/skipped_nonfinite",
     "train/skipped",
+    "tool/calls",
+    "tool/errors",
+    "tool/timeouts",
+    "multi_turn/prefix_failures",
 }
 
 

@@ -28,7 +28,7 @@ SECTIONS = {
         "epochs", "max_steps", "shuffle",
     ],
     "Plugins (what is installed, with options and help: grpo-core plugins)": [
-        "backend", "sampler", "rollout", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
+        "backend", "sampler", "rollout", "env", "tool", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
     ],
     "The GRPO step": [
         "prompt_groups_per_step", "completions_per_prompt", "max_completion_tokens", "temperature", "top_p", "top_k",

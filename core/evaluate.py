@@ -108,7 +108,7 @@ def evaluate(
     failed = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
-        groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params)
+        groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params, **selection.rollout_args)
         failed += int(score_groups(selection, groups, math.inf, config.reward_timeout)["reward/failed"])
         for group in groups:
             scores = [s.reward for s in group if s.reward is not None]

@@ -46,6 +46,10 @@ def test_eval_cli_reports_reward_and_pass_at_k(tiny_model_dir, tiny_dataset, tmp
         "prompts": 5.0, "samples_per_prompt": 3.0, "reward/mean": 0.0, "reward/failed": 0.0,
         "data/skipped_bad_rows": 0.0, "data/skipped_long_prompts": 0.0, "pass@1": 0.0, "pass@3": 0.0,
     }  # fmt: skip
+    # A rollout that takes an environment and tools is called with them (none selected here).
+    multi_turn = grpo_core(*args, "--reward-opt", r"pattern=[\s\S]*", "--rollout", "multi_turn")
+    assert multi_turn.returncode == 0, multi_turn.stderr
+    assert json.loads(multi_turn.stdout.strip().splitlines()[-1])["pass@1"] == 1.0
     assert eval_line(always).endswith("max 3 tokens, greedy; prompt settings: flags and defaults (none saved with the model)")
     assert ", temperature 1, 3 samples per prompt; " in eval_line(never)
     bad = grpo_core("eval", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "none.jsonl"))
