@@ -55,6 +55,10 @@ class IGPOAdvantage:
                 f"igpo got turn scores for {len(self.turn_scores_G)} samples and {len(samples)} samples: "
                 "the advantage stage must score the turns first (compute_advantages with a trainer)"
             )
+        for sample, scores in zip(samples, self.turn_scores_G):
+            turns = len(_turns(sample))
+            if len(scores) != (turns if turns > 1 else 0):
+                raise ValueError(f"sample of prompt {sample.prompt.id} has {turns} turns but {len(scores)} turn scores")
         gains_G = [self.gains(scores) for scores in self.turn_scores_G]
         for gains in gains_G:
             for t, gain in enumerate(gains, start=1):
@@ -70,8 +74,6 @@ class IGPOAdvantage:
             if not turns:
                 result.append(normalized[-1])
                 continue
-            if len(turns) != len(normalized):
-                raise ValueError(f"sample of prompt {sample.prompt.id} has {len(turns)} turns but {len(normalized) - 1} turn scores + 1")
             returns = discounted_returns(normalized, self.gamma)
             per_token = [0.0] * len(sample.tokens)
             for turn, value in zip(turns, returns):
