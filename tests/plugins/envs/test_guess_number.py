@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import pytest
+
+from grpo_core import PluginError, Prompt
+from grpo_core.plugins.envs.guess_number import HELP, GuessNumberEnv, opening
+from grpo_core.types import EnvStep
+
+
+def game(secret: int = 11, **options):
+    return GuessNumberEnv(**options).env_reset(Prompt(id="row", text="", answer=str(secret)))
+
+
+def test_questions_are_answered_against_the_hidden_number():
+    episode = game(11)
+    assert episode.messages == [{"role": "user", "content": "Guess my number from 1 to 16."}]
+    assert episode.step("Is it more than 10?", [1, 2]) == EnvStep(messages=[{"role": "user", "content": "Yes."}], reward=0.0, done=False)
+    assert episode.step("Is it more than 11?", []).messages == [{"role": "user", "content": "No."}]
+    assert episode.step("  Is it more than 12?\n", []).messages == [{"role": "user", "content": "No."}]
+
+
+@pytest.mark.parametrize(("said", "reward"), [("It is 11.", 1.0), ("It is 12.", 0.0), (" It is 11. ", 1.0)])
+def test_an_answer_ends_the_game_with_its_reward(said, reward):
+    step = game(11).step(said, [])
+    assert step.done and step.reward == reward and step.messages == []
+
+
+def test_anything_else_gets_the_rules_and_the_game_goes_on():
+    episode = game(3)
+    for said in ["hello", "It is 3", "Is it more than three?", "It is 3. Is it more than 2?"]:
+        step = episode.step(said, [])
+        assert step.messages == [{"role": "user", "content": HELP}] and not step.done and step.reward == 0.0
+
+
+def test_max_turns_ends_an_episode_without_an_answer():
+    episode = game(5, max_turns=3)
+    assert not episode.step("Is it more than 8?", []).done
+    assert not episode.step("hmm", []).done
+    last = episode.step("Is it more than 4?", [])
+    assert last.done and last.reward == 0.0
+    assert game(5, max_turns=1).step("Is it more than 4?", []).done
+
+
+def test_the_range_options_shape_the_game():
+    episode = game(40, low=30, high=50)
+    assert episode.messages[0]["content"] == opening(30, 50) == "Guess my number from 30 to 50."
+    with pytest.raises(PluginError, match=r"outside \[1, 16\]"):
+        game(40)
+    with pytest.raises(PluginError, match=r"outside \[30, 50\]"):
+        game(29, low=30, high=50)
+
+
+def test_bad_rows_and_options_fail_clearly():
+    with pytest.raises(PluginError, match="must be an integer, got 'seven'"):
+        GuessNumberEnv().env_reset(Prompt(id="r", text="", answer="seven"))
+    with pytest.raises(PluginError, match="must be an integer, got None"):
+        GuessNumberEnv().env_reset(Prompt(id="r", text=""))
+    with pytest.raises(ValueError, match="must be larger"):
+        GuessNumberEnv(low=5, high=5)
+    with pytest.raises(ValueError, match="max_turns"):
+        GuessNumberEnv(max_turns=0)
+
+
+def test_each_episode_keeps_its_own_turns():
+    env = GuessNumberEnv(max_turns=2)
+    a = env.env_reset(Prompt(id="a", text="", answer="2"))
+    b = env.env_reset(Prompt(id="b", text="", answer="9"))
+    a.step("x", [])
+    assert not b.step("Is it more than 8?", []).done
+    assert a.step("y", []).done
