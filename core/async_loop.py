@@ -372,8 +372,11 @@ class AsyncLoop:
             self.sampler.begin_rollout()
             try:
                 groups = self.pm.hook.rollout(
-                    prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params
-                )
+                    prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params,
+                    **self.r.selection.rollout_args,
+                )  # fmt: skip
+                # Read in this worker's thread: a rollout's last_metrics are those of its caller's last call.
+                rollout_metrics = dict(getattr(self.r.selection.plugins["rollout"][0], "last_metrics", {}))
                 break
             except RETRYABLE as exc:
                 if attempt == config.rollout_retries:
@@ -389,7 +392,7 @@ class AsyncLoop:
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd)
         return Finished(
-            taken, version, groups, kept, {**metrics, **advantage_metrics},
+            taken, version, groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},
             sample_seconds=t1 - t0, reward_seconds=time.perf_counter() - t1, retries=attempt, dropped_samples=dropped,
         )  # fmt: skip
 

@@ -18,7 +18,7 @@ from grpo_core.plugins_manager import KINDS, PluginError, coerce
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
-MULTI_KINDS = ("reward", "loss", "logger")
+MULTI_KINDS = ("reward", "loss", "logger", "tool")
 
 
 def _field(default: Any, help: str, **kwargs: Any) -> Any:
@@ -80,7 +80,9 @@ class RunConfig:
     backend: str = _field("local", "trainer backend (the policy being trained, and its reference)")
     sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's")
     rollout: str = _field("single_turn", "rollout plugin")
-    reward: list[str] = _field(["gsm8k"], "reward plugins as NAME[:WEIGHT]; repeat for several")
+    env: str | None = _field(None, "environment plugin the policy converses with (a multi-turn rollout, e.g. --rollout multi_turn --env retry_math)")
+    tool: list[str] = _field([], "tool plugin the policy may call in a multi-turn rollout; repeat for several")
+    reward: list[str] = _field([], "reward plugins as NAME[:WEIGHT]; repeat for several (default: gsm8k, or env when --env is given)")
     advantage: str = _field("grpo", "advantage plugin")
     loss: list[str] = _field(["grpo"], "loss plugin, plus wrappers such as tis; repeat for several")
     logger: list[str] = _field(["console", "jsonl"], "on_step plugins (loggers, checkpoints); repeat for several")
@@ -144,6 +146,9 @@ class RunConfig:
     keep_checkpoints: int = _field(2, "keep the newest K checkpoints", validator=_positive)
 
     def __attrs_post_init__(self) -> None:
+        if not self.reward:
+            # An environment scores its own conversations; without one the embedded task's reward.
+            self.reward = ["env"] if self.env else ["gsm8k"]
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -7,6 +7,8 @@ only the plugins its config names and registers those instances on a fresh plugi
 Selection, checked at start-up by ``grpo_core.plugins_manager``:
 - single-choice stages (backend, sampler, weight_sync, rollout, advantage, loss) have exactly one
   implementation; their hooks are ``firstresult``.
+- ``env`` (``--env NAME``) is at most one environment; ``tool`` (``--tool NAME``, repeatable) any
+  number of tools, each called by the rollout when the policy names it.
 - ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
 """
@@ -14,7 +16,7 @@ Selection, checked at start-up by ``grpo_core.plugins_manager``:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import pluggy
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from grpo_core.config import RunConfig
     from grpo_core.loss import LossInputs, LossOutput
     from grpo_core.loop import RunState
-    from grpo_core.types import Prompt, Sample, SamplingParams
+    from grpo_core.types import Episode, Prompt, Sample, SamplingParams
 
 PROJECT = "grpo_core"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -89,6 +91,8 @@ def rollout(
     num_samples: int,
     sampler: Sampler,
     params: SamplingParams,
+    env: Callable[[Prompt], Episode] | None,
+    tools: Mapping[str, Any],
 ) -> list[list[Sample]]:
     """Produce ``num_samples`` samples for each prompt (first result wins; kind ``rollout``).
 
@@ -100,7 +104,53 @@ def rollout(
     :param num_samples: completions per prompt (the group size G).
     :param sampler: generates tokens; ``sampler.tokenizer`` encodes and decodes text.
     :param params: generation knobs (max tokens, temperature, top-p/k, stops).
-    :returns: one list of samples per prompt, in the order of ``prompts``.
+    :param env: the selected environment (``--env``): ``env(prompt)`` starts one episode
+        (:class:`grpo_core.types.Episode`) through its ``env_reset`` hook; None when no
+        environment is selected. A rollout that takes no environment omits this argument, and a
+        run refuses ``--env`` with it.
+    :param tools: the selected tools (``--tool``) by the name the policy calls them
+        (``tool_spec()["name"]``); empty when none. A rollout that calls no tools omits it.
+    :returns: one list of samples per prompt, in the order of ``prompts``. A multi-turn rollout
+        fills ``Sample.turns`` and, with an environment, ``Sample.env_reward``.
+    """
+
+
+@hookspec(firstresult=True)
+def env_reset(prompt: Prompt) -> Episode:
+    """Start one episode of the environment for a dataset row (kind ``env``, at most one
+    selected with ``--env NAME``; first result wins).
+
+    Called once per trajectory (G times per prompt group), so an episode may keep the state of
+    its own conversation. The episode's ``messages`` open the conversation; its
+    ``step(text, tokens)`` answers each policy turn with an :class:`grpo_core.types.EnvStep`
+    (observation messages, a reward, done). The rollout sums the rewards into
+    ``Sample.env_reward``, which the ``env`` reward plugin hands to the run.
+
+    :param prompt: the dataset row (its ``text`` or ``messages``, its ``answer``, ``metadata``).
+    :returns: an object with ``messages: list[dict]`` and ``step(text, tokens) -> EnvStep``.
+    """
+
+
+@hookspec
+def tool_spec() -> dict[str, Any]:
+    """The tool as the policy sees it (kind ``tool``, any number selected with ``--tool NAME``).
+
+    :returns: a JSON-schema function description, ``{"name", "description", "parameters"}``
+        (the ``function`` part of an OpenAI tool), handed to the chat template as ``tools``.
+        Its ``name`` is what the policy writes in a tool call.
+    """
+
+
+@hookspec
+def tool_call(arguments: dict[str, Any]) -> str:
+    """Run the tool on the arguments of one call the policy made (called on that tool only).
+
+    The rollout enforces its own time limit around the call and turns an exception into an
+    error observation (``tool/errors``), so a tool raises on bad arguments with a message the
+    policy can read.
+
+    :param arguments: the call's ``arguments`` object, as parsed from the policy's JSON.
+    :returns: the text returned to the policy as a ``tool`` message.
     """
 
 

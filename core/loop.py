@@ -103,7 +103,9 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             # the checkpoint of a whole step behind, and the last step costs no sync at all.
             sync_metrics = sync_weights(r, step - 1) if step > 1 and (step - 1) % config.weight_sync_interval == 0 else {}
             t0 = time.perf_counter()
-            groups = pm.hook.rollout(prompts=batch, num_samples=config.completions_per_prompt, sampler=r.sampler, params=r.params)
+            groups = pm.hook.rollout(
+                prompts=batch, num_samples=config.completions_per_prompt, sampler=r.sampler, params=r.params, **r.selection.rollout_args
+            )
             t1 = time.perf_counter()
             reward_metrics = score_groups(r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups, r.trainer, config.max_samples_per_fwd_bwd)
@@ -113,6 +115,7 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             t3 = time.perf_counter()
 
             metrics = {**sync_metrics, **reward_metrics, **advantage_metrics, **train_metrics, **getattr(r.sampler, "last_metrics", {})}
+            metrics.update(getattr(r.selection.plugins["rollout"][0], "last_metrics", {}))
             metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0})
             metrics["policy/version"] = r.trainer.version
             if step == 1:

@@ -25,21 +25,24 @@ import pluggy
 from grpo_core import hookspecs
 
 GROUP = "grpo_core"
-KINDS = ("backend", "sampler", "weight_sync", "rollout", "reward", "advantage", "loss", "logger")
+KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "loss", "logger")
 SINGLE_CHOICE = ("backend", "sampler", "weight_sync", "rollout", "advantage", "loss")
 KIND_HOOKS = {
     "backend": ("load_tokenizer", "make_trainer", "make_reference"),
     "sampler": ("make_sampler",),
     "weight_sync": ("weight_sync",),
     "rollout": ("rollout",),
+    "env": ("env_reset",),
+    "tool": ("tool_spec", "tool_call"),
     "reward": ("reward",),
     "advantage": ("advantage",),
     "loss": ("loss",),
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }
 """The hooks a plugin of each kind may implement; it must implement at least one of them."""
-REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer")}
-"""Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then trains)."""
+REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer"), "tool": ("tool_spec", "tool_call")}
+"""Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then
+trains; a tool is described to the policy, then called)."""
 SECRET_NAME = re.compile(
     r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"

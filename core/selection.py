@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import inspect
+from typing import Any, Callable
 
 import attrs
 import pluggy
@@ -26,8 +27,22 @@ class Selection:
     rewards: list[WeightedReward]
     loss: Any
     """The one (non-wrapper) loss plugin."""
+    tools: dict[str, Any] = attrs.field(factory=dict)
+    """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
     reward_failures_in_a_row: int = 0
     last_reward_error: str | None = None
+
+    @property
+    def env(self) -> Callable[[Any], Any] | None:
+        """``env(prompt)`` -> a new episode of the selected environment, or None (the rollout's ``env``)."""
+        if not self.plugins.get("env"):
+            return None
+        return lambda prompt: self.manager.hook.env_reset(prompt=prompt)
+
+    @property
+    def rollout_args(self) -> dict[str, Any]:
+        """What a loop passes to the rollout hook besides prompts, group size, sampler and params."""
+        return {"env": self.env, "tools": self.tools}
 
     @property
     def needs_reference(self) -> bool:
@@ -48,6 +63,8 @@ def select_plugins(config: RunConfig) -> Selection:
     names: dict[str, list[str]] = {
         "backend": [config.backend],
         "rollout": [config.rollout],
+        "env": [config.env] if config.env else [],
+        "tool": list(config.tool),
         "advantage": [config.advantage],
         "loss": list(config.loss),
         "logger": list(config.logger),
@@ -86,6 +103,42 @@ def select_plugins(config: RunConfig) -> Selection:
     config.plugin_options = typed_options
 
     rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in reward_specs]
+    check_conversation(config, plugins, rewards)
     loss = next(p for p in plugins["loss"].values() if not is_wrapper(p, "loss"))
     manager = build_manager(p for by_name in plugins.values() for p in by_name.values())
-    return Selection(manager=manager, plugins={kind: list(by_name.values()) for kind, by_name in plugins.items()}, rewards=rewards, loss=loss)
+    return Selection(
+        manager=manager,
+        plugins={kind: list(by_name.values()) for kind, by_name in plugins.items()},
+        rewards=rewards,
+        loss=loss,
+        tools=tools_by_name(plugins.get("tool", {})),
+    )
+
+
+def check_conversation(config: RunConfig, plugins: dict[str, dict[str, Any]], rewards: list[WeightedReward]) -> None:
+    """An environment or tools need a rollout that takes them, and a reward of the environment needs one."""
+    rollout = plugins["rollout"][config.rollout]
+    takes = inspect.signature(rollout.rollout).parameters
+    for arg, flag, given in (("env", "--env", config.env), ("tools", "--tool", config.tool)):
+        if given and arg not in takes:
+            raise PluginError(
+                f"rollout '{config.rollout}' does not take {'an environment' if arg == 'env' else 'tools'}, "
+                f"so {flag} would do nothing: choose a multi-turn rollout (--rollout multi_turn)"
+            )
+    needing_env = [r.name for r in rewards if getattr(r.plugin, "needs_env", False)]
+    if needing_env and not config.env:
+        raise PluginError(f"reward {', '.join(needing_env)} scores what an environment gave: select one with --env NAME")
+
+
+def tools_by_name(tools: dict[str, Any]) -> dict[str, Any]:
+    """The tool plugins by the name in their spec; two tools may not share one."""
+    by_name: dict[str, Any] = {}
+    for selected, plugin in tools.items():
+        spec = plugin.tool_spec()
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"tool '{selected}': tool_spec() must return a dict with a non-empty 'name', got {spec!r}")
+        if name in by_name:
+            raise PluginError(f"tools '{selected}' and another selected tool are both called '{name}'")
+        by_name[name] = plugin
+    return by_name

@@ -6,7 +6,7 @@ reward function can build them without touching torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -39,6 +39,46 @@ class Completion:
 
 
 @attrs.define
+class Turn:
+    """One policy turn inside ``Sample.tokens``."""
+
+    start: int
+    """First token the policy produced in this turn."""
+    end: int
+    """One past its last token."""
+    context_end: int
+    """The conversation up to the next generation point: ``tokens[:context_end]`` is what the
+    policy would be prompted with next (this turn, the environment's observation, and the next
+    assistant header); ``== len(tokens)`` for the last turn."""
+
+
+@attrs.define
+class EnvStep:
+    """What an environment answers to one policy turn."""
+
+    messages: list[dict[str, Any]]
+    """Observation messages appended to the conversation (role ``user`` or ``tool``)."""
+    reward: float = 0.0
+    done: bool = False
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One conversation with an environment, made by its ``env_reset`` hook for one trajectory.
+
+    ``messages`` are the conversation's first messages (e.g. a system and a user message);
+    ``step`` gets each policy turn and answers with an :class:`EnvStep`. An episode serves one
+    trajectory only, so it may keep state (turns taken, clues given); ``step`` is not called
+    again after it answered ``done=True``.
+    """
+
+    messages: list[dict[str, Any]]
+
+    def step(self, text: str, tokens: list[int]) -> EnvStep:
+        """The policy's turn as decoded text (special tokens removed) and as its sampled tokens."""
+
+
+@attrs.define
 class Sample:
     """One trajectory: a prompt and what the policy produced for it, as parallel token lists.
 
@@ -62,6 +102,10 @@ class Sample:
     """Score of each reward plugin by name, before weighting."""
     advantages: list[float] | None = None
     """Per-token advantages aligned with ``tokens`` (a sequence advantage broadcast)."""
+    turns: list[Turn] = attrs.field(factory=list)
+    """The policy's turns inside ``tokens``, in order (empty for a single-turn sample)."""
+    env_reward: float | None = None
+    """The sum of the rewards the environment gave in this trajectory (None without an environment)."""
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)
