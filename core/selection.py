@@ -27,6 +27,7 @@ class Selection:
     rewards: list[WeightedReward]
     loss: Any
     """The one (non-wrapper) loss plugin."""
+    env_name: str | None = None
     tools: dict[str, Any] = attrs.field(factory=dict)
     """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
     reward_failures_in_a_row: int = 0
@@ -50,8 +51,10 @@ class Selection:
 
     @property
     def rewards_needing_answer(self) -> list[str]:
-        """Names of the selected rewards that compare against a row's answer (``needs_answer = True``)."""
-        return [r.name for r in self.rewards if getattr(r.plugin, "needs_answer", False)]
+        """Names of the selected rewards, and environment, that compare against a row's answer
+        (``needs_answer = True``)."""
+        env = [f"{self.env_name} (environment)" for p in self.plugins.get("env", []) if getattr(p, "needs_answer", False)]
+        return [r.name for r in self.rewards if getattr(r.plugin, "needs_answer", False)] + env
 
 
 def select_plugins(config: RunConfig) -> Selection:
@@ -111,6 +114,7 @@ def select_plugins(config: RunConfig) -> Selection:
         plugins={kind: list(by_name.values()) for kind, by_name in plugins.items()},
         rewards=rewards,
         loss=loss,
+        env_name=config.env,
         tools=tools_by_name(plugins.get("tool", {})),
     )
 

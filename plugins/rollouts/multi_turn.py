@@ -1,0 +1,339 @@
+"""The ``multi_turn`` rollout: conversations between the policy, an environment and tools."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import attrs
+
+from grpo_core import Completion, Prompt, Sample, SamplingParams, hookimpl, option
+from grpo_core.backend import Sampler
+from grpo_core.plugins_manager import PluginError
+from grpo_core.stages import CallTimeout, call_with_timeout
+from grpo_core.types import Episode, Turn
+
+PLAIN_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ message['content'] + (eos_token or '') }}"
+    "{%- else -%}{{ ('' if loop.first else '\\n') + message['content'] }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+"""For a tokenizer without a chat template (the embedded model's): the messages' contents one
+after the other, each answer closed by the eos token, each other message on a new line, and no
+assistant header, so a prompt ending in the task's cue ("Answer:") is continued as the embedded
+model was trained."""
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+
+
+class PrefixMismatch(PluginError):
+    """The chat template renders a conversation that does not extend its tokens."""
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+def _non_negative(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+@attrs.define(eq=False)
+class Conversation:
+    """One trajectory being rolled out: its messages as text and its tokens as sampled."""
+
+    prompt: Prompt
+    episode: Episode | None
+    messages: list[dict[str, Any]]
+    tokens: list[int]
+    logprobs: list[float]
+    mask: list[float]
+    rendered: str
+    """The template's text of the conversation so far, the policy's turns as their decoded text."""
+    segments: list[tuple[int, int, str]] = attrs.field(factory=list)
+    """(first character in ``rendered``, first token, what it is) of each piece: for error messages."""
+    turns: list[Turn] = attrs.field(factory=list)
+    env_reward: float | None = None
+    text: str = ""
+    """The policy's last turn."""
+    finish_reason: str | None = None
+    """Set when the conversation has ended."""
+    policy_version: int | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.finish_reason is None
+
+
+@attrs.define
+class MultiTurnRollout:
+    """A conversation between the policy and the selected environment (--env) and tools (--tool),
+    rendered with the tokenizer's chat template, flattened into one sample per trajectory.
+
+    Token-in/token-out: the policy's tokens are kept as sampled and never re-tokenized; what
+    the template adds after a turn (end of turn, the observation, the next assistant header) is
+    the only text tokenized, and only once the template's rendering of the whole conversation is
+    checked to extend the tokens so far. The loss mask is 1 on the policy's own tokens only;
+    Sample.turns records each turn's span and Sample.env_reward the sum of the environment's
+    rewards. A turn holding <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks is
+    answered by those tools; any other turn goes to the environment (without one, it ends the
+    conversation). One sampler call per round generates the next turn of every live conversation.
+    """
+
+    max_turns: int = option(4, help="most policy turns per conversation (tool turns included)", validator=_positive)
+    max_total_tokens: int | None = option(
+        None, help="most tokens per conversation, prompt, turns and observations together (default: the model's context)",
+        validator=_positive,
+    )  # fmt: skip
+    template: Literal["auto", "tokenizer", "plain"] = option(
+        "auto", help="chat template: the tokenizer's (an error if it has none), plain (contents in a row, answers closed by eos), or auto: the tokenizer's when it has one, else plain"
+    )  # fmt: skip
+    tool_timeout: float = option(10.0, help="seconds a tool call may take before it fails (0 = no limit)", validator=_non_negative)
+    on_prefix_mismatch: Literal["error", "end"] = option(
+        "error", help="a chat template that does not extend the conversation's tokens: stop with an error naming the position, or end that conversation there (multi_turn/prefix_failures)"
+    )  # fmt: skip
+    _local: threading.local = attrs.field(factory=threading.local, init=False, repr=False)
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The metrics of this thread's last rollout call (the loops merge them into the step's)."""
+        return dict(getattr(self._local, "metrics", {}))
+
+    @hookimpl
+    def rollout(
+        self,
+        prompts: Sequence[Prompt],
+        num_samples: int,
+        sampler: Sampler,
+        params: SamplingParams,
+        env: Callable[[Prompt], Episode] | None,
+        tools: Mapping[str, Any],
+    ) -> list[list[Sample]]:
+        tokenizer = sampler.tokenizer
+        template = self._template(tokenizer)
+        tool_specs = [{"type": "function", "function": tool.tool_spec()} for tool in tools.values()]
+        limit = self.max_total_tokens or sampler.max_context
+        counts = {"tool/calls": 0, "tool/errors": 0, "tool/timeouts": 0, "multi_turn/prefix_failures": 0}
+        groups = [[self._open(p, env, tokenizer, template, tool_specs) for _ in range(num_samples)] for p in prompts]
+        for group in groups:
+            for conv in group:
+                if limit is not None and len(conv.tokens) >= limit:
+                    raise PluginError(
+                        f"prompt {conv.prompt.id}: its conversation opens with {len(conv.tokens)} tokens, which leaves no room "
+                        f"within {limit} (max_total_tokens, or the model's context)"
+                    )
+        if tools:
+            params = attrs.evolve(params, stop=[*params.stop, TOOL_CALL_CLOSE])
+        first_round = True
+        while live := [c for g in groups for c in g if c.live]:
+            completions = self._sample(sampler, groups if first_round else None, live, params, limit)
+            first_round = False
+            for conv, completion in zip(live, completions):
+                self._take_turn(conv, completion, tokenizer, template, tool_specs, tools, limit, counts)
+        samples = [[self._sample_of(c) for c in group] for group in groups]
+        trajectories = [c for g in groups for c in g]
+        self._local.metrics = {
+            "multi_turn/turns_mean": sum(len(c.turns) for c in trajectories) / max(len(trajectories), 1),
+            "multi_turn/max_turns_frac": sum(c.finish_reason == "max_turns" for c in trajectories) / max(len(trajectories), 1),
+            **{key: float(value) for key, value in counts.items()},
+        }
+        return samples
+
+    def _template(self, tokenizer: Any) -> str:
+        own = getattr(tokenizer, "chat_template", None)
+        if self.template == "tokenizer" and own is None:
+            raise PluginError("the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one")
+        return PLAIN_TEMPLATE if self.template == "plain" or own is None else own
+
+    def _open(self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str, tool_specs: list) -> Conversation:
+        episode = env(prompt) if env is not None else None
+        if env is not None and (episode is None or not isinstance(getattr(episode, "messages", None), list) or not hasattr(episode, "step")):
+            raise PluginError(f"the environment's env_reset returned {episode!r} for prompt {prompt.id}, not an episode (messages and step)")
+        if episode is not None:
+            messages = [dict(m) for m in episode.messages]
+        else:
+            messages = [dict(m) for m in prompt.messages] if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
+        if not messages:
+            raise PluginError(f"prompt {prompt.id}: the conversation opens with no messages")
+        rendered = render(tokenizer, template, messages, tool_specs)
+        tokens = encode(tokenizer, rendered)
+        return Conversation(
+            prompt, episode, messages, tokens, [0.0] * len(tokens), [0.0] * len(tokens), rendered,
+            segments=[(0, 0, "the opening messages")], env_reward=0.0 if episode else None,
+        )  # fmt: skip
+
+    def _sample(
+        self, sampler: Sampler, groups: list[list[Conversation]] | None, live: list[Conversation], params: SamplingParams, limit: int | None
+    ) -> list[Completion]:
+        """The next turn of every live conversation, in one sampler call.
+
+        In the first round a group whose conversations open alike is one prompt with the group's
+        size, so the sampler prefills it once; later rounds send each conversation alone.
+        """
+        room = max(limit - len(c.tokens) for c in live) if limit is not None else params.max_tokens
+        round_params = attrs.evolve(params, max_tokens=min(params.max_tokens, room))
+        version = sampler.version
+        for conv in live:
+            conv.policy_version = version if conv.policy_version is None else min(conv.policy_version, version)
+        if groups is not None and all(all(c.tokens == g[0].tokens for c in g) for g in groups):
+            completions = sampler.sample([g[0].tokens for g in groups], len(groups[0]), round_params)
+            return [c for group in completions for c in group]
+        return [group[0] for group in sampler.sample([c.tokens for c in live], 1, round_params)]
+
+    def _take_turn(
+        self,
+        conv: Conversation,
+        completion: Completion,
+        tokenizer: Any,
+        template: str,
+        tool_specs: list,
+        tools: Mapping[str, Any],
+        limit: int | None,
+        counts: dict[str, int],
+    ) -> None:
+        tokens, logprobs, finish = list(completion.tokens), list(completion.logprobs), completion.finish_reason
+        if limit is not None and len(conv.tokens) + len(tokens) > limit:
+            # The round sampled up to the roomiest conversation's budget; this one has less.
+            keep = limit - len(conv.tokens)
+            tokens, logprobs, finish = tokens[:keep], logprobs[:keep], "length"
+        start = len(conv.tokens)
+        conv.tokens += tokens
+        conv.logprobs += logprobs
+        conv.mask += [1.0] * len(tokens)
+        conv.text = tokenizer.decode(tokens, skip_special_tokens=True)
+        turn = Turn(start=start, end=len(conv.tokens), context_end=len(conv.tokens))
+        conv.turns.append(turn)
+        conv.segments.append((len(conv.rendered), start, f"the policy's turn {len(conv.turns)}"))
+        conv.rendered += conv.text
+
+        calls = TOOL_CALL.findall(conv.text) if tools else []
+        if calls:
+            observation = [self._call_tool(body, closed, tools, counts) for body, closed in calls]
+            done = False
+        elif conv.episode is not None:
+            step = conv.episode.step(conv.text, tokens)
+            conv.env_reward = (conv.env_reward or 0.0) + float(step.reward)
+            observation, done = [dict(m) for m in step.messages], step.done
+        else:
+            observation, done = [], True
+        if done:
+            conv.finish_reason = finish
+            return
+        if len(conv.turns) >= self.max_turns:
+            conv.finish_reason = "max_turns"
+            return
+        if limit is not None and len(conv.tokens) >= limit:
+            conv.finish_reason = "length"
+            return
+        conv.messages += [{"role": "assistant", "content": conv.text}, *observation]
+        try:
+            added = self._extension(conv, tokens if finish == "stop" else [], tokenizer, render(tokenizer, template, conv.messages, tool_specs))
+        except PrefixMismatch:
+            counts["multi_turn/prefix_failures"] += 1
+            if self.on_prefix_mismatch == "error":
+                raise
+            conv.finish_reason = "prefix_mismatch"
+            return
+        if limit is not None and len(conv.tokens) + len(added) >= limit:
+            conv.finish_reason = "length"  # no room left to answer the observation
+            return
+        conv.tokens += added
+        conv.logprobs += [0.0] * len(added)
+        conv.mask += [0.0] * len(added)
+        turn.context_end = len(conv.tokens)
+
+    def _extension(self, conv: Conversation, stopped: list[int], tokenizer: Any, rendered: str) -> list[int]:
+        """The tokens of what the template's new ``rendered`` conversation adds to the one so far.
+
+        The policy's tokens are never re-encoded: the new rendering must begin with the text of
+        the conversation so far (its turns as the policy's decoded text), and only the rest is
+        encoded. When the policy ended its turn with a special token that the template writes
+        next anyway (its end of turn), that token is not written twice.
+        """
+        if not rendered.startswith(conv.rendered):
+            raise self._mismatch(conv, rendered)
+        added = rendered[len(conv.rendered) :]
+        conv.segments.append((len(conv.rendered), len(conv.tokens), f"what the template adds after turn {len(conv.turns)}"))
+        conv.rendered = rendered
+        if stopped and stopped[-1] in tokenizer.all_special_ids:
+            stop_text = decode(tokenizer, stopped[-1:])
+            added = added.removeprefix(stop_text)
+        return encode(tokenizer, added)
+
+    def _mismatch(self, conv: Conversation, rendered: str) -> PrefixMismatch:
+        before = conv.rendered
+        at = next((i for i, (a, b) in enumerate(zip(before, rendered)) if a != b), min(len(before), len(rendered)))
+        _, first_token, piece = next(seg for seg in reversed(conv.segments) if seg[0] <= at)
+        return PrefixMismatch(
+            f"prompt {conv.prompt.id}, after turn {len(conv.turns)}: the chat template does not extend the conversation. "
+            f"At character {at} of its text, in {piece} (from token {first_token}), the conversation reads {before[at : at + 40]!r} "
+            f"but the template now renders {rendered[at : at + 40]!r}. A template that rewrites earlier turns (dropping "
+            "reasoning, trimming the policy's text) cannot be trained token-in/token-out: use one that only appends "
+            "(--rollout-opt template=plain), or --rollout-opt on_prefix_mismatch=end to end such conversations there "
+            "(counted in multi_turn/prefix_failures)"
+        )
+
+    def _call_tool(self, body: str, closed: str, tools: Mapping[str, Any], counts: dict[str, int]) -> dict[str, Any]:
+        """One tool call's answer as a ``tool`` message; a bad call, a raising or slow tool answer with an error."""
+        counts["tool/calls"] += 1
+        name = None
+        try:
+            if not closed:
+                raise ValueError(f"the tool call is not closed with {TOOL_CALL_CLOSE}")
+            call = json.loads(body)
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
+            name, arguments = call["name"], call.get("arguments", {})
+            if isinstance(arguments, str):
+                arguments = json.loads(arguments)
+            if not isinstance(arguments, dict):
+                raise ValueError(f"the arguments of {name} must be a JSON object")
+            tool = tools.get(name)
+            if tool is None:
+                raise ValueError(f"unknown tool {name!r}; tools: {', '.join(tools)}")
+            result = call_with_timeout(lambda: tool.tool_call(arguments=arguments), self.tool_timeout)
+            content = result if isinstance(result, str) else json.dumps(result)
+        except CallTimeout as exc:
+            counts["tool/errors"] += 1
+            counts["tool/timeouts"] += 1
+            content = f"error: {name} {exc}"
+        except Exception as exc:  # the policy reads what went wrong and may try again
+            counts["tool/errors"] += 1
+            content = f"error: {exc}"
+        return {"role": "tool", "name": name or "", "content": content}
+
+    def _sample_of(self, conv: Conversation) -> Sample:
+        return Sample(
+            prompt=conv.prompt,
+            tokens=conv.tokens,
+            sampling_logprobs=conv.logprobs,
+            loss_mask=conv.mask,
+            text=conv.text,
+            finish_reason=str(conv.finish_reason),
+            policy_version=int(conv.policy_version or 0),
+            turns=conv.turns,
+            env_reward=conv.env_reward,
+        )
+
+
+def render(tokenizer: Any, template: str, messages: list[dict[str, Any]], tool_specs: list) -> str:
+    """The conversation as the template writes it, ending with the next assistant header."""
+    extra = {"tools": tool_specs} if tool_specs else {}
+    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    # The template writes every special token itself (bos included): none is added here.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def decode(tokenizer: Any, tokens: list[int]) -> str:
+    return tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
