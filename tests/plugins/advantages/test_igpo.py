@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import math
 
-import attrs
 import pytest
 
 from grpo_core import Prompt, Sample, make_plugin
@@ -10,25 +9,10 @@ from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 from grpo_core.plugins.advantages.igpo import IGPOAdvantage
 from grpo_core.plugins_manager import PluginError, build_manager
 from grpo_core.stages import compute_advantages, score_turns
+from grpo_core.types import Turn
 
 
-@attrs.define
-class Turn:
-    """Stand-in for the multi-turn rollout's turn record (start, end, context_end)."""
-
-    start: int
-    end: int
-    context_end: int
-
-
-@attrs.define
-class TurnSample(Sample):
-    """A Sample with the turn boundaries a multi-turn rollout records."""
-
-    turns: list[Turn] = attrs.field(factory=list)
-
-
-def conversation(tokenizer, prompt: Prompt, pieces: list[tuple[str, str]], reward: float) -> TurnSample:
+def conversation(tokenizer, prompt: Prompt, pieces: list[tuple[str, str]], reward: float) -> Sample:
     """A trajectory from (policy text, observation text) pairs: the policy's tokens are trained."""
     tokens = tokenizer.encode(prompt.text, add_special_tokens=False)
     mask = [0.0] * len(tokens)
@@ -40,7 +24,7 @@ def conversation(tokenizer, prompt: Prompt, pieces: list[tuple[str, str]], rewar
         tokens += tokenizer.encode(observed, add_special_tokens=False)
         mask += [1.0] * (end - start) + [0.0] * (len(tokens) - end)
         turns.append(Turn(start, end, len(tokens)))
-    sample = TurnSample(
+    sample = Sample(
         prompt=prompt, tokens=tokens, sampling_logprobs=[0.0] * len(tokens), loss_mask=mask, text="", finish_reason="stop", policy_version=0,
         turns=turns,
     )  # fmt: skip
@@ -74,7 +58,7 @@ def hand_score(model, context: list[int], answer: list[int]) -> float:
     return sum(float(logprobs[n - 1 + j, a]) for j, a in enumerate(answer)) / len(answer)
 
 
-def mixed_group(tokenizer) -> list[TurnSample]:
+def mixed_group(tokenizer) -> list[Sample]:
     """Three trajectories of 3, 2 and 1 turns (the last one single-turn), one prompt."""
     prompt = Prompt(id="p", text="Question: what is 3 plus 4?\n", answer="7")
     return [
@@ -182,7 +166,7 @@ def fake_group(turn_counts, rewards):
     group = []
     for count, reward in zip(turn_counts, rewards):
         turns = [Turn(2 + 3 * k, 4 + 3 * k, 5 + 3 * k) for k in range(count)]
-        s = TurnSample(prompt=prompt, tokens=list(range(12)), sampling_logprobs=[0.0] * 12, loss_mask=[0.0] * 12, text="", finish_reason="stop",
+        s = Sample(prompt=prompt, tokens=list(range(12)), sampling_logprobs=[0.0] * 12, loss_mask=[0.0] * 12, text="", finish_reason="stop",
                        policy_version=0, turns=turns)  # fmt: skip
         s.reward = reward
         group.append(s)
