@@ -265,3 +265,29 @@ def test_options_reach_the_plugin_by_name():
     assert (plugin.info_gain, plugin.norm, plugin.gamma, plugin.answer_template) == ("prob_diff", "joint", 0.9, "The answer is {answer}.")
     assert plugin.gains([-1.0, -0.5]) == pytest.approx([math.exp(-0.5) - math.exp(-1.0)])
     assert IGPOAdvantage().gains([-1.0, -0.5]) == pytest.approx([0.5])
+
+
+def test_a_run_through_the_cli_scores_turns_and_trains(tiny_model_dir, tmp_path):
+    import json
+
+    from tests.test_cli import grpo_core
+
+    dataset = tmp_path / "games.jsonl"
+    dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in (3, 11, 7, 16)))
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        "run", "--model", str(tiny_model_dir), "--dataset", str(dataset), "--rollout", "multi_turn", "--rollout-opt", "max_turns=3",
+        "--env", "guess_number", "--advantage", "igpo", "--advantage-opt", "answer_template=It is {answer}.",
+        "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "3", "--max-completion-tokens", "4",
+        "--logger", "jsonl", "--run-dir", str(run_dir), env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for metrics in steps:
+        # the random tiny model never plays the game (3 turns each, reward 0), yet the gains
+        # carry signal: both groups train, and each of 6 games scored 3 contexts (turns 0, 1, 2)
+        assert metrics["multi_turn/turns_mean"] == 3.0 and metrics["reward/total"] == 0.0
+        assert metrics["igpo/scored_sequences"] == 18.0 and metrics["time/igpo"] > 0
+        assert metrics["groups/kept"] == 2.0 and metrics["train/samples"] == 6.0
+        assert {"igpo/ig_mean_turn1", "igpo/ig_mean_turn2"} <= set(metrics)
