@@ -35,7 +35,7 @@ def run_one(advantage: str, seed: int, args: argparse.Namespace) -> list[dict]:
     cmd = [
         sys.executable, "-m", "grpo_core.cli", "run",
         "--model", str(MODEL), "--dataset", str(MODEL / "task" / "train.jsonl"),
-        "--rollout", "multi_turn", "--env", "guess_number", "--advantage", advantage, *extra,
+        "--rollout", "multi_turn", "--rollout-opt", "max_turns=6", "--env", "guess_number", "--advantage", advantage, *extra,
         "--max-steps", str(args.steps), "--prompt-groups-per-step", str(args.groups), "--completions-per-prompt", str(args.group_size),
         "--max-completion-tokens", "12", "--learning-rate", str(args.lr), "--seed", str(seed), "--threads", "1",
         "--checkpoint-every", "0", "--logger", "jsonl", "--run-dir", str(run_dir), "--overwrite", *args.extra,
