@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from grpo_core import PluginError, Prompt
+from grpo_core import Completion, PluginError, Prompt, SamplingParams
 from grpo_core.plugins.envs.guess_number import HELP, GuessNumberEnv, opening
 from grpo_core.types import EnvStep
 
@@ -68,3 +71,51 @@ def test_each_episode_keeps_its_own_turns():
     a.step("x", [])
     assert not b.step("Is it more than 8?", []).done
     assert a.step("y", []).done
+
+
+MODEL = Path(__file__).resolve().parents[3] / "core" / "assets" / "guess_number"
+
+
+class ScriptedSampler:
+    """Says the next line of its script in every live conversation, closed by eos."""
+
+    version = 0
+    max_context = 256
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.round = tokenizer, script, 0
+
+    def sample(self, prompts, num_samples, params):
+        ids = self.tokenizer.encode(self.script[self.round], add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        self.round += 1
+        return [[Completion(tokens=ids, logprobs=[-0.5] * len(ids), finish_reason="stop") for _ in range(num_samples)] for _ in prompts]
+
+
+def test_the_shipped_model_plays_through_the_multi_turn_rollout_token_for_token():
+    from transformers import AutoTokenizer
+
+    from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    env = GuessNumberEnv()
+    sampler = ScriptedSampler(tok, ["Is it more than 8?", "Is it more than 12?", "It is 11."])
+    [[sample]] = MultiTurnRollout(max_turns=6).rollout(
+        prompts=[Prompt(id="g", text="", answer="11")], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=12), env=env.env_reset, tools={}
+    )
+    messages = [
+        {"role": "user", "content": "Guess my number from 1 to 16."},
+        {"role": "assistant", "content": "Is it more than 8?"}, {"role": "user", "content": "Yes."},
+        {"role": "assistant", "content": "Is it more than 12?"}, {"role": "user", "content": "No."},
+        {"role": "assistant", "content": "It is 11."},
+    ]  # fmt: skip
+    # What the rollout built token by token is what the chat template renders in one go, which
+    # is what the model was warmed up on.
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert sample.tokens == tok.encode(rendered, add_special_tokens=False)[:-1]  # all but the template's closing newline
+    assert sample.env_reward == 1.0 and len(sample.turns) == 3
+    texts = [tok.decode(sample.tokens[t.start : t.end], skip_special_tokens=True) for t in sample.turns]
+    assert texts == ["Is it more than 8?", "Is it more than 12?", "It is 11."]
+    assert tok.decode(sample.tokens[sample.turns[0].end : sample.turns[0].context_end]) == "\nQ:\nYes.\nA:\n"
+    assert sum(sample.loss_mask) == sum(t.end - t.start for t in sample.turns)
+    build_info = json.loads((MODEL / "build_info.json").read_text())
+    assert 0.05 < build_info["t1_win_rate"] < 0.5  # room for RL both ways, as the build script intends
