@@ -9,7 +9,8 @@ with ``std=population``, the outcome normalization IGPO uses, against ``igpo``).
 after the other on one thread each (the machine is shared). The reward is the win rate of
 the step's games (``reward/total``); the table shows, per advantage, the mean and the spread
 (sample std and min..max over seeds) of the first steps' and the last steps' win rate, and
-the time per step.
+the best mean over any window of that many steps, the turns per game at the end, and the time
+per step.
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ def main() -> None:
         for advantage in ["grpo", "igpo"]:
             rows = run_one(advantage, seed, args)
             rewards = [r["reward/total"] for r in rows]
-            r = results.setdefault(advantage, {"first": [], "last": [], "step_s": [], "igpo_s": []})
+            r = results.setdefault(advantage, {"first": [], "last": [], "best": [], "turns": [], "step_s": [], "igpo_s": []})
             r["first"].append(sum(rewards[: args.window]) / len(rewards[: args.window]))
             r["last"].append(sum(rewards[-args.window :]) / len(rewards[-args.window :]))
+            smooth = [sum(rewards[k : k + args.window]) / args.window for k in range(len(rewards) - args.window + 1)]
+            r["best"].append(max(smooth))
+            r["turns"].append(sum(row["multi_turn/turns_mean"] for row in rows[-args.window :]) / len(rows[-args.window :]))
             r["step_s"].append(sum(row["time/step"] for row in rows) / len(rows))
             r["igpo_s"].append(sum(row.get("time/igpo", 0.0) for row in rows) / len(rows))
     print(
@@ -86,7 +90,7 @@ def main() -> None:
         gain = [b - a for a, b in zip(r["first"], r["last"])]
         print(
             f"{advantage:5s} first {args.window} steps {spread(r['first'])}  last {args.window} steps {spread(r['last'])}  "
-            f"gain {spread(gain)}  s/step {sum(r['step_s']) / len(r['step_s']):.2f} (time/igpo {sum(r['igpo_s']) / len(r['igpo_s']):.2f})"
+            f"gain {spread(gain)}  best {args.window}-step mean {spread(r['best'])}  turns per game at the end {spread(r['turns'])}  s/step {sum(r['step_s']) / len(r['step_s']):.2f} (time/igpo {sum(r['igpo_s']) / len(r['igpo_s']):.2f})"
         )
 
 
