@@ -31,7 +31,9 @@ MODEL = REPO / "core" / "assets" / "guess_number"
 def run_one(advantage: str, seed: int, args: argparse.Namespace) -> list[dict]:
     run_dir = args.out / f"{advantage}-seed{seed}"
     extra = (
-        ["--advantage-opt", "answer_template=It is {answer}."] if advantage == "igpo" else ["--advantage-opt", "std=population"]
+        ["--advantage-opt", "answer_template=It is {answer}.", *(f for opt in args.igpo_opt for f in ("--advantage-opt", opt))]
+        if advantage == "igpo"
+        else ["--advantage-opt", "std=population"]
     )
     cmd = [
         sys.executable, "-m", "grpo_core.cli", "run",
@@ -65,13 +67,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--window", type=int, default=5, help="steps averaged at the start and at the end")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / ".cache" / "igpo_vs_grpo")
+    ap.add_argument("--igpo-opt", action="append", default=[], help="an igpo option KEY=VALUE (repeat), e.g. norm=joint")
+    ap.add_argument("--only", choices=["grpo", "igpo"], help="run one of the two")
     ap.add_argument("extra", nargs="*", help="more grpo-core run flags, after --")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     results: dict[str, dict[str, list[float]]] = {}
     for seed in args.seeds:
-        for advantage in ["grpo", "igpo"]:
+        for advantage in [args.only] if args.only else ["grpo", "igpo"]:
             rows = run_one(advantage, seed, args)
             rewards = [r["reward/total"] for r in rows]
             r = results.setdefault(advantage, {"first": [], "last": [], "best": [], "turns": [], "step_s": [], "igpo_s": []})
@@ -84,7 +88,7 @@ def main() -> None:
             r["igpo_s"].append(sum(row.get("time/igpo", 0.0) for row in rows) / len(rows))
     print(
         f"\nguess_number, {args.steps} steps x {args.groups} groups x {args.group_size} games, lr {args.lr}, "
-        f"seeds {args.seeds}; win rate mean ± std [min..max] over seeds"
+        f"seeds {args.seeds}, igpo options {args.igpo_opt or 'default'}; win rate mean ± std [min..max] over seeds"
     )
     for advantage, r in results.items():
         gain = [b - a for a, b in zip(r["first"], r["last"])]
