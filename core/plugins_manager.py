@@ -354,7 +354,7 @@ def hook_names() -> list[str]:
 def hook_signature(hook: str) -> str:
     """``reward(self, prompt, samples)``: how a plugin method implementing ``hook`` is declared."""
     params = inspect.signature(getattr(hookspecs, hook)).parameters
-    return f"{hook}(self, {', '.join(params)})"
+    return f"{hook}({', '.join(['self', *params])})"
 
 
 def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
@@ -383,7 +383,8 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
         how = "all of" if required else ("one of" if len(needs) > 1 else "")
         wanted = "; ".join(f"@hookimpl def {hook_signature(hook)}" for hook in needs)
         missing = [hook for hook in needs if hook not in marked]
-        problems.append(f"a {kind} plugin must implement {how + ' ' if how else ''}{wanted} (missing: {', '.join(missing)})")
+        article = "an" if kind[0] in "aeiou" else "a"
+        problems.append(f"{article} {kind} plugin must implement {how + ' ' if how else ''}{wanted} (missing: {', '.join(missing)})")
     return problems
 
 

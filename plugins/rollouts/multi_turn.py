@@ -29,7 +29,7 @@ model was trained."""
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.S)
+TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 
 class PrefixMismatch(PluginError):
@@ -147,16 +147,25 @@ class MultiTurnRollout:
         }
         return samples
 
-    def _template(self, tokenizer: Any) -> str:
+    def _template(self, tokenizer: Any) -> str | None:
+        """The plain template, or None for the tokenizer's own (which may be several, by name)."""
         own = getattr(tokenizer, "chat_template", None)
         if self.template == "tokenizer" and own is None:
-            raise PluginError("the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one")
-        return PLAIN_TEMPLATE if self.template == "plain" or own is None else own
+            raise PluginError(
+                "the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one"
+            )
+        return PLAIN_TEMPLATE if self.template == "plain" or own is None else None
 
-    def _open(self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str, tool_specs: list) -> Conversation:
+    def _open(
+        self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str | None, tool_specs: list
+    ) -> Conversation:
         episode = env(prompt) if env is not None else None
-        if env is not None and (episode is None or not isinstance(getattr(episode, "messages", None), list) or not hasattr(episode, "step")):
-            raise PluginError(f"the environment's env_reset returned {episode!r} for prompt {prompt.id}, not an episode (messages and step)")
+        if env is not None and (
+            episode is None or not isinstance(getattr(episode, "messages", None), list) or not hasattr(episode, "step")
+        ):
+            raise PluginError(
+                f"the environment's env_reset returned {episode!r} for prompt {prompt.id}, not an episode (messages and step)"
+            )
         if episode is not None:
             messages = [dict(m) for m in episode.messages]
         else:
@@ -193,7 +202,7 @@ class MultiTurnRollout:
         conv: Conversation,
         completion: Completion,
         tokenizer: Any,
-        template: str,
+        template: str | None,
         tool_specs: list,
         tools: Mapping[str, Any],
         limit: int | None,
@@ -235,7 +244,9 @@ class MultiTurnRollout:
             return
         conv.messages += [{"role": "assistant", "content": conv.text}, *observation]
         try:
-            added = self._extension(conv, tokens if finish == "stop" else [], tokenizer, render(tokenizer, template, conv.messages, tool_specs))
+            added = self._extension(
+                conv, tokens if finish == "stop" else [], tokenizer, render(tokenizer, template, conv.messages, tool_specs)
+            )
         except PrefixMismatch:
             counts["multi_turn/prefix_failures"] += 1
             if self.on_prefix_mismatch == "error":
@@ -324,7 +335,7 @@ class MultiTurnRollout:
         )
 
 
-def render(tokenizer: Any, template: str, messages: list[dict[str, Any]], tool_specs: list) -> str:
+def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], tool_specs: list) -> str:
     """The conversation as the template writes it, ending with the next assistant header."""
     extra = {"tools": tool_specs} if tool_specs else {}
     return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra)

@@ -85,4 +85,5 @@ class CalculatorTool:
     def _show(self, value: Fraction) -> str:
         if value.denominator == 1:
             return str(value.numerator)
-        return f"{float(round(value, self.decimals)):.{self.decimals}f}".rstrip("0").rstrip(".")
+        shown = f"{float(round(value, self.decimals)):.{self.decimals}f}"
+        return shown.rstrip("0").rstrip(".") if "." in shown else shown

@@ -100,3 +100,21 @@ def test_a_run_sets_the_threads_it_is_given(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_env_and_tools_are_selected_by_flags_and_tables(tmp_path):
+    config = load(None, {"env": "retry_math", "tool": ["calculator"]}, {"env": ["max_turns=2"], "tool": ["decimals=2"]})
+    assert config.env == "retry_math" and config.tool == ["calculator"]
+    assert config.plugin_options["env"] == {"retry_math": {"max_turns": "2"}} and config.plugin_options["tool"] == {"calculator": {"decimals": "2"}}
+    path = tmp_path / "run.toml"
+    path.write_text("[env.retry_math]\nmax_turns = 2\n[tool.calculator]\n")
+    from_file = load(str(path), {}, {})
+    assert from_file.env == "retry_math" and from_file.tool == ["calculator"] and from_file.plugin_options == {"env": {"retry_math": {"max_turns": 2}}}
+
+
+def test_the_default_reward_is_the_environments_when_one_is_selected():
+    assert RunConfig().reward == ["gsm8k"]
+    assert RunConfig(env="retry_math").reward == ["env"]
+    assert RunConfig(env="retry_math", reward=["gsm8k"]).reward == ["gsm8k"]
+    assert load(None, {"env": "retry_math"}, {}).reward == ["env"]
+    assert load(None, {"env": "retry_math", "reward": ["gsm8k", "env:0.5"]}, {}).reward == ["gsm8k", "env:0.5"]

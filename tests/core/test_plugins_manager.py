@@ -275,3 +275,25 @@ def test_make_plugin_refuses_an_invalid_plugin_naming_its_distribution(monkeypat
         "loss plugin 'hookless' from grpo-loss-x 0.2 (tests.core.test_plugins_manager:_Hookless) cannot be used: "
         "a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"
     )
+
+
+def test_a_tool_needs_both_its_hooks_and_an_env_its_reset():
+    @attrs.define
+    class CallOnly:
+        @hookimpl
+        def tool_call(self, arguments):
+            return ""
+
+    @attrs.define
+    class NoReset:
+        @hookimpl
+        def env_rest(self, prompt):
+            return None
+
+    assert plugin_problems("tool", CallOnly, "tool.x") == [
+        "a tool plugin must implement all of @hookimpl def tool_spec(self); @hookimpl def tool_call(self, arguments) (missing: tool_spec)"
+    ]
+    assert plugin_problems("env", NoReset, "env.x") == [
+        "method 'env_rest' is marked @hookimpl but no hook has that name (did you mean 'env_reset'?)",
+        "an env plugin must implement @hookimpl def env_reset(self, prompt) (missing: env_reset)",
+    ]

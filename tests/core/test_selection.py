@@ -92,3 +92,68 @@ def test_rewards_needing_an_answer_are_those_that_say_so(test_rewards):
     selection = select_plugins(load(None, {"reward": ["exact", "shape:0.1", "silent"]}, {}))
     assert selection.rewards_needing_answer == ["exact"]
     assert select_plugins(load(None, {"reward": ["shape", "silent"]}, {})).rewards_needing_answer == []
+
+
+def test_an_environment_and_tools_reach_the_rollout():
+    selection = select_plugins(load(None, {"rollout": "multi_turn", "env": "retry_math", "tool": ["calculator"]}, {"env": ["max_turns=2"]}))
+    assert [r.name for r in selection.rewards] == ["env"]
+    assert selection.rewards_needing_answer == ["retry_math (environment)"]
+    args = selection.rollout_args
+    assert list(args["tools"]) == ["calculator"] and args["tools"]["calculator"] is selection.plugins["tool"][0]
+    from grpo_core import Prompt
+
+    episode = args["env"](Prompt(id="p", text="Question: 1 + 1?\nAnswer:", answer="2"))
+    assert episode.messages == [{"role": "user", "content": "Question: 1 + 1?\nAnswer:"}]
+    assert episode.step(" 3", []).done is False and episode.step(" 3", []).done is True  # max_turns=2 reached the episode
+    plain = select_plugins(load(None, {}, {}))
+    assert plain.rollout_args == {"env": None, "tools": {}} and plain.rewards_needing_answer == ["gsm8k"]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"env": "retry_math"}, "rollout 'single_turn' does not take an environment, so --env would do nothing: choose a multi-turn rollout"),
+        ({"tool": ["calculator"]}, "rollout 'single_turn' does not take tools, so --tool would do nothing"),
+        ({"rollout": "multi_turn", "reward": ["env"]}, "reward env scores what an environment gave: select one with --env NAME"),
+        ({"rollout": "multi_turn", "env": "retry_mat"}, "unknown env 'retry_mat'; did you mean 'retry_math'?"),
+    ],
+)
+def test_an_environment_or_tools_that_could_not_work_are_refused(values, message):
+    with pytest.raises(PluginError, match=message):
+        select_plugins(load(None, values, {}))
+
+
+@attrs.define
+class NamedTool:
+    """A tool whose spec says its name."""
+
+    name: str = "calculator"
+
+    @hookimpl
+    def tool_spec(self):
+        return {"name": self.name} if self.name else {"description": "no name"}
+
+    @hookimpl
+    def tool_call(self, arguments):
+        return "ok"
+
+
+@attrs.define
+class NamelessTool(NamedTool):
+    name: str = ""
+
+
+def test_tools_are_known_by_the_names_in_their_specs(monkeypatch):
+    extra = (
+        PluginEntry("tool", "calc2", "tests.core.test_selection:NamedTool", "grpo-test-tools", "0.1"),
+        PluginEntry("tool", "nameless", "tests.core.test_selection:NamelessTool", "grpo-test-tools", "0.1"),
+    )
+    builtins = catalog()
+    monkeypatch.setattr(plugins_manager, "catalog", lambda: builtins + extra)
+    with pytest.raises(PluginError, match="tools 'calc2' and another selected tool are both called 'calculator'"):
+        select_plugins(load(None, {"rollout": "multi_turn", "tool": ["calculator", "calc2"]}, {}))
+    with pytest.raises(PluginError, match=r"tool 'nameless': tool_spec\(\) must return a dict with a non-empty 'name', got \{'description': 'no name'\}"):
+        select_plugins(load(None, {"rollout": "multi_turn", "tool": ["nameless"]}, {}))
+    assert list(select_plugins(load(None, {"rollout": "multi_turn", "tool": ["calc2", "nameless"]}, {"tool": ["nameless.name=other"]})).tools) == [
+        "calculator", "other",
+    ]  # fmt: skip
