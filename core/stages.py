@@ -193,7 +193,7 @@ def turn_contexts(sample: Sample) -> list[int]:
     IGPO (the outcome reward stands in for it), so it is not computed; a single-turn sample
     has nothing to score.
     """
-    turns = list(getattr(sample, "turns", None) or [])
+    turns = sample.turns
     if len(turns) < 2:
         return []
     return [turns[0].start] + [turn.context_end for turn in turns[:-1]]

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal, Sequence
+from typing import ClassVar, Literal, Sequence
 
 import attrs
 
@@ -56,7 +56,7 @@ class IGPOAdvantage:
                 "the advantage stage must score the turns first (compute_advantages with a trainer)"
             )
         for sample, scores in zip(samples, self.turn_scores_G):
-            turns = len(_turns(sample))
+            turns = len(sample.turns)
             if len(scores) != (turns if turns > 1 else 0):
                 raise ValueError(f"sample of prompt {sample.prompt.id} has {turns} turns but {len(scores)} turn scores")
         gains_G = [self.gains(scores) for scores in self.turn_scores_G]
@@ -70,7 +70,7 @@ class IGPOAdvantage:
         result: list[float | list[float]] = []
         for sample, reward, gains in zip(samples, rewards_G, gains_G):
             normalized = [_z(g, gain_stats) for g in gains] + [_z(reward, outcome_stats)]
-            turns = _turns(sample)
+            turns = sample.turns
             if not turns:
                 result.append(normalized[-1])
                 continue
@@ -107,10 +107,6 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
         running = r + gamma * running
         returns.append(running)
     return returns[::-1]
-
-
-def _turns(sample: Any) -> list[Any]:
-    return list(getattr(sample, "turns", None) or [])
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
