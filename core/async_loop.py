@@ -396,7 +396,7 @@ class AsyncLoop:
         t1 = time.perf_counter()
         with self.score_lock:  # rewards and their failure counter are shared by every worker
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups)
+            kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd)
         return Finished(
             taken, version, groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},
             sample_seconds=t1 - t0, reward_seconds=time.perf_counter() - t1, retries=attempt, dropped_samples=dropped,

@@ -108,7 +108,7 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             )
             t1 = time.perf_counter()
             reward_metrics = score_groups(r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups)
+            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups, r.trainer, config.max_samples_per_fwd_bwd)
             t2 = time.perf_counter()
             lr = learning_rate(config, step - 1, state.total_steps)
             train_metrics = train_on_groups(pm, r.trainer, r.reference, kept, config, lr)

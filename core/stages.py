@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 import pluggy
@@ -115,11 +116,24 @@ def score_groups(
 
 
 def compute_advantages(
-    pm: pluggy.PluginManager, groups: Sequence[Sequence[Sample]], drop_zero_variance: bool
+    pm: pluggy.PluginManager,
+    groups: Sequence[Sequence[Sample]],
+    drop_zero_variance: bool,
+    trainer: Trainer | None = None,
+    max_samples_per_call: int | None = None,
 ) -> tuple[list[list[Sample]], dict[str, float]]:
-    """Advantages per group; groups without signal (all rewards equal, < 2 scored) are dropped."""
-    kept: list[list[Sample]] = []
+    """Advantages per group; groups without signal (every advantage 0, < 2 scored) are dropped.
+
+    An advantage plugin with ``needs_turn_scores = True`` (igpo) first gets the answer scores
+    of every turn of every group from one ``trainer`` forward (see :func:`score_turns`), in
+    calls of at most ``max_samples_per_call`` sequences. For it a group whose outcome rewards
+    are all equal may still carry signal (the turns' information gains): a group is dropped
+    when all its advantages are 0, which for an outcome-only advantage means equal rewards.
+    """
+    plugin = advantage_plugin(pm)
+    metrics: dict[str, float] = {}
     dropped_zero_variance = dropped_failed = skipped = 0
+    candidates: list[list[Sample]] = []
     for group in groups:
         if not group:
             skipped += 1
@@ -128,11 +142,24 @@ def compute_advantages(
         if len(scored) < 2:
             dropped_failed += 1
             continue
-        rewards_G = [s.reward for s in scored]
-        if drop_zero_variance and max(rewards_G) == min(rewards_G):
+        candidates.append(scored)
+    needs_turn_scores = bool(getattr(plugin, "needs_turn_scores", False))
+    turn_scores: list[list[list[float]]] = []
+    if needs_turn_scores:
+        if trainer is None:
+            raise PluginError("this advantage scores the answer after every turn and needs the trainer: pass trainer=")
+        t0 = time.perf_counter()
+        turn_scores, score_metrics = score_turns(trainer, candidates, plugin.answer_template, max_samples_per_call)
+        metrics.update(score_metrics)
+        metrics["time/igpo"] = time.perf_counter() - t0
+    kept: list[list[Sample]] = []
+    for g, scored in enumerate(candidates):
+        if needs_turn_scores:
+            plugin.turn_scores_G = turn_scores[g]
+        advantages = pm.hook.advantage(rewards_G=[s.reward for s in scored], samples=scored)
+        if drop_zero_variance and all(a == 0 for adv in advantages for a in ([adv] if isinstance(adv, (int, float)) else adv)):
             dropped_zero_variance += 1
             continue
-        advantages = pm.hook.advantage(rewards_G=rewards_G, samples=scored)
         for sample, adv in zip(scored, advantages):
             if isinstance(adv, (int, float)):
                 sample.advantages = [float(adv)] * len(sample.tokens)
@@ -141,12 +168,92 @@ def compute_advantages(
             else:
                 raise ValueError(f"advantage returned {len(adv)} values for a sample of {len(sample.tokens)} tokens")
         kept.append(scored)
+    if hasattr(plugin, "step_metrics"):
+        metrics.update(plugin.step_metrics())
     return kept, {
         "groups/kept": float(len(kept)),
         "groups/dropped_zero_variance": float(dropped_zero_variance),
         "groups/dropped_failed": float(dropped_failed),
         "groups/skipped": float(skipped),
+        **metrics,
     }
+
+
+def advantage_plugin(pm: pluggy.PluginManager) -> Any:
+    """The plugin instance that answers the ``advantage`` hook (the last registered wins)."""
+    impls = pm.hook.advantage.get_hookimpls()
+    return impls[-1].plugin if impls else None
+
+
+def turn_contexts(sample: Sample) -> list[int]:
+    """Where the conversation stands before each turn but the last: ``tokens[:ctx_t]`` for t = 0..T−1.
+
+    ctx_0 is the prompt alone (the first turn's start), ctx_t the end of turn t's context (its
+    observation and the next assistant header). The score after the last turn never enters
+    IGPO (the outcome reward stands in for it), so it is not computed; a single-turn sample
+    has nothing to score.
+    """
+    turns = sample.turns
+    if len(turns) < 2:
+        return []
+    return [turns[0].start] + [turn.context_end for turn in turns[:-1]]
+
+
+def score_turns(
+    trainer: Trainer, groups: Sequence[Sequence[Sample]], answer_template: str, max_samples_per_call: int | None = None
+) -> tuple[list[list[list[float]]], dict[str, float]]:
+    """Teacher-forced score of each prompt's answer after each turn, for every sample of every group.
+
+    s_t = mean log-probability under the current policy of the answer's tokens following
+    ``tokens[:ctx_t]`` and the part of ``answer_template`` before ``{answer}`` (the two are
+    tokenized apart, so exactly the answer's own tokens are averaged). All sequences go to one
+    ``trainer.forward`` (split only into calls of ``max_samples_per_call``).
+
+    :returns: per group, per sample, the scores s_0..s_{T−1} (empty for a single turn); and
+        metrics: ``igpo/scored_sequences`` and ``igpo/answer_logprob_t0`` (mean s_0).
+    """
+    import tinker
+
+    lead, _ = answer_template.split("{answer}", 1)
+    lead_ids = list(trainer.tokenizer.encode(lead, add_special_tokens=False)) if lead else []
+    datums: list[Any] = []
+    answer_lengths: list[int] = []
+    owners: list[tuple[int, int]] = []
+    for g, group in enumerate(groups):
+        for i, sample in enumerate(group):
+            contexts = turn_contexts(sample)
+            if not contexts:
+                continue
+            if not sample.prompt.answer:
+                raise PluginError(f"prompt {sample.prompt.id} has no answer: igpo scores the ground-truth answer after every turn")
+            answer_ids = list(trainer.tokenizer.encode(sample.prompt.answer, add_special_tokens=False))
+            for end in contexts:
+                ids = sample.tokens[:end] + lead_ids + answer_ids
+                datums.append(
+                    tinker.Datum(
+                        model_input=tinker.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": ids[1:],
+                            "weights": [0.0] * (len(ids) - 1 - len(answer_ids)) + [1.0] * len(answer_ids),
+                        },
+                    )
+                )
+                answer_lengths.append(len(answer_ids))
+                owners.append((g, i))
+    scores: list[list[list[float]]] = [[[] for _ in group] for group in groups]
+    logprobs: list[Any] = []
+    for idx in fwd_bwd_chunks(len(datums), 1, max_samples_per_call) if datums else []:
+        logprobs.extend(trainer.forward([datums[k] for k in idx]))
+    first: list[float] = []
+    for (g, i), length, lp in zip(owners, answer_lengths, logprobs):
+        score = float(lp[-length:].mean())
+        if not scores[g][i]:
+            first.append(score)
+        scores[g][i].append(score)
+    metrics = {"igpo/scored_sequences": float(len(datums))}
+    if first:
+        metrics["igpo/answer_logprob_t0"] = _mean(first)
+    return scores, metrics
 
 
 def train_on_groups(

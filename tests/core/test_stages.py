@@ -96,3 +96,32 @@ def test_advantage_with_wrong_length_is_an_error():
     g[0].reward, g[1].reward = 1.0, 0.0
     with pytest.raises(ValueError, match="advantage returned 1 values for a sample of 3 tokens"):
         compute_advantages(build_manager([Bad()]), [g], drop_zero_variance=True)
+
+
+def test_turn_contexts_are_the_prompt_then_each_turns_context_but_the_last():
+    from grpo_core.stages import turn_contexts
+    from grpo_core.types import Turn
+
+    prompt = Prompt(id="p", text="q", answer="1")
+    sample = Sample(prompt=prompt, tokens=list(range(20)), sampling_logprobs=[0.0] * 20, loss_mask=[0.0] * 20, text="", finish_reason="stop", policy_version=0)
+    assert turn_contexts(sample) == []
+    sample.turns = [Turn(3, 6, 9)]
+    assert turn_contexts(sample) == []  # a single turn: nothing to score
+    sample.turns = [Turn(3, 6, 9), Turn(9, 12, 15), Turn(15, 20, 20)]
+    assert turn_contexts(sample) == [3, 9, 15]
+
+
+def test_a_group_is_dropped_when_every_advantage_is_zero():
+    """Not only equal rewards: rewards a hair apart give GRPO's all-zero advantages too."""
+    g = group(["x", "y"])
+    g[0].reward, g[1].reward = 1.0, 1.0 + 1e-12
+    kept, metrics = compute_advantages(build_manager([GRPOAdvantage()]), [g], drop_zero_variance=True)
+    assert kept == [] and metrics["groups/dropped_zero_variance"] == 1.0
+
+
+def test_the_advantage_stage_finds_the_selected_plugin_instance():
+    from grpo_core.stages import advantage_plugin
+
+    plugin = GRPOAdvantage()
+    assert advantage_plugin(build_manager([plugin])) is plugin
+    assert advantage_plugin(build_manager([])) is None
