@@ -48,7 +48,7 @@ from grpo_core.loop import (
     write_checkpoint,
 )
 from grpo_core.plugins_manager import PluginError
-from grpo_core.stages import compute_advantages, score_groups, train_on_groups
+from grpo_core.stages import advantage_plugin, compute_advantages, score_groups, train_on_groups
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -326,6 +326,10 @@ class AsyncLoop:
         self.failures_in_a_row = 0
         self.outcomes: collections.deque[bool] = collections.deque(maxlen=config.rollout_failure_window)
         self.score_lock = threading.Lock()
+        self.trainer_lock = threading.Lock()
+        """Held while a step changes the trainer's weights; an advantage that scores
+        with the trainer (IGPO) takes it too, so its scores come from one version."""
+        self.scores_with_trainer = bool(getattr(advantage_plugin(self.pm), "needs_turn_scores", False))
         self.threads = [
             threading.Thread(target=self.work, daemon=True, name=f"grpo-core-rollout-{i}") for i in range(self.gate.max_concurrent)
         ]
@@ -394,7 +398,8 @@ class AsyncLoop:
         groups = [[s for s in g if s is not None] for g in groups]
         version = min([version, *(s.policy_version for g in groups for s in g)])
         t1 = time.perf_counter()
-        with self.score_lock:  # rewards and their failure counter are shared by every worker
+        # Rewards and their failure counter are shared by every worker.
+        with self.score_lock, self.trainer_lock if self.scores_with_trainer else contextlib.nullcontext():
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd)
         return Finished(
@@ -441,7 +446,8 @@ class AsyncLoop:
             start_version = trainer.version
             staleness = [start_version - s.policy_version for g in kept for s in g]
             t1 = time.perf_counter()
-            train_metrics = self.train_batch(kept, learning_rate(config, step - 1, state.total_steps))
+            with self.trainer_lock:
+                train_metrics = self.train_batch(kept, learning_rate(config, step - 1, state.total_steps))
             sync_metrics = self.sampler.sync(self.r, step) if step % config.weight_sync_interval == 0 else {}
             t2 = time.perf_counter()
             with self.cond:
@@ -647,6 +653,8 @@ SUMMED = {
     "tool/errors",
     "tool/timeouts",
     "multi_turn/prefix_failures",
+    "time/igpo",
+    "igpo/scored_sequences",
 }
 
 

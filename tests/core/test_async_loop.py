@@ -643,3 +643,41 @@ def test_a_resumed_run_drops_the_group_records_after_its_checkpoint_and_a_torn_l
     path.write_text('{"step": 1, "index": 0}\n{"step": 2, "index": 1}\n{"step": 3, "index": 2}\n{"step": 3, "ind')
     trim_ledger(path, 2)
     assert path.read_text() == '{"step": 1, "index": 0}\n{"step": 2, "index": 1}\n'
+
+
+def test_turn_scores_are_never_taken_while_a_step_changes_the_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """IGPO scores with the trainer from a rollout worker: those forwards wait for the step."""
+    from grpo_core.async_loop import AsyncLoop
+    from grpo_core.plugins.backends.local import LocalTrainer
+
+    dataset = tmp_path / "games.jsonl"
+    dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in range(1, 13)))
+    steps, scores = [], []
+    train_batch, forward = AsyncLoop.train_batch, LocalTrainer.forward
+
+    def timed_train_batch(self, kept, lr):
+        started = time.perf_counter()
+        time.sleep(0.2)  # a long step: a scoring forward arriving meanwhile must wait for it
+        try:
+            return train_batch(self, kept, lr)
+        finally:
+            steps.append((started, time.perf_counter()))
+
+    def timed_forward(self, datums):
+        started = time.perf_counter()
+        try:
+            return forward(self, datums)
+        finally:
+            if threading.current_thread().name.startswith("grpo-core-rollout"):
+                scores.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(AsyncLoop, "train_batch", timed_train_batch)
+    monkeypatch.setattr(LocalTrainer, "forward", timed_forward)
+    cfg = config(
+        tiny_model_dir, dataset, tmp_path / "run", max_steps=4, reward=["env"], rollout="multi_turn", env="guess_number",
+        advantage="igpo", max_head_offpolicy_versions=2, max_concurrent=3,
+        plugin_options={"rollout": {"multi_turn": {"max_turns": 2}}, "advantage": {"igpo": {"answer_template": "It is {answer}."}}},
+    )  # fmt: skip
+    run(cfg)
+    assert len(steps) == 4 and scores
+    assert not [(s, t) for s in scores for t in steps if s[0] < t[1] and t[0] < s[1]]
