@@ -67,12 +67,12 @@ class TinkerBackend:
     def make_trainer(self, config: RunConfig) -> TinkerTrainer:
         from transformers import AutoTokenizer
 
-        service = sdk.connect(self.base_url, sdk.api_key_from(self.api_key, self.api_key_env))
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        training = sdk.resolved(service.create_lora_training_client(base_model=base_model, rank=self.rank, seed=config.seed))
+        key = sdk.api_key_from(self.api_key, self.api_key_env)
+        service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin)
 

@@ -30,17 +30,19 @@ def check_sdk() -> None:
         raise PluginError(f"the tinker backend needs tinker>=0.24.1, found {distribution_version('tinker')}")
 
 
-def connect(base_url: str, api_key: str) -> tinker.ServiceClient:
-    """A service client; an empty base_url is the SDK's default (TINKER_BASE_URL or the hosted service)."""
+def training_client(base_url: str, api_key: str, base_model: str, rank: int, seed: int) -> tuple[tinker.ServiceClient, Any]:
+    """A service client and a LoRA training client on it; an empty base_url is the SDK's default
+    (TINKER_BASE_URL or the hosted service)."""
     check_sdk()
     kwargs: dict[str, Any] = {"api_key": api_key}
     if base_url:
         kwargs["base_url"] = base_url
     try:
-        return tinker.ServiceClient(**kwargs)
+        service = tinker.ServiceClient(**kwargs)
+        return service, resolved(service.create_lora_training_client(base_model=base_model, rank=rank, seed=seed))
     except tinker.TinkerError as exc:
         # The SDK's messages name the problem (a key without the tml- prefix), never the key itself.
-        raise PluginError(f"cannot connect to the Tinker service at {base_url or 'the SDK default'}: {exc}") from None
+        raise PluginError(f"cannot open a training client on the Tinker service at {base_url or 'the SDK default'}: {exc}") from None
 
 
 def resolved(value: Any) -> Any:
