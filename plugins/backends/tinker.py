@@ -7,7 +7,7 @@ import math
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import tinker
@@ -52,6 +52,11 @@ class TinkerBackend:
     base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
     rank: int = option(32, help="LoRA rank of the trained adapter", validator=_validate_rank)
     builtin_losses: bool = option(True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)")
+    loss_reduction: Literal["sum", "sequence_mean"] = option(
+        "sum",
+        help="how the service reduces a loss over tokens: sum (Tinker's contract) or sequence_mean "
+        "(skyrl 0.3.0: each sequence over its weights' sum, then the mean over the step's sequences)",
+    )
 
     default_sampler = "tinker"
     # A weight sync hands the sampler a sampling client of the new weights, as in_process hands weights.
@@ -74,7 +79,9 @@ class TinkerBackend:
         key = sdk.api_key_from(self.api_key, self.api_key_env)
         service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
-        return TinkerTrainer(service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin)
+        return TinkerTrainer(
+            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction
+        )
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: TinkerTrainer) -> TinkerReference:
@@ -153,9 +160,11 @@ class TinkerTrainer:
     tokenizer: Any
     base_model: str
     builtin: BuiltinLoss | None = None
+    reduction: str = "sum"
+    """How the service reduces a loss's per-token terms: "sum" or "sequence_mean" (see the option)."""
     version: int = 0
-    pending: list[tinker.Datum] = attrs.field(factory=list)
-    """The custom path's backward datums (weights = −∂loss/∂logprob), sent with the optimizer
+    pending: list[tuple[tinker.Datum, torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+    """The custom path's (datum, its forward's logprobs, ∂loss/∂logprobs), sent with the optimizer
     step: a step with a non-finite loss then leaves no gradient on the service."""
     nonfinite_loss: bool = False
     counts: dict[str, int] = attrs.field(factory=lambda: {"forward": 0, "forward_backward": 0})
@@ -167,25 +176,45 @@ class TinkerTrainer:
         return [torch.tensor(lp, dtype=torch.float32) for lp in sdk.logprobs_of(output)]
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        if self.builtin is not None and hasattr(loss_fn, "inputs"):
+        if self.builtin is not None and hasattr(loss_fn, "inputs") and (not loss_fn.on_policy or self.reduction == "sum"):
             return self._forward_backward_builtin(datums, loss_fn)
         logprobs = [lp.requires_grad_(True) for lp in self.forward(datums)]
         loss, metrics = loss_fn(datums, logprobs)
         if torch.isfinite(loss):
             loss.backward()
             for datum, lp in zip(datums, logprobs):
-                grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
-                # The service's cross_entropy is Σ −weight·logprob: weights = −∂loss/∂logprob
-                # backpropagate the loss computed here.
-                self.pending.append(
-                    tinker.Datum(
-                        model_input=datum.model_input,
-                        loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": _tensor_data(-grad)},
-                    )
-                )
+                self.pending.append((datum, lp.detach(), lp.grad if lp.grad is not None else torch.zeros_like(lp)))
         else:
             self.nonfinite_loss = True
         return _output(logprobs, metrics, loss)
+
+    def _backward_datums(self) -> tuple[str, list[tinker.Datum]]:
+        """The service loss and datums whose gradient is the pending custom-loss gradient."""
+        if self.reduction == "sum":
+            # Σ −weight·logprob: weights = −∂loss/∂logprob backpropagate the loss computed here.
+            return "cross_entropy", [
+                tinker.Datum(
+                    model_input=d.model_input,
+                    loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": _tensor_data(-grad)},
+                )
+                for d, _, grad in self.pending
+            ]
+        # A mean of per-sequence means over the weights scales each sequence's weights away, so the
+        # gradient rides on importance_sampling instead: ratio exp(π − π_forward) = 1 with gradient
+        # ∇π, every position weighted 1, advantages scaled by the sequence's length and the count.
+        count = len(self.pending)
+        return "importance_sampling", [
+            tinker.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": _tensor_data(torch.ones_like(lp)),
+                    "logprobs": _tensor_data(lp),
+                    "advantages": _tensor_data(-grad * len(lp) * count),
+                },
+            )
+            for d, lp, grad in self.pending
+        ]
 
     def _forward_backward_builtin(self, datums: Sequence[tinker.Datum], loss_fn: StepLoss) -> tinker.ForwardBackwardOutput:
         """One forward/backward of the service's own loss, then the run's loss on the logprobs of
@@ -194,9 +223,14 @@ class TinkerTrainer:
         placeholders = [torch.zeros(len(d.loss_fn_inputs["target_tokens"].data)) for d in datums]
         inputs = loss_fn.inputs(placeholders)
         weights = token_weights(inputs, self.builtin.agg)
-        data = []
+        sent, data = [], []
         for i, datum in enumerate(datums):
+            trained = float(inputs.mask[i].sum())
+            if trained == 0:
+                continue  # no term, and a sequence_mean service would count it
             advantages = inputs.advantages[i] * weights[i] * inputs.mask[i]
+            if self.reduction == "sequence_mean":
+                advantages = advantages * trained * inputs.num_sequences
             if loss_fn.on_policy:
                 # At ratio 1 every mapped loss has the gradient −A·∇log π: the service's
                 # cross_entropy with weights A gives it without knowing π_old.
@@ -208,11 +242,15 @@ class TinkerTrainer:
                     "advantages": _tensor_data(advantages),
                     "logprobs": _tensor_data(inputs.old_logprobs[i]),
                 }
+            sent.append(i)
             data.append(tinker.Datum(model_input=datum.model_input, loss_fn_inputs=loss_fn_inputs))
-        self.counts["forward_backward"] += 1
         name, config = ("cross_entropy", None) if loss_fn.on_policy else (self.builtin.name, self.builtin.config)
-        output = sdk.resolved(self.training.forward_backward(data, name, config))
-        logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in sdk.logprobs_of(output)]
+        logprobs = [torch.zeros_like(p) for p in placeholders]
+        if data:
+            self.counts["forward_backward"] += 1
+            output = sdk.resolved(self.training.forward_backward(data, name, config))
+            for i, lp in zip(sent, sdk.logprobs_of(output)):
+                logprobs[i] = torch.tensor(lp, dtype=torch.float32)
         with torch.no_grad():
             loss, metrics = loss_fn(datums, logprobs)
         if not torch.isfinite(loss):
@@ -228,7 +266,8 @@ class TinkerTrainer:
         if not skip:
             if self.pending:
                 self.counts["forward_backward"] += 1
-                sdk.resolved(self.training.forward_backward(self.pending, "cross_entropy"))
+                loss_name, data = self._backward_datums()
+                sdk.resolved(self.training.forward_backward(data, loss_name))
             response = sdk.resolved(self.training.optim_step(adam_params=adam_params))
             metrics = {f"optim/{k}": float(v) for k, v in (getattr(response, "metrics", None) or {}).items()}
             self.version += 1
@@ -290,5 +329,8 @@ class TinkerReference:
             self.client.compute_logprobs(tinker.ModelInput.from_ints(d.model_input.to_ints() + d.loss_fn_inputs["target_tokens"].data[-1:]))
             for d in datums
         ]
-        # The first token has no logprob; the rest are those of the datum's targets.
-        return [torch.tensor([math.nan if x is None else x for x in sdk.resolved(f)[1:]], dtype=torch.float32) for f in futures]
+        # The first token has no logprob (a None, or left out: skyrl 0.3.0); the rest are the targets'.
+        return [
+            torch.tensor([math.nan if x is None else x for x in sdk.resolved(f)[-len(d.loss_fn_inputs["target_tokens"].data) :]], dtype=torch.float32)
+            for d, f in zip(datums, futures)
+        ]

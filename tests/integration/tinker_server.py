@@ -119,8 +119,10 @@ def client_env(root: Path) -> dict[str, str]:
     package = root / "grpo_core"
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(src / "core", package, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copytree(src / "plugins", package / "plugins", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        # Links to every file: the checkout's sources, laid out as grpo_core and grpo_core.plugins.
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(src / "core", package, ignore=skip, copy_function=os.symlink)
+        shutil.copytree(src / "plugins", package / "plugins", ignore=skip, copy_function=os.symlink)
         dist = root / "grpo_core-0.1.0.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: grpo-core\nVersion: 0.1.0\n")
