@@ -15,6 +15,7 @@ Two virtualenvs, each built once and reused (under ``~/.cache/grpo-core/``, or `
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -155,13 +156,13 @@ class TinkerServer:
     and engine processes under it, and nothing else.
     """
 
-    def __init__(self, base_model: Path, workdir: Path, port: int | None = None, max_lora_adapters: int = 4, max_lora_rank: int = 8) -> None:
+    def __init__(self, base_model: Path, workdir: Path, port: int | None = None, **backend_config: object) -> None:
         self.base_model = base_model
         self.workdir = workdir
         self.log = workdir / "skyrl.log"
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.backend_config = f'{{"max_lora_adapters": {max_lora_adapters}, "max_lora_rank": {max_lora_rank}}}'
+        self.backend_config = json.dumps({"max_lora_adapters": 4, "max_lora_rank": 8, **backend_config})
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> float:
