@@ -350,3 +350,62 @@ def test_adapter_resolves_futures_and_maps_sampling_settings():
     assert (params.max_tokens, params.temperature, params.top_p, params.top_k, list(params.stop), params.seed) == (16, 0.7, 0.9, -1, ["\n\n"], 5)
     assert list(tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [0, 2], seed=1).stop) == [0, 2]
     assert tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [], seed=1).top_k == 20
+
+
+# -- options reach the trainer; skyrl's reduction ------------------------------------------------------
+
+
+def test_make_trainer_passes_the_options_to_the_service(monkeypatch):
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened.update(base_url=base_url, api_key=api_key, base_model=base_model, rank=rank, seed=seed)
+        return FakeService(FakeTraining()), FakeTraining()
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    config = RunConfig(loss=["cispo"], seed=11)
+    backend = make_plugin("tinker", kind="backend", base_url="http://svc", rank=4, base_model="Qwen/X", loss_reduction="sequence_mean")
+    trainer = backend.make_trainer(config=config)
+    assert opened == {"base_url": "http://svc", "api_key": "tml-from-env", "base_model": "Qwen/X", "rank": 4, "seed": 11}
+    assert trainer.builtin.name == "cispo" and trainer.reduction == "sequence_mean" and trainer.base_model == "Qwen/X"
+    assert make_plugin("tinker", kind="backend", builtin_losses=False).make_trainer(config=config).builtin is None
+    with pytest.raises(PluginError, match="loss_reduction"):
+        make_plugin("tinker", kind="backend", loss_reduction="mean")
+
+
+def test_sequence_mean_custom_path_carries_the_gradient_on_importance_sampling():
+    trainer, training = make_trainer()
+    trainer.reduction = "sequence_mean"
+    data = pairs()
+    datums = [d for _, d in data]
+    step = StepLossForTest.make(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data], None)
+    trainer.forward_backward_custom(datums, step)
+    trainer.optim_step(ADAM)
+    _, loss_fn, _, sent = training.calls[1]
+    assert loss_fn == "importance_sampling"
+    for datum, (sample, _) in zip(sent, data):
+        T = len(sample.tokens) - 1
+        inputs = datum.loss_fn_inputs
+        assert inputs["weights"].data == [1.0] * T
+        assert inputs["logprobs"].data == pytest.approx([-0.1 * t for t in range(T)])
+        # skyrl divides each sequence by its weights' sum (T) and the step by its sequences (3).
+        assert inputs["advantages"].data == pytest.approx([w * 2.0 / 3 * T * 3 for w in sample.loss_mask[1:]])
+
+
+def test_sequence_mean_builtin_path_scales_advantages_and_leaves_on_policy_to_the_custom_path():
+    builtin = BuiltinLoss("importance_sampling", "token-sum")
+    trainer, training = make_trainer(builtin)
+    trainer.reduction = "sequence_mean"
+    data = pairs()
+    old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
+    advantages = [torch.full((len(s.tokens) - 1,), 1.0) for s, _ in data]
+    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, old))
+    (_, loss_fn, _, sent), = training.calls
+    assert loss_fn == "importance_sampling"
+    for datum, (sample, _) in zip(sent, data):
+        trained = sum(sample.loss_mask[1:])
+        assert datum.loss_fn_inputs["advantages"].data == pytest.approx([m * trained * 3 for m in sample.loss_mask[1:]])
+    training.calls.clear()
+    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, None))
+    assert [c[0] for c in training.calls] == ["forward"]
