@@ -76,6 +76,17 @@ def test_client_runs_the_sdk_skyrl_speaks(client):
     assert client("sdk_version") == {"tinker": "0.24.1", "adapter": [0, 24]}
 
 
+def test_unit_tests_pass_with_the_sdk_skyrl_speaks(client_python, tmp_path_factory):
+    """The adapter's other branch: the fake-client tests under tinker==0.24.1 (this process has the current SDK)."""
+    tests = ["tests/plugins/backends/test_tinker.py", "tests/plugins/samplers/test_tinker.py"]
+    out = subprocess.run(
+        [str(client_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        capture_output=True, text=True, cwd=ROOT, env=client_env(tmp_path_factory.mktemp("unit-client")), timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " passed" in out.stdout.splitlines()[-1] and "failed" not in out.stdout.splitlines()[-1]
+
+
 def test_service_logprobs_agree_with_the_local_trainer_before_any_step(client):
     result = client("logprobs")
     print(f"service vs local trainer logprobs: max |diff| {result['max_abs_diff']:.2e} over {result['tokens']} tokens")
