@@ -69,6 +69,7 @@ def client(client_python, server, tmp_path_factory):
         return subprocess.run([str(client_python), "-m", "grpo_core.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
 
     call.cli = cli
+    call.url = server.url
     return call
 
 
