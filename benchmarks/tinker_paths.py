@@ -82,13 +82,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not url:
             ensure_server_venv()
-            server = TinkerServer(ROOT / "core" / "assets" / "default", Path(tmp) / "skyrl", max_lora_adapters=32, sample_max_num_sequences=32)
+            server = TinkerServer(
+                ROOT / "core" / "assets" / "default", Path(tmp) / "skyrl", max_lora_adapters=32, sample_max_num_sequences=32
+            )
             print(f"skyrl started in {server.start():.1f}s", flush=True)
             url = server.url
         try:
             out = subprocess.run(
                 [str(client_python), __file__, "--client", url, "--losses", args.losses, "--steps", str(args.steps)],
-                capture_output=True, text=True, env=client_env(Path(tmp) / "client"),
+                capture_output=True, text=True, env=client_env(Path(tmp) / "client"), check=False,
             )  # fmt: skip
         finally:
             if server is not None:

@@ -51,7 +51,9 @@ class TinkerBackend:
     api_key_env: str = option("TINKER_API_KEY", help="environment variable holding the API key when api_key is empty")
     base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
     rank: int = option(32, help="LoRA rank of the trained adapter", validator=_validate_rank)
-    builtin_losses: bool = option(True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)")
+    builtin_losses: bool = option(
+        True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
+    )
     loss_reduction: Literal["sum", "sequence_mean"] = option(
         "sum",
         help="how the service reduces a loss over tokens: sum (Tinker's contract) or sequence_mean "
@@ -331,6 +333,8 @@ class TinkerReference:
         ]
         # The first token has no logprob (a None, or left out: skyrl 0.3.0); the rest are the targets'.
         return [
-            torch.tensor([math.nan if x is None else x for x in sdk.resolved(f)[-len(d.loss_fn_inputs["target_tokens"].data) :]], dtype=torch.float32)
+            torch.tensor(
+                [math.nan if x is None else x for x in sdk.resolved(f)[-len(d.loss_fn_inputs["target_tokens"].data) :]], dtype=torch.float32
+            )
             for d, f in zip(datums, futures)
         ]

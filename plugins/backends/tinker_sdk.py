@@ -10,8 +10,9 @@ checkpoint into a training client in favour of creating a new client from it.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from importlib.metadata import version as distribution_version
-from typing import Any, Sequence
+from typing import Any
 
 import tinker
 
@@ -68,7 +69,9 @@ def logprobs_of(output: Any) -> list[list[float]]:
     return [record["logprobs"].tolist() for record in output.loss_fn_outputs]
 
 
-def sampling_params(max_tokens: int, temperature: float, top_p: float, top_k: int, stop: Sequence[str], stop_token_ids: Sequence[int], seed: int) -> tinker.SamplingParams:
+def sampling_params(
+    max_tokens: int, temperature: float, top_p: float, top_k: int, stop: Sequence[str], stop_token_ids: Sequence[int], seed: int
+) -> tinker.SamplingParams:
     # One kind of stop per request (the SDK's field takes strings or ids): strings are what a
     # task states, ids are the tokenizer's end-of-sequence markers.
     return tinker.SamplingParams(

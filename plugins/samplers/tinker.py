@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from grpo_core import Completion, SamplingParams, hookimpl, option
+from grpo_core import Completion, SamplingParams, hookimpl
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends import tinker_sdk as sdk
 from grpo_core.plugins_manager import PluginError
@@ -31,7 +31,9 @@ class TinkerSamplerPlugin:
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> TinkerSampler:
         if not hasattr(trainer, "sampling_client"):
-            raise PluginError(f"the tinker sampler samples the tinker trainer's weights, not a {type(trainer).__name__}'s; choose another --sampler")
+            raise PluginError(
+                f"the tinker sampler samples the tinker trainer's weights, not a {type(trainer).__name__}'s; choose another --sampler"
+            )
         return TinkerSampler(tokenizer=trainer.tokenizer, max_context=_max_context(trainer.tokenizer))
 
 
@@ -67,9 +69,17 @@ class TinkerSampler:
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             request = sdk.sampling_params(
-                params.max_tokens, params.temperature, params.top_p, params.top_k, params.stop, params.stop_token_ids, random.randrange(2**31)
+                params.max_tokens,
+                params.temperature,
+                params.top_p,
+                params.top_k,
+                params.stop,
+                params.stop_token_ids,
+                random.randrange(2**31),
             )
-            futures.append(self.client.sample(prompt=sdk.tinker.ModelInput.from_ints(list(prompt)), num_samples=num_samples, sampling_params=request))
+            futures.append(
+                self.client.sample(prompt=sdk.tinker.ModelInput.from_ints(list(prompt)), num_samples=num_samples, sampling_params=request)
+            )
         return [self._completions(sdk.resolved(f), num_samples, params.temperature == 0) for f in futures]
 
     def _completions(self, response: Any, n: int, greedy: bool) -> list[Completion]:
@@ -84,9 +94,13 @@ class TinkerSampler:
                 raise PluginError(f"the Tinker service returned no usable logprob for every sampled token ({len(tokens)} tokens)")
             outside = [t for t in tokens if not 0 <= t < self.vocab_size]
             if outside:
-                raise PluginError(f"the Tinker service sampled token ids outside the tokenizer's vocabulary of {self.vocab_size}: {outside[:5]}")
+                raise PluginError(
+                    f"the Tinker service sampled token ids outside the tokenizer's vocabulary of {self.vocab_size}: {outside[:5]}"
+                )
             finish = FINISH_REASONS.get(str(seq.stop_reason))
             if finish is None:
                 raise PluginError(f"the Tinker service ended a sample with stop reason {seq.stop_reason!r}")
-            completions.append(Completion(tokens=tokens, logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish))
+            completions.append(
+                Completion(tokens=tokens, logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish)
+            )
         return completions

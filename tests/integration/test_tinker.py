@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.integration.tinker_server import TinkerServer, client_env, ensure_client_venv, ensure_server_venv  # noqa: E402
+from tests.integration.tinker_server import TinkerServer, client_env, ensure_client_venv, ensure_server_venv
 
 pytestmark = [pytest.mark.tinker, pytest.mark.slow]
 
@@ -60,13 +60,15 @@ def client(client_python, server, tmp_path_factory):
     def call(check: str, **kwargs) -> dict:
         out = subprocess.run(
             [str(client_python), __file__, check, json.dumps({"url": server.url, **kwargs})],
-            capture_output=True, text=True, env=env, timeout=900,
+            capture_output=True, text=True, env=env, timeout=900, check=False,
         )  # fmt: skip
         assert out.returncode == 0, f"{check} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}\nserver log: {server.log}"
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-        return subprocess.run([str(client_python), "-m", "grpo_core.cli", *args], capture_output=True, text=True, env=env, timeout=timeout)
+        return subprocess.run(
+            [str(client_python), "-m", "grpo_core.cli", *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
+        )
 
     call.cli = cli
     call.url = server.url
@@ -82,7 +84,7 @@ def test_unit_tests_pass_with_the_sdk_skyrl_speaks(client_python, tmp_path_facto
     tests = ["tests/plugins/backends/test_tinker.py", "tests/plugins/samplers/test_tinker.py"]
     out = subprocess.run(
         [str(client_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
-        capture_output=True, text=True, cwd=ROOT, env=client_env(tmp_path_factory.mktemp("unit-client")), timeout=600,
+        capture_output=True, text=True, cwd=ROOT, env=client_env(tmp_path_factory.mktemp("unit-client")), timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
     assert " passed" in out.stdout.splitlines()[-1] and "failed" not in out.stdout.splitlines()[-1]
@@ -106,7 +108,9 @@ def test_builtin_and_custom_paths_give_the_same_update(client, loss):
     print(f"{loss}: service {result['service_losses']}, logprobs after one step differ by {result['after_max_abs_diff']:.2e} "
           f"(the step moved them by {result['moved']:.2e}); loss {result['loss_builtin']:.6f} vs {result['loss_custom']:.6f}; "
           f"{result['seconds_builtin']:.2f}s vs {result['seconds_custom']:.2f}s")  # fmt: skip
-    assert result["service_losses"] == [{"importance_sampling": "importance_sampling", "dapo": "ppo", "grpo": "ppo", "cispo": "cispo"}[loss]]
+    assert result["service_losses"] == [
+        {"importance_sampling": "importance_sampling", "dapo": "ppo", "grpo": "ppo", "cispo": "cispo"}[loss]
+    ]
     assert result["moved"] > 0.1  # the step changed the policy, so equal logprobs after it mean equal updates
     assert result["after_max_abs_diff"] < 1e-4 * result["moved"]
     assert result["loss_builtin"] == pytest.approx(result["loss_custom"], rel=1e-5, abs=1e-7)
@@ -211,7 +215,9 @@ def check_logprobs(url: str) -> dict:
     datums = [d for _, d in pairs]
     remote = trainer.forward(datums)
     ours = local.forward(datums)
-    reference = TinkerBackend(base_url=url, rank=RANK, base_model=str(ASSETS)).make_reference(config=config, trainer=trainer).forward(datums)
+    reference = (
+        TinkerBackend(base_url=url, rank=RANK, base_model=str(ASSETS)).make_reference(config=config, trainer=trainer).forward(datums)
+    )
     diffs, ref_diffs, tokens = [], [], 0
     for (sample, _), r, o, ref in zip(pairs, remote, ours, reference):
         trained = [t for t, w in enumerate(sample.loss_mask[1:]) if w > 0]
@@ -231,7 +237,7 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
 
     names = [loss, *(wrappers or [])]
     plugin_options = {"loss": {loss: options}}
-    builtin_trainer, config = _trainer(url, loss=names, plugin_options=plugin_options, seed=3)
+    builtin_trainer, _ = _trainer(url, loss=names, plugin_options=plugin_options, seed=3)
     custom_trainer, _ = _trainer(url, loss=names, plugin_options=plugin_options, seed=3)
     custom_trainer.builtin = None
     pairs = _datums(builtin_trainer.tokenizer, 8)
@@ -246,7 +252,9 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
     adam = tinker.AdamParams(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0)
     service_losses = []
     send = builtin_trainer.training.forward_backward
-    builtin_trainer.training.forward_backward = lambda data, loss_fn, config=None: service_losses.append(loss_fn) or send(data, loss_fn, config)
+    builtin_trainer.training.forward_backward = lambda data, loss_fn, config=None: (
+        service_losses.append(loss_fn) or send(data, loss_fn, config)
+    )
     results = {}
     for label, trainer in (("builtin", builtin_trainer), ("custom", custom_trainer)):
         trainer.counts = {"forward": 0, "forward_backward": 0}

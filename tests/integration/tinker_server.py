@@ -94,9 +94,16 @@ def ensure_server_venv(log=sys.stderr) -> Path:
 
 
 def _patch_typed_dict(python: Path) -> None:
-    types_py = Path(subprocess.check_output([str(python), "-c", "import skyrl, os; print(os.path.dirname(skyrl.__file__))"], text=True).strip()) / "tinker" / "types.py"
+    types_py = (
+        Path(subprocess.check_output([str(python), "-c", "import skyrl, os; print(os.path.dirname(skyrl.__file__))"], text=True).strip())
+        / "tinker"
+        / "types.py"
+    )
     text = types_py.read_text()
-    patched = text.replace("from typing import Annotated, Any, Literal, TypedDict", "from typing import Annotated, Any, Literal\nfrom typing_extensions import TypedDict")
+    patched = text.replace(
+        "from typing import Annotated, Any, Literal, TypedDict",
+        "from typing import Annotated, Any, Literal\nfrom typing_extensions import TypedDict",
+    )
     if patched == text:
         raise RuntimeError(f"skyrl's {types_py} does not import typing.TypedDict as expected; update the patch")
     types_py.write_text(patched)
@@ -188,7 +195,9 @@ class TinkerServer:
             "--backend-config", self.backend_config,
         ]  # fmt: skip
         with open(self.log, "a") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True)
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True
+            )
         while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(f"skyrl exited with {self.process.returncode} while starting; see {self.log}")

@@ -87,7 +87,14 @@ class FakeTraining:
         self.calls = []
 
     def _logprobs(self, data):
-        return [{"logprobs": tinker.TensorData.from_torch(-0.1 * torch.arange(len(d.loss_fn_inputs["target_tokens"].data), dtype=torch.float32))} for d in data]
+        return [
+            {
+                "logprobs": tinker.TensorData.from_torch(
+                    -0.1 * torch.arange(len(d.loss_fn_inputs["target_tokens"].data), dtype=torch.float32)
+                )
+            }
+            for d in data
+        ]
 
     def forward(self, data, loss_fn):
         self.calls.append(("forward", loss_fn, None, data))
@@ -182,7 +189,11 @@ def test_a_key_the_sdk_refuses_is_one_line_without_the_key():
     [
         (["importance_sampling"], {}, BuiltinLoss("importance_sampling", "seq-mean-token-sum")),
         (["importance_sampling"], {"clip_rho": 2.0}, None),
-        (["cispo"], {"eps_low": 0.1, "eps_high": 0.3}, BuiltinLoss("cispo", "token-mean", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3})),
+        (
+            ["cispo"],
+            {"eps_low": 0.1, "eps_high": 0.3},
+            BuiltinLoss("cispo", "token-mean", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}),
+        ),
         (["dapo"], {}, BuiltinLoss("ppo", "token-mean", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})),
         (["dapo"], {"dual_clip": 3.0}, None),
         (["grpo"], {"kl_beta": 0.0}, BuiltinLoss("ppo", "seq-mean-token-sum", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})),
@@ -281,7 +292,7 @@ def test_builtin_path_on_policy_is_one_cross_entropy_call_with_weighted_advantag
     advantages = [torch.full((len(s.tokens) - 1,), 1.5) for s, _ in data]
     step = StepLossForTest.make(["cispo"], {}, data, advantages, None)
     output = trainer.forward_backward_custom([d for _, d in data], step)
-    (kind, loss_fn, config, sent), = training.calls
+    ((kind, loss_fn, config, sent),) = training.calls
     assert (kind, loss_fn, config) == ("forward_backward", "cross_entropy", None)
     for datum, (sample, _) in zip(sent, data):
         assert datum.loss_fn_inputs["weights"].data == pytest.approx([m * 1.5 / step.num_tokens for m in sample.loss_mask[1:]])
@@ -299,7 +310,7 @@ def test_builtin_path_off_policy_sends_the_anchor_and_the_clip_range():
     old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
     step = StepLossForTest.make(["grpo"], {"loss": {"grpo": {"kl_beta": 0.0}}}, data, advantages, old)
     trainer.forward_backward_custom([d for _, d in data], step)
-    (kind, loss_fn, config, sent), = training.calls
+    ((_, loss_fn, config, sent),) = training.calls
     assert (loss_fn, config) == ("ppo", builtin.config)
     first = sent[0].loss_fn_inputs
     assert first["logprobs"].data == pytest.approx([-0.7] * len(old[0]))
@@ -319,7 +330,7 @@ def test_a_nonfinite_loss_after_a_builtin_backward_stops_with_what_to_do():
 
 
 def test_save_and_load_state_keep_the_remote_path_and_the_version(tmp_path):
-    trainer, training = make_trainer()
+    trainer, _ = make_trainer()
     trainer.version = 7
     trainer.save_state(str(tmp_path / "ckpt" / "trainer.pt"))
     state = json.loads((tmp_path / "ckpt" / "trainer.pt").read_text())
@@ -348,7 +359,14 @@ def test_adapter_resolves_futures_and_maps_sampling_settings():
     assert tinker_sdk.resolved(FakeFuture(3)) == 3
     assert tinker_sdk.resolved("client") == "client"
     params = tinker_sdk.sampling_params(16, 0.7, 0.9, 0, ["\n\n"], [0], seed=5)
-    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, list(params.stop), params.seed) == (16, 0.7, 0.9, -1, ["\n\n"], 5)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, list(params.stop), params.seed) == (
+        16,
+        0.7,
+        0.9,
+        -1,
+        ["\n\n"],
+        5,
+    )
     assert list(tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [0, 2], seed=1).stop) == [0, 2]
     assert tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [], seed=1).top_k == 20
 
@@ -402,7 +420,7 @@ def test_sequence_mean_builtin_path_scales_advantages_and_leaves_on_policy_to_th
     old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
     advantages = [torch.full((len(s.tokens) - 1,), 1.0) for s, _ in data]
     trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, old))
-    (_, loss_fn, _, sent), = training.calls
+    ((_, loss_fn, _, sent),) = training.calls
     assert loss_fn == "importance_sampling"
     for datum, (sample, _) in zip(sent, data):
         trained = sum(sample.loss_mask[1:])
