@@ -1,0 +1,340 @@
+"""The ``tinker`` backend: train a LoRA adapter on a remote Tinker-API service through the ``tinker`` SDK."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import attrs
+import tinker
+import torch
+
+from grpo_core import hookimpl, option
+from grpo_core.backend import CustomLossFn
+from grpo_core.config import RunConfig
+from grpo_core.loss import LossInputs, aggregate
+from grpo_core.plugins.backends import tinker_sdk as sdk
+from grpo_core.plugins.backends.local import model_path
+from grpo_core.plugins_manager import PluginError, make_plugin
+
+STATE_FORMAT = "grpo-core-tinker-state-1"
+POINTER_FILE = "tinker_weights.json"
+"""What ``save_weights_for_sampler`` writes beside the tokenizer: where the service keeps the policy."""
+
+
+def _validate_rank(instance: Any, attribute: Any, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"rank must be >= 1, got {value}")
+
+
+@attrs.define
+class TinkerBackend:
+    """Train on a remote Tinker-API service (the hosted Tinker, or an open server such as skyrl).
+
+    A LoRA training client on the service trains --model; losses run unchanged: the service
+    computes the sampled tokens' logprobs, the loss and its gradient with respect to them are
+    computed here, and the service backpropagates that gradient (forward_backward_custom: a
+    forward, then a forward/backward). Where the selected loss has a built-in equivalent on the
+    service (importance_sampling; cispo; dapo without dual_clip and grpo without KL as ppo) and
+    no wrapper is selected, the service computes it in one forward/backward (builtin_losses).
+    Checkpoints are kept on the service; the run's checkpoint folder holds their tinker:// path.
+    The API key is read from the variable named by api_key_env unless api_key is given; it is
+    never written or logged.
+    """
+
+    base_url: str = option("", help="the service's address (empty = TINKER_BASE_URL, else the hosted Tinker service)")
+    api_key: str = option("", help="API key (empty = the variable named by api_key_env); give it as env:NAME", secret=True, repr=False)
+    api_key_env: str = option("TINKER_API_KEY", help="environment variable holding the API key when api_key is empty")
+    base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
+    rank: int = option(32, help="LoRA rank of the trained adapter", validator=_validate_rank)
+    builtin_losses: bool = option(
+        True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
+    )
+    loss_reduction: Literal["sum", "sequence_mean"] = option(
+        "sum",
+        help="how the service reduces a loss over tokens: sum (Tinker's contract) or sequence_mean "
+        "(skyrl 0.3.0: each sequence over its weights' sum, then the mean over the step's sequences)",
+    )
+
+    default_sampler = "tinker"
+    # A weight sync hands the sampler a sampling client of the new weights, as in_process hands weights.
+    default_weight_sync = "in_process"
+
+    @hookimpl
+    def load_tokenizer(self, config: RunConfig) -> tuple[Any, int | None]:
+        from grpo_core.plugins.backends.local import LocalBackend
+
+        return LocalBackend().load_tokenizer(config=config)
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig) -> TinkerTrainer:
+        from transformers import AutoTokenizer
+
+        base_model = self.base_model or model_path(config.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        key = sdk.api_key_from(self.api_key, self.api_key_env)
+        service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
+        builtin = builtin_loss(config) if self.builtin_losses else None
+        return TinkerTrainer(
+            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction
+        )
+
+    @hookimpl
+    def make_reference(self, config: RunConfig, trainer: TinkerTrainer) -> TinkerReference:
+        # The base model's sampling client scores tokens: the reference is the untrained policy
+        # (a LoRA adapter starts at zero) without a second training client.
+        return TinkerReference(sdk.sampling_client(trainer.service, base_model=trainer.base_model))
+
+
+@attrs.frozen
+class BuiltinLoss:
+    """A loss of the service's that computes what a grpo-core loss computes."""
+
+    name: str
+    """The service's loss: importance_sampling, ppo or cispo."""
+    agg: str
+    config: dict[str, float] | None = None
+
+
+def builtin_loss(config: RunConfig) -> BuiltinLoss | None:
+    """The service's equivalent of the run's loss, or None when only the custom path computes it:
+    a wrapper (TIS) is selected, a KL term needs the reference, or an option has no built-in."""
+    from grpo_core.plugins.losses.cispo import CISPOLoss
+    from grpo_core.plugins.losses.dapo import DAPOLoss
+    from grpo_core.plugins.losses.grpo import GRPOLoss
+    from grpo_core.plugins.losses.importance_sampling import ImportanceSamplingLoss
+
+    if len(config.loss) != 1:
+        return None
+    name = config.loss[0]
+    loss = make_plugin(name, kind="loss", **config.plugin_options.get("loss", {}).get(name, {}))
+    if getattr(loss, "kl_beta", 0.0) > 0:
+        return None
+    kind = type(loss)
+    if kind is ImportanceSamplingLoss and loss.clip_rho is None:
+        return BuiltinLoss("importance_sampling", loss.agg)
+    clip = {"clip_low_threshold": 1.0 - getattr(loss, "eps_low", 0.0), "clip_high_threshold": 1.0 + getattr(loss, "eps_high", 0.0)}
+    if kind is CISPOLoss:
+        return BuiltinLoss("cispo", loss.agg, clip)
+    if (kind is DAPOLoss and loss.dual_clip is None) or kind is GRPOLoss:
+        return BuiltinLoss("ppo", loss.agg, clip)
+    return None
+
+
+class StepLoss(Protocol):
+    """A ``loss_fn`` that also tells what the loss is computed from (the core's step loss).
+
+    ``inputs(logprobs)`` builds the loss hook's inputs for given logprobs; ``on_policy`` is True
+    when the ratio anchors on the current policy's own (detached) logprobs."""
+
+    on_policy: bool
+
+    def __call__(self, datums: Sequence[tinker.Datum], logprobs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+    def inputs(self, logprobs: list[torch.Tensor]) -> LossInputs: ...
+
+
+def token_weights(inputs: LossInputs, agg: str) -> list[torch.Tensor]:
+    """∂(aggregated loss)/∂ℓ_t for every token: what the service's sum over tokens must weigh each
+    token's term by to give the aggregation (the step's normalizers included)."""
+    padded = inputs.padded()
+    term_B_T = torch.zeros_like(padded.mask_B_T, requires_grad=True)
+    aggregate(term_B_T, padded, agg).backward()
+    return [term_B_T.grad[i, : len(m)] for i, m in enumerate(inputs.mask)]
+
+
+def _tensor_data(values: torch.Tensor) -> tinker.TensorData:
+    return tinker.TensorData.from_torch(values.detach().to(torch.float32).contiguous())
+
+
+@attrs.define(eq=False)
+class TinkerTrainer:
+    """The :class:`grpo_core.backend.Trainer` of a LoRA training client on a Tinker service."""
+
+    service: Any
+    training: Any
+    tokenizer: Any
+    base_model: str
+    builtin: BuiltinLoss | None = None
+    reduction: str = "sum"
+    """How the service reduces a loss's per-token terms: "sum" or "sequence_mean" (see the option)."""
+    version: int = 0
+    pending: list[tuple[tinker.Datum, torch.Tensor, torch.Tensor]] = attrs.field(factory=list)
+    """The custom path's (datum, its forward's logprobs, ∂loss/∂logprobs), sent with the optimizer
+    step: a step with a non-finite loss then leaves no gradient on the service."""
+    nonfinite_loss: bool = False
+    counts: dict[str, int] = attrs.field(factory=lambda: {"forward": 0, "forward_backward": 0})
+    sampler_cache: tuple[int, Any] | None = None
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        self.counts["forward"] += 1
+        output = sdk.resolved(self.training.forward(list(datums), "cross_entropy"))
+        return [torch.tensor(lp, dtype=torch.float32) for lp in sdk.logprobs_of(output)]
+
+    def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        if self.builtin is not None and hasattr(loss_fn, "inputs") and (not loss_fn.on_policy or self.reduction == "sum"):
+            return self._forward_backward_builtin(datums, loss_fn)
+        logprobs = [lp.requires_grad_(True) for lp in self.forward(datums)]
+        loss, metrics = loss_fn(datums, logprobs)
+        if torch.isfinite(loss):
+            loss.backward()
+            for datum, lp in zip(datums, logprobs):
+                self.pending.append((datum, lp.detach(), lp.grad if lp.grad is not None else torch.zeros_like(lp)))
+        else:
+            self.nonfinite_loss = True
+        return _output(logprobs, metrics, loss)
+
+    def _backward_datums(self) -> tuple[str, list[tinker.Datum]]:
+        """The service loss and datums whose gradient is the pending custom-loss gradient."""
+        if self.reduction == "sum":
+            # Σ −weight·logprob: weights = −∂loss/∂logprob backpropagate the loss computed here.
+            return "cross_entropy", [
+                tinker.Datum(
+                    model_input=d.model_input,
+                    loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"], "weights": _tensor_data(-grad)},
+                )
+                for d, _, grad in self.pending
+            ]
+        # A mean of per-sequence means over the weights scales each sequence's weights away, so the
+        # gradient rides on importance_sampling instead: ratio exp(π − π_forward) = 1 with gradient
+        # ∇π, every position weighted 1, advantages scaled by the sequence's length and the count.
+        count = len(self.pending)
+        return "importance_sampling", [
+            tinker.Datum(
+                model_input=d.model_input,
+                loss_fn_inputs={
+                    "target_tokens": d.loss_fn_inputs["target_tokens"],
+                    "weights": _tensor_data(torch.ones_like(lp)),
+                    "logprobs": _tensor_data(lp),
+                    "advantages": _tensor_data(-grad * len(lp) * count),
+                },
+            )
+            for d, lp, grad in self.pending
+        ]
+
+    def _forward_backward_builtin(self, datums: Sequence[tinker.Datum], loss_fn: StepLoss) -> tinker.ForwardBackwardOutput:
+        """One forward/backward of the service's own loss, then the run's loss on the logprobs of
+        that forward for the loss value and metrics."""
+        assert self.builtin is not None
+        placeholders = [torch.zeros(len(d.loss_fn_inputs["target_tokens"].data)) for d in datums]
+        inputs = loss_fn.inputs(placeholders)
+        weights = token_weights(inputs, self.builtin.agg)
+        sent, data = [], []
+        for i, datum in enumerate(datums):
+            trained = float(inputs.mask[i].sum())
+            if trained == 0:
+                continue  # no term, and a sequence_mean service would count it
+            advantages = inputs.advantages[i] * weights[i] * inputs.mask[i]
+            if self.reduction == "sequence_mean":
+                advantages = advantages * trained * inputs.num_sequences
+            if loss_fn.on_policy:
+                # At ratio 1 every mapped loss has the gradient −A·∇log π: the service's
+                # cross_entropy with weights A gives it without knowing π_old.
+                loss_fn_inputs = {"target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": _tensor_data(advantages)}
+            else:
+                loss_fn_inputs = {
+                    "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                    "weights": _tensor_data(inputs.mask[i]),
+                    "advantages": _tensor_data(advantages),
+                    "logprobs": _tensor_data(inputs.old_logprobs[i]),
+                }
+            sent.append(i)
+            data.append(tinker.Datum(model_input=datum.model_input, loss_fn_inputs=loss_fn_inputs))
+        name, config = ("cross_entropy", None) if loss_fn.on_policy else (self.builtin.name, self.builtin.config)
+        logprobs = [torch.zeros_like(p) for p in placeholders]
+        if data:
+            self.counts["forward_backward"] += 1
+            output = sdk.resolved(self.training.forward_backward(data, name, config))
+            for i, lp in zip(sent, sdk.logprobs_of(output)):
+                logprobs[i] = torch.tensor(lp, dtype=torch.float32)
+        with torch.no_grad():
+            loss, metrics = loss_fn(datums, logprobs)
+        if not torch.isfinite(loss):
+            raise PluginError(
+                f"the loss was non-finite ({float(loss)}) after the service had backpropagated its built-in {name} loss, "
+                "which cannot be undone; resume from the last checkpoint, with --backend-opt builtin_losses=false to skip such steps"
+            )
+        return _output(logprobs, metrics, loss)
+
+    def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
+        skip = self.nonfinite_loss
+        metrics: dict[str, float] = {}
+        if not skip:
+            if self.pending:
+                self.counts["forward_backward"] += 1
+                loss_name, data = self._backward_datums()
+                sdk.resolved(self.training.forward_backward(data, loss_name))
+            response = sdk.resolved(self.training.optim_step(adam_params=adam_params))
+            metrics = {f"optim/{k}": float(v) for k, v in (getattr(response, "metrics", None) or {}).items()}
+            self.version += 1
+        self.pending = []
+        self.nonfinite_loss = False
+        return {**metrics, "optim/lr": adam_params.learning_rate, "optim/skipped_nonfinite": float(skip)}
+
+    def save_state(self, path: str) -> None:
+        saved = sdk.resolved(self.training.save_state(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        state = {"format": STATE_FORMAT, "tinker_path": saved.path, "version": self.version, "base_model": self.base_model}
+        Path(path).write_text(json.dumps(state, indent=1) + "\n")
+
+    def load_state(self, path: str) -> None:
+        state = json.loads(Path(path).read_text())
+        if state.get("format") != STATE_FORMAT:
+            raise PluginError(f"{path} is not a tinker trainer's checkpoint (format {state.get('format')!r})")
+        self.training = sdk.load_state(self.service, self.training, state["tinker_path"])
+        self.version = int(state["version"])
+        self.sampler_cache = None
+
+    def sampling_client(self) -> Any:
+        """A sampling client of the current weights (saved on the service once per version)."""
+        if self.sampler_cache is None or self.sampler_cache[0] != self.version:
+            path = self.sampler_path()
+            self.sampler_cache = (self.version, sdk.sampling_client(self.service, model_path=path))
+        return self.sampler_cache[1]
+
+    def sampler_path(self) -> str:
+        saved = sdk.resolved(self.training.save_weights_for_sampler(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
+        return saved.path
+
+    def save_weights_for_sampler(self, path: str) -> str:
+        """The policy stays on the service: ``path`` gets its tinker:// path and the tokenizer."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        pointer = {"tinker_path": self.sampler_path(), "base_model": self.base_model, "version": self.version}
+        (folder / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
+        self.tokenizer.save_pretrained(path)
+        return path
+
+
+def _output(logprobs: list[torch.Tensor], metrics: dict[str, float], loss: torch.Tensor) -> tinker.ForwardBackwardOutput:
+    return tinker.ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn",
+        loss_fn_outputs=[{"logprobs": _tensor_data(lp)} for lp in logprobs],
+        metrics={**metrics, "loss": float(loss.detach())},
+    )
+
+
+@attrs.define(eq=False)
+class TinkerReference:
+    """The base model's logprobs from the service's sampling client (compute_logprobs)."""
+
+    client: Any
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        futures = [
+            self.client.compute_logprobs(tinker.ModelInput.from_ints(d.model_input.to_ints() + d.loss_fn_inputs["target_tokens"].data[-1:]))
+            for d in datums
+        ]
+        # The first token has no logprob (a None, or left out: skyrl 0.3.0); the rest are the targets'.
+        return [
+            torch.tensor(
+                [math.nan if x is None else x for x in sdk.resolved(f)[-len(d.loss_fn_inputs["target_tokens"].data) :]], dtype=torch.float32
+            )
+            for d, f in zip(datums, futures)
+        ]

@@ -1,0 +1,91 @@
+"""The one place that calls the ``tinker`` SDK's clients, for the SDK versions grpo-core supports.
+
+Open servers that run on a CPU (skyrl 0.3.0) speak the protocol of ``tinker==0.24.1``: from 0.25
+on the SDK sends protobuf bodies they cannot parse. The hosted service speaks the current SDK
+(0.38). The calls grpo-core makes differ between the two only where this module handles them:
+0.38 hands back a future where 0.24.1 handed back a sampling client, and deprecates loading a
+checkpoint into a training client in favour of creating a new client from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from importlib.metadata import version as distribution_version
+from typing import Any
+
+import tinker
+
+from grpo_core.plugins_manager import PluginError
+
+SDK_VERSION = tuple(int(part) for part in distribution_version("tinker").split(".")[:2])
+MIN_SDK = (0, 24)
+
+
+def sdk_version() -> tuple[int, ...]:
+    return SDK_VERSION
+
+
+def check_sdk() -> None:
+    if SDK_VERSION < MIN_SDK:
+        raise PluginError(f"the tinker backend needs tinker>=0.24.1, found {distribution_version('tinker')}")
+
+
+def training_client(base_url: str, api_key: str, base_model: str, rank: int, seed: int) -> tuple[tinker.ServiceClient, Any]:
+    """A service client and a LoRA training client on it; an empty base_url is the SDK's default
+    (TINKER_BASE_URL or the hosted service)."""
+    check_sdk()
+    kwargs: dict[str, Any] = {"api_key": api_key}
+    if base_url:
+        kwargs["base_url"] = base_url
+    try:
+        service = tinker.ServiceClient(**kwargs)
+        return service, resolved(service.create_lora_training_client(base_model=base_model, rank=rank, seed=seed))
+    except tinker.TinkerError as exc:
+        # The SDK's messages name the problem (a key without the tml- prefix), never the key itself.
+        raise PluginError(f"cannot open a training client on the Tinker service at {base_url or 'the SDK default'}: {exc}") from None
+
+
+def resolved(value: Any) -> Any:
+    """The object a call produced: 0.38 returns futures (also of sampling clients), 0.24.1 some objects directly."""
+    result = getattr(value, "result", None)
+    return result() if callable(result) else value
+
+
+def sampling_client(service: tinker.ServiceClient, model_path: str | None = None, base_model: str | None = None) -> Any:
+    return resolved(service.create_sampling_client(model_path=model_path, base_model=base_model))
+
+
+def load_state(service: tinker.ServiceClient, training: tinker.TrainingClient, path: str) -> tinker.TrainingClient:
+    """The training client holding the weights and optimizer state saved at ``path``."""
+    if SDK_VERSION >= (0, 38):
+        return resolved(service.create_training_client_from_state_with_optimizer(path))
+    resolved(training.load_state_with_optimizer(path))
+    return training
+
+
+def logprobs_of(output: Any) -> list[list[float]]:
+    """The target-token logprobs of each datum of a forward (or forward_backward) output."""
+    return [record["logprobs"].tolist() for record in output.loss_fn_outputs]
+
+
+def sampling_params(
+    max_tokens: int, temperature: float, top_p: float, top_k: int, stop: Sequence[str], stop_token_ids: Sequence[int], seed: int
+) -> tinker.SamplingParams:
+    # One kind of stop per request (the SDK's field takes strings or ids): strings are what a
+    # task states, ids are the tokenizer's end-of-sequence markers.
+    return tinker.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k if top_k > 0 else -1,
+        stop=list(stop) if stop else (list(stop_token_ids) or None),
+        seed=seed,
+    )
+
+
+def api_key_from(option_value: str, variable: str) -> str:
+    key = option_value or os.environ.get(variable, "")
+    if not key:
+        raise PluginError(f"no Tinker API key: set {variable} or give --backend-opt api_key=env:NAME")
+    return key

@@ -1,0 +1,284 @@
+"""Against a real Tinker-API server: skyrl 0.3.0 (JAX on the CPU) on 127.0.0.1, reached with
+tinker==0.24.1, the SDK whose protocol it speaks.
+
+The first run builds two cached virtualenvs (tests/integration/tinker_server.py); each server
+start takes seconds. This process (whatever tinker SDK the project venv has) starts the server;
+every check that talks to it runs in the client venv, as ``python this_file.py CHECK ARGS`` (a
+function below) or as the real ``grpo-core`` CLI, and reports back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.integration.tinker_server import TinkerServer, client_env, ensure_client_venv, ensure_server_venv
+
+pytestmark = [pytest.mark.tinker, pytest.mark.slow]
+
+RANK = 8
+"""skyrl takes LoRA ranks up to the server's max_lora_rank (8 here)."""
+ASSETS = ROOT / "core" / "assets" / "default"
+MAPPED = {"importance_sampling": {}, "dapo": {}, "grpo": {"kl_beta": 0.0}, "cispo": {}}
+"""Each loss the backend maps to a service built-in (importance_sampling, ppo, ppo, cispo), with the options that allow it."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Server side (this process)
+
+
+@pytest.fixture(scope="session")
+def client_python():
+    return ensure_client_venv()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ensure_server_venv()
+    # Each training and sampling client holds an adapter slot until its session times out
+    # (slot 0 is the base model's): room for every client this module opens.
+    # A fixed sampling batch: JAX compiles the sampler once per length instead of once per batch size.
+    server = TinkerServer(ASSETS, tmp_path_factory.mktemp("skyrl"), max_lora_adapters=32, max_lora_rank=RANK, sample_max_num_sequences=32)
+    print(f"skyrl started in {server.start():.1f}s")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(client_python, server, tmp_path_factory):
+    env = client_env(tmp_path_factory.mktemp("client-path"))
+
+    def call(check: str, **kwargs) -> dict:
+        out = subprocess.run(
+            [str(client_python), __file__, check, json.dumps({"url": server.url, **kwargs})],
+            capture_output=True, text=True, env=env, timeout=900, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, f"{check} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}\nserver log: {server.log}"
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(client_python), "-m", "grpo_core.cli", *args], capture_output=True, text=True, env=env, timeout=timeout, check=False
+        )
+
+    call.cli = cli
+    call.url = server.url
+    return call
+
+
+def test_client_runs_the_sdk_skyrl_speaks(client):
+    assert client("sdk_version") == {"tinker": "0.24.1", "adapter": [0, 24]}
+
+
+def test_unit_tests_pass_with_the_sdk_skyrl_speaks(client_python, tmp_path_factory):
+    """The adapter's other branch: the fake-client tests under tinker==0.24.1 (this process has the current SDK)."""
+    tests = ["tests/plugins/backends/test_tinker.py", "tests/plugins/samplers/test_tinker.py"]
+    out = subprocess.run(
+        [str(client_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        capture_output=True, text=True, cwd=ROOT, env=client_env(tmp_path_factory.mktemp("unit-client")), timeout=600, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " passed" in out.stdout.splitlines()[-1] and "failed" not in out.stdout.splitlines()[-1]
+
+
+def test_service_logprobs_agree_with_the_local_trainer_before_any_step(client):
+    result = client("logprobs")
+    print(f"service vs local trainer logprobs: max |diff| {result['max_abs_diff']:.2e} over {result['tokens']} tokens")
+    assert result["tokens"] > 100
+    assert result["max_abs_diff"] < 1e-3
+    # The reference (base model through a sampling client) scores the same tokens alike.
+    assert result["reference_max_abs_diff"] < 1e-3
+
+
+@pytest.mark.parametrize("loss", sorted(MAPPED))
+def test_builtin_and_custom_paths_give_the_same_update(client, loss):
+    """Off-policy (an anchor apart from the current policy, so that clip ranges bind): one step
+    through the service's built-in, one through forward_backward_custom, on two adapters that
+    start equal; the next forward's logprobs agree."""
+    result = client("paths", loss=loss, options=MAPPED[loss], on_policy=False)
+    print(f"{loss}: service {result['service_losses']}, logprobs after one step differ by {result['after_max_abs_diff']:.2e} "
+          f"(the step moved them by {result['moved']:.2e}); loss {result['loss_builtin']:.6f} vs {result['loss_custom']:.6f}; "
+          f"{result['seconds_builtin']:.2f}s vs {result['seconds_custom']:.2f}s")  # fmt: skip
+    assert result["service_losses"] == [
+        {"importance_sampling": "importance_sampling", "dapo": "ppo", "grpo": "ppo", "cispo": "cispo"}[loss]
+    ]
+    assert result["moved"] > 0.1  # the step changed the policy, so equal logprobs after it mean equal updates
+    assert result["after_max_abs_diff"] < 1e-4 * result["moved"]
+    assert result["loss_builtin"] == pytest.approx(result["loss_custom"], rel=1e-5, abs=1e-7)
+    assert result["calls_builtin"] == {"forward": 0, "forward_backward": 1}
+    assert result["calls_custom"] == {"forward": 1, "forward_backward": 1}
+
+
+def test_on_policy_on_a_sequence_mean_service_takes_the_custom_path(client):
+    """skyrl's per-sequence mean scales away cross_entropy weights, and the on-policy anchor is
+    known only after a forward: the step goes through the custom path (its gradient carried by
+    importance_sampling)."""
+    result = client("paths", loss="cispo", options={}, on_policy=True)
+    assert result["service_losses"] == ["importance_sampling"]
+    assert result["calls_builtin"] == {"forward": 1, "forward_backward": 1}
+    assert result["after_max_abs_diff"] < 1e-4 * result["moved"]
+
+
+def test_a_wrapper_takes_the_custom_path(client):
+    result = client("paths", loss="cispo", options={}, wrappers=["tis"], on_policy=False)
+    assert result["service_losses"] == ["importance_sampling"]
+    assert result["calls_builtin"] == {"forward": 1, "forward_backward": 1}
+
+
+def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
+    """The real CLI, --backend tinker --sampler tinker, on the embedded task (the default loss:
+    grpo with its KL term, so the reference runs on the service too)."""
+    run_dir = tmp_path / "run"
+    # The embedded model by the name the server was started with (the client's copy of the package has another path).
+    base = ["--backend", "tinker", "--sampler", "tinker", "--backend-opt", f"base_url={client.url}", "--backend-opt", f"rank={RANK}",
+            "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}"]  # fmt: skip
+    args = ["run", *base, "--learning-rate", "3e-3", "--prompt-groups-per-step", "4", "--completions-per-prompt", "8",
+            "--max-completion-tokens", "16", "--checkpoint-every", "3", "--run-dir", str(run_dir)]  # fmt: skip
+    started = time.monotonic()
+    out = client.cli(*args, "--max-steps", "6")
+    assert out.returncode == 0, out.stderr[-5000:]
+    print(f"6 steps in {time.monotonic() - started:.0f}s")
+    for text in [(run_dir / "config.json").read_text(), out.stdout, out.stderr]:
+        assert "tml-" not in text  # the key is never written or printed
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print("reward", [round(m["reward/total"], 3) for m in metrics], "loss", [m.get("loss/total") for m in metrics])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["reward_last"] > summary["reward_first"]
+    assert all(m["policy/version"] == i + 1 for i, m in enumerate(metrics))
+    assert any(m.get("kl/mean", 0) > 0 for m in metrics)  # the reference (base model on the service) scored the samples
+    state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer.pt").read_text())
+    assert state["tinker_path"].startswith("tinker://") and state["version"] == 6
+    assert json.loads((run_dir / "final" / "tinker_weights.json").read_text())["tinker_path"].startswith("tinker://")
+
+    out = client.cli("run", "--resume", str(run_dir), "--max-steps", "8")
+    assert out.returncode == 0, out.stderr[-5000:]
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(resumed) == 8 and resumed[:6] == metrics
+    assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
+
+
+# ------------------------------------------------------------------------------------------------
+# Client side (the client venv, tinker==0.24.1): each function prints one JSON line
+
+
+def check_sdk_version(url: str) -> dict:
+    from importlib.metadata import version
+
+    from grpo_core.plugins.backends import tinker_sdk
+
+    return {"tinker": version("tinker"), "adapter": list(tinker_sdk.sdk_version())}
+
+
+def _datums(tokenizer, n: int) -> list:
+    """Sequences from the embedded task: a prompt (untrained) and its answer (trained)."""
+    from grpo_core import Prompt, Sample
+    from grpo_core.backend import sample_to_datum
+
+    rows = [json.loads(line) for line in (ASSETS / "task" / "train.jsonl").read_text().splitlines()[:n]]
+    datums = []
+    for i, row in enumerate(rows):
+        prompt = tokenizer.encode(row.get("question", row.get("prompt", "")))
+        answer = tokenizer.encode(" " + row.get("answer", ""))[:24]
+        tokens = prompt + answer
+        mask = [0.0] * len(prompt) + [1.0] * len(answer)
+        sample = Sample(Prompt(id=str(i), text=""), tokens, [0.0] * len(tokens), mask, "", "length", 0)
+        datums.append((sample, sample_to_datum(sample)))
+    return datums
+
+
+def _trainer(url: str, **config_fields):
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.tinker import TinkerBackend
+
+    config = RunConfig(**config_fields)
+    backend = TinkerBackend(base_url=url, rank=RANK, base_model=str(ASSETS), loss_reduction="sequence_mean")
+    return backend.make_trainer(config=config), config
+
+
+def check_logprobs(url: str) -> dict:
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.local import LocalBackend
+    from grpo_core.plugins.backends.tinker import TinkerBackend
+
+    trainer, config = _trainer(url)
+    local = LocalBackend().make_trainer(config=RunConfig())
+    pairs = _datums(trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    remote = trainer.forward(datums)
+    ours = local.forward(datums)
+    reference = (
+        TinkerBackend(base_url=url, rank=RANK, base_model=str(ASSETS)).make_reference(config=config, trainer=trainer).forward(datums)
+    )
+    diffs, ref_diffs, tokens = [], [], 0
+    for (sample, _), r, o, ref in zip(pairs, remote, ours, reference):
+        trained = [t for t, w in enumerate(sample.loss_mask[1:]) if w > 0]
+        diffs += [abs(float(r[t]) - float(o[t])) for t in trained]
+        ref_diffs += [abs(float(ref[t]) - float(o[t])) for t in trained]
+        tokens += len(trained)
+    return {"max_abs_diff": max(diffs), "reference_max_abs_diff": max(ref_diffs), "tokens": tokens}
+
+
+def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: list | None = None) -> dict:
+    """The same step through the built-in path and the custom path, on two adapters with the same
+    initial weights; the logprobs of the next forward after it, and each path's time per step."""
+    import tinker
+    import torch
+
+    from tests.plugins.backends.test_tinker import StepLossForTest
+
+    names = [loss, *(wrappers or [])]
+    plugin_options = {"loss": {loss: options}}
+    builtin_trainer, _ = _trainer(url, loss=names, plugin_options=plugin_options, seed=3)
+    custom_trainer, _ = _trainer(url, loss=names, plugin_options=plugin_options, seed=3)
+    custom_trainer.builtin = None
+    pairs = _datums(builtin_trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    before = builtin_trainer.forward(datums)
+    generator = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in before]
+    # Off-policy: an anchor far enough from the current policy that the clip ranges bind.
+    old = None if on_policy else [lp + 0.3 * torch.randn(len(lp), generator=generator) for lp in before]
+    # eps far above every |gradient|: the step is lr·g/eps, linear in the gradient (with a small eps
+    # Adam's first step is lr·sign(g), which turns float noise in near-zero gradients into full steps).
+    adam = tinker.AdamParams(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0)
+    service_losses = []
+    send = builtin_trainer.training.forward_backward
+    builtin_trainer.training.forward_backward = lambda data, loss_fn, config=None: (
+        service_losses.append(loss_fn) or send(data, loss_fn, config)
+    )
+    results = {}
+    for label, trainer in (("builtin", builtin_trainer), ("custom", custom_trainer)):
+        trainer.counts = {"forward": 0, "forward_backward": 0}
+        step_loss = StepLossForTest.make(names, plugin_options, pairs, advantages, old)
+        started = time.perf_counter()
+        output = trainer.forward_backward_custom(datums, step_loss)
+        trainer.optim_step(adam)
+        results[label] = {"seconds": time.perf_counter() - started, "loss": output.metrics["loss"], "calls": dict(trainer.counts)}
+    after_builtin = builtin_trainer.forward(datums)
+    after_custom = custom_trainer.forward(datums)
+    masks = [torch.tensor(s.loss_mask[1:]) > 0 for s, _ in pairs]
+    return {
+        "service_losses": service_losses,
+        "after_max_abs_diff": max(float((a - c)[m].abs().max()) for a, c, m in zip(after_builtin, after_custom, masks)),
+        "moved": max(float((a - b)[m].abs().max()) for a, b, m in zip(after_custom, before, masks)),
+        "loss_builtin": results["builtin"]["loss"],
+        "loss_custom": results["custom"]["loss"],
+        "calls_builtin": results["builtin"]["calls"],
+        "calls_custom": results["custom"]["calls"],
+        "seconds_builtin": results["builtin"]["seconds"],
+        "seconds_custom": results["custom"]["seconds"],
+    }
+
+
+if __name__ == "__main__":
+    result = globals()[f"check_{sys.argv[1]}"](**json.loads(sys.argv[2]))
+    print(json.dumps(result))

@@ -1,0 +1,430 @@
+"""The tinker backend without a server: a fake training client at the SDK boundary.
+
+The real service is exercised in tests/integration/test_tinker.py (skyrl, marker ``tinker``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import attrs
+import pytest
+import tinker
+import torch
+
+from grpo_core import LossInputs, Prompt, Sample, make_plugin
+from grpo_core.backend import sample_to_datum
+from grpo_core.config import RunConfig
+from grpo_core.loss import aggregate
+from grpo_core.plugins.backends import tinker_sdk
+from grpo_core.plugins.backends.tinker import BuiltinLoss, TinkerBackend, TinkerTrainer, builtin_loss, token_weights
+from grpo_core.plugins_manager import PluginError, build_manager, redact_plugin_options
+
+
+@attrs.define
+class StepLossForTest:
+    """The loss_fn of one forward/backward call as the core's train step makes it, with what the
+    loss is computed from (``inputs``, ``on_policy``): the interface the built-in path reads."""
+
+    pm: object
+    old: list | None
+    sampling: list
+    mask: list
+    advantages: list
+    num_sequences: int
+    num_tokens: float
+    max_tokens: int = 32
+
+    @classmethod
+    def make(cls, names, plugin_options, pairs, advantages, old) -> StepLossForTest:
+        plugins = [make_plugin(n, kind="loss", **plugin_options.get("loss", {}).get(n, {})) for n in names]
+        mask = [torch.tensor(s.loss_mask[1:]) for s, _ in pairs]
+        return cls(
+            pm=build_manager(plugins),
+            old=old,
+            sampling=[torch.tensor(s.sampling_logprobs[1:]) for s, _ in pairs],
+            mask=mask,
+            advantages=advantages,
+            num_sequences=sum(int(m.sum() > 0) for m in mask),
+            num_tokens=float(sum(m.sum() for m in mask)),
+        )
+
+    @property
+    def on_policy(self) -> bool:
+        return self.old is None
+
+    def inputs(self, logprobs) -> LossInputs:
+        return LossInputs(
+            logprobs=list(logprobs),
+            old_logprobs=self.old if self.old is not None else [lp.detach() for lp in logprobs],
+            sampling_logprobs=self.sampling,
+            mask=self.mask,
+            advantages=self.advantages,
+            num_sequences=self.num_sequences,
+            num_tokens=self.num_tokens,
+            max_tokens=self.max_tokens,
+        )
+
+    def __call__(self, datums, logprobs):
+        out = self.pm.hook.loss(inputs=self.inputs(logprobs))
+        return out.loss, out.metrics
+
+
+class FakeFuture:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class FakeTraining:
+    """Records every call; forward logprobs are fixed per datum (-0.1·position)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _logprobs(self, data):
+        return [
+            {
+                "logprobs": tinker.TensorData.from_torch(
+                    -0.1 * torch.arange(len(d.loss_fn_inputs["target_tokens"].data), dtype=torch.float32)
+                )
+            }
+            for d in data
+        ]
+
+    def forward(self, data, loss_fn):
+        self.calls.append(("forward", loss_fn, None, data))
+        return FakeFuture(SimpleNamespace(loss_fn_outputs=self._logprobs(data)))
+
+    def forward_backward(self, data, loss_fn, config=None):
+        self.calls.append(("forward_backward", loss_fn, config, data))
+        return FakeFuture(SimpleNamespace(loss_fn_outputs=self._logprobs(data)))
+
+    def optim_step(self, adam_params):
+        self.calls.append(("optim_step", adam_params, None, None))
+        return FakeFuture(SimpleNamespace(metrics={"grad_norm": 0.5}))
+
+    def save_state(self, name):
+        self.calls.append(("save_state", name, None, None))
+        return FakeFuture(SimpleNamespace(path=f"tinker://model/weights/{name}"))
+
+    def load_state_with_optimizer(self, path):
+        self.calls.append(("load_state_with_optimizer", path, None, None))
+        return FakeFuture(None)
+
+    def save_weights_for_sampler(self, name):
+        self.calls.append(("save_weights_for_sampler", name, None, None))
+        return FakeFuture(SimpleNamespace(path=f"tinker://model/sampler_weights/{name}"))
+
+
+class FakeService:
+    def __init__(self, training):
+        self.training = training
+        self.opened = []
+
+    def create_training_client_from_state_with_optimizer(self, path):
+        self.opened.append(path)
+        return FakeFuture(self.training)
+
+    def create_sampling_client(self, model_path=None, base_model=None):
+        self.opened.append(model_path or base_model)
+        return SimpleNamespace(model_path=model_path, base_model=base_model)
+
+
+def pairs(n=3):
+    out = []
+    for i in range(n):
+        tokens = list(range(2, 8 + i))
+        mask = [0.0, 0.0] + [1.0] * (len(tokens) - 2)
+        sample = Sample(Prompt(id=str(i), text=""), tokens, [-0.5] * len(tokens), mask, "", "length", 0)
+        out.append((sample, sample_to_datum(sample)))
+    return out
+
+
+def make_trainer(builtin=None):
+    training = FakeTraining()
+    return TinkerTrainer(service=FakeService(training), training=training, tokenizer=None, base_model="m", builtin=builtin), training
+
+
+ADAM = tinker.AdamParams(learning_rate=1e-3)
+
+
+# -- options, key, mapping ------------------------------------------------------------------------
+
+
+def test_backend_and_sampler_are_in_the_catalog_with_the_tinker_defaults():
+    backend = make_plugin("tinker", kind="backend")
+    assert isinstance(backend, TinkerBackend)
+    assert (backend.default_sampler, backend.default_weight_sync) == ("tinker", "in_process")
+    assert backend.rank == 32 and backend.builtin_losses and backend.api_key_env == "TINKER_API_KEY"
+    with pytest.raises(PluginError, match="rank must be >= 1"):
+        make_plugin("tinker", kind="backend", rank=0)
+
+
+def test_api_key_comes_from_the_named_variable_and_is_never_written(monkeypatch):
+    monkeypatch.setenv("MY_TINKER_KEY", "tml-secret-value")
+    assert tinker_sdk.api_key_from("", "MY_TINKER_KEY") == "tml-secret-value"
+    assert tinker_sdk.api_key_from("tml-given", "MY_TINKER_KEY") == "tml-given"
+    monkeypatch.delenv("MY_TINKER_KEY")
+    with pytest.raises(PluginError, match="no Tinker API key: set MY_TINKER_KEY"):
+        tinker_sdk.api_key_from("", "MY_TINKER_KEY")
+    redacted = redact_plugin_options({"backend": {"tinker": {"api_key": "tml-secret-value", "rank": 8}}})
+    assert redacted == {"backend": {"tinker": {"api_key": "***", "rank": 8}}}
+    assert "tml-secret-value" not in repr(make_plugin("tinker", kind="backend", api_key="tml-secret-value"))
+
+
+def test_a_key_the_sdk_refuses_is_one_line_without_the_key():
+    backend = make_plugin("tinker", kind="backend", base_url="http://127.0.0.1:9", api_key="not-a-tml-key-secret")
+    with pytest.raises(PluginError, match="cannot open a training client on the Tinker service at http://127.0.0.1:9: .*tml-") as info:
+        backend.make_trainer(config=RunConfig())
+    assert "not-a-tml-key-secret" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "loss, options, expected",
+    [
+        (["importance_sampling"], {}, BuiltinLoss("importance_sampling", "seq-mean-token-sum")),
+        (["importance_sampling"], {"clip_rho": 2.0}, None),
+        (
+            ["cispo"],
+            {"eps_low": 0.1, "eps_high": 0.3},
+            BuiltinLoss("cispo", "token-mean", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.3}),
+        ),
+        (["dapo"], {}, BuiltinLoss("ppo", "token-mean", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})),
+        (["dapo"], {"dual_clip": 3.0}, None),
+        (["grpo"], {"kl_beta": 0.0}, BuiltinLoss("ppo", "seq-mean-token-sum", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})),
+        (["grpo"], {}, None),  # its default KL term needs the reference
+        (["cispo", "tis"], {}, None),  # a wrapper needs the custom path
+        (["reinforce"], {}, None),
+        (["gspo"], {}, None),
+        (["dro"], {}, None),
+    ],
+)
+def test_builtin_loss_maps_only_what_the_service_computes_alike(loss, options, expected):
+    config = RunConfig(loss=loss, plugin_options={"loss": {loss[0]: options}} if options else {})
+    mapped = builtin_loss(config)
+    if expected is None or mapped is None:
+        assert mapped == expected
+    else:
+        assert (mapped.name, mapped.agg) == (expected.name, expected.agg)
+        assert (mapped.config or {}).keys() == (expected.config or {}).keys()
+        for key, value in (expected.config or {}).items():
+            assert mapped.config[key] == pytest.approx(value)
+
+
+@pytest.mark.parametrize("agg", ["token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_token_weights_are_the_aggregation_derivative(agg):
+    step = StepLossForTest.make(["importance_sampling"], {}, pairs(), [torch.ones(len(s.tokens) - 1) for s, _ in pairs()], None)
+    inputs = step.inputs([torch.zeros(len(m)) for m in step.mask])
+    weights = token_weights(inputs, agg)
+    generator = torch.Generator().manual_seed(0)
+    terms = [torch.randn(len(m), generator=generator) for m in step.mask]
+    padded = attrs.evolve(inputs, logprobs=terms).padded()
+    expected = aggregate(padded.logprobs_B_T, padded, agg)
+    assert float(sum((w * t * m).sum() for w, t, m in zip(weights, terms, step.mask))) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    if agg == "token-mean":
+        assert float(weights[0][-1]) == pytest.approx(1 / step.num_tokens)
+
+
+# -- the custom path ----------------------------------------------------------------------------
+
+
+def test_custom_path_sends_minus_the_loss_gradient_with_the_optimizer_step():
+    trainer, training = make_trainer()
+    data = pairs()
+    datums = [d for _, d in data]
+    advantages = [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data]
+    step = StepLossForTest.make(["reinforce"], {}, data, advantages, None)
+    output = trainer.forward_backward_custom(datums, step)
+    assert [c[0] for c in training.calls] == ["forward"]  # nothing accumulates on the service yet
+    # reinforce, seq-mean-token-sum: loss = −Σ A·π / N over trained tokens.
+    expected = sum(-2.0 * float((-0.1 * torch.arange(len(d.loss_fn_inputs["target_tokens"].data)))[2 - 1 :].sum()) for d in datums) / 3
+    assert output.metrics["loss"] == pytest.approx(expected, rel=1e-6)
+    metrics = trainer.optim_step(ADAM)
+    kinds = [c[0] for c in training.calls]
+    assert kinds == ["forward", "forward_backward", "optim_step"]
+    _, loss_fn, _, sent = training.calls[1]
+    assert loss_fn == "cross_entropy"
+    for datum, (sample, _) in zip(sent, data):
+        weights = datum.loss_fn_inputs["weights"].data
+        # −∂loss/∂π = A·m/N: 2/3 on trained tokens, 0 on the prompt.
+        assert weights == pytest.approx([w * 2.0 / 3 for w in sample.loss_mask[1:]])
+    assert metrics == {"optim/grad_norm": 0.5, "optim/lr": 1e-3, "optim/skipped_nonfinite": 0.0}
+    assert trainer.version == 1
+
+
+def test_a_nonfinite_loss_sends_nothing_and_skips_the_step():
+    trainer, training = make_trainer()
+    data = pairs()
+    datums = [d for _, d in data]
+    finite = StepLossForTest.make(["reinforce"], {}, data, [torch.ones(len(s.tokens) - 1) for s, _ in data], None)
+    broken = StepLossForTest.make(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), math.nan) for s, _ in data], None)
+    trainer.forward_backward_custom(datums, finite)
+    out = trainer.forward_backward_custom(datums, broken)  # a second call of the same step
+    assert math.isnan(out.metrics["loss"])
+    metrics = trainer.optim_step(ADAM)
+    assert metrics["optim/skipped_nonfinite"] == 1.0
+    assert [c[0] for c in training.calls] == ["forward", "forward"]  # no gradient ever reached the service
+    assert trainer.version == 0 and trainer.pending == []
+    trainer.forward_backward_custom(datums, finite)
+    trainer.optim_step(ADAM)
+    assert len(training.calls[-2][3]) == 3  # the next step sends only its own gradients
+    assert trainer.version == 1
+
+
+def test_a_plain_loss_function_takes_the_custom_path_even_with_a_builtin():
+    trainer, training = make_trainer(BuiltinLoss("importance_sampling", "token-sum"))
+    datums = [d for _, d in pairs()]
+    trainer.forward_backward_custom(datums, lambda ds, lps: (sum(lp.sum() for lp in lps), {}))
+    assert [c[0] for c in training.calls] == ["forward"]
+
+
+# -- the built-in path ------------------------------------------------------------------------------
+
+
+def test_builtin_path_on_policy_is_one_cross_entropy_call_with_weighted_advantages():
+    trainer, training = make_trainer(BuiltinLoss("cispo", "token-mean", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
+    data = pairs()
+    advantages = [torch.full((len(s.tokens) - 1,), 1.5) for s, _ in data]
+    step = StepLossForTest.make(["cispo"], {}, data, advantages, None)
+    output = trainer.forward_backward_custom([d for _, d in data], step)
+    ((kind, loss_fn, config, sent),) = training.calls
+    assert (kind, loss_fn, config) == ("forward_backward", "cross_entropy", None)
+    for datum, (sample, _) in zip(sent, data):
+        assert datum.loss_fn_inputs["weights"].data == pytest.approx([m * 1.5 / step.num_tokens for m in sample.loss_mask[1:]])
+    # The loss value is the run's own loss on the logprobs of that forward.
+    logprobs = [torch.tensor(r["logprobs"].data) for r in training._logprobs(sent)]
+    assert output.metrics["loss"] == pytest.approx(float(step(None, logprobs)[0]))
+    assert "loss/clip_frac_high" in output.metrics
+
+
+def test_builtin_path_off_policy_sends_the_anchor_and_the_clip_range():
+    builtin = BuiltinLoss("ppo", "seq-mean-token-sum", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2})
+    trainer, training = make_trainer(builtin)
+    data = pairs()
+    advantages = [torch.full((len(s.tokens) - 1,), -1.0) for s, _ in data]
+    old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
+    step = StepLossForTest.make(["grpo"], {"loss": {"grpo": {"kl_beta": 0.0}}}, data, advantages, old)
+    trainer.forward_backward_custom([d for _, d in data], step)
+    ((_, loss_fn, config, sent),) = training.calls
+    assert (loss_fn, config) == ("ppo", builtin.config)
+    first = sent[0].loss_fn_inputs
+    assert first["logprobs"].data == pytest.approx([-0.7] * len(old[0]))
+    assert first["weights"].data == data[0][0].loss_mask[1:]
+    assert first["advantages"].data == pytest.approx([-m / 3 for m in data[0][0].loss_mask[1:]])
+
+
+def test_a_nonfinite_loss_after_a_builtin_backward_stops_with_what_to_do():
+    trainer, _ = make_trainer(BuiltinLoss("importance_sampling", "token-sum"))
+    data = pairs()
+    step = StepLossForTest.make(["importance_sampling"], {}, data, [torch.full((len(s.tokens) - 1,), math.inf) for s, _ in data], None)
+    with pytest.raises(PluginError, match="builtin_losses=false"):
+        trainer.forward_backward_custom([d for _, d in data], step)
+
+
+# -- checkpoints and sampler weights ----------------------------------------------------------------
+
+
+def test_save_and_load_state_keep_the_remote_path_and_the_version(tmp_path):
+    trainer, _ = make_trainer()
+    trainer.version = 7
+    trainer.save_state(str(tmp_path / "ckpt" / "trainer.pt"))
+    state = json.loads((tmp_path / "ckpt" / "trainer.pt").read_text())
+    assert state["tinker_path"].startswith("tinker://model/weights/grpo-core-v7-") and state["version"] == 7
+    resumed, _ = make_trainer()
+    resumed.load_state(str(tmp_path / "ckpt" / "trainer.pt"))
+    assert resumed.version == 7
+    opened = resumed.service.opened + [c[1] for c in resumed.training.calls if c[0] == "load_state_with_optimizer"]
+    assert opened == [state["tinker_path"]]
+    (tmp_path / "other.pt").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(PluginError, match="not a tinker trainer's checkpoint"):
+        resumed.load_state(str(tmp_path / "other.pt"))
+
+
+def test_one_sampling_client_per_version():
+    trainer, training = make_trainer()
+    first = trainer.sampling_client()
+    assert trainer.sampling_client() is first
+    trainer.version = 1
+    second = trainer.sampling_client()
+    assert second is not first and second.model_path.startswith("tinker://model/sampler_weights/grpo-core-v1-")
+    assert [c[0] for c in training.calls] == ["save_weights_for_sampler", "save_weights_for_sampler"]
+
+
+def test_adapter_resolves_futures_and_maps_sampling_settings():
+    assert tinker_sdk.resolved(FakeFuture(3)) == 3
+    assert tinker_sdk.resolved("client") == "client"
+    params = tinker_sdk.sampling_params(16, 0.7, 0.9, 0, ["\n\n"], [0], seed=5)
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, list(params.stop), params.seed) == (
+        16,
+        0.7,
+        0.9,
+        -1,
+        ["\n\n"],
+        5,
+    )
+    assert list(tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [0, 2], seed=1).stop) == [0, 2]
+    assert tinker_sdk.sampling_params(16, 1.0, 1.0, 20, [], [], seed=1).top_k == 20
+
+
+# -- options reach the trainer; skyrl's reduction ------------------------------------------------------
+
+
+def test_make_trainer_passes_the_options_to_the_service(monkeypatch):
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened.update(base_url=base_url, api_key=api_key, base_model=base_model, rank=rank, seed=seed)
+        return FakeService(FakeTraining()), FakeTraining()
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    config = RunConfig(loss=["cispo"], seed=11)
+    backend = make_plugin("tinker", kind="backend", base_url="http://svc", rank=4, base_model="Qwen/X", loss_reduction="sequence_mean")
+    trainer = backend.make_trainer(config=config)
+    assert opened == {"base_url": "http://svc", "api_key": "tml-from-env", "base_model": "Qwen/X", "rank": 4, "seed": 11}
+    assert trainer.builtin.name == "cispo" and trainer.reduction == "sequence_mean" and trainer.base_model == "Qwen/X"
+    assert make_plugin("tinker", kind="backend", builtin_losses=False).make_trainer(config=config).builtin is None
+    with pytest.raises(PluginError, match="loss_reduction"):
+        make_plugin("tinker", kind="backend", loss_reduction="mean")
+
+
+def test_sequence_mean_custom_path_carries_the_gradient_on_importance_sampling():
+    trainer, training = make_trainer()
+    trainer.reduction = "sequence_mean"
+    data = pairs()
+    datums = [d for _, d in data]
+    step = StepLossForTest.make(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data], None)
+    trainer.forward_backward_custom(datums, step)
+    trainer.optim_step(ADAM)
+    _, loss_fn, _, sent = training.calls[1]
+    assert loss_fn == "importance_sampling"
+    for datum, (sample, _) in zip(sent, data):
+        T = len(sample.tokens) - 1
+        inputs = datum.loss_fn_inputs
+        assert inputs["weights"].data == [1.0] * T
+        assert inputs["logprobs"].data == pytest.approx([-0.1 * t for t in range(T)])
+        # skyrl divides each sequence by its weights' sum (T) and the step by its sequences (3).
+        assert inputs["advantages"].data == pytest.approx([w * 2.0 / 3 * T * 3 for w in sample.loss_mask[1:]])
+
+
+def test_sequence_mean_builtin_path_scales_advantages_and_leaves_on_policy_to_the_custom_path():
+    builtin = BuiltinLoss("importance_sampling", "token-sum")
+    trainer, training = make_trainer(builtin)
+    trainer.reduction = "sequence_mean"
+    data = pairs()
+    old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
+    advantages = [torch.full((len(s.tokens) - 1,), 1.0) for s, _ in data]
+    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, old))
+    ((_, loss_fn, _, sent),) = training.calls
+    assert loss_fn == "importance_sampling"
+    for datum, (sample, _) in zip(sent, data):
+        trained = sum(sample.loss_mask[1:])
+        assert datum.loss_fn_inputs["advantages"].data == pytest.approx([m * trained * 3 for m in sample.loss_mask[1:]])
+    training.calls.clear()
+    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, None))
+    assert [c[0] for c in training.calls] == ["forward"]
