@@ -32,7 +32,7 @@ def client_main(url: str, losses: list[str], steps: int) -> dict:
     import torch
 
     from tests.integration.test_tinker import MAPPED, _datums, _trainer
-    from tests.plugins.backends.test_tinker import StepLossForTest
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
 
     adam = tinker.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     out = {}
@@ -51,7 +51,7 @@ def client_main(url: str, losses: list[str], steps: int) -> dict:
                 before = trainer.forward(datums)  # the anchor: not part of either path's step
                 advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in before]
                 old = [lp + 0.1 * torch.randn(len(lp), generator=generator) for lp in before]
-                step_loss = StepLossForTest.make([loss], plugin_options, pairs, advantages, old)
+                step_loss = make_step_loss([loss], plugin_options, pairs, advantages, old)
                 started = time.perf_counter()
                 trainer.forward_backward_custom(datums, step_loss)
                 trainer.optim_step(adam)

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
+import attrs
 import pluggy
 
 from grpo_core.backend import Reference, Trainer, sample_to_datum
@@ -284,21 +285,17 @@ def train_on_groups(
     step_loss = 0.0
     for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
 
-        def loss_fn(_datums: Any, logprobs: list[torch.Tensor], idx: range = idx) -> tuple[torch.Tensor, dict[str, float]]:
-            inputs = LossInputs(
-                logprobs=list(logprobs),
-                old_logprobs=[old[i] for i in idx] if old is not None else [lp.detach() for lp in logprobs],
-                sampling_logprobs=[sampling[i] for i in idx],
-                mask=[mask[i] for i in idx],
-                advantages=[advantages[i] for i in idx],
-                ref_logprobs=[ref[i] for i in idx] if ref is not None else None,
-                num_sequences=num_sequences,
-                num_tokens=num_tokens,
-                max_tokens=config.max_completion_tokens,
-            )
-            out = pm.hook.loss(inputs=inputs)
-            return out.loss, out.metrics
-
+        loss_fn = StepLoss(
+            pm=pm,
+            old=[old[i] for i in idx] if old is not None else None,
+            sampling=[sampling[i] for i in idx],
+            mask=[mask[i] for i in idx],
+            advantages=[advantages[i] for i in idx],
+            ref=[ref[i] for i in idx] if ref is not None else None,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            max_tokens=config.max_completion_tokens,
+        )
         result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
         # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
         step_loss += result.metrics.pop("loss")
@@ -323,6 +320,48 @@ def train_on_groups(
     )
     metrics["train/samples"] = float(len(samples))
     return metrics
+
+
+@attrs.define
+class StepLoss:
+    """The ``loss_fn(datums, logprobs)`` of one forward/backward call (the Tinker contract's).
+
+    It also says what the loss is computed from, so that a remote trainer can run an equivalent
+    loss on its service instead: ``inputs(logprobs)`` builds the loss hook's inputs, and
+    ``on_policy`` is True when the ratio anchors on the current policy's own (detached) logprobs.
+    """
+
+    pm: pluggy.PluginManager
+    old: list[Any] | None
+    """π_old of each sequence, or None: on-policy, the detached current logprobs."""
+    sampling: list[Any]
+    mask: list[Any]
+    advantages: list[Any]
+    ref: list[Any] | None
+    num_sequences: int
+    num_tokens: float
+    max_tokens: int
+
+    @property
+    def on_policy(self) -> bool:
+        return self.old is None
+
+    def inputs(self, logprobs: Sequence[Any]) -> LossInputs:
+        return LossInputs(
+            logprobs=list(logprobs),
+            old_logprobs=self.old if self.old is not None else [lp.detach() for lp in logprobs],
+            sampling_logprobs=self.sampling,
+            mask=self.mask,
+            advantages=self.advantages,
+            ref_logprobs=self.ref,
+            num_sequences=self.num_sequences,
+            num_tokens=self.num_tokens,
+            max_tokens=self.max_tokens,
+        )
+
+    def __call__(self, _datums: Any, logprobs: Sequence[Any]) -> tuple[Any, dict[str, float]]:
+        out = self.pm.hook.loss(inputs=self.inputs(logprobs))
+        return out.loss, out.metrics
 
 
 def fwd_bwd_chunks(n: int, min_size: int, max_size: int | None) -> list[range]:

@@ -233,7 +233,7 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
     import tinker
     import torch
 
-    from tests.plugins.backends.test_tinker import StepLossForTest
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
 
     names = [loss, *(wrappers or [])]
     plugin_options = {"loss": {loss: options}}
@@ -258,7 +258,7 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
     results = {}
     for label, trainer in (("builtin", builtin_trainer), ("custom", custom_trainer)):
         trainer.counts = {"forward": 0, "forward_backward": 0}
-        step_loss = StepLossForTest.make(names, plugin_options, pairs, advantages, old)
+        step_loss = make_step_loss(names, plugin_options, pairs, advantages, old)
         started = time.perf_counter()
         output = trainer.forward_backward_custom(datums, step_loss)
         trainer.optim_step(adam)

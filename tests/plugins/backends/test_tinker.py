@@ -14,62 +14,31 @@ import pytest
 import tinker
 import torch
 
-from grpo_core import LossInputs, Prompt, Sample, make_plugin
+from grpo_core import Prompt, Sample, make_plugin
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.loss import aggregate
 from grpo_core.plugins.backends import tinker_sdk
 from grpo_core.plugins.backends.tinker import BuiltinLoss, TinkerBackend, TinkerTrainer, builtin_loss, token_weights
 from grpo_core.plugins_manager import PluginError, build_manager, redact_plugin_options
+from grpo_core.stages import StepLoss
 
 
-@attrs.define
-class StepLossForTest:
-    """The loss_fn of one forward/backward call as the core's train step makes it, with what the
-    loss is computed from (``inputs``, ``on_policy``): the interface the built-in path reads."""
-
-    pm: object
-    old: list | None
-    sampling: list
-    mask: list
-    advantages: list
-    num_sequences: int
-    num_tokens: float
-    max_tokens: int = 32
-
-    @classmethod
-    def make(cls, names, plugin_options, pairs, advantages, old) -> StepLossForTest:
-        plugins = [make_plugin(n, kind="loss", **plugin_options.get("loss", {}).get(n, {})) for n in names]
-        mask = [torch.tensor(s.loss_mask[1:]) for s, _ in pairs]
-        return cls(
-            pm=build_manager(plugins),
-            old=old,
-            sampling=[torch.tensor(s.sampling_logprobs[1:]) for s, _ in pairs],
-            mask=mask,
-            advantages=advantages,
-            num_sequences=sum(int(m.sum() > 0) for m in mask),
-            num_tokens=float(sum(m.sum() for m in mask)),
-        )
-
-    @property
-    def on_policy(self) -> bool:
-        return self.old is None
-
-    def inputs(self, logprobs) -> LossInputs:
-        return LossInputs(
-            logprobs=list(logprobs),
-            old_logprobs=self.old if self.old is not None else [lp.detach() for lp in logprobs],
-            sampling_logprobs=self.sampling,
-            mask=self.mask,
-            advantages=self.advantages,
-            num_sequences=self.num_sequences,
-            num_tokens=self.num_tokens,
-            max_tokens=self.max_tokens,
-        )
-
-    def __call__(self, datums, logprobs):
-        out = self.pm.hook.loss(inputs=self.inputs(logprobs))
-        return out.loss, out.metrics
+def step_loss(names, plugin_options, pairs, advantages, old) -> StepLoss:
+    """The loss_fn of one forward/backward call, as the core's train step makes it."""
+    plugins = [make_plugin(n, kind="loss", **plugin_options.get("loss", {}).get(n, {})) for n in names]
+    mask = [torch.tensor(s.loss_mask[1:]) for s, _ in pairs]
+    return StepLoss(
+        pm=build_manager(plugins),
+        old=old,
+        sampling=[torch.tensor(s.sampling_logprobs[1:]) for s, _ in pairs],
+        mask=mask,
+        advantages=advantages,
+        ref=None,
+        num_sequences=sum(int(m.sum() > 0) for m in mask),
+        num_tokens=float(sum(m.sum() for m in mask)),
+        max_tokens=32,
+    )
 
 
 class FakeFuture:
@@ -218,7 +187,7 @@ def test_builtin_loss_maps_only_what_the_service_computes_alike(loss, options, e
 
 @pytest.mark.parametrize("agg", ["token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_token_weights_are_the_aggregation_derivative(agg):
-    step = StepLossForTest.make(["importance_sampling"], {}, pairs(), [torch.ones(len(s.tokens) - 1) for s, _ in pairs()], None)
+    step = step_loss(["importance_sampling"], {}, pairs(), [torch.ones(len(s.tokens) - 1) for s, _ in pairs()], None)
     inputs = step.inputs([torch.zeros(len(m)) for m in step.mask])
     weights = token_weights(inputs, agg)
     generator = torch.Generator().manual_seed(0)
@@ -238,7 +207,7 @@ def test_custom_path_sends_minus_the_loss_gradient_with_the_optimizer_step():
     data = pairs()
     datums = [d for _, d in data]
     advantages = [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data]
-    step = StepLossForTest.make(["reinforce"], {}, data, advantages, None)
+    step = step_loss(["reinforce"], {}, data, advantages, None)
     output = trainer.forward_backward_custom(datums, step)
     assert [c[0] for c in training.calls] == ["forward"]  # nothing accumulates on the service yet
     # reinforce, seq-mean-token-sum: loss = −Σ A·π / N over trained tokens.
@@ -261,8 +230,8 @@ def test_a_nonfinite_loss_sends_nothing_and_skips_the_step():
     trainer, training = make_trainer()
     data = pairs()
     datums = [d for _, d in data]
-    finite = StepLossForTest.make(["reinforce"], {}, data, [torch.ones(len(s.tokens) - 1) for s, _ in data], None)
-    broken = StepLossForTest.make(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), math.nan) for s, _ in data], None)
+    finite = step_loss(["reinforce"], {}, data, [torch.ones(len(s.tokens) - 1) for s, _ in data], None)
+    broken = step_loss(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), math.nan) for s, _ in data], None)
     trainer.forward_backward_custom(datums, finite)
     out = trainer.forward_backward_custom(datums, broken)  # a second call of the same step
     assert math.isnan(out.metrics["loss"])
@@ -290,7 +259,7 @@ def test_builtin_path_on_policy_is_one_cross_entropy_call_with_weighted_advantag
     trainer, training = make_trainer(BuiltinLoss("cispo", "token-mean", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}))
     data = pairs()
     advantages = [torch.full((len(s.tokens) - 1,), 1.5) for s, _ in data]
-    step = StepLossForTest.make(["cispo"], {}, data, advantages, None)
+    step = step_loss(["cispo"], {}, data, advantages, None)
     output = trainer.forward_backward_custom([d for _, d in data], step)
     ((kind, loss_fn, config, sent),) = training.calls
     assert (kind, loss_fn, config) == ("forward_backward", "cross_entropy", None)
@@ -308,7 +277,7 @@ def test_builtin_path_off_policy_sends_the_anchor_and_the_clip_range():
     data = pairs()
     advantages = [torch.full((len(s.tokens) - 1,), -1.0) for s, _ in data]
     old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
-    step = StepLossForTest.make(["grpo"], {"loss": {"grpo": {"kl_beta": 0.0}}}, data, advantages, old)
+    step = step_loss(["grpo"], {"loss": {"grpo": {"kl_beta": 0.0}}}, data, advantages, old)
     trainer.forward_backward_custom([d for _, d in data], step)
     ((_, loss_fn, config, sent),) = training.calls
     assert (loss_fn, config) == ("ppo", builtin.config)
@@ -318,10 +287,28 @@ def test_builtin_path_off_policy_sends_the_anchor_and_the_clip_range():
     assert first["advantages"].data == pytest.approx([-m / 3 for m in data[0][0].loss_mask[1:]])
 
 
+def test_the_cores_train_step_reaches_the_builtin_path(tiny_model_dir):
+    """stages.train_on_groups hands the trainer a StepLoss: an off-policy cispo step is one
+    forward_backward with the service's cispo, then the optimizer step; no extra forward."""
+    from grpo_core.config import RunConfig
+    from grpo_core.stages import train_on_groups
+
+    trainer, training = make_trainer(BuiltinLoss("cispo", "token-sum", {"clip_low_threshold": 0.0, "clip_high_threshold": 5.0}))
+    data = pairs()
+    for sample, _ in data:
+        sample.advantages = [1.0] * len(sample.tokens)
+    pm = build_manager([make_plugin("cispo", kind="loss")])
+    metrics = train_on_groups(pm, trainer, None, [[s for s, _ in data]], RunConfig(model=str(tiny_model_dir), anchor="sampling"), 1e-3)
+    assert [c[0] for c in training.calls] == ["forward_backward", "optim_step"]
+    assert training.calls[0][1] == "cispo"
+    assert training.calls[0][3][0].loss_fn_inputs["logprobs"].data == [-0.5] * (len(data[0][0].tokens) - 1)  # the sampler's, as anchor
+    assert metrics["train/samples"] == 3.0
+
+
 def test_a_nonfinite_loss_after_a_builtin_backward_stops_with_what_to_do():
     trainer, _ = make_trainer(BuiltinLoss("importance_sampling", "token-sum"))
     data = pairs()
-    step = StepLossForTest.make(["importance_sampling"], {}, data, [torch.full((len(s.tokens) - 1,), math.inf) for s, _ in data], None)
+    step = step_loss(["importance_sampling"], {}, data, [torch.full((len(s.tokens) - 1,), math.inf) for s, _ in data], None)
     with pytest.raises(PluginError, match="builtin_losses=false"):
         trainer.forward_backward_custom([d for _, d in data], step)
 
@@ -398,7 +385,7 @@ def test_sequence_mean_custom_path_carries_the_gradient_on_importance_sampling()
     trainer.reduction = "sequence_mean"
     data = pairs()
     datums = [d for _, d in data]
-    step = StepLossForTest.make(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data], None)
+    step = step_loss(["reinforce"], {}, data, [torch.full((len(s.tokens) - 1,), 2.0) for s, _ in data], None)
     trainer.forward_backward_custom(datums, step)
     trainer.optim_step(ADAM)
     _, loss_fn, _, sent = training.calls[1]
@@ -419,12 +406,12 @@ def test_sequence_mean_builtin_path_scales_advantages_and_leaves_on_policy_to_th
     data = pairs()
     old = [torch.full((len(s.tokens) - 1,), -0.7) for s, _ in data]
     advantages = [torch.full((len(s.tokens) - 1,), 1.0) for s, _ in data]
-    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, old))
+    trainer.forward_backward_custom([d for _, d in data], step_loss(["importance_sampling"], {}, data, advantages, old))
     ((_, loss_fn, _, sent),) = training.calls
     assert loss_fn == "importance_sampling"
     for datum, (sample, _) in zip(sent, data):
         trained = sum(sample.loss_mask[1:])
         assert datum.loss_fn_inputs["advantages"].data == pytest.approx([m * trained * 3 for m in sample.loss_mask[1:]])
     training.calls.clear()
-    trainer.forward_backward_custom([d for _, d in data], StepLossForTest.make(["importance_sampling"], {}, data, advantages, None))
+    trainer.forward_backward_custom([d for _, d in data], step_loss(["importance_sampling"], {}, data, advantages, None))
     assert [c[0] for c in training.calls] == ["forward"]
