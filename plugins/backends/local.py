@@ -171,6 +171,11 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
         raise PluginError(
             f"--lora-target-modules {' '.join(target_modules)}: {str(exc).splitlines()[0]} (this model's linear layers: {', '.join(names)})"
         ) from None
+    tied = model.get_input_embeddings().weight
+    on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and m.get_base_layer().weight is tied]
+    if on_tied:
+        # Merged, the adapter would change one of two layers that share their weight.
+        raise PluginError(f"--lora-target-modules: '{on_tied[0]}' shares its weight with the embedding (tied); leave it out")
     return model.eval()
 
 
