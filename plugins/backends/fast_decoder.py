@@ -104,6 +104,13 @@ def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
     return LowRank(a=torch.cat(a_parts), b=torch.block_diag(*b_parts))
 
 
+def _folded(weight: torch.Tensor, low_rank: LowRank | None, fold: bool) -> tuple[torch.Tensor, LowRank | None]:
+    """(W + b·a, None) when folding, else (W, the low-rank term) to run beside W."""
+    if low_rank is None or not fold:
+        return weight, low_rank
+    return torch.addmm(weight, low_rank.b, low_rank.a), None
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
     out = F.linear(x, weight, bias)
     return out if low_rank is None else out + F.linear(F.linear(x, low_rank.a), low_rank.b)
@@ -224,8 +231,12 @@ class FastDecoder:
         return KVCache(capacity)
 
     def layer_weights(self) -> list[LayerWeights]:
-        """The fused weights; built from the parameters, so differentiable when grad is on."""
+        """The fused weights; built from the parameters, so differentiable when grad is on.
+
+        Without grad (sampling, scoring) LoRA terms are folded into the fused weights once, so
+        each decoded token costs what it costs without adapters."""
         H, Hkv = self.num_heads, self.num_kv_heads
+        fold = not torch.is_grad_enabled()
         fused = []
         for layer in self.model.model.layers:
             attn = layer.self_attn
@@ -233,24 +244,28 @@ class FastDecoder:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = map(
                 _weight_and_bias, (q, k, v, o, gate, up, down)
             )
+            qkv, qkv_lora = _folded(torch.cat([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
+            o_w, o_lora = _folded(o_w, _fused_low_rank((o,)), fold)
+            gate_up, gate_up_lora = _folded(torch.cat([g_w, u_w]), _fused_low_rank((gate, up)), fold)
+            d_w, down_lora = _folded(d_w, _fused_low_rank((down,)), fold)
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             fused.append(
                 LayerWeights(
-                    qkv=torch.cat([q_w, k_w, v_w]),
+                    qkv=qkv,
                     qkv_bias=_cat_or_none([q_b, k_b, v_b]),
                     qk_norm=None if q_norm is None else torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(Hkv, -1)]),
                     o=o_w,
                     o_bias=o_b,
-                    gate_up=torch.cat([g_w, u_w]),
+                    gate_up=gate_up,
                     gate_up_bias=_cat_or_none([g_b, u_b]),
                     down=d_w,
                     down_bias=d_b,
                     input_norm=layer.input_layernorm.weight,
                     post_attention_norm=layer.post_attention_layernorm.weight,
-                    qkv_lora=_fused_low_rank((q, k, v)),
-                    o_lora=_fused_low_rank((o,)),
-                    gate_up_lora=_fused_low_rank((gate, up)),
-                    down_lora=_fused_low_rank((down,)),
+                    qkv_lora=qkv_lora,
+                    o_lora=o_lora,
+                    gate_up_lora=gate_up_lora,
+                    down_lora=down_lora,
                 )
             )
         return fused
