@@ -188,7 +188,16 @@ def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items() if LORA_PREFIX in k}
 
 
-def load_adapter_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
+def trained_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """What training changes: the adapters of a LoRA model, else the whole state dict."""
+    return adapter_state_dict(model) if has_adapters(model) else model.state_dict()
+
+
+def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`trained_state_dict` gave; a LoRA model's base weights stay as they are."""
+    if not has_adapters(model):
+        model.load_state_dict(state)
+        return
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if LORA_PREFIX in k]
     if missing or result.unexpected_keys:
@@ -470,10 +479,9 @@ class LocalTrainer(LocalReference):
         self._refuse_nonfinite(path)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
-        weights = {"adapter": adapter_state_dict(self.model)} if has_adapters(self.model) else {"model": self.model.state_dict()}
         torch.save(
             {
-                **weights,
+                "adapter" if has_adapters(self.model) else "model": trained_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "version": self.version,
             },
@@ -485,10 +493,7 @@ class LocalTrainer(LocalReference):
         if has_adapters(self.model) != ("adapter" in state):
             saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
             raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
-        if "adapter" in state:
-            load_adapter_state_dict(self.model, state["adapter"])
-        else:
-            self.model.load_state_dict(state["model"])
+        load_trained_state_dict(self.model, state["adapter" if "adapter" in state else "model"])
         if state["optimizer"] is not None:
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
