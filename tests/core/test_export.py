@@ -153,3 +153,27 @@ def test_a_run_without_final_points_to_its_checkpoints(tiny_model_dir, tiny_data
     shutil.rmtree(run_dir / "checkpoints")
     with pytest.raises(PluginError, match=r"\(it has no checkpoints\)"):
         export_policy(run_dir, tmp_path / "out")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_serves_an_exported_lora_policy_with_the_trainers_logprobs(tiny_dataset, tmp_path):
+    from grpo_core.plugins.samplers.openai import ServerClient, prompt_logprobs
+    from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
+
+    ensure_vllm_venv()
+    model = build_server_model(tmp_path / "model", tied=True)  # head_dim 32: vLLM's CPU attention needs it
+    run_dir = tmp_path / "run"
+    train(model, tiny_dataset, run_dir, lora_rank=4, learning_rate=3e-2)
+    exported, _ = export_policy(run_dir, tmp_path / "exported")
+    tokens = trainer_tokenizer_ids(run_dir)
+    want, _ = trainer_logprobs(run_dir, 2, tokens)
+    base, _ = logprobs_of_folder(model, tokens)
+    assert float((want - base).abs().max()) > 1e-2  # the merged adapters matter
+    server = VLLMServer(exported, tmp_path / "vllm.log")
+    server.start()
+    try:
+        served = prompt_logprobs(ServerClient(server.url, retry_deadline=60.0), server.name, tokens)
+    finally:
+        server.stop()
+    assert float((torch.tensor(served[1:]) - want).abs().max()) < 1e-3
