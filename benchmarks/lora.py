@@ -1,6 +1,7 @@
 """LoRA against full fine-tuning on the compute benchmark model: step time and memory.
 
     python benchmarks/lora.py [--steps 5] [--repeats 2] [--threads 1] [--ranks 8,64] [--json FILE]
+    python benchmarks/lora.py --ab [--rounds 7]
 
 Runs grpo-core's synchronous loop on the "compute" configuration (Qwen3, ~9.6M parameters,
 8 prompts x G=8, 16-token prompts, forced 32-token completions; benchmarks/README.md), one
@@ -11,6 +12,11 @@ runs the same model with its adapters off). Prints one table (docs/performance.m
 
 ``python benchmarks/lora.py --worker SPEC.json RESULT.json VARIANT`` is one run (what the
 orchestrator starts).
+
+``python benchmarks/lora.py --ab [--rounds 7]``: the same two phases in one process, full
+fine-tuning and LoRA interleaved round by round on the same trainers and batch (sampling 8
+prompts x G=8 x 32 tokens; forward/backward + AdamW over those 64 sequences), medians per
+variant: separate runs on a shared machine differ by more than the effect.
 """
 
 from __future__ import annotations
@@ -65,7 +71,6 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     run(config, overwrite=True)
     (checkpoint,) = (Path(config.run_dir) / "checkpoints").iterdir()
     state = torch.load(checkpoint / "trainer.pt", weights_only=True)
-    trained = state["adapter"] if variant["lora_rank"] else state["model"]
     moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
     steps, prev, prev_cpu = [], None, None
     for rec in bench_plugins.STEPS:
@@ -86,12 +91,67 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
             "contender": variant["name"],
             "rss_start_mb": bench_plugins.RUN.get("rss_start_mb"),
             "steps": steps,
-            "trained_params": sum(t.numel() for t in trained.values()),
+            # One first moment per trained tensor (the tied embedding counted once).
+            "trained_params": sum(t.numel() for s in state["optimizer"]["state"].values() for k, t in s.items() if k == "exp_avg"),
             "optimizer_state_mb": sum(t.numel() * t.element_size() for t in moments) / 2**20,
             "checkpoint_mb": (checkpoint / "trainer.pt").stat().st_size / 2**20,
             "versions": {"torch": torch.__version__},
         },
     )
+
+
+def ab(ranks: list[int], rounds: int) -> None:
+    """Interleaved in-process A/B of the sampling and training phases (medians of ``rounds``)."""
+    import statistics
+
+    import tinker
+    import torch
+    from grpo_core import Sample, SamplingParams
+    from grpo_core.backend import sample_to_datum
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.local import LocalBackend
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+    from run import prepare
+
+    spec = prepare("compute", 1, CACHE / "work" / "lora-ab")
+    trainers = {}
+    for rank in [0, *ranks]:
+        torch.manual_seed(0)
+        config = RunConfig(model=spec["model_dir"], lora_rank=rank, lora_alpha=LORA_ALPHA, device="cpu")
+        trainer = LocalBackend().make_trainer(config=config)
+        trainers["full" if rank == 0 else f"lora r={rank}"] = (trainer, LocalSamplerPlugin().make_sampler(config=config, trainer=trainer))
+    _, (first, sampler) = next(iter(trainers.items()))
+    prompts = [first.tokenizer(p)["input_ids"] for p in spec["prompts"][: spec["prompts_per_step"]]]
+    params = SamplingParams(max_tokens=spec["completion_tokens"], temperature=1.0)
+    groups = sampler.sample(prompts, spec["group_size"], params)
+    datums = [
+        sample_to_datum(Sample(prompt=None, tokens=p + c.tokens, sampling_logprobs=[0.0] * len(p) + c.logprobs,
+                               loss_mask=[0.0] * len(p) + [1.0] * len(c.tokens), text="", finish_reason="length", policy_version=0))
+        for p, g in zip(prompts, groups) for c in g
+    ]  # fmt: skip
+    advantages = torch.linspace(-1.0, 1.0, len(datums))
+
+    def loss_fn(_datums, logprobs):
+        return -sum(a * lp.sum() for a, lp in zip(advantages, logprobs)) / len(logprobs), {}
+
+    times: dict[str, dict[str, list[float]]] = {name: {"sample": [], "train": []} for name in trainers}
+    for _ in range(rounds + 1):  # the first round warms up (allocations, optimizer state)
+        for name, (trainer, sampler) in trainers.items():
+            t0 = time.perf_counter()
+            sampler.sample(prompts, spec["group_size"], params)
+            t1 = time.perf_counter()
+            trainer.forward_backward_custom(datums, loss_fn)
+            trainer.optim_step(tinker.AdamParams(learning_rate=1e-5))
+            t2 = time.perf_counter()
+            times[name]["sample"].append(t1 - t0)
+            times[name]["train"].append(t2 - t1)
+    medians = {name: {k: statistics.median(v[1:]) for k, v in t.items()} for name, t in times.items()}
+    full = medians["full"]
+    print(f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)")
+    print("| variant | sample s | vs full | forward/backward + AdamW s | vs full |")
+    print("|---|---:|---:|---:|---:|")
+    for name, m in medians.items():
+        print(f"| {name} | {m['sample']:.3f} | {m['sample'] / full['sample']:.2f}x | {m['train']:.3f} | {m['train'] / full['train']:.2f}x |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0 = torch's default)")
     parser.add_argument("--ranks", default="8,64", help="LoRA ranks, comma-separated")
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this file")
+    parser.add_argument("--ab", action="store_true", help="the in-process interleaved A/B of the two phases instead")
+    parser.add_argument("--rounds", type=int, default=7, help="--ab: timed rounds")
     args = parser.parse_args(argv)
     from run import WORKER_ENV, check_lengths, log, prepare, summarize, thread_env
 
@@ -108,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.ab:
+        ab([int(r) for r in args.ranks.split(",") if r], args.rounds)
+        return 0
     kinds = variants([int(r) for r in args.ranks.split(",") if r])
     work = CACHE / "work" / f"lora-{time.strftime('%Y%m%d-%H%M%S')}"
     spec = prepare("compute", args.steps, work)
@@ -141,20 +206,26 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_rss_mb_runs": [r["peak_rss_mb"] for r in runs],
             }
         )
+    for r in rows:
+        # Weights, gradients, Adam's moments and the reference's own weights (full fine-tuning's
+        # frozen copy; LoRA scores with the same model): what stays allocated across steps.
+        weights_mb = spec["params"]["all"] * 4 / 2**20
+        reference_mb = weights_mb if r["variant"].startswith("full") and r["variant"].endswith("+KL") else 0.0
+        r["training_state_mb"] = weights_mb + r["trained_params"] * 4 / 2**20 + r["optimizer_state_mb"] + reference_mb
     full = {r["variant"]: r for r in rows}
     lines = [
         f"compute model ({spec['params']['all'] / 1e6:.2f}M parameters), {spec['prompts_per_step']} prompts x G={spec['group_size']}, "
         f"{spec['prompt_tokens']} + {spec['completion_tokens']} tokens; {args.repeats} runs x {args.steps} timed steps per variant, "
         f"{args.threads or 'default'} torch thread(s), lora_alpha {LORA_ALPHA:g}, kl_beta {KL_BETA:g} in the +KL rows; {time.strftime('%Y-%m-%d')}",
         "",
-        "| variant | trained params | step s (min-max) | vs full | sample s | train s | optimizer state MB | checkpoint MB | RSS at start MB | peak RSS MB | growth MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | trained params | step s (min-max) | vs full | sample s | train s | optimizer state MB | training state MB | checkpoint MB | RSS at start MB | peak RSS MB | growth MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = full["full +KL" if r["variant"].endswith("+KL") else "full"]
         lines.append(
             f"| {r['variant']} | {r['trained_params']:,} | {r['step_s']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | "
-            f"{r['step_s'] / base['step_s']:.2f}x | {r['sample_s']:.2f} | {r['train_s']:.2f} | {r['optimizer_state_mb']:.1f} | "
+            f"{r['step_s'] / base['step_s']:.2f}x | {r['sample_s']:.2f} | {r['train_s']:.2f} | {r['optimizer_state_mb']:.1f} | {r['training_state_mb']:.1f} | "
             f"{r['checkpoint_mb']:.1f} | {r['rss_start_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] - r['rss_start_mb']:.0f} |"
         )
     print("\n".join(lines))

@@ -12,11 +12,11 @@ architecture); the local backend falls back to the transformers forward otherwis
 match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
 
 LoRA adapters (peft) on the projections take part as low-rank terms next to each fused
-projection: ``x·Wᵀ + (x·Aᵀ)·(s·B)ᵀ``, with the adapters of a fused projection's parts stacked
-(A's concatenated, the scaled B's block-diagonal). The frozen base weight then gets no
-gradient, so training costs the LoRA's matmuls instead of a full weight gradient. Adapters that
-are disabled (peft's ``disable_adapter``, the KL reference) or merged are left out, as peft's
-own forward does.
+projection: ``x·Wᵀ + (x·Aᵀ)·(s·B)ᵀ``, one matmul for the stacked A's of a fused projection's
+parts and one per part's B. The frozen base weight then gets no gradient, so training costs the
+LoRA's matmuls instead of a full weight gradient; without grad (sampling, scoring) the terms are
+folded into the fused weights once per call. Adapters that are disabled (peft's
+``disable_adapter``, the KL reference) or merged are left out, as peft's own forward does.
 """
 
 from __future__ import annotations
@@ -67,10 +67,22 @@ def _projections(layer: Any) -> tuple[Any, ...]:
 
 @attrs.define(eq=False)
 class LowRank:
-    """The LoRA term of a projection: ``x -> (x·aᵀ)·bᵀ``, the scaling folded into ``b``."""
+    """The LoRA term of a projection, fused or not: ``h = x·aᵀ`` with the parts' A's stacked,
+    then each part's slice of ``h`` times its own B (the scaling folded in), the parts' outputs
+    side by side; a part without an adapter has a B of width 0 and adds zeros."""
 
-    a: torch.Tensor  # [rank, in]
-    b: torch.Tensor  # [out, rank]
+    a: torch.Tensor  # [sum of the parts' ranks, in]
+    bs: list[torch.Tensor]  # per part: [out_i, rank_i]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.a)
+        if len(self.bs) == 1:
+            return F.linear(h, self.bs[0])
+        return torch.cat([F.linear(h_i, b) for h_i, b in zip(h.split([b.shape[1] for b in self.bs], -1), self.bs)], -1)
+
+    def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` + the term as a matrix (the parts' B's on a block diagonal)."""
+        return torch.addmm(weight, torch.block_diag(*self.bs), self.a)
 
 
 def _weight_and_bias(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -93,27 +105,26 @@ def _low_rank_parts(module: Any) -> tuple[torch.Tensor | None, torch.Tensor | No
 
 
 def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
-    """The adapters of projections fused into one matmul: the parts' outputs are concatenated,
-    so their B's sit on a block diagonal (a part without an adapter contributes zero rows)."""
+    """The adapters of the projections fused into one matmul (one module: its own)."""
     parts = [_low_rank_parts(m) for m in modules]
     if all(a is None for a, _ in parts):
         return None
     like = next(a for a, _ in parts if a is not None)
     a_parts = [a for a, _ in parts if a is not None]
     b_parts = [b if b is not None else like.new_zeros(_weight_and_bias(m)[0].shape[0], 0) for m, (_, b) in zip(modules, parts)]
-    return LowRank(a=torch.cat(a_parts), b=torch.block_diag(*b_parts))
+    return LowRank(a=torch.cat(a_parts), bs=b_parts)
 
 
 def _folded(weight: torch.Tensor, low_rank: LowRank | None, fold: bool) -> tuple[torch.Tensor, LowRank | None]:
-    """(W + b·a, None) when folding, else (W, the low-rank term) to run beside W."""
+    """(W with the low-rank term added in, None) when folding, else (W, the term to run beside W)."""
     if low_rank is None or not fold:
         return weight, low_rank
-    return torch.addmm(weight, low_rank.b, low_rank.a), None
+    return low_rank.fold_into(weight), None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
     out = F.linear(x, weight, bias)
-    return out if low_rank is None else out + F.linear(F.linear(x, low_rank.a), low_rank.b)
+    return out if low_rank is None else out + low_rank(x)
 
 
 @attrs.define(eq=False)

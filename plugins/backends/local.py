@@ -183,14 +183,10 @@ def has_adapters(model: Any) -> bool:
     return any(hasattr(m, "lora_A") for m in model.modules())
 
 
-def adapter_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """The adapters' tensors only (what a LoRA run trains)."""
-    return {k: v for k, v in model.state_dict().items() if LORA_PREFIX in k}
-
-
 def trained_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """What training changes: the adapters of a LoRA model, else the whole state dict."""
-    return adapter_state_dict(model) if has_adapters(model) else model.state_dict()
+    state = model.state_dict()
+    return {k: v for k, v in state.items() if LORA_PREFIX in k} if has_adapters(model) else state
 
 
 def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
