@@ -134,24 +134,28 @@ def ab(ranks: list[int], rounds: int) -> None:
     def loss_fn(_datums, logprobs):
         return -sum(a * lp.sum() for a, lp in zip(advantages, logprobs)) / len(logprobs), {}
 
-    times: dict[str, dict[str, list[float]]] = {name: {"sample": [], "train": []} for name in trainers}
+    # Wall and CPU time of each phase: on a shared machine the CPU time is the steadier of the two.
+    times: dict[str, dict[str, list[float]]] = {name: {"sample": [], "train": [], "sample_cpu": [], "train_cpu": []} for name in trainers}
     for _ in range(rounds + 1):  # the first round warms up (allocations, optimizer state)
         for name, (trainer, sampler) in trainers.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             sampler.sample(prompts, spec["group_size"], params)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             trainer.forward_backward_custom(datums, loss_fn)
             trainer.optim_step(tinker.AdamParams(learning_rate=1e-5))
-            t2 = time.perf_counter()
-            times[name]["sample"].append(t1 - t0)
-            times[name]["train"].append(t2 - t1)
+            t2, c2 = time.perf_counter(), time.process_time()
+            for key, value in (("sample", t1 - t0), ("train", t2 - t1), ("sample_cpu", c1 - c0), ("train_cpu", c2 - c1)):
+                times[name][key].append(value)
     medians = {name: {k: statistics.median(v[1:]) for k, v in t.items()} for name, t in times.items()}
     full = medians["full"]
     print(f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)")
-    print("| variant | sample s | vs full | forward/backward + AdamW s | vs full |")
+    print("| variant | sample s (CPU s) | vs full (CPU) | forward/backward + AdamW s (CPU s) | vs full (CPU) |")
     print("|---|---:|---:|---:|---:|")
     for name, m in medians.items():
-        print(f"| {name} | {m['sample']:.3f} | {m['sample'] / full['sample']:.2f}x | {m['train']:.3f} | {m['train'] / full['train']:.2f}x |")
+        print(
+            f"| {name} | {m['sample']:.3f} ({m['sample_cpu']:.3f}) | {m['sample'] / full['sample']:.2f}x ({m['sample_cpu'] / full['sample_cpu']:.2f}x) | "
+            f"{m['train']:.3f} ({m['train_cpu']:.3f}) | {m['train'] / full['train']:.2f}x ({m['train_cpu'] / full['train_cpu']:.2f}x) |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
