@@ -57,6 +57,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     run_grpo_core.register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
     import bench_plugins
     import torch
+
     from grpo_core.loop import run
 
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -106,12 +107,13 @@ def ab(ranks: list[int], rounds: int) -> None:
 
     import tinker
     import torch
+    from run import prepare
+
     from grpo_core import Sample, SamplingParams
     from grpo_core.backend import sample_to_datum
     from grpo_core.config import RunConfig
     from grpo_core.plugins.backends.local import LocalBackend
     from grpo_core.plugins.samplers.local import LocalSamplerPlugin
-    from run import prepare
 
     spec = prepare("compute", 1, CACHE / "work" / "lora-ab")
     trainers = {}
@@ -148,7 +150,9 @@ def ab(ranks: list[int], rounds: int) -> None:
                 times[name][key].append(value)
     medians = {name: {k: statistics.median(v[1:]) for k, v in t.items()} for name, t in times.items()}
     full = medians["full"]
-    print(f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)")
+    print(
+        f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)"
+    )
     print("| variant | sample s (CPU s) | vs full (CPU) | forward/backward + AdamW s (CPU s) | vs full (CPU) |")
     print("|---|---:|---:|---:|---:|")
     for name, m in medians.items():
@@ -189,9 +193,18 @@ def main(argv: list[str] | None = None) -> int:
             log_path = result_path.with_suffix(".log")
             cmd = [sys.executable, __file__, "--worker", str(work / "spec.json"), str(result_path), json.dumps({**variant, "name": name})]
             with log_path.open("w") as logf:
-                proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **WORKER_ENV, **thread_env(args.threads)}, cwd=work)
+                proc = subprocess.run(
+                    cmd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    check=False,
+                    env={**os.environ, **WORKER_ENV, **thread_env(args.threads)},
+                    cwd=work,
+                )
             if proc.returncode != 0:
-                raise RuntimeError(f"{name} failed (exit {proc.returncode}); log {log_path}:\n" + "\n".join(log_path.read_text().splitlines()[-30:]))
+                raise RuntimeError(
+                    f"{name} failed (exit {proc.returncode}); log {log_path}:\n" + "\n".join(log_path.read_text().splitlines()[-30:])
+                )
             result = json.loads(result_path.read_text())
             check_lengths(result, spec)
             results[name].append(result)
@@ -218,9 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         r["training_state_mb"] = weights_mb + r["trained_params"] * 4 / 2**20 + r["optimizer_state_mb"] + reference_mb
     full = {r["variant"]: r for r in rows}
     lines = [
-        f"compute model ({spec['params']['all'] / 1e6:.2f}M parameters), {spec['prompts_per_step']} prompts x G={spec['group_size']}, "
-        f"{spec['prompt_tokens']} + {spec['completion_tokens']} tokens; {args.repeats} runs x {args.steps} timed steps per variant, "
-        f"{args.threads or 'default'} torch thread(s), lora_alpha {LORA_ALPHA:g}, kl_beta {KL_BETA:g} in the +KL rows; {time.strftime('%Y-%m-%d')}",
+        (
+            f"compute model ({spec['params']['all'] / 1e6:.2f}M parameters), {spec['prompts_per_step']} prompts x G={spec['group_size']}, "
+            f"{spec['prompt_tokens']} + {spec['completion_tokens']} tokens; {args.repeats} runs x {args.steps} timed steps per variant, "
+            f"{args.threads or 'default'} torch thread(s), lora_alpha {LORA_ALPHA:g}, kl_beta {KL_BETA:g} in the +KL rows; {time.strftime('%Y-%m-%d')}"
+        ),
         "",
         "| variant | trained params | step s (min-max) | vs full | sample s | train s | optimizer state MB | training state MB | checkpoint MB | RSS at start MB | peak RSS MB | growth MB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -234,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "peak_flops": peak, "spec": {k: v for k, v in spec.items() if k != "prompts"}}, indent=2))
+        args.json.write_text(
+            json.dumps({"rows": rows, "peak_flops": peak, "spec": {k: v for k, v in spec.items() if k != "prompts"}}, indent=2)
+        )
     return 0
 
 

@@ -32,7 +32,9 @@ def export_policy(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     if step is None:
         source = run / "final"
         if not (source / "config.json").is_file():
-            raise PluginError(f"{run} has no final policy (final/): the run did not finish; export a checkpoint with --step N ({_saved_steps(run)})")
+            raise PluginError(
+                f"{run} has no final policy (final/): the run did not finish; export a checkpoint with --step N ({_saved_steps(run)})"
+            )
         save_policy(out, lambda tmp: shutil.copytree(source, tmp))
         return out, f"{source}"
     checkpoint = checkpoint_dir(run, step)
@@ -42,7 +44,9 @@ def export_policy(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     options = config.options_for("backend", config.backend)
     secret = [k for k, v in options.items() if v == REDACTED]
     if secret:
-        raise PluginError(f"the run's backend option '{secret[0]}' is a secret that config.json does not hold; export the run's final/ instead")
+        raise PluginError(
+            f"the run's backend option '{secret[0]}' is a secret that config.json does not hold; export the run's final/ instead"
+        )
     save_policy(out, lambda tmp: _write_checkpoint_policy(config, options, checkpoint, Path(tmp)))
     return out, f"{checkpoint}"
 

@@ -320,5 +320,5 @@ def test_lora_run_on_the_embedded_task_learns(tmp_path):
     assert summary["steps"] == 100 and summary["reward_last"] - summary["reward_first"] >= 0.15
     import torch
 
-    checkpoint = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+    checkpoint = max((tmp_path / "run" / "checkpoints").iterdir())
     assert set(torch.load(checkpoint / "trainer.pt", weights_only=True)) == {"adapter", "optimizer", "version"}

@@ -67,16 +67,16 @@ def trainer_logprobs(run_dir, step, tokens):
 def test_exported_folder_loads_with_transformers_and_scores_as_the_trainer(trained_run, tmp_path, step):
     from safetensors import safe_open
 
-    run_dir, lora_rank = trained_run
+    run_dir, _ = trained_run
     out = tmp_path / "exported"
     folder, source = export_policy(run_dir, out, step)
     assert folder == out and source == str(run_dir / "final" if step is None else checkpoint_dir(run_dir, step))
-    want, trainer = trainer_logprobs(run_dir, step or 2, trainer_tokens := trainer_tokenizer_ids(run_dir))
+    want, _ = trainer_logprobs(run_dir, step or 2, trainer_tokens := trainer_tokenizer_ids(run_dir))
     got, model = logprobs_of_folder(out, trainer_tokens)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert model.config.model_type == "qwen3"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        assert not [k for k in f.keys() if "lora" in k]
+        assert not [k for k in f.keys() if "lora" in k]  # noqa: SIM118 (safe_open has no __iter__)
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out)(PROBE)["input_ids"] == trainer_tokens
@@ -92,7 +92,7 @@ def trainer_tokenizer_ids(run_dir):
 
 
 def test_step_chooses_the_checkpoint(trained_run, tmp_path):
-    run_dir, lora_rank = trained_run
+    run_dir, _ = trained_run
     tokens = trainer_tokenizer_ids(run_dir)
     first, _ = logprobs_of_folder(export_policy(run_dir, tmp_path / "one", 1)[0], tokens)
     last, _ = logprobs_of_folder(export_policy(run_dir, tmp_path / "two", 2)[0], tokens)
@@ -128,7 +128,7 @@ def test_errors_name_what_is_missing_and_leave_out_dir_alone(trained_run, tmp_pa
     run_dir, _ = trained_run
     with pytest.raises(PluginError, match=f"^{tmp_path / 'nowhere'}: not a grpo-core run directory"):
         export_policy(tmp_path / "nowhere", tmp_path / "out")
-    with pytest.raises(PluginError, match=rf"has no checkpoint of step 7 \(checkpoints of steps 1, 2\)$"):
+    with pytest.raises(PluginError, match=r"has no checkpoint of step 7 \(checkpoints of steps 1, 2\)$"):
         export_policy(run_dir, tmp_path / "out", 7)
     assert not (tmp_path / "out").exists()
     busy = tmp_path / "busy"
@@ -148,7 +148,10 @@ def test_a_run_without_final_points_to_its_checkpoints(tiny_model_dir, tiny_data
     run_dir = tmp_path / "run"
     train(tiny_model_dir, tiny_dataset, run_dir, max_steps=1)
     shutil.rmtree(run_dir / "final")  # as a run killed before it wrote final/ leaves it
-    with pytest.raises(PluginError, match=r"has no final policy \(final/\): the run did not finish; export a checkpoint with --step N \(checkpoints of steps 1\)"):
+    with pytest.raises(
+        PluginError,
+        match=r"has no final policy \(final/\): the run did not finish; export a checkpoint with --step N \(checkpoints of steps 1\)",
+    ):
         export_policy(run_dir, tmp_path / "out")
     shutil.rmtree(run_dir / "checkpoints")
     with pytest.raises(PluginError, match=r"\(it has no checkpoints\)"):

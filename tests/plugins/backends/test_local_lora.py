@@ -105,7 +105,10 @@ def test_rank_and_alpha_set_the_adapters_shape_and_scale(tiny_model_dir, alpha, 
 
 @pytest.mark.parametrize(
     ("targets", "message"),
-    [(["qproj"], "--lora-target-modules qproj: Target modules {'qproj'} not found"), ([], "--lora-rank needs at least one --lora-target-modules")],
+    [
+        (["qproj"], "--lora-target-modules qproj: Target modules {'qproj'} not found"),
+        ([], "--lora-rank needs at least one --lora-target-modules"),
+    ],
 )
 def test_bad_target_modules_are_one_clear_error(tiny_model_dir, targets, message):
     with pytest.raises(PluginError, match="^" + message.replace("{", r"\{").replace("}", r"\}")) as err:
@@ -156,8 +159,9 @@ def test_fast_forward_with_adapters_matches_peft_logits_and_gradients(tiny_model
 
 
 def test_fast_forward_falls_back_for_adapters_it_does_not_run(tiny_model_dir, tmp_path):
-    from tests.conftest import build_tiny_model
     from transformers import AutoConfig
+
+    from tests.conftest import build_tiny_model
 
     untied = build_tiny_model(tmp_path / "untied")
     config = AutoConfig.from_pretrained(untied)
@@ -325,7 +329,7 @@ def test_vllm_weight_sync_sends_the_merged_policy_of_a_lora_trainer(tmp_path):
 
     ensure_vllm_venv()
     model = build_server_model(tmp_path / "model", tied=True)
-    cfg, trainer = make_trainer(model)
+    _, trainer = make_trainer(model)
     datums = datums_of(trainer.tokenizer)
     before = trainer.forward(datums)
     for _ in range(3):
