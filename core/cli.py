@@ -254,5 +254,25 @@ def plugins(as_json: bool) -> None:
         render(infos)
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path())
+@click.argument("out_dir", type=click.Path())
+@click.option("--step", type=click.IntRange(min=0), default=None, help="export the checkpoint of step N  [default: the final policy, RUN_DIR/final]")
+@click.option("--debug", is_flag=True, help="show the traceback of an error")
+def export(run_dir: str, out_dir: str, step: int | None, debug: bool) -> None:
+    """Write a run's policy to OUT_DIR as a plain transformers model folder: the weights (LoRA
+    adapters merged in), the tokenizer and the run's prompt settings. It loads with
+    AutoModelForCausalLM.from_pretrained and in vLLM, and `grpo-core eval --model OUT_DIR`
+    prompts it as it was trained. OUT_DIR must not exist or be empty.
+    """
+    try:
+        from grpo_core.export import export_policy
+
+        path, source = export_policy(run_dir, out_dir, step)
+    except Exception as exc:
+        _fail(exc, None, debug)
+    click.echo(f"exported {source} to {path}")
+
+
 if __name__ == "__main__":
     main()

@@ -120,6 +120,14 @@ class RunConfig:
         3, "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run", validator=_positive
     )
 
+    # LoRA (peft) on the local trainer.
+    lora_rank: int = _field(0, "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)", validator=_non_negative)
+    lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", validator=_positive)
+    lora_target_modules: list[str] = _field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "modules that get adapters (names as in the model; the default fits Llama/Qwen-style models); repeat for several",
+    )
+
     # Asynchronous loop.
     loop: Literal["sync", "async"] = _field("sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)")
     max_head_offpolicy_versions: int = _field(

@@ -232,3 +232,96 @@ def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(ti
     steps = signal_after_two_steps(small_run_args(tiny_model_dir, tiny_dataset, run_dir), run_dir, signum, code)
     assert (run_dir / "final" / "model.safetensors").is_file()
     assert json.loads((run_dir / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())["step"] == steps
+
+
+# --- LoRA and `grpo-core export` --------------------------------------------------------------
+
+LORA_LEARNING_RATE = "1e-3"
+"""For rank 8 on the embedded task; measured: 2e-3 gained less (+0.18), 5e-3 collapsed the reward to 0, rank 32 at 2e-3 gained +0.19."""
+SIGNAL = ("--reward", "format", "--reward-opt", r"pattern=\d", "--learning-rate", "3e-2")
+"""A reward the random tiny model earns about half the time, and a step large enough to show."""
+
+
+def safetensors_of(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    # The async loop resumes exactly when it trains on-policy (docs/async.md); its sampler keeps a copy.
+    [(), ("--weight-sync-interval", "2"), ("--loop", "async", "--synchronous-training")],
+    ids=["shared_weights", "sampler_copy", "async"],
+)
+def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, tiny_dataset, tmp_path, extra):
+    import torch
+
+    args = ("--lora-rank", "4", "--max-steps", "4", "--checkpoint-every", "2", "--loss-opt", "kl_beta=0.05", *SIGNAL, *extra)
+    whole = tmp_path / "whole"
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
+    assert out.returncode == 0, out.stderr
+    state = torch.load(whole / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)
+    assert set(state) == {"adapter", "optimizer", "version"} and all("lora_" in k for k in state["adapter"])
+    metrics = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    # The reference is the base model (the adapters off): the KL grows from 0 as the adapters train.
+    assert metrics[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6) and metrics[-1]["kl/mean"] > 1e-6
+
+    stopped = tmp_path / "stopped"
+    first = small_run_args(tiny_model_dir, tiny_dataset, stopped, *args)
+    first[first.index("--max-steps", first.index("--lora-rank")) + 1] = "2"
+    assert grpo_core(*first).returncode == 0
+    out = grpo_core("run", "--resume", str(stopped), "--max-steps", "4")
+    assert out.returncode == 0, out.stderr
+    want, got = safetensors_of(whole / "final"), safetensors_of(stopped / "final")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    resumed = [json.loads(line) for line in (stopped / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward/total"] for m in resumed] == [m["reward/total"] for m in metrics]
+
+
+def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(tiny_model_dir, tiny_dataset, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    assert grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--lora-rank", "4", "--checkpoint-every", "1", *SIGNAL)).returncode == 0
+    out = grpo_core("export", str(run_dir), str(tmp_path / "final"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"exported {run_dir / 'final'} to {tmp_path / 'final'}"
+    out = grpo_core("export", str(run_dir), "--step", "1", str(tmp_path / "one"))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"exported {run_dir / 'checkpoints' / 'step-000001'} to {tmp_path / 'one'}"
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        final, one = (AutoModelForCausalLM.from_pretrained(tmp_path / name)(ids).logits for name in ("final", "one"))
+    assert not torch.allclose(final, one, atol=1e-3)
+    assert (tmp_path / "one" / "tokenizer.json").is_file() and (tmp_path / "one" / "grpo_core_prompt.json").is_file()
+
+    # The exported policy is prompted as it was trained.
+    out = grpo_core("eval", "--model", str(tmp_path / "one"), "--dataset", str(tiny_dataset), "--max-rows", "2", "--reward", "format")
+    assert out.returncode == 0, out.stderr
+    assert f"prompt settings from {tmp_path / 'one'}/grpo_core_prompt.json" in out.stderr + out.stdout
+
+    for args, message in [
+        ((str(run_dir), str(tmp_path / "final")), f"error: {tmp_path / 'final'} already exists and is not an empty folder; choose another OUT_DIR"),
+        ((str(run_dir), "--step", "9", str(tmp_path / "x")), f"error: {run_dir} has no checkpoint of step 9 (checkpoints of steps 1, 2)"),
+        ((str(tmp_path / "nothing"), str(tmp_path / "x")), f"error: {tmp_path / 'nothing'}: not a grpo-core run directory (no config.json there)"),
+    ]:
+        out = grpo_core("export", *args)
+        assert out.returncode == 1 and out.stderr.strip() == message, out.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_lora_run_on_the_embedded_task_learns(tmp_path):
+    out = grpo_core("run", "--lora-rank", "8", "--learning-rate", LORA_LEARNING_RATE, "--run-dir", str(tmp_path / "run"), timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    print(f"LoRA run: first 10 steps {summary['reward_first']:.3f}, last 10 steps {summary['reward_last']:.3f}")
+    # Measured +0.26 (0.31 -> 0.57); full fine-tuning's default run gained +0.40 (0.29 -> 0.70) on the same machine.
+    assert summary["steps"] == 100 and summary["reward_last"] - summary["reward_first"] >= 0.15
+    import torch
+
+    checkpoint = max((tmp_path / "run" / "checkpoints").iterdir())
+    assert set(torch.load(checkpoint / "trainer.pt", weights_only=True)) == {"adapter", "optimizer", "version"}

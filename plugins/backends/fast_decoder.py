@@ -10,6 +10,13 @@ built only where padding needs them. Gradients reach the model's parameters as u
 It is used where :func:`unsupported_reason` finds nothing in the way (fp32, a supported
 architecture); the local backend falls back to the transformers forward otherwise. Its logits
 match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
+
+LoRA adapters (peft) on the projections take part as low-rank terms next to each fused
+projection: ``x·Wᵀ + (x·Aᵀ)·(s·B)ᵀ``, one matmul for the stacked A's of a fused projection's
+parts and one per part's B. The frozen base weight then gets no gradient, so training costs the
+LoRA's matmuls instead of a full weight gradient; without grad (sampling, scoring) the terms are
+folded into the fused weights once per call. Adapters that are disabled (peft's
+``disable_adapter``, the KL reference) or merged are left out, as peft's own forward does.
 """
 
 from __future__ import annotations
@@ -44,7 +51,80 @@ def unsupported_reason(model: Any, autocast_dtype: torch.dtype | None) -> str | 
         return f"rope type '{rope_type}'"
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return "weights that are not float32"
+    projections = {id(m) for layer in model.model.layers for m in _projections(layer)}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and id(module) not in projections:
+            return f"an adapter on '{name}' (the fast path runs adapters on the attention and MLP projections only)"
+        if hasattr(module, "lora_A") and (getattr(module, "lora_variant", None) or getattr(module, "lora_embedding_A", None)):
+            return f"a LoRA variant on '{name}' (the fast path runs plain LoRA)"
     return None
+
+
+def _projections(layer: Any) -> tuple[Any, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+
+@attrs.define(eq=False)
+class LowRank:
+    """The LoRA term of a projection, fused or not: ``h = x·aᵀ`` with the parts' A's stacked,
+    then each part's slice of ``h`` times its own B (the scaling folded in), the parts' outputs
+    side by side; a part without an adapter has a B of width 0 and adds zeros."""
+
+    a: torch.Tensor  # [sum of the parts' ranks, in]
+    bs: list[torch.Tensor]  # per part: [out_i, rank_i]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, self.a)
+        if len(self.bs) == 1:
+            return F.linear(h, self.bs[0])
+        return torch.cat([F.linear(h_i, b) for h_i, b in zip(h.split([b.shape[1] for b in self.bs], -1), self.bs)], -1)
+
+    def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` + the term as a matrix (the parts' B's on a block diagonal)."""
+        return torch.addmm(weight, torch.block_diag(*self.bs), self.a)
+
+
+def _weight_and_bias(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    base = module.get_base_layer() if hasattr(module, "lora_A") else module
+    return base.weight, base.bias
+
+
+def _low_rank_parts(module: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A projection's active adapters as one (A [r, in], s·B [out, r]) pair, or (None, None).
+
+    Several active adapters add up, so their A's stack and their scaled B's concatenate."""
+    if not hasattr(module, "lora_A") or module.disable_adapters or module.merged:
+        return None, None
+    active = [n for n in module.active_adapters if n in module.lora_A]
+    if not active:
+        return None, None
+    a = torch.cat([module.lora_A[n].weight for n in active])
+    b = torch.cat([module.lora_B[n].weight * module.scaling[n] for n in active], dim=1)
+    return a, b
+
+
+def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
+    """The adapters of the projections fused into one matmul (one module: its own)."""
+    parts = [_low_rank_parts(m) for m in modules]
+    if all(a is None for a, _ in parts):
+        return None
+    like = next(a for a, _ in parts if a is not None)
+    a_parts = [a for a, _ in parts if a is not None]
+    b_parts = [b if b is not None else like.new_zeros(_weight_and_bias(m)[0].shape[0], 0) for m, (_, b) in zip(modules, parts)]
+    return LowRank(a=torch.cat(a_parts), bs=b_parts)
+
+
+def _folded(weight: torch.Tensor, low_rank: LowRank | None, fold: bool) -> tuple[torch.Tensor, LowRank | None]:
+    """(W with the low-rank term added in, None) when folding, else (W, the term to run beside W)."""
+    if low_rank is None or not fold:
+        return weight, low_rank
+    return low_rank.fold_into(weight), None
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
+    out = F.linear(x, weight, bias)
+    return out if low_rank is None else out + low_rank(x)
 
 
 @attrs.define(eq=False)
@@ -62,6 +142,10 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
+    qkv_lora: LowRank | None = None
+    o_lora: LowRank | None = None
+    gate_up_lora: LowRank | None = None
+    down_lora: LowRank | None = None
 
 
 class RMSNorm(torch.autograd.Function):
@@ -158,28 +242,41 @@ class FastDecoder:
         return KVCache(capacity)
 
     def layer_weights(self) -> list[LayerWeights]:
-        """The fused weights; built from the parameters, so differentiable when grad is on."""
+        """The fused weights; built from the parameters, so differentiable when grad is on.
+
+        Without grad (sampling, scoring) LoRA terms are folded into the fused weights once, so
+        each decoded token costs what it costs without adapters."""
         H, Hkv = self.num_heads, self.num_kv_heads
+        fold = not torch.is_grad_enabled()
         fused = []
         for layer in self.model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            q_norm, k_norm = (
-                getattr(attn, "q_norm", None),
-                getattr(attn, "k_norm", None),
+            attn = layer.self_attn
+            q, k, v, o, gate, up, down = _projections(layer)
+            (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = map(
+                _weight_and_bias, (q, k, v, o, gate, up, down)
             )
+            qkv, qkv_lora = _folded(torch.cat([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
+            o_w, o_lora = _folded(o_w, _fused_low_rank((o,)), fold)
+            gate_up, gate_up_lora = _folded(torch.cat([g_w, u_w]), _fused_low_rank((gate, up)), fold)
+            d_w, down_lora = _folded(d_w, _fused_low_rank((down,)), fold)
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             fused.append(
                 LayerWeights(
-                    qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-                    qkv_bias=_cat_or_none([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]),
+                    qkv=qkv,
+                    qkv_bias=_cat_or_none([q_b, k_b, v_b]),
                     qk_norm=None if q_norm is None else torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(Hkv, -1)]),
-                    o=attn.o_proj.weight,
-                    o_bias=attn.o_proj.bias,
-                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                    gate_up_bias=_cat_or_none([mlp.gate_proj.bias, mlp.up_proj.bias]),
-                    down=mlp.down_proj.weight,
-                    down_bias=mlp.down_proj.bias,
+                    o=o_w,
+                    o_bias=o_b,
+                    gate_up=gate_up,
+                    gate_up_bias=_cat_or_none([g_b, u_b]),
+                    down=d_w,
+                    down_bias=d_b,
                     input_norm=layer.input_layernorm.weight,
                     post_attention_norm=layer.post_attention_layernorm.weight,
+                    qkv_lora=qkv_lora,
+                    o_lora=o_lora,
+                    gate_up_lora=gate_up_lora,
+                    down_lora=down_lora,
                 )
             )
         return fused
@@ -222,7 +319,7 @@ class FastDecoder:
         mask, is_causal = self._attention_mask(attention_mask, B, S, past, input_ids.device)
         for i, w in enumerate(weights):
             x = RMSNorm.apply(hidden_B_S_E, w.input_norm, self.eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias).view(B, S, H + 2 * Hkv, D)
+            qkv = _linear(x, w.qkv, w.qkv_bias, w.qkv_lora).view(B, S, H + 2 * Hkv, D)
             qk_B_S_N_D, v_B_S_K_D = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
             if w.qk_norm is not None:
                 qk_B_S_N_D = RMSNorm.apply(qk_B_S_N_D, w.qk_norm, self.eps)
@@ -236,10 +333,10 @@ class FastDecoder:
                 k, v = past_key_values.update(i, k, v)
             attn_B_H_S_D = self._attention(q, k, v, mask, is_causal)
             attn_B_S_HD = attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D)
-            hidden_B_S_E = hidden_B_S_E + F.linear(attn_B_S_HD, w.o, w.o_bias)
+            hidden_B_S_E = hidden_B_S_E + _linear(attn_B_S_HD, w.o, w.o_bias, w.o_lora)
             x = RMSNorm.apply(hidden_B_S_E, w.post_attention_norm, self.eps)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            hidden_B_S_E = hidden_B_S_E + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = _linear(x, w.gate_up, w.gate_up_bias, w.gate_up_lora).chunk(2, dim=-1)
+            hidden_B_S_E = hidden_B_S_E + _linear(F.silu(gate) * up, w.down, w.down_bias, w.down_lora)
         kept = hidden_B_S_E[:, -logits_to_keep:] if logits_to_keep else hidden_B_S_E
         norm = self.model.model.norm
         return self.model.lm_head(RMSNorm.apply(kept, norm.weight, self.eps))

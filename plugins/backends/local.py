@@ -3,8 +3,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,11 @@ class LocalBackend:
     logprob of every sampled token. With weight_sync_interval=1 both share one set of weights,
     so weight sync is free. CUDA is used when present (bf16 autocast over fp32 weights), the
     CPU otherwise (fp32).
+
+    With --lora-rank R > 0 only LoRA adapters (peft) on --lora-target-modules train: checkpoints
+    hold the adapters and their optimizer state, the KL reference is the same model with its
+    adapters disabled (no second copy), and the policy written for a sampler or as final/ is
+    the base model with the adapters merged in (a plain transformers folder).
     """
 
     attn_implementation: str = option("sdpa", help="transformers attention implementation")
@@ -56,6 +61,8 @@ class LocalBackend:
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
         device, autocast_dtype = resolve_device(config.device, config.dtype)
         model, tokenizer = load_model(config.model, device, self.attn_implementation)
+        if config.lora_rank:
+            model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         return LocalTrainer(
             model=model,
             tokenizer=tokenizer,
@@ -66,6 +73,9 @@ class LocalBackend:
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
+        if has_adapters(trainer.model):
+            # The base model is the initial policy: the trainer's own model, adapters off.
+            return LocalReference(trainer.model, trainer.device, trainer.autocast_dtype, self.fast_forward, adapters_off=True)
         return LocalReference(
             frozen_copy(trainer.model),
             trainer.device,
@@ -131,9 +141,89 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
 
 
 def frozen_copy(model: Any) -> Any:
-    clone = copy.deepcopy(model)
+    # A LoRA model's base weights never change: the copy shares them and copies only the adapters.
+    shared = {id(p): p for p in model.parameters() if not p.requires_grad} if has_adapters(model) else {}
+    clone = copy.deepcopy(model, memo=shared)
     clone.requires_grad_(False)
     return clone.eval()
+
+
+LORA_PREFIX = "lora_"
+"""What names an adapter's tensors in a peft model's state dict (peft's own test for LoRA keys)."""
+
+
+def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str]) -> Any:
+    """``model`` with LoRA adapters on ``target_modules`` (peft); everything else is frozen.
+
+    Returns the transformers model itself, its target modules wrapped by peft's LoRA layers
+    (B starts at zero, so the policy starts as the base model). No dropout: the sampler and
+    the trainer must score the same policy.
+    """
+    import peft
+
+    if not target_modules:
+        raise PluginError("--lora-rank needs at least one --lora-target-modules")
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none")
+    try:
+        model = peft.inject_adapter_in_model(lora, model)
+    except ValueError as exc:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise PluginError(
+            f"--lora-target-modules {' '.join(target_modules)}: {str(exc).splitlines()[0]} (this model's linear layers: {', '.join(names)})"
+        ) from None
+    tied = model.get_input_embeddings().weight
+    on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and m.get_base_layer().weight is tied]
+    if on_tied:
+        # Merged, the adapter would change one of two layers that share their weight.
+        raise PluginError(f"--lora-target-modules: '{on_tied[0]}' shares its weight with the embedding (tied); leave it out")
+    return model.eval()
+
+
+def has_adapters(model: Any) -> bool:
+    return any(hasattr(m, "lora_A") for m in model.modules())
+
+
+def trained_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """What training changes: the adapters of a LoRA model, else the whole state dict."""
+    state = model.state_dict()
+    return {k: v for k, v in state.items() if LORA_PREFIX in k} if has_adapters(model) else state
+
+
+def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`trained_state_dict` gave; a LoRA model's base weights stay as they are."""
+    if not has_adapters(model):
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if LORA_PREFIX in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the adapters do not fit this model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+@torch.no_grad()
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The base model's state dict, its own key names, with every active adapter added into
+    its layer's weight: what peft's merge_and_unload gives, without changing ``model``."""
+    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and not module.merged:
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight(adapter)
+    return state
+
+
+@contextmanager
+def adapters_disabled(model: Any) -> Iterator[None]:
+    """Run ``model`` as its base model (peft's disable_adapter, on the transformers model)."""
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):
@@ -303,13 +393,16 @@ class LocalReference:
     device: torch.device
     autocast_dtype: torch.dtype | None
     fast_forward: bool = True
+    adapters_off: bool = False
+    """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
+    Only the main thread runs the trainer's model, so switching them off for a call is safe."""
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
-        with torch.no_grad():
+        with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
 
 
@@ -366,7 +459,8 @@ class LocalTrainer(LocalReference):
         }
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+        # Frozen weights (a LoRA run's base model) were finite when loaded and never change.
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
 
     def _refuse_nonfinite(self, what: str) -> None:
         if not self.weights_finite():
@@ -380,9 +474,10 @@ class LocalTrainer(LocalReference):
     def save_state(self, path: str) -> None:
         self._refuse_nonfinite(path)
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
         torch.save(
             {
-                "model": self.model.state_dict(),
+                "adapter" if has_adapters(self.model) else "model": trained_state_dict(self.model),
                 "optimizer": self.optimizer.state_dict() if self.optimizer else None,
                 "version": self.version,
             },
@@ -391,7 +486,10 @@ class LocalTrainer(LocalReference):
 
     def load_state(self, path: str) -> None:
         state = torch.load(path, map_location=self.device, weights_only=True)
-        self.model.load_state_dict(state["model"])
+        if has_adapters(self.model) != ("adapter" in state):
+            saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
+            raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
+        load_trained_state_dict(self.model, state["adapter" if "adapter" in state else "model"])
         if state["optimizer"] is not None:
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
@@ -399,7 +497,9 @@ class LocalTrainer(LocalReference):
         self.version = state["version"]
 
     def save_weights_for_sampler(self, path: str) -> str:
+        """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
         self._refuse_nonfinite(path)
-        self.model.save_pretrained(path, safe_serialization=True)
+        state = merged_state_dict(self.model) if has_adapters(self.model) else None
+        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(path)
         return path

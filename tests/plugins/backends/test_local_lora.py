@@ -1,0 +1,346 @@
+"""LoRA on the local trainer (--lora-rank): what trains, what is saved, the reference, the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+import torch
+
+from grpo_core import Sample, SamplingParams
+from grpo_core.backend import sample_to_datum
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends.fast_decoder import FastDecoder
+from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
+from grpo_core.plugins_manager import PluginError
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_trainer(tiny_model_dir, fast_forward=True, seed=0, **config):
+    torch.manual_seed(seed)  # peft draws A at random
+    cfg = RunConfig(model=str(tiny_model_dir), **{"lora_rank": 4, **config})
+    return cfg, LocalBackend(fast_forward=fast_forward).make_trainer(config=cfg)
+
+
+def randomize_adapters(model, seed=1, scale=0.2):
+    """B starts at zero (the adapters add nothing); give it values so that they matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def datums_of(tokenizer, completions=((11, 12, 13, 14), (15, 16, 17), (21, 22, 23, 24, 25))):
+    prompts = [tokenizer("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tokenizer("what is 1?")["input_ids"]]
+    samples = [
+        Sample(prompt=None, tokens=p + list(c), sampling_logprobs=[0.0] * (len(p) + len(c)),
+               loss_mask=[0.0] * len(p) + [1.0] * len(c), text="", finish_reason="stop", policy_version=0)
+        for p in prompts for c in completions
+    ]  # fmt: skip
+    return [sample_to_datum(s) for s in samples]
+
+
+def logprob_loss(datums, logprobs):
+    return -sum(lp[-3:].sum() for lp in logprobs) / len(logprobs), {}
+
+
+def step(trainer, datums, lr=1e-2):
+    trainer.forward_backward_custom(datums, logprob_loss)
+    return trainer.optim_step(tinker.AdamParams(learning_rate=lr))
+
+
+def base_named_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+
+
+def test_only_the_adapters_train(tiny_model_dir):
+    _, trainer = make_trainer(tiny_model_dir)
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    # Two layers x seven projections x (A, B).
+    assert len(trainable) == 2 * 7 * 2 and all("lora_A" in n or "lora_B" in n for n in trainable)
+    base = base_named_weights(trainer.model)
+    adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    datums = datums_of(trainer.tokenizer)
+    before = trainer.forward(datums)
+    metrics = step(trainer, datums)
+    assert metrics["optim/grad_norm"] > 0 and trainer.version == 1
+    assert all(torch.equal(base[n], p) for n, p in trainer.model.named_parameters() if n in base)
+    assert all(not torch.equal(adapters[n], p) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    after = trainer.forward(datums)
+    assert max(float((a - b).abs().max()) for a, b in zip(after, before)) > 1e-3
+    assert len(trainer.optimizer.param_groups[0]["params"]) == len(trainable)
+
+
+@pytest.mark.parametrize(("targets", "wrapped"), [(None, 7), (["q_proj", "v_proj"], 2), (["down_proj"], 1)])
+def test_target_modules_choose_the_layers_that_get_adapters(tiny_model_dir, targets, wrapped):
+    _, trainer = make_trainer(tiny_model_dir, **({} if targets is None else {"lora_target_modules": targets}))
+    names = {n.rsplit(".", 1)[-1] for n, m in trainer.model.named_modules() if hasattr(m, "lora_A")}
+    assert names == set(targets or ALL_PROJECTIONS) and len(names) == wrapped
+
+
+def test_the_default_targets_fit_the_embedded_model():
+    cfg = RunConfig(lora_rank=2)
+    trainer = LocalBackend().make_trainer(config=cfg)
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in trainer.model.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == set(ALL_PROJECTIONS) and cfg.lora_target_modules == ALL_PROJECTIONS
+
+
+@pytest.mark.parametrize(("alpha", "rank"), [(32.0, 4), (8.0, 4), (16.0, 8)])
+def test_rank_and_alpha_set_the_adapters_shape_and_scale(tiny_model_dir, alpha, rank):
+    _, trainer = make_trainer(tiny_model_dir, lora_rank=rank, lora_alpha=alpha)
+    q = trainer.model.model.layers[0].self_attn.q_proj
+    assert q.lora_A["default"].weight.shape[0] == rank and q.scaling["default"] == alpha / rank
+    # The update is B·A·alpha/rank: with the same A and B, doubling alpha doubles the change of q's output.
+    randomize_adapters(trainer.model)
+    x = torch.randn(3, q.in_features)
+    base = q.get_base_layer()(x)
+    with torch.no_grad():
+        delta = q(x) - base
+        q.scaling["default"] *= 2
+        assert torch.allclose(q(x) - base, 2 * delta, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["qproj"], "--lora-target-modules qproj: Target modules {'qproj'} not found"),
+        ([], "--lora-rank needs at least one --lora-target-modules"),
+    ],
+)
+def test_bad_target_modules_are_one_clear_error(tiny_model_dir, targets, message):
+    with pytest.raises(PluginError, match="^" + message.replace("{", r"\{").replace("}", r"\}")) as err:
+        make_trainer(tiny_model_dir, lora_target_modules=targets)
+    if targets:
+        assert "this model's linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in str(err.value)
+
+
+def test_config_refuses_a_negative_rank_and_alpha():
+    with pytest.raises(ValueError, match="lora_rank must be >= 0"):
+        RunConfig(lora_rank=-1)
+    with pytest.raises(ValueError, match="lora_alpha must be positive"):
+        RunConfig(lora_alpha=0.0)
+
+
+def test_rank_0_is_full_fine_tuning(tiny_model_dir):
+    _, trainer = make_trainer(tiny_model_dir, lora_rank=0)
+    assert not any(hasattr(m, "lora_A") for m in trainer.model.modules())
+    assert all(p.requires_grad for p in trainer.model.parameters())
+
+
+# --- the fast forward runs the adapters --------------------------------------------------------
+
+
+@pytest.mark.parametrize("targets", [ALL_PROJECTIONS, ["k_proj", "up_proj"]], ids=["all", "some_parts_of_fused"])
+def test_fast_forward_with_adapters_matches_peft_logits_and_gradients(tiny_model_dir, targets):
+    _, fast = make_trainer(tiny_model_dir, fast_forward=True, lora_target_modules=targets)
+    _, slow = make_trainer(tiny_model_dir, fast_forward=False, lora_target_modules=targets)
+    assert type(fast.forward_fn) is FastDecoder and type(slow.forward_fn) is TransformersForward
+    randomize_adapters(fast.model)
+    slow.model.load_state_dict(fast.model.state_dict())
+    datums = datums_of(fast.tokenizer)
+    out = [t.forward_backward_custom(datums, logprob_loss) for t in (fast, slow)]
+    lps = [[o["logprobs"].to_torch() for o in x.loss_fn_outputs] for x in out]
+    for a, b in zip(*lps):
+        assert torch.allclose(a, b, atol=1e-5)
+    grads = [{n: p.grad for n, p in t.model.named_parameters() if p.requires_grad} for t in (fast, slow)]
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-5, rtol=1e-4), name
+    # The adapters matter: without them the logprobs are another policy's.
+    with torch.no_grad():
+        for n, p in fast.model.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+    base = fast.forward(datums)
+    assert max(float((a - b).abs().max()) for a, b in zip(lps[0], base)) > 1e-2
+
+
+def test_fast_forward_falls_back_for_adapters_it_does_not_run(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig
+
+    from tests.conftest import build_tiny_model
+
+    untied = build_tiny_model(tmp_path / "untied")
+    config = AutoConfig.from_pretrained(untied)
+    config.tie_word_embeddings = False
+    config.save_pretrained(untied)
+    _, trainer = make_trainer(untied, lora_target_modules=["q_proj", "lm_head"])
+    assert type(trainer.forward_fn) is TransformersForward
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
+def test_an_adapter_on_a_tied_output_layer_is_refused(tiny_model_dir):
+    # Merged for a sampler, it would change one of two layers that share one weight.
+    with pytest.raises(PluginError, match="--lora-target-modules: 'lm_head' shares its weight with the embedding"):
+        make_trainer(tiny_model_dir, lora_target_modules=["q_proj", "lm_head"])
+
+
+# --- the KL reference: the same model, adapters off --------------------------------------------
+
+
+def k3(policy, reference, datums):
+    """k3 KL estimate (exp(r − p) − (r − p) − 1) averaged over the trained tokens."""
+    total, count = 0.0, 0
+    for p, r, d in zip(policy, reference, datums):
+        mask = torch.tensor(d.loss_fn_inputs["weights"].data) > 0
+        diff = (r - p)[mask]
+        total += float((diff.exp() - diff - 1).sum())
+        count += int(mask.sum())
+    return total / count
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_kl_against_disabled_adapters_equals_kl_against_a_copy_of_the_base_model(tiny_model_dir, fast_forward):
+    cfg, trainer = make_trainer(tiny_model_dir, fast_forward)
+    reference = LocalBackend(fast_forward=fast_forward).make_reference(config=cfg, trainer=trainer)
+    assert reference.model is trainer.model and reference.adapters_off  # no second copy of the weights
+    datums = datums_of(trainer.tokenizer)
+    for _ in range(3):
+        step(trainer, datums, lr=3e-2)
+    base_model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
+    base_copy = LocalReference(base_model.requires_grad_(False), torch.device("cpu"), None, fast_forward)
+
+    policy = trainer.forward(datums)
+    against_adapters_off = reference.forward(datums)
+    against_copy = base_copy.forward(datums)
+    for a, b in zip(against_adapters_off, against_copy):
+        assert torch.allclose(a, b, atol=1e-5)
+    kl = k3(policy, against_adapters_off, datums)
+    assert kl > 1e-3  # training moved the policy away from the base model
+    assert kl == pytest.approx(k3(policy, against_copy, datums), rel=1e-4)
+    # The adapters are back on, and train, after the reference's forward.
+    assert all(torch.equal(a, b) for a, b in zip(trainer.forward(datums), policy))
+    assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    step(trainer, datums)
+    assert trainer.version == 4
+
+
+# --- checkpoints: adapters and optimizer only; exact resume -------------------------------------
+
+
+def test_checkpoint_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_model_dir, tmp_path):
+    _, trainer = make_trainer(tiny_model_dir)
+    datums = datums_of(trainer.tokenizer)
+    step(trainer, datums)
+    trainer.save_state(str(tmp_path / "trainer.pt"))
+    saved = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert set(saved) == {"adapter", "optimizer", "version"} and saved["version"] == 1
+    assert set(saved["adapter"]) == set(adapters)
+    assert sum(v.numel() for v in saved["adapter"].values()) == sum(p.numel() for p in adapters.values())
+    # Adam's two moments per adapter tensor, nothing for the frozen base.
+    moments = [s for s in saved["optimizer"]["state"].values()]
+    assert sorted(m["exp_avg"].numel() for m in moments) == sorted(p.numel() for p in adapters.values())
+    step(trainer, datums)
+    continued = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    # Another trainer (other random A's) resumes from the checkpoint and takes the same step.
+    _, resumed = make_trainer(tiny_model_dir, seed=7)
+    assert not all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
+    resumed.load_state(str(tmp_path / "trainer.pt"))
+    assert resumed.version == 1
+    step(resumed, datums)
+    assert all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused(tiny_model_dir, tmp_path):
+    _, lora = make_trainer(tiny_model_dir)
+    _, full = make_trainer(tiny_model_dir, lora_rank=0)
+    lora.save_state(str(tmp_path / "lora.pt"))
+    full.save_state(str(tmp_path / "full.pt"))
+    with pytest.raises(ValueError, match="holds LoRA adapters, but this trainer trains the whole model"):
+        full.load_state(str(tmp_path / "lora.pt"))
+    with pytest.raises(ValueError, match="holds the whole model, but this trainer trains LoRA adapters"):
+        lora.load_state(str(tmp_path / "full.pt"))
+    _, other_targets = make_trainer(tiny_model_dir, lora_target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="the adapters do not fit this model"):
+        other_targets.load_state(str(tmp_path / "lora.pt"))
+
+
+# --- the policy written for samplers: a plain transformers folder, adapters merged ---------------
+
+
+def test_saved_policy_is_the_merged_model_in_a_plain_folder(tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    _, trainer = make_trainer(tiny_model_dir)
+    randomize_adapters(trainer.model)
+    path = trainer.save_weights_for_sampler(str(tmp_path / "final"))
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert keys == set(plain.state_dict()) - {"lm_head.weight"}  # tied to the embedding
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        want = trainer.model(ids).logits
+        assert torch.allclose(loaded(ids).logits, want, atol=1e-5)
+        assert not torch.allclose(plain(ids).logits, want, atol=1e-2)
+    # Saving changed nothing in the trainer (no merge into its weights).
+    assert all(hasattr(m, "lora_A") and not m.merged for m in trainer.model.modules() if hasattr(m, "lora_A"))
+    assert torch.equal(trainer.model(ids).logits, want)
+
+
+# --- the in-process sampler with LoRA ------------------------------------------------------------
+
+
+def sampler_matches_trainer(sampler, trainer):
+    prompts = [trainer.tokenizer("what is 1?")["input_ids"]]
+    completion = sampler.sample(prompts, 4, SamplingParams(max_tokens=6, temperature=1.0))[0]
+    samples = [
+        Sample(prompt=None, tokens=prompts[0] + c.tokens, sampling_logprobs=[0.0] * len(prompts[0]) + c.logprobs,
+               loss_mask=[0.0] * len(prompts[0]) + [1.0] * len(c.tokens), text="", finish_reason=c.finish_reason, policy_version=0)
+        for c in completion
+    ]  # fmt: skip
+    got = trainer.forward([sample_to_datum(s) for s in samples])
+    n = len(prompts[0])
+    return max(float((lp[n - 1 :] - torch.tensor(s.sampling_logprobs[n:])).abs().max()) for lp, s in zip(got, samples))
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+@pytest.mark.parametrize("own_weights", [False, True], ids=["shared", "own_copy"])
+def test_sampler_samples_the_trained_adapters(tiny_model_dir, fast_forward, own_weights):
+    cfg, trainer = make_trainer(tiny_model_dir, fast_forward, weight_sync_interval=2 if own_weights else 1)
+    sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
+    assert (sampler.model is not trainer.model) == own_weights
+    datums = datums_of(trainer.tokenizer)
+    step(trainer, datums, lr=3e-2)
+    if own_weights:
+        # The copy shares the frozen base weights and has adapters of its own, behind until synced.
+        base = dict(trainer.model.named_parameters())
+        for name, p in sampler.model.named_parameters():
+            assert (p is base[name]) == ("lora_" not in name), name
+        assert sampler_matches_trainer(sampler, trainer) > 1e-3
+        assert InProcessWeightSync().weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert sampler_matches_trainer(sampler, trainer) < 1e-4
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_weight_sync_sends_the_merged_policy_of_a_lora_trainer(tmp_path):
+    """A server without adapter loading gets the merged weights; the sync's own logprob check passes."""
+    from grpo_core.plugins.samplers.openai import OpenAISampler
+    from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync
+    from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
+
+    ensure_vllm_venv()
+    model = build_server_model(tmp_path / "model", tied=True)
+    _, trainer = make_trainer(model)
+    datums = datums_of(trainer.tokenizer)
+    before = trainer.forward(datums)
+    for _ in range(3):
+        step(trainer, datums, lr=3e-2)
+    assert max(float((a - b).abs().max()) for a, b in zip(trainer.forward(datums), before)) > 1e-2
+    server = VLLMServer(model, tmp_path / "vllm.log")
+    server.start()
+    try:
+        sampler = OpenAISampler(base_url=server.url, retry_deadline=120.0).make_sampler(config=RunConfig(), trainer=trainer)
+        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), on_mismatch="stop")
+        assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
+        assert sync.last_metrics["sync/logprob_max_abs_diff"] < 1e-3
+    finally:
+        server.stop()
