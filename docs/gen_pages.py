@@ -30,6 +30,8 @@ KIND_TITLES = {
     "sampler": "Samplers",
     "weight_sync": "Weight sync",
     "rollout": "Rollouts",
+    "env": "Environments",
+    "tool": "Tools",
     "reward": "Rewards",
     "advantage": "Advantages",
     "loss": "Losses",
@@ -43,6 +45,8 @@ BUILT_IN = "grpo-core"
 
 def plugin_reference(infos: list[dict[str, Any]] | None = None) -> str:
     """The plugin reference page of ``infos`` (default: the installed built-ins, as ``grpo-core plugins`` lists them)."""
+    from grpo_core.plugins_manager import KINDS
+
     if infos is None:
         from grpo_core.plugin_info import describe_all
 
@@ -56,7 +60,8 @@ def plugin_reference(infos: list[dict[str, Any]] | None = None) -> str:
         "or in a `[KIND.NAME]` table of a TOML config.",
         "",
     ]
-    for kind, title in KIND_TITLES.items():
+    for kind in KINDS:
+        title = KIND_TITLES.get(kind, kind)  # a kind added to the core is listed even before it has a title
         of_kind = [info for info in infos if info["kind"] == kind]
         if not of_kind:
             continue

@@ -12,7 +12,17 @@ import torch
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.plugins_manager import PluginError
-from grpo_core.plugins.backends.local import LocalTrainer, ModelForward, _pad, _positions, autocast, frozen_copy, model_forward
+from grpo_core.plugins.backends.local import (
+    LocalTrainer,
+    ModelForward,
+    _pad,
+    _positions,
+    autocast,
+    frozen_copy,
+    load_trained_state_dict,
+    model_forward,
+    trained_state_dict,
+)
 
 
 @attrs.define
@@ -71,7 +81,8 @@ class LocalSampler:
 
     def load_weights_from(self, trainer: LocalTrainer) -> None:
         if self.model is not trainer.model:
-            self.model.load_state_dict(trainer.model.state_dict())
+            # A LoRA copy shares the frozen base weights with the trainer: only the adapters move.
+            load_trained_state_dict(self.model, trained_state_dict(trainer.model))
         self.version = trainer.version
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,14 +91,14 @@ class LocalSampler:
         state: dict[str, Any] = {"generator": self.generator.get_state(), "version": self.version}
         if self.own_weights:
             # A copy: a checkpoint taken at a step boundary must not follow later syncs.
-            state["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state["model"] = {k: v.detach().clone() for k, v in trained_state_dict(self.model).items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.version = state["version"]
         if "model" in state:
-            self.model.load_state_dict(state["model"])
+            load_trained_state_dict(self.model, state["model"])
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
         for i, p in enumerate(prompts):

@@ -34,3 +34,23 @@ def test_an_unknown_sampler_and_a_trainer_it_cannot_use_are_clear_errors(tiny_mo
         select_plugins(RunConfig(model=str(tiny_model_dir), sampler="vlm"))
     with pytest.raises(PluginError, match="the local sampler needs the local trainer's model, not a object"):
         LocalSamplerPlugin().make_sampler(config=RunConfig(), trainer=object())
+
+
+def test_a_lora_samplers_own_copy_checkpoints_and_syncs_the_adapters_only(tiny_model_dir):
+    import torch
+
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    cfg = RunConfig(model=str(tiny_model_dir), lora_rank=4, weight_sync_interval=2)
+    trainer = LocalBackend().make_trainer(config=cfg)
+    sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
+    state = sampler.state_dict()
+    assert state["model"] and all("lora_" in k for k in state["model"])
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(1.0)
+    sampler.load_weights_from(trainer)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), sampler.model.parameters()))
+    sampler.load_state_dict(state)
+    assert all(float(p.abs().max()) == 0 for n, p in sampler.model.named_parameters() if "lora_B" in n)
