@@ -19,11 +19,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.integration.server_process import ServerProcess
 
 CACHE = Path(os.environ.get("GRPO_CORE_CACHE", Path.home() / ".cache" / "grpo-core"))
 """Outside the repository, so that every clone (CI makes a fresh one per run) reuses one build."""
@@ -148,35 +149,19 @@ def _entry_points(src: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def free_port() -> int:
-    import socket
+class TinkerServer(ServerProcess):
+    """``uv run -m skyrl.tinker.api`` (through the stand-in) on 127.0.0.1, stopped by its PID."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TinkerServer:
-    """``uv run -m skyrl.tinker.api`` (through the stand-in) on 127.0.0.1, stopped by its PID.
-
-    Started in a session of its own, so that stopping it (SIGTERM, then SIGKILL) reaches the API
-    and engine processes under it, and nothing else.
-    """
+    name = "skyrl"
 
     def __init__(self, base_model: Path, workdir: Path, port: int | None = None, **backend_config: object) -> None:
+        super().__init__(workdir / "skyrl.log", port)
         self.base_model = base_model
         self.workdir = workdir
-        self.log = workdir / "skyrl.log"
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.backend_config = json.dumps({"max_lora_adapters": 4, "max_lora_rank": 8, **backend_config})
-        self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> float:
         """Start and wait until /api/v1/healthz answers; returns the seconds that took."""
-        import httpx
-
-        started = time.monotonic()
         self.workdir.mkdir(parents=True, exist_ok=True)
         uv = SERVER_VENV / "uv-bin" / "uv"
         env = {
@@ -194,33 +179,4 @@ class TinkerServer:
             "--checkpoints-base", str(self.workdir / "checkpoints"),
             "--backend-config", self.backend_config,
         ]  # fmt: skip
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir, start_new_session=True
-            )
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"skyrl exited with {self.process.returncode} while starting; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/api/v1/healthz", timeout=5).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"skyrl did not answer within {timeout:.0f}s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        # The server's own process group (start_new_session): the API and its engine too.
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return self.launch(command, env, "/api/v1/healthz", timeout, cwd=self.workdir)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.integration.server_process import ServerProcess
 
 VENV = Path(os.environ.get("GRPO_CORE_CACHE", Path.home() / ".cache" / "grpo-core")) / "vllm-venv"
 """Outside the repository, so that every clone (CI makes a fresh one per run) reuses one build."""
@@ -66,31 +66,19 @@ def build_server_model(path: Path, tied: bool, seed: int = 0) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class VLLMServer(ServerProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, stopped by its PID."""
 
-
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1, stopped by its PID.
-
-    Started in a session of its own, so that stopping it (SIGTERM, then SIGKILL) reaches the
-    engine processes it forks, and nothing else.
-    """
+    name = "vLLM"
 
     def __init__(self, model: Path, log: Path, port: int | None = None, name: str = "tiny", extra_args: tuple[str, ...] = ()) -> None:
+        super().__init__(log, port)
         self.model = model
-        self.log = log
-        self.port = port or free_port()
-        self.name = name
+        self.served_name = name
         self.extra_args = extra_args
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0) -> float:
         """Start and wait until it answers; returns the seconds that took."""
-        started = time.monotonic()
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
@@ -99,50 +87,11 @@ class VLLMServer:
         }
         command = [
             str(venv_python()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model), "--served-model-name", self.name,
+            "--model", str(self.model), "--served-model-name", self.served_name,
             "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", "256",
             "--logprobs-mode", "processed_logprobs",
             "--enforce-eager",  # no torch.compile warm-up: a minute saved per start on 2 cores
             *self.extra_args,
         ]  # fmt: skip
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        import httpx
-
-        while time.monotonic() - started < timeout:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.process.returncode} while starting; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.stop()
-        raise RuntimeError(f"vLLM did not answer within {timeout:.0f}s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        # The server's own process group (start_new_session): its engine core and worker too.
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self._kill_leftovers()
-
-    def kill(self) -> None:
-        """As a crash would: SIGKILL, no shutdown."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self._kill_leftovers()
-
-    def _kill_leftovers(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return self.launch(command, env, "/health", timeout)

@@ -80,8 +80,8 @@ def test_prompts_per_request_splits_the_step_and_keeps_prompt_order(tokenizer):
     sampler.close()
 
 
-def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
-    fake = FakeVLLM(tokenizer)
+def counting_in_flight(fake):
+    """A transport handler that answers as ``fake`` after 50 ms, and the most requests it had in flight."""
     in_flight, peak, lock = [0], [0], threading.Lock()
 
     async def slow(request):
@@ -94,6 +94,13 @@ def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
         with lock:
             in_flight[0] -= 1
         return fake(request)
+
+    return slow, peak
+
+
+def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    slow, peak = counting_in_flight(fake)
 
     for concurrency, want in ((3, 3), (1, 1)):
         peak[0] = 0
@@ -106,18 +113,7 @@ def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
 
 def test_sample_calls_from_several_threads_share_the_window_and_get_their_own_groups(tokenizer):
     fake = FakeVLLM(tokenizer)
-    in_flight, peak, lock = [0], [0], threading.Lock()
-
-    async def slow(request):
-        import asyncio
-
-        with lock:
-            in_flight[0] += 1
-            peak[0] = max(peak[0], in_flight[0])
-        await asyncio.sleep(0.05)
-        with lock:
-            in_flight[0] -= 1
-        return fake(request)
+    slow, peak = counting_in_flight(fake)
 
     client = ServerClient("http://fake", concurrency=3, transport=httpx.MockTransport(slow), backoff=FAST_BACKOFF)
     sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny")
