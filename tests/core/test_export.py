@@ -176,7 +176,7 @@ def test_vllm_serves_an_exported_lora_policy_with_the_trainers_logprobs(tiny_dat
     server = VLLMServer(exported, tmp_path / "vllm.log")
     server.start()
     try:
-        served = prompt_logprobs(ServerClient(server.url, retry_deadline=60.0), server.name, tokens)
+        served = prompt_logprobs(ServerClient(server.url, retry_deadline=60.0), server.served_name, tokens)
     finally:
         server.stop()
     assert float((torch.tensor(served[1:]) - want).abs().max()) < 1e-3
