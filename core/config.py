@@ -133,7 +133,7 @@ class RunConfig:
     max_head_offpolicy_versions: int = _field(
         1, "async: a trained sample is at most this many policy versions older than the trainer (0 = on-policy)", validator=_non_negative
     )
-    max_concurrent: int | None = _field(None, "async: most rollouts in flight at once (default: all the gate admits, prompt_groups_per_step x (max_head_offpolicy_versions + 1))", validator=_positive)
+    max_concurrent: int | None = _field(None, "async: most rollout calls in flight at once (default: all the gate admits, prompt_groups_per_step x (max_head_offpolicy_versions + 1), times completions_per_prompt for a per_trajectory rollout)", validator=_positive)
     synchronous_training: bool = _field(False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)")
     minibatches_per_step: int = _field(1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", validator=_positive)
     rollout_retries: int = _field(3, "async: retries of a rollout that raised a retryable error (timeouts, connection errors)", validator=_non_negative)

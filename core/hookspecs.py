@@ -98,7 +98,11 @@ def rollout(
 
     The synchronous loop calls it with a whole step's batch of prompt groups so a sampler can
     generate them together; the async loop calls it with one prompt per call (with
-    ``--synchronous-training``, the step's batch).
+    ``--synchronous-training``, the step's batch). A rollout whose ``per_trajectory`` attribute
+    (a class attribute or an option) is true makes each trajectory on its own: the async loop
+    then calls it with one prompt and ``num_samples=1``, G calls per group from as many worker
+    threads, so a trajectory waiting on its environment holds up no other. It must still answer
+    any call, as the synchronous loop makes them.
 
     :param prompts: the prompts of this step's groups.
     :param num_samples: completions per prompt (the group size G).

@@ -100,6 +100,9 @@ class MultiTurnRollout:
     on_prefix_mismatch: Literal["error", "end"] = option(
         "error", help="a chat template that does not extend the conversation's tokens: stop with an error naming the position, or end that conversation there (multi_turn/prefix_failures)"
     )  # fmt: skip
+    per_trajectory: bool = option(
+        False, help="--loop async: roll out each conversation as its own task (one prompt, one sample per call), so one waiting on its environment or tools holds up no other; best with a server sampler, while the in-process sampler generates faster in batched rounds"
+    )  # fmt: skip
     _local: threading.local = attrs.field(factory=threading.local, init=False, repr=False)
 
     @property

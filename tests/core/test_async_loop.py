@@ -45,6 +45,7 @@ class Script:
     error = staticmethod(lambda prompt_id, n: None)
     drop = staticmethod(lambda prompt_id, n: ())
     calls: list[str] = []
+    num_samples: list[int] = []
     running = 0
     most_at_once = 0
     lock = threading.Lock()
@@ -58,9 +59,10 @@ class ScriptedRollout(SingleTurnRollout):
     def rollout(self, prompts, num_samples, sampler, params):
         assert len(prompts) == 1, "the async loop rolls out one prompt group per call"
         prompt = prompts[0]
-        n = Script.calls.count(prompt.id)
-        Script.calls.append(prompt.id)
         with Script.lock:
+            n = Script.calls.count(prompt.id)
+            Script.calls.append(prompt.id)
+            Script.num_samples.append(num_samples)
             Script.running += 1
             Script.most_at_once = max(Script.most_at_once, Script.running)
         try:
@@ -79,6 +81,14 @@ class ScriptedRollout(SingleTurnRollout):
         return [[None if i in dropped else s for i, s in enumerate(g)] for g in groups]
 
 
+@attrs.define
+class ScriptedTrajectoryRollout(ScriptedRollout):
+    """The scripted rollout, declared to make each trajectory on its own: its n counts the
+    prompt's trajectories."""
+
+    per_trajectory = True
+
+
 def row(prompt_id: str) -> int:
     return int(prompt_id.rsplit(":", 1)[1])
 
@@ -93,6 +103,9 @@ def test_plugins(monkeypatch):
         ("rollout", "scripted"): PluginEntry(
             kind="rollout", name="scripted", target=f"{__name__}:ScriptedRollout", distribution="tests", version="0"
         ),
+        ("rollout", "scripted_trajectory"): PluginEntry(
+            kind="rollout", name="scripted_trajectory", target=f"{__name__}:ScriptedTrajectoryRollout", distribution="tests", version="0"
+        ),
     }
 
     def find(name, kind=None):
@@ -101,6 +114,7 @@ def test_plugins(monkeypatch):
     monkeypatch.setattr(selection, "find", find)
     monkeypatch.setattr(data, "find", find)  # the prompt settings written beside each checkpoint
     monkeypatch.setattr(Script, "calls", [])
+    monkeypatch.setattr(Script, "num_samples", [])
     monkeypatch.setattr(Script, "running", 0)
     monkeypatch.setattr(Script, "most_at_once", 0)
     for name in ("latency", "error", "drop"):
@@ -172,7 +186,7 @@ def test_the_gate_counts_ready_groups_versions_per_step_a_step_in_training_and_t
 def test_a_draining_gate_starts_one_rollout_at_a_time_and_none_while_a_step_trains_or_waits():
     g = gate(max_offpolicy=0, drain=True, max_concurrent=1)
     assert g.admits(2)
-    for field in ("rollouts", "waiting"):
+    for field in ("in_flight", "waiting"):
         setattr(g, field, 1)
         assert not g.admits(2)
         setattr(g, field, 0)
@@ -190,13 +204,18 @@ class SlowSampler:
     seconds: float = 0.0
     running: int = 0
     most_at_once: int = 0
+    calls: list = attrs.field(factory=list)
+    fail_on: object = None
 
     def sample(self, prompts, num_samples, params):
         self.running += 1
         self.most_at_once = max(self.most_at_once, self.running)
+        self.calls.append((list(prompts), num_samples, params))
         time.sleep(self.seconds)
         self.running -= 1
-        return [["x"]]
+        if self.fail_on in [p[0] for p in prompts]:
+            raise ValueError(f"prompt {self.fail_on}")
+        return [[f"{p[0]}/{i}" for i in range(num_samples)] for p in prompts]
 
 
 def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
@@ -205,7 +224,7 @@ def test_the_shared_sampler_reports_the_oldest_version_a_rollout_sampled_from():
     shared.begin_rollout()
     assert shared.version == 3 and shared.tokenizer == "tok"
     inner.version = 4  # a weight sync between two turns of one rollout
-    assert shared.sample([[1]], 1, None) == [["x"]]
+    assert shared.sample([[1]], 1, None) == [["1/0"]]
     assert shared.version == 3
     shared.begin_rollout()
     assert shared.version == 4
@@ -257,9 +276,69 @@ def test_the_shared_sampler_runs_as_many_generations_at_once_as_the_sampler_take
         t.join()
     assert inner.most_at_once == concurrent
     assert waited > 0.1  # a generation of 0.3 s was running: the sync waited for it
-    # One at a time: 3 x 0.3 s of generation; three at once: 0.3 s (and no more than the calls took).
-    assert shared.busy_seconds >= (0.9 if concurrent == 1 else 0.3) - 0.01
-    assert shared.busy_seconds < (1.5 if concurrent == 1 else 0.9)
+    # One at a time: the first call, then the two queued behind it as one, 2 x 0.3 s of
+    # generation; three at once: 0.3 s (and no more than the calls took).
+    assert [len(prompts) for prompts, _, _ in inner.calls] == ([1, 2] if concurrent == 1 else [1, 1, 1])
+    assert shared.busy_seconds >= (0.6 if concurrent == 1 else 0.3) - 0.01
+    assert shared.busy_seconds < (1.0 if concurrent == 1 else 0.9)
+
+
+def test_calls_queued_behind_a_generation_are_batched_by_their_settings_and_each_gets_its_own_groups():
+    inner = SlowSampler(seconds=0.3)
+    shared = SharedSampler(inner)
+    results, errors = {}, {}
+
+    def call(name, prompts, num_samples, params):
+        shared.begin_rollout()
+        try:
+            results[name] = (shared.sample(prompts, num_samples, params), shared.version)
+        except ValueError as exc:
+            errors[name] = str(exc)
+
+    first = threading.Thread(target=call, args=("first", [[0]], 2, "p"))
+    first.start()
+    while not inner.running:
+        time.sleep(0.005)
+    inner.version = 5  # what the queued calls will sample from
+    queued = [("a", [[1], [2]], 2, "p"), ("b", [[3]], 1, "p"), ("c", [[4]], 2, "p"), ("d", [[5]], 2, "q")]
+    threads = [threading.Thread(target=call, args=args) for args in queued]
+    for t in threads:
+        t.start()
+        time.sleep(0.02)  # queued in this order
+    first.join()
+    for t in threads:
+        t.join()
+    # a and c share num_samples and params: one generation, in the order they queued.
+    assert [(prompts, n, params) for prompts, n, params in inner.calls] == [
+        ([[0]], 2, "p"), ([[1], [2], [4]], 2, "p"), ([[3]], 1, "p"), ([[5]], 2, "q"),
+    ]  # fmt: skip
+    assert results["first"] == ([["0/0", "0/1"]], 3)
+    assert results["a"] == ([["1/0", "1/1"], ["2/0", "2/1"]], 5) and results["c"] == ([["4/0", "4/1"]], 5)
+    assert results["b"] == ([["3/0"]], 5) and results["d"] == ([["5/0", "5/1"]], 5)
+    assert shared.calls == 4
+
+
+def test_an_error_in_a_batched_generation_reaches_every_call_in_it():
+    inner = SlowSampler(seconds=0.2, fail_on=2)
+    shared = SharedSampler(inner)
+    outcomes = {}
+
+    def call(prompt):
+        try:
+            outcomes[prompt] = shared.sample([[prompt]], 1, None)
+        except ValueError as exc:
+            outcomes[prompt] = str(exc)
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in (0, 1, 2)]
+    threads[0].start()
+    while not inner.running:
+        time.sleep(0.005)
+    for t in threads[1:]:
+        t.start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert outcomes == {0: [["0/0"]], 1: "prompt 2", 2: "prompt 2"}
 
 
 def test_a_closed_shared_sampler_waits_for_the_running_generation_and_refuses_new_ones():
@@ -389,9 +468,10 @@ def skewed(prompt_id, n):
     return 0.6 if n == 0 and row(prompt_id) % 3 == 0 else 0.01
 
 
+@pytest.mark.parametrize("rollout", ["scripted", "scripted_trajectory"])
 @pytest.mark.parametrize("max_offpolicy", [0, 1, 4])
 def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_once(
-    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_offpolicy
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_offpolicy, rollout
 ):
     monkeypatch.setattr(Script, "latency", skewed)
     versions = []
@@ -404,7 +484,7 @@ def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_
     monkeypatch.setattr("grpo_core.stages.anchor_logprobs", spy)
     r = tmp_path / "r"
     summary = run(
-        config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=18, max_steps=None, max_head_offpolicy_versions=max_offpolicy)
+        config(tiny_model_dir, tiny_dataset, r, rollout=rollout, max_rows=18, max_steps=None, max_head_offpolicy_versions=max_offpolicy)
     )
     metrics, ledger = metrics_of(r), ledger_of(r)
     assert summary["steps"] == 9 and len(metrics) == 9
@@ -417,7 +497,9 @@ def test_no_trained_sample_is_staler_than_the_bound_and_every_prompt_is_trained_
     assert trained_indices(ledger) == list(range(18))
     requeued = [line for line in ledger if line["outcome"] == "requeued_stale"]
     assert sum(m["async/requeued_stale"] for m in metrics) == len(requeued)
-    assert len(Script.calls) == 18 + len(requeued)
+    calls_per_group = 4 if rollout == "scripted_trajectory" else 1  # one per trajectory, each of one sample
+    assert len(Script.calls) == (18 + len(requeued)) * calls_per_group
+    assert set(Script.num_samples) == {4 // calls_per_group}
     if max_offpolicy == 0:
         assert max(staleness) == 0
     else:
@@ -451,29 +533,35 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
     assert Script.calls.count(slow[0]["prompt"]) == 2
 
 
-@pytest.mark.parametrize(("max_concurrent", "expected"), [(3, 3), (None, 2 * (4 + 1))])
-def test_max_concurrent_bounds_the_rollouts_in_flight(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, max_concurrent, expected):
+@pytest.mark.parametrize(
+    ("rollout", "max_concurrent", "expected"),
+    [("scripted", 3, 3), ("scripted", None, 2 * (4 + 1)), ("scripted_trajectory", 3, 3), ("scripted_trajectory", None, 2 * (4 + 1) * 4)],
+)
+def test_max_concurrent_bounds_the_rollouts_in_flight(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, max_concurrent, expected):
     monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.3)
     run(
         config(
             tiny_model_dir,
             tiny_dataset,
             tmp_path / "r",
-            rollout="scripted",
+            rollout=rollout,
             max_rows=16,
             max_steps=None,
             max_head_offpolicy_versions=4,
             max_concurrent=max_concurrent,
         )
     )
-    # The default: every rollout the gate admits, the groups of O + 1 = 5 steps of two.
+    # The default: every rollout the gate admits, the groups of O + 1 = 5 steps of two (each
+    # group's 4 trajectories at once for a per-trajectory rollout).
     assert Script.most_at_once == expected
 
 
-def test_dropped_samples_are_counted_and_not_trained(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr(Script, "drop", lambda prompt_id, n: (0,) if row(prompt_id) % 2 else ())
+@pytest.mark.parametrize("rollout", ["scripted", "scripted_trajectory"])
+def test_dropped_samples_are_counted_and_not_trained(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout):
+    # The first sample of the first call: of a group, or a group's first trajectory.
+    monkeypatch.setattr(Script, "drop", lambda prompt_id, n: (0,) if n == 0 and row(prompt_id) % 2 else ())
     r = tmp_path / "r"
-    run(config(tiny_model_dir, tiny_dataset, r, rollout="scripted", max_rows=8, max_steps=None))
+    run(config(tiny_model_dir, tiny_dataset, r, rollout=rollout, max_rows=8, max_steps=None))
     metrics = metrics_of(r)
     assert sum(m["async/dropped_samples"] for m in metrics) == 4
     assert sum(m["train/samples"] for m in metrics) == 8 * 4 - 4
@@ -493,15 +581,17 @@ def test_a_retryable_error_is_retried_with_backoff(tiny_model_dir, tiny_dataset,
     assert trained_indices(ledger) == list(range(8))
 
 
-def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    monkeypatch.setattr(Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 else None)
+@pytest.mark.parametrize(("rollout", "retries"), [("scripted", 1), ("scripted_trajectory", 3)])
+def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, retries):
+    # Every call for row 2 fails except, per trajectory, the group's first: one failed trajectory fails its group.
+    monkeypatch.setattr(Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 and (rollout == "scripted" or n) else None)
     r = tmp_path / "r"
     run(
         config(
             tiny_model_dir,
             tiny_dataset,
             r,
-            rollout="scripted",
+            rollout=rollout,
             max_rows=8,
             max_steps=None,
             rollout_retries=1,
@@ -510,7 +600,7 @@ def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(t
         )
     )
     metrics, ledger = metrics_of(r), ledger_of(r)
-    assert sum(m["async/rollout_failed"] for m in metrics) == 1 and sum(m["async/rollout_retries"] for m in metrics) == 1
+    assert sum(m["async/rollout_failed"] for m in metrics) == 1 and sum(m["async/rollout_retries"] for m in metrics) == retries
     assert [line["index"] for line in ledger if line["outcome"] == "failed"] == [1]  # row 2 is the second prompt
     assert trained_indices(ledger) == [0, 2, 3, 4, 5, 6, 7]
 

@@ -589,3 +589,31 @@ def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
     # Right answers come sooner: fewer turns per conversation.
     assert sum(turns[-10:]) / 10 < sum(turns[:10]) / 10
     assert all(1.0 <= t <= 3.0 for t in turns) and all(m["multi_turn/prefix_failures"] == 0 for m in metrics)
+
+
+@pytest.mark.parametrize("per_trajectory", [False, True])
+def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_own(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, per_trajectory):
+    from grpo_core.loop import run
+    from grpo_core.plugins.samplers.local import LocalSampler
+    from tests.core.test_loop import config
+
+    calls = []
+    original = LocalSampler.sample
+
+    def spy(self, prompts, num_samples, params):
+        calls.append((len(prompts), num_samples))
+        return original(self, prompts, num_samples, params)
+
+    monkeypatch.setattr(LocalSampler, "sample", spy)
+    options = {"rollout": {"multi_turn": {"per_trajectory": per_trajectory}}, "env": {"retry_math": {"max_turns": 2}}}
+    summary = run(
+        config(
+            tiny_model_dir, tiny_dataset, tmp_path / "r", loop="async", rollout="multi_turn", env="retry_math", reward=["env"],
+            max_steps=2, max_completion_tokens=4, plugin_options=options,
+        )
+    )  # fmt: skip
+    assert summary["steps"] == 2
+    if per_trajectory:
+        assert set(calls) == {(1, 1)}  # one conversation per call, every round
+    else:
+        assert (1, 4) in calls  # a group's opening round is one call for its 4 conversations
