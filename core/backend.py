@@ -88,7 +88,8 @@ class Sampler(Protocol):
         """``num_samples`` completions for each tokenized prompt."""
 
     # Optional: ``concurrent_samples: int``, how many ``sample`` calls it takes at once from the
-    # async loop's workers (default 1: the in-process sampler generates one call at a time).
+    # async loop's workers (default 1: the in-process sampler generates one call at a time, and
+    # the async loop hands it the calls queued behind a generation as one batched call).
     # Optional, for exact resume: ``state_dict() -> dict`` (its RNG, version, and weights it
     # keeps apart from the trainer's) and ``load_state_dict(state)``. A sampler without them
     # (a remote server) resumes with fresh randomness.
