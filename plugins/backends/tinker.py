@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,7 +84,8 @@ class TinkerBackend:
         service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(
-            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction
+            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction,
+            model=model_path(config.model),
         )
 
     @hookimpl
@@ -171,6 +174,10 @@ class TinkerTrainer:
     nonfinite_loss: bool = False
     counts: dict[str, int] = attrs.field(factory=lambda: {"forward": 0, "forward_backward": 0})
     sampler_cache: tuple[int, Any] | None = None
+    saved_sampler: tuple[int, str] | None = None
+    """The version and tinker:// path of the weights last saved for sampling."""
+    model: str = ""
+    """--model's local folder (or hub name): the base the service's adapter is merged into."""
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         self.counts["forward"] += 1
@@ -278,7 +285,7 @@ class TinkerTrainer:
         return {**metrics, "optim/lr": adam_params.learning_rate, "optim/skipped_nonfinite": float(skip)}
 
     def save_state(self, path: str) -> None:
-        saved = sdk.resolved(self.training.save_state(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
+        saved = sdk.resolved(self.training.save_state(self._checkpoint_name()))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         state = {"format": STATE_FORMAT, "tinker_path": saved.path, "version": self.version, "base_model": self.base_model}
         Path(path).write_text(json.dumps(state, indent=1) + "\n")
@@ -290,26 +297,113 @@ class TinkerTrainer:
         self.training = sdk.load_state(self.service, self.training, state["tinker_path"])
         self.version = int(state["version"])
         self.sampler_cache = None
+        self.saved_sampler = None
 
     def sampling_client(self) -> Any:
         """A sampling client of the current weights (saved on the service once per version)."""
         if self.sampler_cache is None or self.sampler_cache[0] != self.version:
-            path = self.sampler_path()
-            self.sampler_cache = (self.version, sdk.sampling_client(self.service, model_path=path))
+            self.sampler_cache = (self.version, sdk.sampling_client(self.service, model_path=self.sampler_path()))
         return self.sampler_cache[1]
 
     def sampler_path(self) -> str:
-        saved = sdk.resolved(self.training.save_weights_for_sampler(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
-        return saved.path
+        """The tinker:// path of the current weights saved for sampling (saved once per version)."""
+        if self.saved_sampler is None or self.saved_sampler[0] != self.version:
+            saved = sdk.resolved(self.training.save_weights_for_sampler(self._checkpoint_name()))
+            self.saved_sampler = (self.version, saved.path)
+        return self.saved_sampler[1]
+
+    def _checkpoint_name(self) -> str:
+        return f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"
 
     def save_weights_for_sampler(self, path: str) -> str:
-        """The policy stays on the service: ``path`` gets its tinker:// path and the tokenizer."""
+        """The policy as a transformers model folder: the service's LoRA adapter of the current
+        weights, downloaded and merged into --model's weights, with the tokenizer; beside them
+        tinker_weights.json keeps the weights' tinker:// path."""
+        if not self.model:
+            raise PluginError("the tinker trainer needs --model's weights to write the policy as a model (no local model was given)")
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        pointer = {"tinker_path": self.sampler_path(), "base_model": self.base_model, "version": self.version}
+        tinker_path = self.sampler_path()
+        with tempfile.TemporaryDirectory(prefix="grpo-core-tinker-weights-") as download:
+            sdk.download_weights(self.service, self.training, self._checkpoint_name(), tinker_path, Path(download))
+            write_merged_model(self.model, Path(download), folder)
+        pointer = {"tinker_path": tinker_path, "base_model": self.base_model, "version": self.version}
         (folder / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
         self.tokenizer.save_pretrained(path)
         return path
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def write_merged_model(base: str, weights: Path, out: Path) -> None:
+    """``out``: the model of --model (``base``) with the service's weights in ``weights``: a LoRA
+    adapter in PEFT's layout (adapter_config.json, A and B per module) is merged into the base's
+    weights; a full model (config.json and safetensors) is taken as it is."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if not (weights / ADAPTER_CONFIG).is_file():
+        if not (weights / "config.json").is_file() or not any(weights.glob("*.safetensors")):
+            raise PluginError(f"the service's weights are neither a LoRA adapter nor a model: {sorted(p.name for p in weights.iterdir())}")
+        shutil.copytree(weights, out, dirs_exist_ok=True)
+        return
+    config = json.loads((weights / ADAPTER_CONFIG).read_text())
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise PluginError("the service's LoRA adapter sets ranks or alphas per module (rank_pattern, alpha_pattern), which the merge does not read")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(weights.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, factor = key.removeprefix("base_model.model.").removesuffix(".weight").rpartition(".")
+        if factor not in LORA_FACTORS:
+            raise PluginError(f"the service's LoRA adapter holds {key}, which is not a LoRA factor ({', '.join(LORA_FACTORS)})")
+        factors.setdefault(module, {})[LORA_FACTORS[factor]] = value.to(torch.float32)
+    tied_output = model.config.get_text_config().tie_word_embeddings
+    touches_embedding = {model.get_input_embeddings(), model.get_output_embeddings()}
+    if tied_output and any(_submodule(model, m) in touches_embedding for m in factors):
+        # The adapter changes the embedding or the output layer alone: each gets its own weight.
+        model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        model.config.get_text_config().tie_word_embeddings = False
+        model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        for module, pair in factors.items():
+            if set(pair) != {"A", "B"}:
+                raise PluginError(f"the service's LoRA adapter has only {'/'.join(pair)} of {module}")
+            try:
+                weight = model.get_submodule(module).weight
+            except AttributeError:
+                raise PluginError(f"the service's LoRA adapter changes {module}, which {base} does not have") from None
+            delta = lora_delta(pair["A"], pair["B"], tuple(weight.shape), module)
+            weight.copy_((weight.to(torch.float32) + scale * delta).to(weight.dtype))
+    model.save_pretrained(str(out))
+
+
+def _submodule(model: Any, name: str) -> Any:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+LORA_FACTORS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], module: str) -> torch.Tensor:
+    """The unscaled change B·A of a weight of ``shape``, in whichever layout the factors come:
+    a linear layer's (A: rank × in, B: out × rank); an embedding's in PEFT (A: rank × vocab,
+    B: hidden × rank) or in skyrl (A: vocab × rank, B: rank × hidden)."""
+    if a.shape[0] == b.shape[1] and (b.shape[0], a.shape[1]) == shape:
+        return b @ a
+    if a.shape[0] == b.shape[1] and (a.shape[1], b.shape[0]) == shape:
+        return (b @ a).T
+    if a.shape[1] == b.shape[0] and (a.shape[0], b.shape[1]) == shape:
+        return a @ b
+    raise PluginError(f"the LoRA factors of {module} ({tuple(a.shape)}, {tuple(b.shape)}) do not fit its weight {shape}")
 
 
 def _output(logprobs: list[torch.Tensor], metrics: dict[str, float], loss: torch.Tensor) -> tinker.ForwardBackwardOutput:
