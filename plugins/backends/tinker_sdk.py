@@ -94,7 +94,10 @@ def download_weights(service: tinker.ServiceClient, training: tinker.TrainingCli
         finally:
             resolved(rest.delete_checkpoint_from_tinker_path(export))
         return
-    archive = _fetch(resolved(rest.get_checkpoint_archive_url_from_tinker_path(sampler_path)).url)
+    # tinker://RUN/sampler_weights/NAME, or tinker://RUN/NAME as skyrl 0.3.0 names it (which the
+    # SDK's own path parser refuses).
+    run, *_, checkpoint = sampler_path.removeprefix("tinker://").split("/")
+    archive = _fetch(resolved(rest.get_checkpoint_archive_url(run, checkpoint)).url)
     with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
         tar.extractall(folder, filter="data")
 

@@ -166,6 +166,62 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
 
 
+def test_the_policy_written_for_a_sampler_is_a_model_with_the_services_logprobs(client, tmp_path):
+    """After a step that moved the policy, save_weights_for_sampler (what final/ and the vllm sync
+    write) downloads the service's adapter and merges it into --model: transformers loads the
+    folder, and its logprobs are the service's."""
+    result = client("written_model", folder=str(tmp_path / "policy"))
+    print(f"written model vs service: max |diff| {result['max_abs_diff']:.2e} over {result['tokens']} tokens "
+          f"(the step moved logprobs by {result['moved']:.2f}); written in {result['seconds']:.1f}s")  # fmt: skip
+    assert result["moved"] > 0.1
+    assert result["max_abs_diff"] < 1e-3
+    assert result["tinker_path"].startswith("tinker://")
+
+
+def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(client, tmp_path):
+    """--trainer tinker --sampler openai --weight-sync vllm against skyrl and a real vLLM server:
+    each sync writes the merged policy, vLLM reloads it, and the sync's own check (the server's
+    logprobs vs the service's) holds; final/ is a model with the service's logprobs, and exports."""
+    from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
+
+    ensure_vllm_venv()
+    server = VLLMServer(ASSETS, tmp_path / "vllm.log")
+    print(f"vLLM server started in {server.start():.0f}s")
+    try:
+        run_dir = tmp_path / "run"
+        args = ["run", "--trainer", "tinker", "--backend-opt", f"base_url={client.url}", "--backend-opt", f"rank={RANK}",
+                "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}",
+                "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
+                "--learning-rate", "3e-3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+                "--max-completion-tokens", "8", "--checkpoint-every", "2", "--max-steps", "3", "--run-dir", str(run_dir)]  # fmt: skip
+        started = time.monotonic()
+        out = client.cli(*args)
+        assert out.returncode == 0, out.stderr[-5000:]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        synced = [m for m in metrics if "sync/logprob_max_abs_diff" in m]
+        print(f"3 steps in {time.monotonic() - started:.0f}s; sync logprob diffs", [m["sync/logprob_max_abs_diff"] for m in synced],
+              "seconds", [round(m["time/weight_sync"], 1) for m in synced])  # fmt: skip
+        assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["tokens/completion"] > 0 for m in metrics)
+        assert len(synced) == 2 and all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in synced)
+        assert (run_dir / "sampler-weights" / "model.safetensors").exists()
+        final = client("model_vs_service", folder=str(run_dir / "final"))
+        print(f"final/ vs the service's weights: max |diff| {final['max_abs_diff']:.2e} over {final['tokens']} tokens; "
+              f"vs the base model {final['base_max_abs_diff']:.2e}")  # fmt: skip
+        assert final["max_abs_diff"] < 1e-3 and final["base_max_abs_diff"] > 1e-2
+        assert final["tinker_path"].startswith("tinker://") and final["version"] == 3
+
+        # export: final/ as it is; a checkpoint through the service (its state loaded, the policy written).
+        out = client.cli("export", str(run_dir), str(tmp_path / "exported"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert client("model_vs_service", folder=str(tmp_path / "exported"))["max_abs_diff"] < 1e-3
+        out = client.cli("export", str(run_dir), str(tmp_path / "exported-2"), "--step", "2")
+        assert out.returncode == 0, out.stderr[-3000:]
+        step2 = client("model_vs_service", folder=str(tmp_path / "exported-2"))
+        assert step2["max_abs_diff"] < 1e-3 and step2["version"] == 2
+    finally:
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------------------
 # Client side (the client venv, tinker==0.24.1): each function prints one JSON line
 
@@ -276,6 +332,79 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
         "calls_custom": results["custom"]["calls"],
         "seconds_builtin": results["builtin"]["seconds"],
         "seconds_custom": results["custom"]["seconds"],
+    }
+
+
+def _model_logprobs(folder: str, datums: list) -> list:
+    """Each datum's target-token logprobs under the transformers model in ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for d in datums:
+            logits = model(torch.tensor([d.model_input.to_ints()])).logits[0]
+            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].data)
+            out.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
+    return out
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def check_written_model(url: str, folder: str) -> dict:
+    import tinker
+    import torch
+
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+
+    trainer, _ = _trainer(url, loss=["importance_sampling"])
+    pairs = _datums(trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    before = trainer.forward(datums)
+    generator = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in before]
+    trainer.forward_backward_custom(datums, make_step_loss(["importance_sampling"], {}, pairs, advantages, None))
+    trainer.optim_step(tinker.AdamParams(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0))
+    service = trainer.forward(datums)
+    started = time.perf_counter()
+    trainer.save_weights_for_sampler(folder)
+    seconds = time.perf_counter() - started
+    ours = _model_logprobs(folder, datums)
+    return {
+        "max_abs_diff": _max_diff(ours, service),
+        "moved": _max_diff(service, before),
+        "tokens": sum(len(lp) for lp in service),
+        "seconds": seconds,
+        "tinker_path": json.loads((Path(folder) / "tinker_weights.json").read_text())["tinker_path"],
+    }
+
+
+def check_model_vs_service(url: str, folder: str) -> dict:
+    """A written policy's logprobs against the service's sampling client of the weights it names
+    (its tinker:// path), and against the base model."""
+    import os
+
+    import tinker
+    from transformers import AutoTokenizer
+
+    from grpo_core.plugins.backends import tinker_sdk
+    from grpo_core.plugins.backends.tinker import TinkerReference
+
+    pointer = json.loads((Path(folder) / "tinker_weights.json").read_text())
+    service = tinker.ServiceClient(base_url=url, api_key=os.environ["TINKER_API_KEY"])
+
+    datums = [d for _, d in _datums(AutoTokenizer.from_pretrained(folder), 8)]
+    remote = TinkerReference(tinker_sdk.sampling_client(service, model_path=pointer["tinker_path"])).forward(datums)
+    ours = _model_logprobs(folder, datums)
+    return {
+        "max_abs_diff": _max_diff(ours, remote),
+        "base_max_abs_diff": _max_diff(ours, _model_logprobs(str(ASSETS), datums)),
+        "tokens": sum(len(r) for r in remote),
+        "tinker_path": pointer["tinker_path"],
+        "version": pointer["version"],
     }
 
 

@@ -555,8 +555,8 @@ class FakeRest:
         self.urls = urls
         self.calls = []
 
-    def get_checkpoint_archive_url_from_tinker_path(self, path):
-        self.calls.append(("archive", path))
+    def get_checkpoint_archive_url(self, run, checkpoint):
+        self.calls.append(("archive", f"tinker://{run}/sampler_weights/{checkpoint}"))
         return FakeFuture(SimpleNamespace(url=self.urls["archive"]))
 
     def get_external_weights_urls(self, path):
