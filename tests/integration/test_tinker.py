@@ -192,8 +192,8 @@ def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(clien
         args = ["run", "--trainer", "tinker", "--backend-opt", f"base_url={client.url}", "--backend-opt", f"rank={RANK}",
                 "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}",
                 "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
-                "--learning-rate", "3e-3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
-                "--max-completion-tokens", "8", "--checkpoint-every", "2", "--max-steps", "3", "--run-dir", str(run_dir)]  # fmt: skip
+                "--learning-rate", "3e-3", "--prompt-groups-per-step", "4", "--completions-per-prompt", "8",
+                "--max-completion-tokens", "16", "--checkpoint-every", "2", "--max-steps", "3", "--run-dir", str(run_dir)]  # fmt: skip
         started = time.monotonic()
         out = client.cli(*args)
         assert out.returncode == 0, out.stderr[-5000:]
@@ -207,7 +207,8 @@ def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(clien
         final = client("model_vs_service", folder=str(run_dir / "final"))
         print(f"final/ vs the service's weights: max |diff| {final['max_abs_diff']:.2e} over {final['tokens']} tokens; "
               f"vs the base model {final['base_max_abs_diff']:.2e}")  # fmt: skip
-        assert final["max_abs_diff"] < 1e-3 and final["base_max_abs_diff"] > 1e-2
+        assert final["base_max_abs_diff"] > 1e-2  # the policy moved (groups with a reward signal trained it)
+        assert final["max_abs_diff"] < 1e-3
         assert final["tinker_path"].startswith("tinker://") and final["version"] == 3
 
         # export: final/ as it is; a checkpoint through the service (its state loaded, the policy written).
