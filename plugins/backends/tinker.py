@@ -28,9 +28,13 @@ POINTER_FILE = "tinker_weights.json"
 """What ``save_weights_for_sampler`` writes beside the tokenizer: where the service keeps the policy."""
 
 
+DEFAULT_RANK = 32
+"""The LoRA rank when neither --lora-rank nor the rank option gives one (the SDK's default)."""
+
+
 def _validate_rank(instance: Any, attribute: Any, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"rank must be >= 1, got {value}")
+    if value < 0:
+        raise ValueError(f"rank must be >= 0 (0 = --lora-rank, else {DEFAULT_RANK}), got {value}")
 
 
 @attrs.define
@@ -52,7 +56,7 @@ class TinkerBackend:
     api_key: str = option("", help="API key (empty = the variable named by api_key_env); give it as env:NAME", secret=True, repr=False)
     api_key_env: str = option("TINKER_API_KEY", help="environment variable holding the API key when api_key is empty")
     base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
-    rank: int = option(32, help="LoRA rank of the trained adapter", validator=_validate_rank)
+    rank: int = option(0, help=f"LoRA rank of the trained adapter (0 = --lora-rank when given, else {DEFAULT_RANK})", validator=_validate_rank)
     builtin_losses: bool = option(
         True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
     )
@@ -80,13 +84,22 @@ class TinkerBackend:
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
+        rank = self.lora_rank(config)
         key = sdk.api_key_from(self.api_key, self.api_key_env)
-        service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
+        service, training = sdk.training_client(self.base_url, key, base_model, rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(
             service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction,
             model=model_path(config.model),
         )
+
+    def lora_rank(self, config: RunConfig) -> int:
+        """The adapter's rank: the rank option, else --lora-rank, else the SDK's default."""
+        if self.rank and config.lora_rank and self.rank != config.lora_rank:
+            raise PluginError(
+                f"two LoRA ranks: --lora-rank {config.lora_rank} and --trainer-opt rank={self.rank}; give one of them"
+            )
+        return self.rank or config.lora_rank or DEFAULT_RANK
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: TinkerTrainer) -> TinkerReference:

@@ -129,9 +129,9 @@ def test_backend_and_sampler_are_in_the_catalog_with_the_tinker_defaults():
     backend = make_plugin("tinker", kind="backend")
     assert isinstance(backend, TinkerBackend)
     assert (backend.default_sampler, backend.default_weight_sync) == ("tinker", "in_process")
-    assert backend.rank == 32 and backend.builtin_losses and backend.api_key_env == "TINKER_API_KEY"
-    with pytest.raises(PluginError, match="rank must be >= 1"):
-        make_plugin("tinker", kind="backend", rank=0)
+    assert backend.rank == 0 and backend.builtin_losses and backend.api_key_env == "TINKER_API_KEY"
+    with pytest.raises(PluginError, match="rank must be >= 0"):
+        make_plugin("tinker", kind="backend", rank=-1)
 
 
 def test_api_key_comes_from_the_named_variable_and_is_never_written(monkeypatch):
@@ -378,6 +378,48 @@ def test_make_trainer_passes_the_options_to_the_service(monkeypatch):
     assert make_plugin("tinker", kind="backend", builtin_losses=False).make_trainer(config=config).builtin is None
     with pytest.raises(PluginError, match="loss_reduction"):
         make_plugin("tinker", kind="backend", loss_reduction="mean")
+
+
+@pytest.mark.parametrize(
+    "lora_rank, option, expected",
+    [(0, 0, 32), (8, 0, 8), (0, 4, 4), (8, 8, 8), (8, 4, "two LoRA ranks: --lora-rank 8 and --trainer-opt rank=4")],
+)
+def test_the_adapter_rank_is_the_option_else_lora_rank_else_32(monkeypatch, lora_rank, option, expected):
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened["rank"] = rank
+        return FakeService(FakeTraining()), FakeTraining()
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    backend = make_plugin("tinker", kind="backend", rank=option)
+    config = RunConfig(lora_rank=lora_rank)
+    if isinstance(expected, str):
+        with pytest.raises(PluginError, match=expected):
+            backend.make_trainer(config=config)
+        assert opened == {}  # refused before opening anything on the service
+    else:
+        backend.make_trainer(config=config)
+        assert opened == {"rank": expected}
+
+
+def test_lora_rank_reaches_the_service_through_the_cli(monkeypatch, tmp_path):
+    """--lora-rank with --trainer tinker, parsed as a user types it."""
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened["rank"] = rank
+        raise PluginError("stop here: the rank was read")
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    result = CliRunner().invoke(main, ["run", "--trainer", "tinker", "--lora-rank", "16", "--max-steps", "1", "--run-dir", str(tmp_path / "r")])
+    assert "stop here: the rank was read" in result.output and opened == {"rank": 16}
 
 
 def test_sequence_mean_custom_path_carries_the_gradient_on_importance_sampling():
