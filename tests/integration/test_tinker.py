@@ -158,12 +158,34 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer.pt").read_text())
     assert state["tinker_path"].startswith("tinker://") and state["version"] == 6
     assert json.loads((run_dir / "final" / "tinker_weights.json").read_text())["tinker_path"].startswith("tinker://")
+    assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "config.json").exists()
 
     out = client.cli("run", "--resume", str(run_dir), "--max-steps", "8")
     assert out.returncode == 0, out.stderr[-5000:]
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(resumed) == 8 and resumed[:6] == metrics
     assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
+
+
+LOSS_FALLS = [("importance_sampling", True), ("importance_sampling", False), ("reinforce", False)]
+"""(loss, through the service's built-in): one built-in path, the same loss and a loss without a
+built-in through the custom path."""
+
+
+@pytest.mark.parametrize("loss, builtin", LOSS_FALLS, ids=["importance_sampling-builtin", "importance_sampling-custom", "reinforce-custom"])
+def test_the_remote_optimizer_minimises_the_loss_on_a_fixed_batch(client, loss, builtin):
+    """On-policy the GRPO surrogate is 0 at every step by construction (ratio 1) and loss/total is
+    β·KL, which grows as the policy moves: a run's loss/total does not show the optimizer at work.
+    Training the same batch (fixed advantages, a fixed anchor) for several steps does: the loss
+    computed from each step's forward falls step after step."""
+    result = client("loss_falls", loss=loss, builtin=builtin, steps=5)
+    print(f"{loss} ({'built-in' if builtin else 'custom'} path): loss by step {[round(x, 4) for x in result['losses']]}, "
+          f"service calls {result['calls']}, {result['seconds_per_step']:.2f}s per step")  # fmt: skip
+    losses = result["losses"]
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert losses[0] - losses[-1] > 0.05 * abs(losses[0]) + 1e-3
+    path = {"forward": 0, "forward_backward": 5} if builtin else {"forward": 5, "forward_backward": 5}
+    assert result["calls"] == path
 
 
 def test_the_policy_written_for_a_sampler_is_a_model_with_the_services_logprobs(client, tmp_path):
@@ -189,7 +211,8 @@ def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(clien
     print(f"vLLM server started in {server.start():.0f}s")
     try:
         run_dir = tmp_path / "run"
-        args = ["run", "--trainer", "tinker", "--backend-opt", f"base_url={client.url}", "--backend-opt", f"rank={RANK}",
+        # --lora-rank, not the backend option: skyrl refuses ranks above 8, the default (32) among them.
+        args = ["run", "--trainer", "tinker", "--backend-opt", f"base_url={client.url}", "--lora-rank", str(RANK),
                 "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}",
                 "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
                 "--learning-rate", "3e-3", "--prompt-groups-per-step", "4", "--completions-per-prompt", "8",
@@ -334,6 +357,34 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
         "seconds_builtin": results["builtin"]["seconds"],
         "seconds_custom": results["custom"]["seconds"],
     }
+
+
+def check_loss_falls(url: str, loss: str, builtin: bool, steps: int) -> dict:
+    import tinker
+    import torch
+
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+
+    trainer, _ = _trainer(url, loss=[loss], seed=5)
+    if not builtin:
+        trainer.builtin = None
+    pairs = _datums(trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    first = trainer.forward(datums)
+    generator = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in first]
+    # A fixed anchor (the logprobs before any step) makes every step off-policy after the first,
+    # so that the built-in path is taken (skyrl's per-sequence mean leaves on-policy to the custom path).
+    anchor = [lp.clone() for lp in first]
+    adam = tinker.AdamParams(learning_rate=5e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    trainer.counts = {"forward": 0, "forward_backward": 0}
+    losses = []
+    started = time.perf_counter()
+    for _ in range(steps):
+        output = trainer.forward_backward_custom(datums, make_step_loss([loss], {}, pairs, advantages, anchor))
+        trainer.optim_step(adam)
+        losses.append(output.metrics["loss"])
+    return {"losses": losses, "calls": dict(trainer.counts), "seconds_per_step": (time.perf_counter() - started) / steps}
 
 
 def _model_logprobs(folder: str, datums: list) -> list:
