@@ -48,6 +48,9 @@ class TinkerBackend:
     service (importance_sampling; cispo; dapo without dual_clip and grpo without KL as ppo) and
     no wrapper is selected, the service computes it in one forward/backward (builtin_losses).
     Checkpoints are kept on the service; the run's checkpoint folder holds their tinker:// path.
+    The policy written for a sampler (final/, the vllm weight sync's folder, grpo-core export) is a
+    transformers model: the service's LoRA adapter, downloaded and merged into --model's weights.
+    The adapter's rank is the rank option, else --lora-rank, else 32.
     The API key is read from the variable named by api_key_env unless api_key is given; it is
     never written or logged.
     """
