@@ -378,48 +378,46 @@ def write_merged_model(base: str, weights: Path, out: Path) -> None:
         module, _, factor = key.removeprefix("base_model.model.").removesuffix(".weight").rpartition(".")
         if factor not in LORA_FACTORS:
             raise PluginError(f"the service's LoRA adapter holds {key}, which is not a LoRA factor ({', '.join(LORA_FACTORS)})")
-        factors.setdefault(module, {})[LORA_FACTORS[factor]] = value.to(torch.float32)
-    tied_output = model.config.get_text_config().tie_word_embeddings
-    touches_embedding = {model.get_input_embeddings(), model.get_output_embeddings()}
-    if tied_output and any(_submodule(model, m) in touches_embedding for m in factors):
+        factors.setdefault(module, {})[factor] = value.to(torch.float32)
+    modules = {}
+    for name, pair in factors.items():
+        try:
+            modules[name] = model.get_submodule(name)
+        except AttributeError:
+            raise PluginError(f"the service's LoRA adapter changes {name}, which {base} does not have") from None
+    output_layer = model.get_output_embeddings()
+    if model.config.get_text_config().tie_word_embeddings and {model.get_input_embeddings(), output_layer} & set(modules.values()):
         # The adapter changes the embedding or the output layer alone: each gets its own weight.
-        model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        output_layer.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
         model.config.get_text_config().tie_word_embeddings = False
         model.config.tie_word_embeddings = False
     with torch.no_grad():
-        for module, pair in factors.items():
-            if set(pair) != {"A", "B"}:
-                raise PluginError(f"the service's LoRA adapter has only {'/'.join(pair)} of {module}")
-            try:
-                weight = model.get_submodule(module).weight
-            except AttributeError:
-                raise PluginError(f"the service's LoRA adapter changes {module}, which {base} does not have") from None
-            delta = lora_delta(pair["A"], pair["B"], tuple(weight.shape), module)
+        for name, pair in factors.items():
+            weight = modules[name].weight
+            delta = lora_delta(pair, tuple(weight.shape), isinstance(modules[name], torch.nn.Embedding), name)
             weight.copy_((weight.to(torch.float32) + scale * delta).to(weight.dtype))
     model.save_pretrained(str(out))
 
 
-def _submodule(model: Any, name: str) -> Any:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
+LORA_FACTORS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
-LORA_FACTORS = {"lora_A": "A", "lora_B": "B", "lora_embedding_A": "A", "lora_embedding_B": "B"}
-
-
-def lora_delta(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], module: str) -> torch.Tensor:
-    """The unscaled change B·A of a weight of ``shape``, in whichever layout the factors come:
-    a linear layer's (A: rank × in, B: out × rank); an embedding's in PEFT (A: rank × vocab,
-    B: hidden × rank) or in skyrl (A: vocab × rank, B: rank × hidden)."""
-    if a.shape[0] == b.shape[1] and (b.shape[0], a.shape[1]) == shape:
-        return b @ a
-    if a.shape[0] == b.shape[1] and (a.shape[1], b.shape[0]) == shape:
-        return (b @ a).T
-    if a.shape[1] == b.shape[0] and (a.shape[0], b.shape[1]) == shape:
-        return a @ b
-    raise PluginError(f"the LoRA factors of {module} ({tuple(a.shape)}, {tuple(b.shape)}) do not fit its weight {shape}")
+def lora_delta(factors: dict[str, torch.Tensor], shape: tuple[int, ...], embedding: bool, module: str) -> torch.Tensor:
+    """The unscaled change of a weight of ``shape`` from its LoRA factors, in the layout their names
+    tell: a linear layer's lora_A (rank × in) and lora_B (out × rank), B·A; an embedding's in PEFT,
+    lora_embedding_A (rank × vocab) and lora_embedding_B (hidden × rank), (B·A)ᵀ; an embedding's
+    in skyrl, lora_A (vocab × rank) and lora_B (rank × hidden), A·B."""
+    if set(factors) == {"lora_A", "lora_B"}:
+        a, b = factors["lora_A"], factors["lora_B"]
+        delta = a @ b if embedding and a.shape[1] == b.shape[0] else b @ a if a.shape[0] == b.shape[1] else None
+    elif embedding and set(factors) == {"lora_embedding_A", "lora_embedding_B"}:
+        a, b = factors["lora_embedding_A"], factors["lora_embedding_B"]
+        delta = (b @ a).T if a.shape[0] == b.shape[1] else None
+    else:
+        raise PluginError(f"the service's LoRA adapter has {', '.join(sorted(factors))} of {module}, not a pair of LoRA factors")
+    if delta is None or tuple(delta.shape) != shape:
+        raise PluginError(f"the LoRA factors of {module} ({', '.join(str(tuple(f.shape)) for f in factors.values())}) do not fit its weight {shape}")
+    return delta
 
 
 def _output(logprobs: list[torch.Tensor], metrics: dict[str, float], loss: torch.Tensor) -> tinker.ForwardBackwardOutput:

@@ -572,7 +572,7 @@ def test_merge_refuses_what_it_cannot_read(tiny_model_dir, tmp_path):
     only_a = tmp_path / "only-a"
     write_adapter(only_a, {})
     save_file({f"base_model.model.{name}.lora_A.weight": torch.zeros(RANK, 64)}, str(only_a / "adapter_model.safetensors"))
-    with pytest.raises(PluginError, match="has only A"):
+    with pytest.raises(PluginError, match="has lora_A of model.layers.0.self_attn.q_proj, not a pair"):
         write_merged_model(str(tiny_model_dir), only_a, tmp_path / "out-a")
     save_file({f"base_model.model.{name}.magnitude": torch.zeros(64)}, str(only_a / "adapter_model.safetensors"))
     with pytest.raises(PluginError, match="not a LoRA factor"):
