@@ -59,7 +59,9 @@ class TinkerBackend:
     api_key: str = option("", help="API key (empty = the variable named by api_key_env); give it as env:NAME", secret=True, repr=False)
     api_key_env: str = option("TINKER_API_KEY", help="environment variable holding the API key when api_key is empty")
     base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
-    rank: int = option(0, help=f"LoRA rank of the trained adapter (0 = --lora-rank when given, else {DEFAULT_RANK})", validator=_validate_rank)
+    rank: int = option(
+        0, help=f"LoRA rank of the trained adapter (0 = --lora-rank when given, else {DEFAULT_RANK})", validator=_validate_rank
+    )
     builtin_losses: bool = option(
         True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
     )
@@ -83,25 +85,34 @@ class TinkerBackend:
     def make_trainer(self, config: RunConfig) -> TinkerTrainer:
         from transformers import AutoTokenizer
 
+        rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        rank = self.lora_rank(config)
         key = sdk.api_key_from(self.api_key, self.api_key_env)
         service, training = sdk.training_client(self.base_url, key, base_model, rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(
-            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction,
+            service=service,
+            training=training,
+            tokenizer=tokenizer,
+            base_model=base_model,
+            builtin=builtin,
+            reduction=self.loss_reduction,
             model=model_path(config.model),
         )
 
     def lora_rank(self, config: RunConfig) -> int:
         """The adapter's rank: the rank option, else --lora-rank, else the SDK's default."""
+        default = RunConfig()
+        changed = [flag for flag, field in (("--lora-alpha", "lora_alpha"), ("--lora-target-modules", "lora_target_modules"))
+                   if getattr(config, field) != getattr(default, field)]  # fmt: skip
+        if changed:
+            # The service's API takes a rank only; its alpha and modules are its own (written in the adapter it serves).
+            raise PluginError(f"{' and '.join(changed)} apply to the local trainer only: a Tinker service takes a LoRA rank alone")
         if self.rank and config.lora_rank and self.rank != config.lora_rank:
-            raise PluginError(
-                f"two LoRA ranks: --lora-rank {config.lora_rank} and --trainer-opt rank={self.rank}; give one of them"
-            )
+            raise PluginError(f"two LoRA ranks: --lora-rank {config.lora_rank} and --trainer-opt rank={self.rank}; give one of them")
         return self.rank or config.lora_rank or DEFAULT_RANK
 
     @hookimpl
@@ -366,7 +377,9 @@ def write_merged_model(base: str, weights: Path, out: Path) -> None:
         return
     config = json.loads((weights / ADAPTER_CONFIG).read_text())
     if config.get("rank_pattern") or config.get("alpha_pattern"):
-        raise PluginError("the service's LoRA adapter sets ranks or alphas per module (rank_pattern, alpha_pattern), which the merge does not read")
+        raise PluginError(
+            "the service's LoRA adapter sets ranks or alphas per module (rank_pattern, alpha_pattern), which the merge does not read"
+        )
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors: dict[str, torch.Tensor] = {}
@@ -416,7 +429,9 @@ def lora_delta(factors: dict[str, torch.Tensor], shape: tuple[int, ...], embeddi
     else:
         raise PluginError(f"the service's LoRA adapter has {', '.join(sorted(factors))} of {module}, not a pair of LoRA factors")
     if delta is None or tuple(delta.shape) != shape:
-        raise PluginError(f"the LoRA factors of {module} ({', '.join(str(tuple(f.shape)) for f in factors.values())}) do not fit its weight {shape}")
+        raise PluginError(
+            f"the LoRA factors of {module} ({', '.join(str(tuple(f.shape)) for f in factors.values())}) do not fit its weight {shape}"
+        )
     return delta
 
 

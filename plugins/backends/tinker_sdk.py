@@ -18,9 +18,8 @@ import tarfile
 import urllib.request
 from collections.abc import Sequence
 from importlib.metadata import version as distribution_version
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 import tinker
 

@@ -196,7 +196,7 @@ def saved_input_embedding(folder: Path) -> Any:
         if file.name == TIED_OUTPUT_FILE:
             continue
         with safe_open(str(file), framework="pt") as checkpoint:
-            if name in checkpoint.keys():
+            if name in checkpoint.keys():  # noqa: SIM118 (a safetensors file is not a dict)
                 return checkpoint.get_tensor(name)
     raise PluginError(f"the checkpoint in {folder} has no {name} (the input embedding), which the tied output layer is written from")
 

@@ -9,6 +9,7 @@ function below) or as the real ``grpo-core`` CLI, and reports back as JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def test_the_remote_optimizer_minimises_the_loss_on_a_fixed_batch(client, loss, 
     print(f"{loss} ({'built-in' if builtin else 'custom'} path): loss by step {[round(x, 4) for x in result['losses']]}, "
           f"service calls {result['calls']}, {result['seconds_per_step']:.2f}s per step")  # fmt: skip
     losses = result["losses"]
-    assert all(later < earlier for earlier, later in zip(losses, losses[1:]))
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses))
     assert losses[0] - losses[-1] > 0.05 * abs(losses[0]) + 1e-3
     path = {"forward": 0, "forward_backward": 5} if builtin else {"forward": 5, "forward_backward": 5}
     assert result["calls"] == path

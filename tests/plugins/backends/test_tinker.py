@@ -404,6 +404,15 @@ def test_the_adapter_rank_is_the_option_else_lora_rank_else_32(monkeypatch, lora
         assert opened == {"rank": expected}
 
 
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"lora_alpha": 16.0}, "--lora-alpha apply"), ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules apply")],
+)
+def test_lora_settings_the_service_does_not_take_are_refused(fields, message):
+    with pytest.raises(PluginError, match=message):
+        make_plugin("tinker", kind="backend").make_trainer(config=RunConfig(lora_rank=8, **fields))
+
+
 def test_lora_rank_reaches_the_service_through_the_cli(monkeypatch, tmp_path):
     """--lora-rank with --trainer tinker, parsed as a user types it."""
     from click.testing import CliRunner
@@ -418,7 +427,9 @@ def test_lora_rank_reaches_the_service_through_the_cli(monkeypatch, tmp_path):
 
     monkeypatch.setattr(tinker_sdk, "training_client", training_client)
     monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
-    result = CliRunner().invoke(main, ["run", "--trainer", "tinker", "--lora-rank", "16", "--max-steps", "1", "--run-dir", str(tmp_path / "r")])
+    result = CliRunner().invoke(
+        main, ["run", "--trainer", "tinker", "--lora-rank", "16", "--max-steps", "1", "--run-dir", str(tmp_path / "r")]
+    )
     assert "stop here: the rank was read" in result.output and opened == {"rank": 16}
 
 
@@ -474,11 +485,20 @@ def lora_factors(model, layout):
     if layout == "linear":
         for name in ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]:
             out_features, in_features = model.get_submodule(name).weight.shape
-            factors[name] = (0.1 * torch.randn(RANK, in_features, generator=generator), 0.1 * torch.randn(out_features, RANK, generator=generator))
+            factors[name] = (
+                0.1 * torch.randn(RANK, in_features, generator=generator),
+                0.1 * torch.randn(out_features, RANK, generator=generator),
+            )
     elif layout == "embedding_peft":
-        factors["model.embed_tokens"] = (torch.randn(RANK, vocab, generator=generator), 0.1 * torch.randn(hidden, RANK, generator=generator))
+        factors["model.embed_tokens"] = (
+            torch.randn(RANK, vocab, generator=generator),
+            0.1 * torch.randn(hidden, RANK, generator=generator),
+        )
     elif layout == "embedding_skyrl":
-        factors["model.embed_tokens"] = (torch.randn(vocab, RANK, generator=generator), 0.1 * torch.randn(RANK, hidden, generator=generator))
+        factors["model.embed_tokens"] = (
+            torch.randn(vocab, RANK, generator=generator),
+            0.1 * torch.randn(RANK, hidden, generator=generator),
+        )
     else:
         factors["lm_head"] = (0.1 * torch.randn(RANK, hidden, generator=generator), 0.1 * torch.randn(vocab, RANK, generator=generator))
     return factors
@@ -632,7 +652,8 @@ def test_save_weights_for_sampler_writes_the_merged_model_and_the_remote_path(ti
     trainer, training = make_trainer()
     trainer.service.create_rest_client = lambda: rest
     training.save_weights_external = lambda name, ttl_seconds=None: (
-        training.calls.append(("save_weights_external", name, ttl_seconds, None)) or FakeFuture(SimpleNamespace(path=f"tinker://model/external_weights/{name}"))
+        training.calls.append(("save_weights_external", name, ttl_seconds, None))
+        or FakeFuture(SimpleNamespace(path=f"tinker://model/external_weights/{name}"))
     )
     trainer.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     trainer.version = 2
@@ -655,8 +676,10 @@ def test_save_weights_for_sampler_writes_the_merged_model_and_the_remote_path(ti
         assert rest.calls == [("archive", pointer["tinker_path"])]
     else:
         # 0.38 downloads a temporary export of the weights, deleted after.
-        export = f"tinker://model/external_weights/{saved[1][1]}"
-        assert [c[0] for c in saved] == ["save_weights_for_sampler", "save_weights_external"] and saved[1][2] == tinker_sdk.EXPORT_TTL_SECONDS
+        (_, exported_name, ttl, _) = saved[1]
+        export = f"tinker://model/external_weights/{exported_name}"
+        assert [c[0] for c in saved] == ["save_weights_for_sampler", "save_weights_external"]
+        assert ttl == tinker_sdk.EXPORT_TTL_SECONDS
         assert rest.calls == [("external", export), ("delete", export)]
     # The same version's sampler weights are saved on the service once (a sampling client reuses them).
     trainer.sampling_client()
@@ -667,7 +690,9 @@ def test_an_export_naming_a_file_outside_its_folder_is_refused_and_deleted(tmp_p
     (tmp_path / "x").write_text("")
     rest = FakeRest({"files": {"../../escape.txt": (tmp_path / "x").as_uri()}})
     monkeypatch.setattr(tinker_sdk, "SDK_VERSION", (0, 38))
-    training = SimpleNamespace(save_weights_external=lambda name, ttl_seconds=None: FakeFuture(SimpleNamespace(path="tinker://m/external_weights/e")))
+    training = SimpleNamespace(
+        save_weights_external=lambda name, ttl_seconds=None: FakeFuture(SimpleNamespace(path="tinker://m/external_weights/e"))
+    )
     service = SimpleNamespace(create_rest_client=lambda: rest)
     with pytest.raises(PluginError, match="outside its folder"):
         tinker_sdk.download_weights(service, training, "e", "tinker://m/sampler_weights/s", tmp_path / "dl")
