@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,9 +28,13 @@ POINTER_FILE = "tinker_weights.json"
 """What ``save_weights_for_sampler`` writes beside the tokenizer: where the service keeps the policy."""
 
 
+DEFAULT_RANK = 32
+"""The LoRA rank when neither --lora-rank nor the rank option gives one (the SDK's default)."""
+
+
 def _validate_rank(instance: Any, attribute: Any, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"rank must be >= 1, got {value}")
+    if value < 0:
+        raise ValueError(f"rank must be >= 0 (0 = --lora-rank, else {DEFAULT_RANK}), got {value}")
 
 
 @attrs.define
@@ -42,6 +48,9 @@ class TinkerBackend:
     service (importance_sampling; cispo; dapo without dual_clip and grpo without KL as ppo) and
     no wrapper is selected, the service computes it in one forward/backward (builtin_losses).
     Checkpoints are kept on the service; the run's checkpoint folder holds their tinker:// path.
+    The policy written for a sampler (final/, the vllm weight sync's folder, grpo-core export) is a
+    transformers model: the service's LoRA adapter, downloaded and merged into --model's weights.
+    The adapter's rank is the rank option, else --lora-rank, else 32.
     The API key is read from the variable named by api_key_env unless api_key is given; it is
     never written or logged.
     """
@@ -50,7 +59,9 @@ class TinkerBackend:
     api_key: str = option("", help="API key (empty = the variable named by api_key_env); give it as env:NAME", secret=True, repr=False)
     api_key_env: str = option("TINKER_API_KEY", help="environment variable holding the API key when api_key is empty")
     base_model: str = option("", help="the model's name on the service (empty = --model; the embedded model: its folder)")
-    rank: int = option(32, help="LoRA rank of the trained adapter", validator=_validate_rank)
+    rank: int = option(
+        0, help=f"LoRA rank of the trained adapter (0 = --lora-rank when given, else {DEFAULT_RANK})", validator=_validate_rank
+    )
     builtin_losses: bool = option(
         True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
     )
@@ -74,16 +85,35 @@ class TinkerBackend:
     def make_trainer(self, config: RunConfig) -> TinkerTrainer:
         from transformers import AutoTokenizer
 
+        rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         key = sdk.api_key_from(self.api_key, self.api_key_env)
-        service, training = sdk.training_client(self.base_url, key, base_model, self.rank, config.seed)
+        service, training = sdk.training_client(self.base_url, key, base_model, rank, config.seed)
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(
-            service=service, training=training, tokenizer=tokenizer, base_model=base_model, builtin=builtin, reduction=self.loss_reduction
+            service=service,
+            training=training,
+            tokenizer=tokenizer,
+            base_model=base_model,
+            builtin=builtin,
+            reduction=self.loss_reduction,
+            model=model_path(config.model),
         )
+
+    def lora_rank(self, config: RunConfig) -> int:
+        """The adapter's rank: the rank option, else --lora-rank, else the SDK's default."""
+        default = RunConfig()
+        changed = [flag for flag, field in (("--lora-alpha", "lora_alpha"), ("--lora-target-modules", "lora_target_modules"))
+                   if getattr(config, field) != getattr(default, field)]  # fmt: skip
+        if changed:
+            # The service's API takes a rank only; its alpha and modules are its own (written in the adapter it serves).
+            raise PluginError(f"{' and '.join(changed)} apply to the local trainer only: a Tinker service takes a LoRA rank alone")
+        if self.rank and config.lora_rank and self.rank != config.lora_rank:
+            raise PluginError(f"two LoRA ranks: --lora-rank {config.lora_rank} and --trainer-opt rank={self.rank}; give one of them")
+        return self.rank or config.lora_rank or DEFAULT_RANK
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: TinkerTrainer) -> TinkerReference:
@@ -171,6 +201,10 @@ class TinkerTrainer:
     nonfinite_loss: bool = False
     counts: dict[str, int] = attrs.field(factory=lambda: {"forward": 0, "forward_backward": 0})
     sampler_cache: tuple[int, Any] | None = None
+    saved_sampler: tuple[int, str] | None = None
+    """The version and tinker:// path of the weights last saved for sampling."""
+    model: str = ""
+    """--model's local folder (or hub name): the base the service's adapter is merged into."""
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         self.counts["forward"] += 1
@@ -278,7 +312,7 @@ class TinkerTrainer:
         return {**metrics, "optim/lr": adam_params.learning_rate, "optim/skipped_nonfinite": float(skip)}
 
     def save_state(self, path: str) -> None:
-        saved = sdk.resolved(self.training.save_state(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
+        saved = sdk.resolved(self.training.save_state(self._checkpoint_name()))
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         state = {"format": STATE_FORMAT, "tinker_path": saved.path, "version": self.version, "base_model": self.base_model}
         Path(path).write_text(json.dumps(state, indent=1) + "\n")
@@ -290,26 +324,115 @@ class TinkerTrainer:
         self.training = sdk.load_state(self.service, self.training, state["tinker_path"])
         self.version = int(state["version"])
         self.sampler_cache = None
+        self.saved_sampler = None
 
     def sampling_client(self) -> Any:
         """A sampling client of the current weights (saved on the service once per version)."""
         if self.sampler_cache is None or self.sampler_cache[0] != self.version:
-            path = self.sampler_path()
-            self.sampler_cache = (self.version, sdk.sampling_client(self.service, model_path=path))
+            self.sampler_cache = (self.version, sdk.sampling_client(self.service, model_path=self.sampler_path()))
         return self.sampler_cache[1]
 
     def sampler_path(self) -> str:
-        saved = sdk.resolved(self.training.save_weights_for_sampler(f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"))
-        return saved.path
+        """The tinker:// path of the current weights saved for sampling (saved once per version)."""
+        if self.saved_sampler is None or self.saved_sampler[0] != self.version:
+            saved = sdk.resolved(self.training.save_weights_for_sampler(self._checkpoint_name()))
+            self.saved_sampler = (self.version, saved.path)
+        return self.saved_sampler[1]
+
+    def _checkpoint_name(self) -> str:
+        return f"grpo-core-v{self.version}-{uuid.uuid4().hex[:8]}"
 
     def save_weights_for_sampler(self, path: str) -> str:
-        """The policy stays on the service: ``path`` gets its tinker:// path and the tokenizer."""
+        """The policy as a transformers model folder: the service's LoRA adapter of the current
+        weights, downloaded and merged into --model's weights, with the tokenizer; beside them
+        tinker_weights.json keeps the weights' tinker:// path."""
+        if not self.model:
+            raise PluginError("the tinker trainer needs --model's weights to write the policy as a model (no local model was given)")
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
-        pointer = {"tinker_path": self.sampler_path(), "base_model": self.base_model, "version": self.version}
+        tinker_path = self.sampler_path()
+        with tempfile.TemporaryDirectory(prefix="grpo-core-tinker-weights-") as download:
+            sdk.download_weights(self.service, self.training, self._checkpoint_name(), tinker_path, Path(download))
+            write_merged_model(self.model, Path(download), folder)
+        pointer = {"tinker_path": tinker_path, "base_model": self.base_model, "version": self.version}
         (folder / POINTER_FILE).write_text(json.dumps(pointer, indent=1) + "\n")
         self.tokenizer.save_pretrained(path)
         return path
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def write_merged_model(base: str, weights: Path, out: Path) -> None:
+    """``out``: the model of --model (``base``) with the service's weights in ``weights``: a LoRA
+    adapter in PEFT's layout (adapter_config.json, A and B per module) is merged into the base's
+    weights; a full model (config.json and safetensors) is taken as it is."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    if not (weights / ADAPTER_CONFIG).is_file():
+        if not (weights / "config.json").is_file() or not any(weights.glob("*.safetensors")):
+            raise PluginError(f"the service's weights are neither a LoRA adapter nor a model: {sorted(p.name for p in weights.iterdir())}")
+        shutil.copytree(weights, out, dirs_exist_ok=True)
+        return
+    config = json.loads((weights / ADAPTER_CONFIG).read_text())
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise PluginError(
+            "the service's LoRA adapter sets ranks or alphas per module (rank_pattern, alpha_pattern), which the merge does not read"
+        )
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(weights.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype="auto")
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        module, _, factor = key.removeprefix("base_model.model.").removesuffix(".weight").rpartition(".")
+        if factor not in LORA_FACTORS:
+            raise PluginError(f"the service's LoRA adapter holds {key}, which is not a LoRA factor ({', '.join(LORA_FACTORS)})")
+        factors.setdefault(module, {})[factor] = value.to(torch.float32)
+    modules = {}
+    for name, pair in factors.items():
+        try:
+            modules[name] = model.get_submodule(name)
+        except AttributeError:
+            raise PluginError(f"the service's LoRA adapter changes {name}, which {base} does not have") from None
+    output_layer = model.get_output_embeddings()
+    if model.config.get_text_config().tie_word_embeddings and {model.get_input_embeddings(), output_layer} & set(modules.values()):
+        # The adapter changes the embedding or the output layer alone: each gets its own weight.
+        output_layer.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+        model.config.get_text_config().tie_word_embeddings = False
+        model.config.tie_word_embeddings = False
+    with torch.no_grad():
+        for name, pair in factors.items():
+            weight = modules[name].weight
+            delta = lora_delta(pair, tuple(weight.shape), isinstance(modules[name], torch.nn.Embedding), name)
+            weight.copy_((weight.to(torch.float32) + scale * delta).to(weight.dtype))
+    model.save_pretrained(str(out))
+
+
+LORA_FACTORS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+
+
+def lora_delta(factors: dict[str, torch.Tensor], shape: tuple[int, ...], embedding: bool, module: str) -> torch.Tensor:
+    """The unscaled change of a weight of ``shape`` from its LoRA factors, in the layout their names
+    tell: a linear layer's lora_A (rank × in) and lora_B (out × rank), B·A; an embedding's in PEFT,
+    lora_embedding_A (rank × vocab) and lora_embedding_B (hidden × rank), (B·A)ᵀ; an embedding's
+    in skyrl, lora_A (vocab × rank) and lora_B (rank × hidden), A·B."""
+    if set(factors) == {"lora_A", "lora_B"}:
+        a, b = factors["lora_A"], factors["lora_B"]
+        delta = a @ b if embedding and a.shape[1] == b.shape[0] else b @ a if a.shape[0] == b.shape[1] else None
+    elif embedding and set(factors) == {"lora_embedding_A", "lora_embedding_B"}:
+        a, b = factors["lora_embedding_A"], factors["lora_embedding_B"]
+        delta = (b @ a).T if a.shape[0] == b.shape[1] else None
+    else:
+        raise PluginError(f"the service's LoRA adapter has {', '.join(sorted(factors))} of {module}, not a pair of LoRA factors")
+    if delta is None or tuple(delta.shape) != shape:
+        raise PluginError(
+            f"the LoRA factors of {module} ({', '.join(str(tuple(f.shape)) for f in factors.values())}) do not fit its weight {shape}"
+        )
+    return delta
 
 
 def _output(logprobs: list[torch.Tensor], metrics: dict[str, float], loss: torch.Tensor) -> tinker.ForwardBackwardOutput:

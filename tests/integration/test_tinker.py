@@ -9,6 +9,7 @@ function below) or as the real ``grpo-core`` CLI, and reports back as JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -158,12 +159,92 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer.pt").read_text())
     assert state["tinker_path"].startswith("tinker://") and state["version"] == 6
     assert json.loads((run_dir / "final" / "tinker_weights.json").read_text())["tinker_path"].startswith("tinker://")
+    assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "config.json").exists()
 
     out = client.cli("run", "--resume", str(run_dir), "--max-steps", "8")
     assert out.returncode == 0, out.stderr[-5000:]
     resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(resumed) == 8 and resumed[:6] == metrics
     assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
+
+
+LOSS_FALLS = [("importance_sampling", True), ("importance_sampling", False), ("reinforce", False)]
+"""(loss, through the service's built-in): one built-in path, the same loss and a loss without a
+built-in through the custom path."""
+
+
+@pytest.mark.parametrize("loss, builtin", LOSS_FALLS, ids=["importance_sampling-builtin", "importance_sampling-custom", "reinforce-custom"])
+def test_the_remote_optimizer_minimises_the_loss_on_a_fixed_batch(client, loss, builtin):
+    """On-policy the GRPO surrogate is 0 at every step by construction (ratio 1) and loss/total is
+    β·KL, which grows as the policy moves: a run's loss/total does not show the optimizer at work.
+    Training the same batch (fixed advantages, a fixed anchor) for several steps does: the loss
+    computed from each step's forward falls step after step."""
+    result = client("loss_falls", loss=loss, builtin=builtin, steps=5)
+    print(f"{loss} ({'built-in' if builtin else 'custom'} path): loss by step {[round(x, 4) for x in result['losses']]}, "
+          f"service calls {result['calls']}, {result['seconds_per_step']:.2f}s per step")  # fmt: skip
+    losses = result["losses"]
+    assert all(later < earlier for earlier, later in itertools.pairwise(losses))
+    assert losses[0] - losses[-1] > 0.05 * abs(losses[0]) + 1e-3
+    path = {"forward": 0, "forward_backward": 5} if builtin else {"forward": 5, "forward_backward": 5}
+    assert result["calls"] == path
+
+
+def test_the_policy_written_for_a_sampler_is_a_model_with_the_services_logprobs(client, tmp_path):
+    """After a step that moved the policy, save_weights_for_sampler (what final/ and the vllm sync
+    write) downloads the service's adapter and merges it into --model: transformers loads the
+    folder, and its logprobs are the service's."""
+    result = client("written_model", folder=str(tmp_path / "policy"))
+    print(f"written model vs service: max |diff| {result['max_abs_diff']:.2e} over {result['tokens']} tokens "
+          f"(the step moved logprobs by {result['moved']:.2f}); written in {result['seconds']:.1f}s")  # fmt: skip
+    assert result["moved"] > 0.1
+    assert result["max_abs_diff"] < 1e-3
+    assert result["tinker_path"].startswith("tinker://")
+
+
+def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(client, tmp_path):
+    """--trainer tinker --sampler openai --weight-sync vllm against skyrl and a real vLLM server:
+    each sync writes the merged policy, vLLM reloads it, and the sync's own check (the server's
+    logprobs vs the service's) holds; final/ is a model with the service's logprobs, and exports."""
+    from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
+
+    ensure_vllm_venv()
+    server = VLLMServer(ASSETS, tmp_path / "vllm.log")
+    print(f"vLLM server started in {server.start():.0f}s")
+    try:
+        run_dir = tmp_path / "run"
+        # --lora-rank, not the backend option: skyrl refuses ranks above 8, the default (32) among them.
+        args = ["run", "--trainer", "tinker", "--backend-opt", f"base_url={client.url}", "--lora-rank", str(RANK),
+                "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}",
+                "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
+                "--learning-rate", "3e-3", "--prompt-groups-per-step", "4", "--completions-per-prompt", "8",
+                "--max-completion-tokens", "16", "--checkpoint-every", "2", "--max-steps", "3", "--run-dir", str(run_dir)]  # fmt: skip
+        started = time.monotonic()
+        out = client.cli(*args)
+        assert out.returncode == 0, out.stderr[-5000:]
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        synced = [m for m in metrics if "sync/logprob_max_abs_diff" in m]
+        print(f"3 steps in {time.monotonic() - started:.0f}s; sync logprob diffs", [m["sync/logprob_max_abs_diff"] for m in synced],
+              "seconds", [round(m["time/weight_sync"], 1) for m in synced])  # fmt: skip
+        assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["tokens/completion"] > 0 for m in metrics)
+        assert len(synced) == 2 and all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in synced)
+        assert (run_dir / "sampler-weights" / "model.safetensors").exists()
+        final = client("model_vs_service", folder=str(run_dir / "final"))
+        print(f"final/ vs the service's weights: max |diff| {final['max_abs_diff']:.2e} over {final['tokens']} tokens; "
+              f"vs the base model {final['base_max_abs_diff']:.2e}")  # fmt: skip
+        assert final["base_max_abs_diff"] > 1e-2  # the policy moved (groups with a reward signal trained it)
+        assert final["max_abs_diff"] < 1e-3
+        assert final["tinker_path"].startswith("tinker://") and final["version"] == 3
+
+        # export: final/ as it is; a checkpoint through the service (its state loaded, the policy written).
+        out = client.cli("export", str(run_dir), str(tmp_path / "exported"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert client("model_vs_service", folder=str(tmp_path / "exported"))["max_abs_diff"] < 1e-3
+        out = client.cli("export", str(run_dir), str(tmp_path / "exported-2"), "--step", "2")
+        assert out.returncode == 0, out.stderr[-3000:]
+        step2 = client("model_vs_service", folder=str(tmp_path / "exported-2"))
+        assert step2["max_abs_diff"] < 1e-3 and step2["version"] == 2
+    finally:
+        server.stop()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,6 +357,107 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
         "calls_custom": results["custom"]["calls"],
         "seconds_builtin": results["builtin"]["seconds"],
         "seconds_custom": results["custom"]["seconds"],
+    }
+
+
+def check_loss_falls(url: str, loss: str, builtin: bool, steps: int) -> dict:
+    import tinker
+    import torch
+
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+
+    trainer, _ = _trainer(url, loss=[loss], seed=5)
+    if not builtin:
+        trainer.builtin = None
+    pairs = _datums(trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    first = trainer.forward(datums)
+    generator = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in first]
+    # A fixed anchor (the logprobs before any step) makes every step off-policy after the first,
+    # so that the built-in path is taken (skyrl's per-sequence mean leaves on-policy to the custom path).
+    anchor = [lp.clone() for lp in first]
+    adam = tinker.AdamParams(learning_rate=5e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
+    trainer.counts = {"forward": 0, "forward_backward": 0}
+    losses = []
+    started = time.perf_counter()
+    for _ in range(steps):
+        output = trainer.forward_backward_custom(datums, make_step_loss([loss], {}, pairs, advantages, anchor))
+        trainer.optim_step(adam)
+        losses.append(output.metrics["loss"])
+    return {"losses": losses, "calls": dict(trainer.counts), "seconds_per_step": (time.perf_counter() - started) / steps}
+
+
+def _model_logprobs(folder: str, datums: list) -> list:
+    """Each datum's target-token logprobs under the transformers model in ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for d in datums:
+            logits = model(torch.tensor([d.model_input.to_ints()])).logits[0]
+            targets = torch.tensor(d.loss_fn_inputs["target_tokens"].data)
+            out.append(torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0])
+    return out
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def check_written_model(url: str, folder: str) -> dict:
+    import tinker
+    import torch
+
+    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+
+    trainer, _ = _trainer(url, loss=["importance_sampling"])
+    pairs = _datums(trainer.tokenizer, 8)
+    datums = [d for _, d in pairs]
+    before = trainer.forward(datums)
+    generator = torch.Generator().manual_seed(0)
+    advantages = [torch.randn(1, generator=generator).expand(len(lp)).clone() for lp in before]
+    trainer.forward_backward_custom(datums, make_step_loss(["importance_sampling"], {}, pairs, advantages, None))
+    trainer.optim_step(tinker.AdamParams(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1.0, weight_decay=0.0, grad_clip_norm=0.0))
+    service = trainer.forward(datums)
+    started = time.perf_counter()
+    trainer.save_weights_for_sampler(folder)
+    seconds = time.perf_counter() - started
+    ours = _model_logprobs(folder, datums)
+    return {
+        "max_abs_diff": _max_diff(ours, service),
+        "moved": _max_diff(service, before),
+        "tokens": sum(len(lp) for lp in service),
+        "seconds": seconds,
+        "tinker_path": json.loads((Path(folder) / "tinker_weights.json").read_text())["tinker_path"],
+    }
+
+
+def check_model_vs_service(url: str, folder: str) -> dict:
+    """A written policy's logprobs against the service's sampling client of the weights it names
+    (its tinker:// path), and against the base model."""
+    import os
+
+    import tinker
+    from transformers import AutoTokenizer
+
+    from grpo_core.plugins.backends import tinker_sdk
+    from grpo_core.plugins.backends.tinker import TinkerReference
+
+    pointer = json.loads((Path(folder) / "tinker_weights.json").read_text())
+    service = tinker.ServiceClient(base_url=url, api_key=os.environ["TINKER_API_KEY"])
+
+    datums = [d for _, d in _datums(AutoTokenizer.from_pretrained(folder), 8)]
+    remote = TinkerReference(tinker_sdk.sampling_client(service, model_path=pointer["tinker_path"])).forward(datums)
+    ours = _model_logprobs(folder, datums)
+    return {
+        "max_abs_diff": _max_diff(ours, remote),
+        "base_max_abs_diff": _max_diff(ours, _model_logprobs(str(ASSETS), datums)),
+        "tokens": sum(len(r) for r in remote),
+        "tinker_path": pointer["tinker_path"],
+        "version": pointer["version"],
     }
 
 

@@ -129,9 +129,9 @@ def test_backend_and_sampler_are_in_the_catalog_with_the_tinker_defaults():
     backend = make_plugin("tinker", kind="backend")
     assert isinstance(backend, TinkerBackend)
     assert (backend.default_sampler, backend.default_weight_sync) == ("tinker", "in_process")
-    assert backend.rank == 32 and backend.builtin_losses and backend.api_key_env == "TINKER_API_KEY"
-    with pytest.raises(PluginError, match="rank must be >= 1"):
-        make_plugin("tinker", kind="backend", rank=0)
+    assert backend.rank == 0 and backend.builtin_losses and backend.api_key_env == "TINKER_API_KEY"
+    with pytest.raises(PluginError, match="rank must be >= 0"):
+        make_plugin("tinker", kind="backend", rank=-1)
 
 
 def test_api_key_comes_from_the_named_variable_and_is_never_written(monkeypatch):
@@ -380,6 +380,59 @@ def test_make_trainer_passes_the_options_to_the_service(monkeypatch):
         make_plugin("tinker", kind="backend", loss_reduction="mean")
 
 
+@pytest.mark.parametrize(
+    "lora_rank, option, expected",
+    [(0, 0, 32), (8, 0, 8), (0, 4, 4), (8, 8, 8), (8, 4, "two LoRA ranks: --lora-rank 8 and --trainer-opt rank=4")],
+)
+def test_the_adapter_rank_is_the_option_else_lora_rank_else_32(monkeypatch, lora_rank, option, expected):
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened["rank"] = rank
+        return FakeService(FakeTraining()), FakeTraining()
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    backend = make_plugin("tinker", kind="backend", rank=option)
+    config = RunConfig(lora_rank=lora_rank)
+    if isinstance(expected, str):
+        with pytest.raises(PluginError, match=expected):
+            backend.make_trainer(config=config)
+        assert opened == {}  # refused before opening anything on the service
+    else:
+        backend.make_trainer(config=config)
+        assert opened == {"rank": expected}
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"lora_alpha": 16.0}, "--lora-alpha apply"), ({"lora_target_modules": ["q_proj"]}, "--lora-target-modules apply")],
+)
+def test_lora_settings_the_service_does_not_take_are_refused(fields, message):
+    with pytest.raises(PluginError, match=message):
+        make_plugin("tinker", kind="backend").make_trainer(config=RunConfig(lora_rank=8, **fields))
+
+
+def test_lora_rank_reaches_the_service_through_the_cli(monkeypatch, tmp_path):
+    """--lora-rank with --trainer tinker, parsed as a user types it."""
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+
+    opened = {}
+
+    def training_client(base_url, api_key, base_model, rank, seed):
+        opened["rank"] = rank
+        raise PluginError("stop here: the rank was read")
+
+    monkeypatch.setattr(tinker_sdk, "training_client", training_client)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-env")
+    result = CliRunner().invoke(
+        main, ["run", "--trainer", "tinker", "--lora-rank", "16", "--max-steps", "1", "--run-dir", str(tmp_path / "r")]
+    )
+    assert "stop here: the rank was read" in result.output and opened == {"rank": 16}
+
+
 def test_sequence_mean_custom_path_carries_the_gradient_on_importance_sampling():
     trainer, training = make_trainer()
     trainer.reduction = "sequence_mean"
@@ -415,3 +468,233 @@ def test_sequence_mean_builtin_path_scales_advantages_and_leaves_on_policy_to_th
     training.calls.clear()
     trainer.forward_backward_custom([d for _, d in data], step_loss(["importance_sampling"], {}, data, advantages, None))
     assert [c[0] for c in training.calls] == ["forward"]
+
+
+# -- the policy as a model: the service's adapter downloaded and merged into --model -------------------
+
+
+RANK, ALPHA = 4, 8.0
+
+
+def lora_factors(model, layout):
+    """Random LoRA factors (as the service would save them) for some modules of ``model``, by layout:
+    linear (PEFT: A rank × in, B out × rank), embedding_peft, embedding_skyrl, lm_head."""
+    generator = torch.Generator().manual_seed(1)
+    vocab, hidden = model.get_input_embeddings().weight.shape
+    factors = {}
+    if layout == "linear":
+        for name in ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]:
+            out_features, in_features = model.get_submodule(name).weight.shape
+            factors[name] = (
+                0.1 * torch.randn(RANK, in_features, generator=generator),
+                0.1 * torch.randn(out_features, RANK, generator=generator),
+            )
+    elif layout == "embedding_peft":
+        factors["model.embed_tokens"] = (
+            torch.randn(RANK, vocab, generator=generator),
+            0.1 * torch.randn(hidden, RANK, generator=generator),
+        )
+    elif layout == "embedding_skyrl":
+        factors["model.embed_tokens"] = (
+            torch.randn(vocab, RANK, generator=generator),
+            0.1 * torch.randn(RANK, hidden, generator=generator),
+        )
+    else:
+        factors["lm_head"] = (0.1 * torch.randn(RANK, hidden, generator=generator), 0.1 * torch.randn(vocab, RANK, generator=generator))
+    return factors
+
+
+def write_adapter(folder, factors, embedding_keys="lora", **config):
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = ("lora_embedding_A", "lora_embedding_B") if embedding_keys == "peft" else ("lora_A", "lora_B")
+    tensors = {}
+    for module, (a, b) in factors.items():
+        a_name, b_name = names if module.endswith("embed_tokens") else ("lora_A", "lora_B")
+        tensors[f"base_model.model.{module}.{a_name}.weight"] = a.contiguous()
+        tensors[f"base_model.model.{module}.{b_name}.weight"] = b.contiguous()
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({"r": RANK, "lora_alpha": ALPHA, "target_modules": None, **config}))
+    return folder
+
+
+def adapted_logits(base_dir, factors, layout, scale, tokens):
+    """The base model's logits with the adapter applied as LoRA applies it (x·Aᵀ·Bᵀ·scale added to a
+    layer's output), not merged: what the service computes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    for name, (a, b) in factors.items():
+        module = model.get_submodule(name)
+        if name.endswith("embed_tokens"):
+            table = a if layout == "embedding_skyrl" else a.T  # vocab × rank
+            up = b if layout == "embedding_skyrl" else b.T  # rank × hidden
+            module.register_forward_hook(lambda m, args, out, t=table, u=up: out + scale * (t[args[0]] @ u))
+        else:
+            module.register_forward_hook(lambda m, args, out, a=a, b=b: out + scale * (args[0] @ a.T @ b.T))
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("layout", ["linear", "embedding_peft", "embedding_skyrl", "lm_head"])
+def test_merged_model_computes_what_the_adapter_computes(tiny_model_dir, tmp_path, layout):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.plugins.backends.tinker import write_merged_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    factors = lora_factors(base, layout)
+    adapter = write_adapter(tmp_path / "adapter", factors, embedding_keys="peft" if layout == "embedding_peft" else "lora")
+    write_merged_model(str(tiny_model_dir), adapter, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    tokens = list(range(5, 40))
+    with torch.no_grad():
+        ours = merged(torch.tensor([tokens])).logits[0]
+        before = base(torch.tensor([tokens])).logits[0]
+    expected = adapted_logits(tiny_model_dir, factors, layout, ALPHA / RANK, tokens)
+    assert (expected - before).abs().max() > 0.05  # the adapter changes the model
+    assert (ours - expected).abs().max() < 1e-4
+    # A change of the embedding or of the output layer alone unties them; otherwise the model stays tied.
+    assert merged.config.tie_word_embeddings is (layout == "linear")
+
+
+def test_merge_scales_by_alpha_over_rank_or_its_root_with_rslora(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from grpo_core.plugins.backends.tinker import write_merged_model
+
+    name = "model.layers.0.self_attn.q_proj"
+    base = load_file(str(tiny_model_dir / "model.safetensors"))[f"{name}.weight"]
+    a, b = torch.ones(RANK, base.shape[1]), torch.full((base.shape[0], RANK), 0.01)
+    for rslora, scale in [(False, ALPHA / RANK), (True, ALPHA / math.sqrt(RANK))]:
+        adapter = write_adapter(tmp_path / f"adapter-{rslora}", {name: (a, b)}, use_rslora=rslora)
+        write_merged_model(str(tiny_model_dir), adapter, tmp_path / f"merged-{rslora}")
+        merged = load_file(str(tmp_path / f"merged-{rslora}" / "model.safetensors"))[f"{name}.weight"]
+        assert torch.allclose(merged - base, torch.full_like(base, scale * RANK * 0.01), atol=1e-6)
+
+
+def test_merge_refuses_what_it_cannot_read(tiny_model_dir, tmp_path):
+    from grpo_core.plugins.backends.tinker import write_merged_model
+
+    name = "model.layers.0.self_attn.q_proj"
+    cases = {
+        "do not fit its weight": ({name: (torch.zeros(RANK, 3), torch.zeros(5, RANK))}, {}),
+        "does not have": ({"model.layers.9.self_attn.q_proj": (torch.zeros(RANK, 64), torch.zeros(64, RANK))}, {}),
+        "per module": ({name: (torch.zeros(RANK, 64), torch.zeros(64, RANK))}, {"rank_pattern": {"q_proj": 2}}),
+    }
+    for i, (message, (factors, config)) in enumerate(cases.items()):
+        adapter = write_adapter(tmp_path / f"adapter-{i}", factors, **config)
+        with pytest.raises(PluginError, match=message):
+            write_merged_model(str(tiny_model_dir), adapter, tmp_path / f"out-{i}")
+    from safetensors.torch import save_file
+
+    only_a = tmp_path / "only-a"
+    write_adapter(only_a, {})
+    save_file({f"base_model.model.{name}.lora_A.weight": torch.zeros(RANK, 64)}, str(only_a / "adapter_model.safetensors"))
+    with pytest.raises(PluginError, match="has lora_A of model.layers.0.self_attn.q_proj, not a pair"):
+        write_merged_model(str(tiny_model_dir), only_a, tmp_path / "out-a")
+    save_file({f"base_model.model.{name}.magnitude": torch.zeros(64)}, str(only_a / "adapter_model.safetensors"))
+    with pytest.raises(PluginError, match="not a LoRA factor"):
+        write_merged_model(str(tiny_model_dir), only_a, tmp_path / "out-b")
+    (tmp_path / "neither").mkdir()
+    (tmp_path / "neither" / "notes.txt").write_text("")
+    with pytest.raises(PluginError, match="neither a LoRA adapter nor a model"):
+        write_merged_model(str(tiny_model_dir), tmp_path / "neither", tmp_path / "out-c")
+
+
+def test_a_service_that_exports_a_model_has_it_taken_as_it_is(tiny_model_dir, tmp_path):
+    from grpo_core.plugins.backends.tinker import write_merged_model
+
+    write_merged_model(str(tiny_model_dir), tiny_model_dir, tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+
+
+class FakeRest:
+    """The REST client: an archive URL per sampler checkpoint (tinker<0.38), or an export's files (0.38)."""
+
+    def __init__(self, urls):
+        self.urls = urls
+        self.calls = []
+
+    def get_checkpoint_archive_url(self, run, checkpoint):
+        self.calls.append(("archive", f"tinker://{run}/sampler_weights/{checkpoint}"))
+        return FakeFuture(SimpleNamespace(url=self.urls["archive"]))
+
+    def get_external_weights_urls(self, path):
+        self.calls.append(("external", path))
+        return FakeFuture(SimpleNamespace(urls=self.urls["files"]))
+
+    def delete_checkpoint_from_tinker_path(self, path):
+        self.calls.append(("delete", path))
+        return FakeFuture(None)
+
+
+def archived(folder, tmp_path):
+    import tarfile
+
+    archive = tmp_path / "archive.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for file in folder.iterdir():
+            tar.add(file, arcname=file.name)
+    return archive.as_uri()
+
+
+@pytest.mark.parametrize("sdk_version", [(0, 24), (0, 38)])
+def test_save_weights_for_sampler_writes_the_merged_model_and_the_remote_path(tiny_model_dir, tmp_path, monkeypatch, sdk_version):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    factors = lora_factors(base, "linear")
+    adapter = write_adapter(tmp_path / "adapter", factors)
+    rest = FakeRest({"archive": archived(adapter, tmp_path), "files": {p.name: p.as_uri() for p in adapter.iterdir()}})
+    monkeypatch.setattr(tinker_sdk, "SDK_VERSION", sdk_version)
+    trainer, training = make_trainer()
+    trainer.service.create_rest_client = lambda: rest
+    training.save_weights_external = lambda name, ttl_seconds=None: (
+        training.calls.append(("save_weights_external", name, ttl_seconds, None))
+        or FakeFuture(SimpleNamespace(path=f"tinker://model/external_weights/{name}"))
+    )
+    trainer.tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    trainer.version = 2
+    with pytest.raises(PluginError, match="needs --model's weights"):
+        trainer.save_weights_for_sampler(str(tmp_path / "nowhere"))
+    trainer.model = str(tiny_model_dir)
+    trainer.save_weights_for_sampler(str(tmp_path / "final"))
+
+    pointer = json.loads((tmp_path / "final" / "tinker_weights.json").read_text())
+    assert pointer["tinker_path"].startswith("tinker://model/sampler_weights/grpo-core-v2-") and pointer["version"] == 2
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    tokens = list(range(5, 30))
+    with torch.no_grad():
+        ours = merged(torch.tensor([tokens])).logits[0]
+    assert (ours - adapted_logits(tiny_model_dir, factors, "linear", ALPHA / RANK, tokens)).abs().max() < 1e-4
+    assert AutoTokenizer.from_pretrained(tmp_path / "final").encode("1 + 2") == trainer.tokenizer.encode("1 + 2")
+    saved = [c for c in training.calls if c[0].startswith("save_weights")]
+    if sdk_version < (0, 38):
+        assert [c[0] for c in saved] == ["save_weights_for_sampler"]
+        assert rest.calls == [("archive", pointer["tinker_path"])]
+    else:
+        # 0.38 downloads a temporary export of the weights, deleted after.
+        (_, exported_name, ttl, _) = saved[1]
+        export = f"tinker://model/external_weights/{exported_name}"
+        assert [c[0] for c in saved] == ["save_weights_for_sampler", "save_weights_external"]
+        assert ttl == tinker_sdk.EXPORT_TTL_SECONDS
+        assert rest.calls == [("external", export), ("delete", export)]
+    # The same version's sampler weights are saved on the service once (a sampling client reuses them).
+    trainer.sampling_client()
+    assert len([c for c in training.calls if c[0] == "save_weights_for_sampler"]) == 1
+
+
+def test_an_export_naming_a_file_outside_its_folder_is_refused_and_deleted(tmp_path, monkeypatch):
+    (tmp_path / "x").write_text("")
+    rest = FakeRest({"files": {"../../escape.txt": (tmp_path / "x").as_uri()}})
+    monkeypatch.setattr(tinker_sdk, "SDK_VERSION", (0, 38))
+    training = SimpleNamespace(
+        save_weights_external=lambda name, ttl_seconds=None: FakeFuture(SimpleNamespace(path="tinker://m/external_weights/e"))
+    )
+    service = SimpleNamespace(create_rest_client=lambda: rest)
+    with pytest.raises(PluginError, match="outside its folder"):
+        tinker_sdk.download_weights(service, training, "e", "tinker://m/sampler_weights/s", tmp_path / "dl")
+    assert rest.calls[-1] == ("delete", "tinker://m/external_weights/e")
+    assert not (tmp_path / "escape.txt").exists()

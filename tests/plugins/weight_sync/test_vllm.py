@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 import torch
@@ -11,7 +12,13 @@ from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
-from grpo_core.plugins.weight_sync.vllm import TIED_OUTPUT_FILE, VLLMWeightSync, WeightSyncMismatch, write_tied_output_layer
+from grpo_core.plugins.weight_sync.vllm import (
+    TIED_OUTPUT_FILE,
+    VLLMWeightSync,
+    WeightSyncMismatch,
+    saved_input_embedding,
+    write_tied_output_layer,
+)
 from tests.plugins.samplers.fake_server import FakeVLLM
 
 
@@ -81,6 +88,49 @@ def test_a_tied_model_follows_every_sync_exactly_because_lm_head_is_written(tiny
 
     written = load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"]
     assert torch.equal(written, trainer.model.get_input_embeddings().weight.detach())
+
+
+@attrs.define
+class RemoteLikeTrainer:
+    """A trainer without a local model object (as the tinker trainer): it writes its policy as a
+    model folder and scores tokens, nothing else."""
+
+    inner: object
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    @property
+    def tokenizer(self):
+        return self.inner.tokenizer
+
+    def save_weights_for_sampler(self, path):
+        return self.inner.save_weights_for_sampler(path)
+
+    def forward(self, datums):
+        return self.inner.forward(datums)
+
+
+def test_a_trainer_without_a_local_model_syncs_a_tied_model_from_the_checkpoint_it_wrote(tiny_model_dir, tmp_path):
+    local, _, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
+    trainer = RemoteLikeTrainer(local)
+    assert not hasattr(trainer, "model")
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    for step in (1, 2):
+        train_a_step(local, seed=step)
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=step)
+        assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"], local.model.get_input_embeddings().weight.detach())
+    # A checkpoint without the embedding cannot be given a tied output layer: said, not guessed.
+    (tmp_path / "model.safetensors").unlink()
+    from safetensors.torch import save_file
+
+    save_file({"unrelated": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(PluginError, match="has no model.embed_tokens.weight"):
+        saved_input_embedding(tmp_path)
 
 
 def test_a_stale_tied_output_layer_is_caught_and_the_error_says_what_to_check(tiny_model_dir, tmp_path, monkeypatch):
