@@ -39,7 +39,7 @@ SECTIONS = {
         "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
         "max_nonfinite_steps_in_a_row",
     ],
-    "LoRA (local backend; docs/performance.md)": ["lora_rank", "lora_alpha", "lora_target_modules"],
+    "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; docs/performance.md)": ["lora_rank", "lora_alpha", "lora_target_modules"],
     "Asynchronous loop (docs/async.md)": [
         "loop", "max_head_offpolicy_versions", "max_concurrent", "synchronous_training", "minibatches_per_step",
         "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",

@@ -120,7 +120,7 @@ class RunConfig:
         3, "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run", validator=_positive
     )
 
-    # LoRA (peft) on the local trainer.
+    # LoRA (peft) on the local trainer; lora_rank also on the tinker trainer.
     lora_rank: int = _field(0, "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)", validator=_non_negative)
     lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", validator=_positive)
     lora_target_modules: list[str] = _field(
