@@ -51,9 +51,13 @@ class BareClient:
     same window of requests in flight, the token ids and logprobs taken out of the JSON."""
 
     def __init__(self, base_url: str, concurrency: int) -> None:
+        from grpo_core.plugins.samplers.openai import KEEPALIVE_EXPIRY
+
         self.concurrency = concurrency
         self.runner = asyncio.Runner()
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        # The sampler's connection settings: a connection idle as long as vLLM's keep-alive
+        # timeout (5 s; a contender waits two of the other's rounds) can fail as the server closes it.
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_EXPIRY)
         self.client = self.runner.run(_make_client(base_url, limits))
 
     def round(self, bodies: list[dict]) -> int:

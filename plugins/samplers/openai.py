@@ -20,6 +20,10 @@ DROPPED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx
 """Transport errors that mean the server went away (killed, restarted, connection reset), after
 which it may serve other weights than the last ones synced."""
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+KEEPALIVE_EXPIRY = 4.0
+"""Seconds an idle connection is kept: under vLLM's (uvicorn's) 5 s keep-alive timeout, so the
+client drops it first. A request sent on a connection the server is closing fails like a server
+that went away: a retry, and a weight resync before it."""
 PROMPTS_PER_REQUEST = 8
 """Several prompts per request: one request per prompt reaches the server as a trickle over
 connections kept open, and an idle engine starts on the first arrivals alone (on a CPU shared with
@@ -137,7 +141,7 @@ class ServerClient:
                 base_url=self.base_url,
                 headers=headers,
                 timeout=timeout,
-                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_EXPIRY),
                 transport=transport,
             )
 

@@ -442,3 +442,45 @@ def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
     finally:
         fake.delay = 0.0
         server.close()
+
+
+def test_idle_connections_are_dropped_before_the_servers_keep_alive_timeout(monkeypatch):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo_core.plugins.samplers import openai
+
+    # vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5) seconds; a request
+    # sent on it as it closes fails like a server that went away.
+    assert openai.KEEPALIVE_EXPIRY < 5
+    ports = []
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            ports.append(self.client_address[1])
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(openai, "KEEPALIVE_EXPIRY", 0.3)
+    client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        client.get("/a")
+        client.get("/b")  # at once: the same connection
+        time.sleep(0.6)
+        client.get("/c")  # idle past the expiry: a new one
+        assert ports[0] == ports[1] != ports[2]
+        assert client.counts == {"requests": 3, "retries": 0, "reconnects": 0}
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
