@@ -20,6 +20,14 @@ DROPPED = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx
 """Transport errors that mean the server went away (killed, restarted, connection reset), after
 which it may serve other weights than the last ones synced."""
 FINISH_REASONS = {"stop": "stop", "length": "length"}
+KEEPALIVE_EXPIRY = 4.0
+"""Seconds an idle connection is kept: under vLLM's (uvicorn's) 5 s keep-alive timeout, so the
+client drops it first. A request sent on a connection the server is closing fails like a server
+that went away: a retry, and a weight resync before it."""
+PROMPTS_PER_REQUEST = 8
+"""Several prompts per request: one request per prompt reaches the server as a trickle over
+connections kept open, and an idle engine starts on the first arrivals alone (on a CPU shared with
+the server, that made a step 2-4x slower; docs/performance.md, "Sampling through a server")."""
 
 
 class ServerUnavailable(PluginError):
@@ -36,12 +44,13 @@ class OpenAISampler:
     token ids and logprobs).
 
     Prompts go as token ids to POST /v1/completions with n = completions per prompt; the server
-    returns the sampled token ids (vLLM: return_token_ids) and the logprob of each one. Requests
-    are split and kept in flight in parallel; 429, 5xx, timeouts and refused connections are
-    retried with backoff and jitter until the retry deadline. At start the server tokenizes a
-    probe text, which must match the trainer's tokenizer. vLLM must run with
-    --logprobs-mode processed_logprobs when sampling changes the distribution (temperature, top-p,
-    top-k): training needs the logprobs of the distribution actually sampled from.
+    returns the sampled token ids (vLLM: return_token_ids) and the logprob of each one. A call's
+    prompts go in requests of ``prompts_per_request`` each, kept in flight in parallel; 429, 5xx,
+    timeouts and refused connections are retried with backoff and jitter until the retry
+    deadline. At start the server tokenizes a probe text, which must match the trainer's
+    tokenizer. vLLM must run with --logprobs-mode processed_logprobs when sampling changes the
+    distribution (temperature, top-p, top-k): training needs the logprobs of the distribution
+    actually sampled from.
     """
 
     base_url: str = option("http://127.0.0.1:8000", help="the server's address (a trailing /v1 is accepted)")
@@ -49,7 +58,9 @@ class OpenAISampler:
     api_key: str = option("", help="bearer token for the server; give it as env:NAME", secret=True, repr=False)
     timeout: float = option(600.0, help="seconds one request may take before it is retried")
     concurrency: int = option(32, help="requests in flight at once")
-    prompts_per_request: int = option(1, help="prompts sent in one request (each with n completions)")
+    prompts_per_request: int = option(
+        PROMPTS_PER_REQUEST, help="prompts sent in one request (each with n completions); fewer requests reach the server's engine together"
+    )
     retry_deadline: float = option(600.0, help="seconds a failing request is retried before the run stops")
     check_tokenizer: bool = option(True, help="compare the server's tokenizer with the trainer's at start")
 
@@ -130,7 +141,7 @@ class ServerClient:
                 base_url=self.base_url,
                 headers=headers,
                 timeout=timeout,
-                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency),
+                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_EXPIRY),
                 transport=transport,
             )
 
@@ -260,7 +271,7 @@ class ServerSampler:
     tokenizer: Any
     model: str
     version: int = 0
-    prompts_per_request: int = 1
+    prompts_per_request: int = PROMPTS_PER_REQUEST
     max_context: int | None = None
     concurrent_samples: int = 1
     """``sample`` calls the async loop's workers may make at once: the server batches them, and

@@ -105,7 +105,7 @@ def test_requests_are_pipelined_up_to_the_concurrency_window(tokenizer):
     for concurrency, want in ((3, 3), (1, 1)):
         peak[0] = 0
         client = ServerClient("http://fake", concurrency=concurrency, transport=httpx.MockTransport(slow), backoff=FAST_BACKOFF)
-        sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny")
+        sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny", prompts_per_request=1)
         groups = sampler.sample([[i + 1] for i in range(8)], 2, SamplingParams(max_tokens=1))
         assert len(groups) == 8 and peak[0] == want
         sampler.close()
@@ -369,6 +369,22 @@ def test_make_sampler_over_http_finds_the_model_checks_the_tokenizer_and_samples
         server.close()
 
 
+def test_by_default_eight_prompts_go_in_one_request(tokenizer):
+    fake = FakeVLLM(tokenizer)
+    server = LocalHTTPServer(fake)
+    try:
+        sampler = OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
+        prompts = [[i + 1, 2] for i in range(20)]
+        groups = sampler.sample(prompts, 2, SamplingParams(max_tokens=2))
+        sent = sorted(b["prompt"] for p, b in fake.requests if p == "/v1/completions")
+        assert sent == [prompts[0:8], prompts[8:16], prompts[16:20]]
+        assert [[c.tokens for c in g] for g in groups] == [[expected_tokens(fake, p, j, 2) for j in range(2)] for p in prompts]
+        assert sampler.last_metrics["sampler/requests"] == 3.0 and sampler.last_metrics["sampler/prompts"] == 20.0
+        sampler.close()
+    finally:
+        server.close()
+
+
 def test_make_sampler_names_the_models_when_several_are_served(tokenizer):
     fake = FakeVLLM(tokenizer)
     original = fake.answer
@@ -405,11 +421,19 @@ def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
         from grpo_core.plugins_manager import make_plugin
 
         plugin = make_plugin(
-            "sampler.openai", base_url=server.url, api_key="env:GRPO_TEST_KEY", timeout="0.5", retry_deadline="1.0", concurrency="5"
+            "sampler.openai",
+            base_url=server.url,
+            api_key="env:GRPO_TEST_KEY",
+            timeout="0.5",
+            retry_deadline="1.0",
+            concurrency="5",
+            prompts_per_request="3",
         )
         sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
         assert set(fake.authorizations) == {"Bearer sk-from-env"}
         assert sampler.concurrent_samples == 5  # the async loop's workers may call it this many at once
+        sampler.sample([[i + 1] for i in range(7)], 1, SamplingParams(max_tokens=1))
+        assert sorted(len(b["prompt"]) for p, b in fake.requests if p == "/v1/completions") == [1, 3, 3]
         # A completion slower than the timeout is cut off and retried until the deadline.
         fake.delay = 0.8
         with pytest.raises(ServerUnavailable, match="ReadTimeout"):
@@ -418,3 +442,45 @@ def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
     finally:
         fake.delay = 0.0
         server.close()
+
+
+def test_idle_connections_are_dropped_before_the_servers_keep_alive_timeout(monkeypatch):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpo_core.plugins.samplers import openai
+
+    # vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5) seconds; a request
+    # sent on it as it closes fails like a server that went away.
+    assert openai.KEEPALIVE_EXPIRY < 5
+    ports = []
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            ports.append(self.client_address[1])
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(openai, "KEEPALIVE_EXPIRY", 0.3)
+    client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        client.get("/a")
+        client.get("/b")  # at once: the same connection
+        time.sleep(0.6)
+        client.get("/c")  # idle past the expiry: a new one
+        assert ports[0] == ports[1] != ports[2]
+        assert client.counts == {"requests": 3, "retries": 0, "reconnects": 0}
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
