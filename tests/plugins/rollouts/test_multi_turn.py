@@ -593,18 +593,18 @@ def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
 
 @pytest.mark.parametrize("per_trajectory", [False, True])
 def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_own(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, per_trajectory):
+    from grpo_core.async_loop import SharedSampler
     from grpo_core.loop import run
-    from grpo_core.plugins.samplers.local import LocalSampler
     from tests.core.test_loop import config
 
     calls = []
-    original = LocalSampler.sample
+    original = SharedSampler.sample
 
-    def spy(self, prompts, num_samples, params):
+    def spy(self, prompts, num_samples, params):  # what the rollout asks for (the shared sampler may batch it with others)
         calls.append((len(prompts), num_samples))
         return original(self, prompts, num_samples, params)
 
-    monkeypatch.setattr(LocalSampler, "sample", spy)
+    monkeypatch.setattr(SharedSampler, "sample", spy)
     options = {"rollout": {"multi_turn": {"per_trajectory": per_trajectory}}, "env": {"retry_math": {"max_turns": 2}}}
     summary = run(
         config(
