@@ -73,19 +73,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     (checkpoint,) = (Path(config.run_dir) / "checkpoints").iterdir()
     state = torch.load(checkpoint / "trainer.pt", weights_only=True)
     moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-    steps, prev, prev_cpu = [], None, None
-    for rec in bench_plugins.STEPS:
-        steps.append(
-            {
-                "period": rec["t"] - (prev if prev is not None else started),
-                "cpu": rec["cpu"] - (prev_cpu if prev_cpu is not None else started_cpu),
-                "sample": rec["time/sample"],
-                "reward": rec["time/reward"],
-                "train": rec["time/train"],
-                "completion_lengths": rec["completion_lengths"],
-            }
-        )
-        prev, prev_cpu = rec["t"], rec["cpu"]
+    steps = run_grpo_core.step_records(bench_plugins.STEPS, started, started_cpu)
     write_result(
         result_path,
         {

@@ -59,6 +59,25 @@ def make_config(spec: dict, overrides: dict | None = None):
     return RunConfig(**kwargs)
 
 
+def step_records(records: list[dict], started: float, started_cpu: float) -> list[dict]:
+    """Per step: wall and CPU seconds since the previous step (the first: since ``started``) and the stage timings."""
+    steps = []
+    prev, prev_cpu = started, started_cpu
+    for rec in records:
+        steps.append(
+            {
+                "period": rec["t"] - prev,
+                "cpu": rec["cpu"] - prev_cpu,
+                "sample": rec["time/sample"],
+                "reward": rec["time/reward"],
+                "train": rec["time/train"],
+                "completion_lengths": rec["completion_lengths"],
+            }
+        )
+        prev, prev_cpu = rec["t"], rec["cpu"]
+    return steps
+
+
 def main(spec_path: str, result_path: str, *flags: str) -> None:
     spec = load_spec(spec_path)
     register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
@@ -74,20 +93,7 @@ def main(spec_path: str, result_path: str, *flags: str) -> None:
     config = make_config(spec, {"plugin_options": options})
     run(config, overwrite=True)  # each repeat reuses the work folder
     shutil.rmtree(Path(config.run_dir) / "final", ignore_errors=True)  # the saved policy: not needed, tens of MB
-    steps = []
-    prev = prev_cpu = None
-    for rec in bench_plugins.STEPS:
-        steps.append(
-            {
-                "period": rec["t"] - prev if prev is not None else rec["t"] - started,
-                "cpu": rec["cpu"] - prev_cpu if prev_cpu is not None else rec["cpu"] - started_cpu,
-                "sample": rec["time/sample"],
-                "reward": rec["time/reward"],
-                "train": rec["time/train"],
-                "completion_lengths": rec["completion_lengths"],
-            }
-        )
-        prev, prev_cpu = rec["t"], rec["cpu"]
+    steps = step_records(bench_plugins.STEPS, started, started_cpu)
     write_result(
         result_path,
         {
