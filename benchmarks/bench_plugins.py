@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 from bench_common import current_rss_mb, reward_of_text
+
 from grpo_core import hookimpl
 
 RUN: dict[str, float] = {}

@@ -94,7 +94,8 @@ def main() -> None:
         gain = [b - a for a, b in zip(r["first"], r["last"])]
         print(
             f"{advantage:5s} first {args.window} steps {spread(r['first'])}  last {args.window} steps {spread(r['last'])}  "
-            f"gain {spread(gain)}  best {args.window}-step mean {spread(r['best'])}  turns per game at the end {spread(r['turns'])}  s/step {sum(r['step_s']) / len(r['step_s']):.2f} (time/igpo {sum(r['igpo_s']) / len(r['igpo_s']):.2f})"
+            f"gain {spread(gain)}  best {args.window}-step mean {spread(r['best'])}  turns per game at the end {spread(r['turns'])}  "
+            f"s/step {sum(r['step_s']) / len(r['step_s']):.2f} (time/igpo {sum(r['igpo_s']) / len(r['igpo_s']):.2f})"
         )
 
 

@@ -139,13 +139,15 @@ def ab(ranks: list[int], rounds: int) -> None:
     medians = {name: {k: statistics.median(v[1:]) for k, v in t.items()} for name, t in times.items()}
     full = medians["full"]
     print(
-        f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)"
+        f"compute model, {len(datums)} sequences of {spec['prompt_tokens']} + {spec['completion_tokens']} tokens; "
+        f"median of {rounds} interleaved rounds, {torch.get_num_threads()} thread(s)"
     )
     print("| variant | sample s (CPU s) | vs full (CPU) | forward/backward + AdamW s (CPU s) | vs full (CPU) |")
     print("|---|---:|---:|---:|---:|")
     for name, m in medians.items():
         print(
-            f"| {name} | {m['sample']:.3f} ({m['sample_cpu']:.3f}) | {m['sample'] / full['sample']:.2f}x ({m['sample_cpu'] / full['sample_cpu']:.2f}x) | "
+            f"| {name} | {m['sample']:.3f} ({m['sample_cpu']:.3f}) | "
+            f"{m['sample'] / full['sample']:.2f}x ({m['sample_cpu'] / full['sample_cpu']:.2f}x) | "
             f"{m['train']:.3f} ({m['train_cpu']:.3f}) | {m['train'] / full['train']:.2f}x ({m['train_cpu'] / full['train_cpu']:.2f}x) |"
         )
 
@@ -222,17 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         (
             f"compute model ({spec['params']['all'] / 1e6:.2f}M parameters), {spec['prompts_per_step']} prompts x G={spec['group_size']}, "
             f"{spec['prompt_tokens']} + {spec['completion_tokens']} tokens; {args.repeats} runs x {args.steps} timed steps per variant, "
-            f"{args.threads or 'default'} torch thread(s), lora_alpha {LORA_ALPHA:g}, kl_beta {KL_BETA:g} in the +KL rows; {time.strftime('%Y-%m-%d')}"
+            f"{args.threads or 'default'} torch thread(s), lora_alpha {LORA_ALPHA:g}, kl_beta {KL_BETA:g} in the +KL rows; "
+            f"{time.strftime('%Y-%m-%d')}"
         ),
         "",
-        "| variant | trained params | step s (min-max) | vs full | sample s | train s | optimizer state MB | training state MB | checkpoint MB | RSS at start MB | peak RSS MB | growth MB |",
+        (
+            "| variant | trained params | step s (min-max) | vs full | sample s | train s | optimizer state MB | training state MB | "
+            "checkpoint MB | RSS at start MB | peak RSS MB | growth MB |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         base = full["full +KL" if r["variant"].endswith("+KL") else "full"]
         lines.append(
             f"| {r['variant']} | {r['trained_params']:,} | {r['step_s']:.2f} ({r['step_s_min']:.2f}-{r['step_s_max']:.2f}) | "
-            f"{r['step_s'] / base['step_s']:.2f}x | {r['sample_s']:.2f} | {r['train_s']:.2f} | {r['optimizer_state_mb']:.1f} | {r['training_state_mb']:.1f} | "
+            f"{r['step_s'] / base['step_s']:.2f}x | {r['sample_s']:.2f} | {r['train_s']:.2f} | "
+            f"{r['optimizer_state_mb']:.1f} | {r['training_state_mb']:.1f} | "
             f"{r['checkpoint_mb']:.1f} | {r['rss_start_mb']:.0f} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] - r['rss_start_mb']:.0f} |"
         )
     print("\n".join(lines))

@@ -70,10 +70,10 @@ def wrap_common() -> None:
 def wrap_grpo_core() -> None:
     from grpo_core import loop
     from grpo_core.plugins.backends import local
-    from grpo_core.plugins.samplers import local as local_sampler
     from grpo_core.plugins.backends.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
     from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+    from grpo_core.plugins.samplers import local as local_sampler
 
     wrap(SingleTurnRollout, "rollout", "sample: rollout hook (total)", phase="sample")
     wrap(local_sampler.LocalSampler, "_generate", "sample:  LocalSampler._generate")

@@ -216,7 +216,8 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
     lines = [head, cols]
     for r in rows:
         lines.append(
-            f"{r['contender']:<12} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} {r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
+            f"{r['contender']:<12} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} "
+            f"{r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
             f"{r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {r['mfu']:>6.1%} {r['mfu_all']:>7.1%} "
             f"{r['sample_s']:>8.3f} {r['reward_s']:>8.3f} {r['train_s']:>7.3f} {r['other_s']:>7.3f} "
             f"{r['sample_mfu']:>8.1%} {r['train_mfu']:>7.1%} {r['peak_rss_mb']:>7.0f}MB"
@@ -228,7 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=["overhead", "compute", "all"], default="all")
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute)"
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
     parser.add_argument(
@@ -301,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     print("MFU: (2N per generated token + 6N per trained completion token) / median step / peak, N = all parameters (tied embedding once).")
     print("MFU all: counting every position the model runs on (prompt prefill, forward/backward over prompt + completion);")
     print(
-        "smpl MFU / trn MFU: the same 'all' FLOPs of that phase / the phase's median time. Every completion of every step had exactly the forced length (checked)."
+        "smpl MFU / trn MFU: the same 'all' FLOPs of that phase / the phase's median time. "
+        "Every completion of every step had exactly the forced length (checked)."
     )
     for table in tables:
         print()

@@ -82,9 +82,10 @@ def main(spec_path: str, result_path: str, *flags: str) -> None:
     spec = load_spec(spec_path)
     register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
     import bench_plugins
-    import grpo_core
     import torch
     import transformers
+
+    import grpo_core
     from grpo_core.loop import run
 
     started, started_cpu = time.perf_counter(), time.process_time()

@@ -32,7 +32,11 @@ def main(spec_path: str, result_path: str) -> None:
             "rss_start_mb": info.get("rss_start_mb"),
             "steps": steps,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "split": {"sample": "tokenize + model.generate", "reward": "decode + rewards + advantages", "train": "forward/backward + clip + AdamW"},
+            "split": {
+                "sample": "tokenize + model.generate",
+                "reward": "decode + rewards + advantages",
+                "train": "forward/backward + clip + AdamW",
+            },
         },
     )
 

@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra = "" if steps is None else f", {steps:.0f} engine steps"
                 extra += f", {record['retries']:.0f} retries" if contender == "grpo-core" else ""
                 print(
-                    f"  {'warmup' if pair < 0 else f'pair {pair:2d}'} {contender:9s} {tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f}/s{extra}",
+                    f"  {'warmup' if pair < 0 else f'pair {pair:2d}'} {contender:9s} "
+                    f"{tokens} tokens in {seconds:.2f}s = {tokens / seconds:.0f}/s{extra}",
                     flush=True,
                 )
             return record

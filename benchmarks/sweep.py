@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     base_step = rows[0][2]["step_s"]
     base_mem = rows[0][2]["peak_rss_mb"] - rows[0][2]["rss_start_mb"]
     lines = [
-        "| varied | prompts/step | G | completion tokens | completions/step | step s | sample s | train s | vs base | completions/s | MFU | peak RSS MB | RSS at start MB | growth in the run MB |",
+        (
+            "| varied | prompts/step | G | completion tokens | completions/step | step s | sample s | train s | vs base | "
+            "completions/s | MFU | peak RSS MB | RSS at start MB | growth in the run MB |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for varied, point, r in rows:
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     info = (
         f"grpo-core {rows[0][2]['versions'].get('grpo_core', '?')}, torch {rows[0][2]['versions']['torch']}, "
         f"{args.threads or 'default'} torch thread(s), fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; "
-        f"median of {args.steps} timed steps per point after 1 warmup step; base step memory growth {base_mem:.0f} MB; {time.strftime('%Y-%m-%d')}"
+        f"median of {args.steps} timed steps per point after 1 warmup step; base step memory growth {base_mem:.0f} MB; "
+        f"{time.strftime('%Y-%m-%d')}"
     )
     print(info)
     print(table)

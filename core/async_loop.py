@@ -516,7 +516,9 @@ class AsyncLoop:
         # Rewards and their failure counter are shared by every worker.
         with self.score_lock, self.trainer_lock if self.scores_with_trainer else contextlib.nullcontext():
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd)
+            kept, advantage_metrics = compute_advantages(
+                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd
+            )
         rollout_metrics = merge_metrics([p.metrics for p in parts]) if len(parts) > 1 else parts[0].metrics
         return Finished(
             group.taken, min(p.version for p in parts), groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},

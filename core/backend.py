@@ -7,7 +7,8 @@ grpo-core runs unchanged on the local backend and on a remote Tinker service.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from grpo_core.plugins_manager import PluginError
 
@@ -17,13 +18,12 @@ if TYPE_CHECKING:
 
     from grpo_core.types import Completion, Sample, SamplingParams
 
+
 class NonFiniteWeights(PluginError):
     """The policy's weights hold NaN or inf; no policy or checkpoint is written from them."""
 
 
-CustomLossFn = Callable[
-    [Sequence["tinker.Datum"], Sequence["torch.Tensor"]], "tuple[torch.Tensor, dict[str, float]]"
-]
+CustomLossFn = Callable[[Sequence["tinker.Datum"], Sequence["torch.Tensor"]], "tuple[torch.Tensor, dict[str, float]]"]
 """``loss_fn(datums, logprobs)`` -> ``(loss, metrics)``; ``logprobs[i]`` are the target-token
 logprobs of ``datums[i]`` (length = len(target_tokens)), differentiable in the weights."""
 
@@ -39,9 +39,7 @@ class Trainer(Protocol):
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         """Target-token logprobs of each datum under the current weights, without gradient."""
 
-    def forward_backward_custom(
-        self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn
-    ) -> tinker.ForwardBackwardOutput:
+    def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         """One forward pass, ``loss_fn`` on its logprobs, backward; gradients accumulate.
 
         A non-finite loss is not backpropagated; the next ``optim_step`` is then skipped."""
@@ -82,9 +80,7 @@ class Sampler(Protocol):
     max_context: int | None
     """Longest sequence (prompt + completion) the model takes; None when unknown."""
 
-    def sample(
-        self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams
-    ) -> list[list[Completion]]:
+    def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
         """``num_samples`` completions for each tokenized prompt."""
 
     # Optional: ``concurrent_samples: int``, how many ``sample`` calls it takes at once from the

@@ -13,8 +13,9 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 

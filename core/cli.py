@@ -24,30 +24,77 @@ EXIT_INTERNAL = 3
 
 SECTIONS = {
     "Model and data": [
-        "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
-        "epochs", "max_steps", "shuffle",
+        "model",
+        "dataset",
+        "prompt_field",
+        "answer_field",
+        "prompt_template",
+        "max_rows",
+        "skip_bad_rows",
+        "epochs",
+        "max_steps",
+        "shuffle",
     ],
     "Plugins (what is installed, with options and help: grpo-core plugins)": [
-        "backend", "sampler", "rollout", "env", "tool", "reward", "advantage", "loss", "logger", "weight_sync", *(f"{k}_opt" for k in KINDS),
+        "backend",
+        "sampler",
+        "rollout",
+        "env",
+        "tool",
+        "reward",
+        "advantage",
+        "loss",
+        "logger",
+        "weight_sync",
+        *(f"{k}_opt" for k in KINDS),
     ],
     "The GRPO step": [
-        "prompt_groups_per_step", "completions_per_prompt", "max_completion_tokens", "temperature", "top_p", "top_k",
-        "stop", "drop_zero_variance_groups", "weight_sync_interval", "anchor", "max_reward_failures_in_a_row",
-        "reward_timeout", "max_samples_per_fwd_bwd", "min_samples_per_fwd_bwd",
+        "prompt_groups_per_step",
+        "completions_per_prompt",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "drop_zero_variance_groups",
+        "weight_sync_interval",
+        "anchor",
+        "max_reward_failures_in_a_row",
+        "reward_timeout",
+        "max_samples_per_fwd_bwd",
+        "min_samples_per_fwd_bwd",
     ],
     "Optimizer": [
-        "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
+        "learning_rate",
+        "lr_schedule",
+        "warmup_steps",
+        "beta1",
+        "beta2",
+        "adam_eps",
+        "weight_decay",
+        "grad_clip_norm",
         "max_nonfinite_steps_in_a_row",
     ],
-    "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; docs/performance.md)": ["lora_rank", "lora_alpha", "lora_target_modules"],
+    "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; docs/performance.md)": [
+        "lora_rank",
+        "lora_alpha",
+        "lora_target_modules",
+    ],
     "Asynchronous loop (docs/async.md)": [
-        "loop", "max_head_offpolicy_versions", "max_concurrent", "synchronous_training", "minibatches_per_step",
-        "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
+        "loop",
+        "max_head_offpolicy_versions",
+        "max_concurrent",
+        "synchronous_training",
+        "minibatches_per_step",
+        "rollout_retries",
+        "rollout_retry_backoff",
+        "max_rollout_failures_in_a_row",
+        "max_rollout_failure_rate",
         "rollout_failure_window",
     ],
     "Run directory, checkpoints, resume": ["run_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "config_file"],
     "Machine": ["device", "dtype", "threads", "seed", "debug"],
-}  # fmt: skip
+}
 
 
 class SectionedCommand(click.Command):
@@ -193,13 +240,21 @@ def _eval_options(func: Any) -> Any:
     for field in reversed([f for f in cli_fields() if f.name in EVAL_FIELDS]):
         func = _click_option(field)(func)
     for kind in ("backend", "rollout", "reward"):
-        func = click.option(*(f"{flag}-opt" for flag in _flags(kind)), f"{kind}_opt", multiple=True, metavar="[NAME.]KEY=VALUE", help=f"option of the {kind} plugin")(func)
+        func = click.option(
+            *(f"{flag}-opt" for flag in _flags(kind)),
+            f"{kind}_opt",
+            multiple=True,
+            metavar="[NAME.]KEY=VALUE",
+            help=f"option of the {kind} plugin",
+        )(func)
     return func
 
 
 @main.command(name="eval")
 @_eval_options
-@click.option("-n", "--num-samples", default=1, show_default=True, type=click.IntRange(min=1), help="samples per prompt; pass@n is reported too")
+@click.option(
+    "-n", "--num-samples", default=1, show_default=True, type=click.IntRange(min=1), help="samples per prompt; pass@n is reported too"
+)
 @click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy; default: 0 with -n 1, else 1.0")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="prompts generated together")
 @click.option("--pass-threshold", default=1.0, show_default=True, help="a sample passes when its total reward reaches this")
@@ -258,7 +313,9 @@ def plugins(as_json: bool) -> None:
 @main.command()
 @click.argument("run_dir", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--step", type=click.IntRange(min=0), default=None, help="export the checkpoint of step N  [default: the final policy, RUN_DIR/final]")
+@click.option(
+    "--step", type=click.IntRange(min=0), default=None, help="export the checkpoint of step N  [default: the final policy, RUN_DIR/final]"
+)
 @click.option("--debug", is_flag=True, help="show the traceback of an error")
 def export(run_dir: str, out_dir: str, step: int | None, debug: bool) -> None:
     """Write a run's policy to OUT_DIR as a plain transformers model folder: the weights (LoRA

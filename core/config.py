@@ -8,11 +8,11 @@ plugins selected) or to TOML tables ``[loss.cispo]``.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+import tomllib
 
 from grpo_core.plugins_manager import KINDS, PluginError, coerce
 
@@ -66,10 +66,23 @@ def default_threads() -> int:
 class RunConfig:
     # What to train on.
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
-    dataset: str = _field(DEFAULT, "prompts: a JSONL or Parquet file, a folder saved by HF datasets (FOLDER[:SPLIT]), a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); 'default' or 'default:train' = the embedded task's train split, 'default:test' its test split")
+    dataset: str = _field(
+        DEFAULT,
+        (
+            "prompts: a JSONL or Parquet file, a folder saved by HF datasets (FOLDER[:SPLIT]), "
+            "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); "
+            "'default' or 'default:train' = the embedded task's train split, 'default:test' its test split"
+        ),
+    )
     prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
     answer_field: str = _field("answer", "dataset field holding the reference answer")
-    prompt_template: str | None = _field(None, "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); default: the embedded task's, else '{prompt}'")
+    prompt_template: str | None = _field(
+        None,
+        (
+            "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); "
+            "default: the embedded task's, else '{prompt}'"
+        ),
+    )
     max_rows: int | None = _field(None, "use at most this many dataset rows", validator=_positive)
     epochs: int = _field(1, "passes over the dataset", validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
@@ -80,7 +93,9 @@ class RunConfig:
     backend: str = _field("local", "trainer backend (the policy being trained, and its reference)")
     sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's")
     rollout: str = _field("single_turn", "rollout plugin")
-    env: str | None = _field(None, "environment plugin the policy converses with (a multi-turn rollout, e.g. --rollout multi_turn --env retry_math)")
+    env: str | None = _field(
+        None, "environment plugin the policy converses with (a multi-turn rollout, e.g. --rollout multi_turn --env retry_math)"
+    )
     tool: list[str] = _field([], "tool plugin the policy may call in a multi-turn rollout; repeat for several")
     reward: list[str] = _field([], "reward plugins as NAME[:WEIGHT]; repeat for several (default: gsm8k, or env when --env is given)")
     advantage: str = _field("grpo", "advantage plugin")
@@ -101,10 +116,16 @@ class RunConfig:
     stop: list[str] = _field([], "stop string; repeat for several")
     drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)")
     weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", validator=_positive)
-    anchor: Literal["old_policy", "sampling"] = _field("old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)")
+    anchor: Literal["old_policy", "sampling"] = _field(
+        "old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)"
+    )
     max_reward_failures_in_a_row: int = _field(64, "stop the run after this many samples in a row whose reward failed", validator=_positive)
-    reward_timeout: float = _field(300.0, "seconds one reward call may take before its samples fail (0 = no limit)", validator=_non_negative)
-    max_samples_per_fwd_bwd: int | None = _field(None, "split a step into forward/backward calls of at most this many samples", validator=_positive)
+    reward_timeout: float = _field(
+        300.0, "seconds one reward call may take before its samples fail (0 = no limit)", validator=_non_negative
+    )
+    max_samples_per_fwd_bwd: int | None = _field(
+        None, "split a step into forward/backward calls of at most this many samples", validator=_positive
+    )
     min_samples_per_fwd_bwd: int = _field(1, "a last forward/backward call with fewer samples joins the one before", validator=_positive)
 
     # Optimizer.
@@ -121,7 +142,9 @@ class RunConfig:
     )
 
     # LoRA (peft) on the local trainer; lora_rank also on the tinker trainer.
-    lora_rank: int = _field(0, "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)", validator=_non_negative)
+    lora_rank: int = _field(
+        0, "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)", validator=_non_negative
+    )
     lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", validator=_positive)
     lora_target_modules: list[str] = _field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -129,14 +152,29 @@ class RunConfig:
     )
 
     # Asynchronous loop.
-    loop: Literal["sync", "async"] = _field("sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)")
+    loop: Literal["sync", "async"] = _field(
+        "sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)"
+    )
     max_head_offpolicy_versions: int = _field(
         1, "async: a trained sample is at most this many policy versions older than the trainer (0 = on-policy)", validator=_non_negative
     )
-    max_concurrent: int | None = _field(None, "async: most rollout calls in flight at once (default: all the gate admits, prompt_groups_per_step x (max_head_offpolicy_versions + 1), times completions_per_prompt for a per_trajectory rollout)", validator=_positive)
-    synchronous_training: bool = _field(False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)")
-    minibatches_per_step: int = _field(1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", validator=_positive)
-    rollout_retries: int = _field(3, "async: retries of a rollout that raised a retryable error (timeouts, connection errors)", validator=_non_negative)
+    max_concurrent: int | None = _field(
+        None,
+        (
+            "async: most rollout calls in flight at once (default: all the gate admits, "
+            "prompt_groups_per_step x (max_head_offpolicy_versions + 1), times completions_per_prompt for a per_trajectory rollout)"
+        ),
+        validator=_positive,
+    )
+    synchronous_training: bool = _field(
+        False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)"
+    )
+    minibatches_per_step: int = _field(
+        1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", validator=_positive
+    )
+    rollout_retries: int = _field(
+        3, "async: retries of a rollout that raised a retryable error (timeouts, connection errors)", validator=_non_negative
+    )
     rollout_retry_backoff: float = _field(1.0, "async: seconds before the first retry, doubled at each next one", validator=_non_negative)
     max_rollout_failures_in_a_row: int = _field(8, "async: stop the run after this many rollouts in a row failed", validator=_positive)
     max_rollout_failure_rate: float = _field(
@@ -147,10 +185,14 @@ class RunConfig:
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
     dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = _field(None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive)
+    threads: int | None = _field(
+        None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive
+    )
     seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
     run_dir: str | None = _field(None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)")
-    checkpoint_every: int = _field(50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative)
+    checkpoint_every: int = _field(
+        50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative
+    )
     keep_checkpoints: int = _field(2, "keep the newest K checkpoints", validator=_positive)
 
     def __attrs_post_init__(self) -> None:
@@ -206,8 +248,7 @@ def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[
         if not dot:
             if len(selected) != 1:
                 raise PluginError(
-                    f"--{kind}-opt '{item}': several {kind} plugins are selected ({', '.join(selected)}); "
-                    f"write NAME.{key}={value}"
+                    f"--{kind}-opt '{item}': several {kind} plugins are selected ({', '.join(selected)}); write NAME.{key}={value}"
                 )
             plugin, option = selected[0], key
         elif plugin not in selected:
@@ -258,7 +299,9 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
         for name, given in parse_plugin_opts(kind, items, selected_names_from(stored, kind)).items():
             for key, value in given.items():
                 if options.get(kind, {}).get(name, {}).get(key) != REDACTED:
-                    raise PluginError(f"--resume: --{kind}-opt {name}.{key} cannot change; only secret options, which are not saved, are given again")
+                    raise PluginError(
+                        f"--resume: --{kind}-opt {name}.{key} cannot change; only secret options, which are not saved, are given again"
+                    )
                 options[kind][name][key] = value
     missing = [f"{kind}.{name}.{key}" for kind, by in options.items() for name, o in by.items() for key, v in o.items() if v == REDACTED]
     if missing:

@@ -15,16 +15,17 @@ Selection, checked at start-up by ``grpo_core.plugins_manager``:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
     from grpo_core.backend import Reference, Sampler, Trainer
     from grpo_core.config import RunConfig
-    from grpo_core.loss import LossInputs, LossOutput
     from grpo_core.loop import RunState
+    from grpo_core.loss import LossInputs, LossOutput
     from grpo_core.types import Episode, Prompt, Sample, SamplingParams
 
 PROJECT = "grpo_core"

@@ -108,7 +108,9 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             )
             t1 = time.perf_counter()
             reward_metrics = score_groups(r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(pm, groups, config.drop_zero_variance_groups, r.trainer, config.max_samples_per_fwd_bwd)
+            kept, advantage_metrics = compute_advantages(
+                pm, groups, config.drop_zero_variance_groups, r.trainer, config.max_samples_per_fwd_bwd
+            )
             t2 = time.perf_counter()
             lr = learning_rate(config, step - 1, state.total_steps)
             train_metrics = train_on_groups(pm, r.trainer, r.reference, kept, config, lr)
@@ -342,7 +344,9 @@ def resume_from(run_dir: Path, trainer: Any, sampler: Any, total_steps: int) -> 
     loop = load_checkpoint(found[-1], trainer, sampler)
     # A run killed after its last checkpoint but before final/ only has final/ left to write.
     if loop.step >= total_steps and (run_dir / "final").is_dir():
-        raise PluginError(f"the run in {run_dir} is complete at step {loop.step} of {total_steps}; pass --max-steps > {loop.step} to train further")
+        raise PluginError(
+            f"the run in {run_dir} is complete at step {loop.step} of {total_steps}; pass --max-steps > {loop.step} to train further"
+        )
     return loop
 
 

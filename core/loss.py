@@ -7,16 +7,15 @@ one vectorized expression serves every sequence.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 if TYPE_CHECKING:
     import torch
 
-Aggregation = Literal[
-    "token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
+Aggregation = Literal["token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS: tuple[str, ...] = (
     "token-sum",
     "token-mean",
@@ -74,9 +73,7 @@ class LossInputs:
                 raise ValueError(f"LossInputs.{name} has {len(value)} sequences, logprobs has {n}")
             for i, (a, b) in enumerate(zip(self.logprobs, value)):
                 if a.shape != b.shape:
-                    raise ValueError(
-                        f"LossInputs.{name}[{i}] has shape {tuple(b.shape)}, logprobs[{i}] has {tuple(a.shape)}"
-                    )
+                    raise ValueError(f"LossInputs.{name}[{i}] has shape {tuple(b.shape)}, logprobs[{i}] has {tuple(a.shape)}")
 
     def padded(self) -> PaddedLossInputs:
         """The same inputs as ``B x T`` tensors, zero-padded (mask 0 on padding)."""
@@ -115,11 +112,7 @@ class PaddedLossInputs:
             advantages_B_T=pad(inputs.advantages),
             ref_logprobs_B_T=pad(inputs.ref_logprobs),
             tis_weights_B_T=pad(inputs.tis_weights),
-            num_sequences=(
-                inputs.num_sequences
-                if inputs.num_sequences is not None
-                else int((mask_B_T.sum(-1) > 0).sum())
-            ),
+            num_sequences=(inputs.num_sequences if inputs.num_sequences is not None else int((mask_B_T.sum(-1) > 0).sum())),
             num_tokens=inputs.num_tokens if inputs.num_tokens is not None else float(mask_B_T.sum()),
             max_tokens=inputs.max_tokens,
         )
@@ -320,7 +313,9 @@ def validate_eps_low(instance: Any, attribute: Any, value: float) -> None:
     """eps_low ≥ 0 with no upper limit: eps_low ≥ 1 puts the lower clip 1 − eps_low at or below 0,
     where no ratio reaches it, so the lower clip is off (how MiniMax-M1 runs CISPO)."""
     if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0 (the ratio is clipped at 1-{attribute.name}; >= 1 removes that bound), not {value!r}")
+        raise ValueError(
+            f"{attribute.name} must be >= 0 (the ratio is clipped at 1-{attribute.name}; >= 1 removes that bound), not {value!r}"
+        )
 
 
 def validate_positive(instance: Any, attribute: Any, value: float) -> None:

@@ -16,8 +16,9 @@ import os
 import re
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from importlib import metadata
-from typing import Any, Iterable, Literal, Sequence, Union
+from typing import Any, Literal, Union
 
 import attrs
 import pluggy

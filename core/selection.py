@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pluggy
@@ -94,12 +95,7 @@ def select_plugins(config: RunConfig) -> Selection:
             plugins.setdefault(kind, {})[name] = instantiate(cls, entry.qualified_name, options)
             if options:
                 typed_options.setdefault(kind, {})[name] = options
-    unknown = {
-        f"{kind}.{name}"
-        for kind, opts in config.plugin_options.items()
-        for name in opts
-        if name not in names.get(kind, [])
-    }
+    unknown = {f"{kind}.{name}" for kind, opts in config.plugin_options.items() for name in opts if name not in names.get(kind, [])}
     if unknown:
         raise PluginError(f"options given for plugins that are not selected: {', '.join(sorted(unknown))}")
     check_single_choice(plugins)

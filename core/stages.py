@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import pluggy
@@ -284,7 +285,6 @@ def train_on_groups(
     metric_sums: dict[str, float] = {}
     step_loss = 0.0
     for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
-
         loss_fn = StepLoss(
             pm=pm,
             old=[old[i] for i in idx] if old is not None else None,
@@ -374,9 +374,7 @@ def fwd_bwd_chunks(n: int, min_size: int, max_size: int | None) -> list[range]:
     return chunks
 
 
-def anchor_logprobs(
-    trainer: Trainer, datums: list, samples: list[Sample], sampling: list, anchor: str
-) -> list | None:
+def anchor_logprobs(trainer: Trainer, datums: list, samples: list[Sample], sampling: list, anchor: str) -> list | None:
     """π_old for the ratio. None = on-policy: the loss reuses the detached current logprobs."""
     if anchor == "sampling":
         return sampling

@@ -88,6 +88,7 @@ OBJECTS = ["apples", "pencils", "stickers", "marbles", "cookies", "books"]
 
 # ----------------------------------------------------------------------------- task
 
+
 def make_row(rng: random.Random) -> dict:
     name, pron = rng.choice(NAMES)
     obj = rng.choice(OBJECTS)
@@ -109,8 +110,7 @@ def make_row(rng: random.Random) -> dict:
         a, b = rng.randint(2, 20), rng.randint(2, 20)
         s = a + b
         c = rng.randint(1, s - 1)
-        q = (f"{name} has {a} {obj}. {pron} buys {b} more and gives {c} to a friend. "
-             f"How many {obj} does {name} have left?")
+        q = f"{name} has {a} {obj}. {pron} buys {b} more and gives {c} to a friend. How many {obj} does {name} have left?"
         work, ans = f"{a} + {b} = {s}\n{s} - {c} = {s - c}", s - c
     return {"question": q, "answer": f"{work}\n#### {ans}"}
 
@@ -153,12 +153,15 @@ def final_answer(text: str) -> str | None:
 
 # ----------------------------------------------------------------------------- tokenizer
 
+
 def build_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -178,19 +181,28 @@ def encode_pair(tok, row: dict) -> tuple[list[int], list[int]]:
 
 # ----------------------------------------------------------------------------- sampling / eval
 
+
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], temperature: float, max_new: int, eos: int, pad: int,
-             gen: torch.Generator | None = None, batch_size: int = 200) -> list[list[int]]:
+def generate(
+    model,
+    prompts: list[list[int]],
+    temperature: float,
+    max_new: int,
+    eos: int,
+    pad: int,
+    gen: torch.Generator | None = None,
+    batch_size: int = 200,
+) -> list[list[int]]:
     """Left-padded batched decoding with a KV cache; temperature 0 means greedy."""
     results: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
+        chunk = prompts[start : start + batch_size]
         n, width = len(chunk), max(len(p) for p in chunk)
         ids = torch.full((n, width), pad)
         mask = torch.zeros((n, width), dtype=torch.long)
         for j, p in enumerate(chunk):
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         cache, logits, last = out.past_key_values, out.logits[:, -1], pos[:, -1]
@@ -213,22 +225,19 @@ def generate(model, prompts: list[list[int]], temperature: float, max_new: int, 
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long)], 1)
             last = last + 1
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                        past_key_values=cache, use_cache=True)
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=cache, use_cache=True)
             cache, logits = out.past_key_values, out.logits[:, -1]
         results.extend(res)
     return results
 
 
-def accuracy(model, tok, rows: list[dict], temperature: float, samples: int = 1, seed: int = 0,
-             max_new: int = 40) -> dict:
+def accuracy(model, tok, rows: list[dict], temperature: float, samples: int = 1, seed: int = 0, max_new: int = 40) -> dict:
     model.eval()
     prompts = [tok(prompt_of(r["question"]), add_special_tokens=False)["input_ids"] for r in rows]
     prompts = [p for p in prompts for _ in range(samples)]
     gen = torch.Generator().manual_seed(seed)
     outs = generate(model, prompts, temperature, max_new, tok.eos_token_id, tok.pad_token_id, gen)
-    correct = [final_answer(tok.decode(o)) == final_answer(rows[k // samples]["answer"])
-               for k, o in enumerate(outs)]
+    correct = [final_answer(tok.decode(o)) == final_answer(rows[k // samples]["answer"]) for k, o in enumerate(outs)]
     lens = [len(o) + 1 for o in outs]
     return {
         "acc": sum(correct) / len(correct),
@@ -244,8 +253,10 @@ def set_logit_scale(model, base_norm: torch.Tensor, scale: float) -> None:
 
 # ----------------------------------------------------------------------------- training
 
-def train_sft(model, data: list[tuple[list[int], list[int]]], pad: int, steps: int, batch_size: int,
-              lr: float, seed: int, log_every: int = 100) -> None:
+
+def train_sft(
+    model, data: list[tuple[list[int], list[int]]], pad: int, steps: int, batch_size: int, lr: float, seed: int, log_every: int = 100
+) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     gen = torch.Generator().manual_seed(seed)
     warmup = max(1, steps // 20)
@@ -266,17 +277,15 @@ def train_sft(model, data: list[tuple[list[int], list[int]]], pad: int, steps: i
             n = len(p) + len(c)
             ids[j, :n] = torch.tensor(p + c)
             mask[j, :n] = 1
-            labels[j, len(p):n] = torch.tensor(c)  # loss on completion tokens (incl. eos) only
+            labels[j, len(p) : n] = torch.tensor(c)  # loss on completion tokens (incl. eos) only
         logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                               ignore_index=-100)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % log_every == 0 or step == steps:
-            print(f"  sft step {step}/{steps}  loss {loss.item():.4f}  lr {cur:.2e}  {time.time() - t0:.0f}s",
-                  flush=True)
+            print(f"  sft step {step}/{steps}  loss {loss.item():.4f}  lr {cur:.2e}  {time.time() - t0:.0f}s", flush=True)
     model.eval()
 
 
@@ -306,6 +315,7 @@ def calibrate(model, tok, dev: list[dict], target: float, seed: int, iters: int 
 
 # ----------------------------------------------------------------------------- main
 
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for r in rows:
@@ -314,8 +324,16 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def clear_outputs(out: Path) -> None:
     """Remove only what this script writes, so a rebuild leaves no stale files behind."""
-    for name in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "build_info.json", "chat_template.jinja"]:
+    for name in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "build_info.json",
+        "chat_template.jinja",
+    ]:
         (out / name).unlink(missing_ok=True)
     if (out / "task").is_dir():
         shutil.rmtree(out / "task")
@@ -343,8 +361,10 @@ def main() -> None:
         joint = tok(prompt_of(r["question"]) + completion_of(r["answer"]), add_special_tokens=False)["input_ids"]
         assert joint == p + c[:-1], "prompt/completion tokenization is not concatenative"
     clen = [len(c) for _, c in data]
-    print(f"completion tokens (incl. eos): mean {sum(clen) / len(clen):.1f}, max {max(clen)}; "
-          f"prompt max {max(len(p) for p, _ in data)}", flush=True)
+    print(
+        f"completion tokens (incl. eos): mean {sum(clen) / len(clen):.1f}, max {max(clen)}; prompt max {max(len(p) for p, _ in data)}",
+        flush=True,
+    )
 
     hidden = 128
     config = Qwen3Config(
@@ -381,8 +401,7 @@ def main() -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     clear_outputs(args.out)
-    model.generation_config = GenerationConfig(
-        bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model.save_pretrained(args.out)
     os.chmod(args.out / "model.safetensors", 0o644)  # safetensors writes 0600; the file ships in a wheel
     tok.save_pretrained(args.out)
@@ -411,9 +430,11 @@ def main() -> None:
 
     size = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB) in {time.time() - t_start:.0f}s")
-    print(f"test ({len(eval_rows)} prompts): greedy acc {greedy['acc']:.3f}; "
-          f"T=1 sample acc {sampled['acc']:.3f} (4 samples each, mean completion {sampled['mean_len']:.1f} "
-          f"tokens, {sampled['truncated']:.1%} hit the 40-token cap)")
+    print(
+        f"test ({len(eval_rows)} prompts): greedy acc {greedy['acc']:.3f}; "
+        f"T=1 sample acc {sampled['acc']:.3f} (4 samples each, mean completion {sampled['mean_len']:.1f} "
+        f"tokens, {sampled['truncated']:.1%} hit the 40-token cap)"
+    )
 
 
 if __name__ == "__main__":

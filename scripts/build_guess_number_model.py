@@ -68,6 +68,7 @@ N_TRAIN_ROWS, N_TEST_ROWS = 512, 128
 
 # ----------------------------------------------------------------------------- demonstrations
 
+
 def demonstration(env: GuessNumberEnv, secret: int, rng: random.Random) -> list[dict]:
     """One game played by the warm-up behaviour against the environment itself."""
     episode = env.env_reset(Prompt(id="demo", text="", answer=str(secret)))
@@ -111,12 +112,15 @@ def as_ids(out) -> list[int]:
 
 # ----------------------------------------------------------------------------- tokenizer and model
 
+
 def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=512, special_tokens=[EOS, PAD], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
@@ -157,6 +161,7 @@ def train_sft(model, data: list[tuple[list[int], list[int]]], pad: int, steps: i
 
 
 # ----------------------------------------------------------------------------- evaluation
+
 
 @torch.no_grad()
 def play(model, tok, env: GuessNumberEnv, secrets: list[int], temperature: float, seed: int, max_new: int = 16) -> dict:
@@ -200,15 +205,19 @@ def play(model, tok, env: GuessNumberEnv, secrets: list[int], temperature: float
             if step.done:
                 rewards[k] = step.reward
                 continue
-            convs[k] = convs[k] + outs[k] + (
-                [] if outs[k][-1] == tok.eos_token_id else [tok.eos_token_id]
-            ) + as_ids(tok("\n" + "".join(f"Q:\n{m['content']}\n" for m in step.messages) + "A:\n", add_special_tokens=False))
+            convs[k] = (
+                convs[k]
+                + outs[k]
+                + ([] if outs[k][-1] == tok.eos_token_id else [tok.eos_token_id])
+                + as_ids(tok("\n" + "".join(f"Q:\n{m['content']}\n" for m in step.messages) + "A:\n", add_special_tokens=False))
+            )
             next_live.append(k)
         live = next_live
     return {"win_rate": sum(rewards) / len(rewards), "mean_questions": sum(questions) / len(questions)}
 
 
 # ----------------------------------------------------------------------------- main
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
@@ -231,9 +240,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     env = GuessNumberEnv()
     games = [demonstration(env, rng.randint(env.low, env.high), rng) for _ in range(args.games)]
-    plain = [
-        "".join(f"{'A' if m['role'] == 'assistant' else 'Q'}:\n{m['content']}\n" for m in g) for g in games
-    ]
+    plain = ["".join(f"{'A' if m['role'] == 'assistant' else 'Q'}:\n{m['content']}\n" for m in g) for g in games]
     tok = build_tokenizer(plain)
     data = [encode_dialog(tok, g) for g in games]
     lengths = [len(x) for x, _ in data]
@@ -272,8 +279,12 @@ def main() -> None:
     tc_path.write_text(json.dumps(tc, indent=2) + "\n")
     (out / "task").mkdir()
     question = f"Guess my number from {env.low} to {env.high}."
-    write_jsonl(out / "task" / "train.jsonl", [{"question": question, "answer": str(rng.randint(env.low, env.high))} for _ in range(N_TRAIN_ROWS)])
-    write_jsonl(out / "task" / "test.jsonl", [{"question": question, "answer": str(rng.randint(env.low, env.high))} for _ in range(N_TEST_ROWS)])
+    write_jsonl(
+        out / "task" / "train.jsonl", [{"question": question, "answer": str(rng.randint(env.low, env.high))} for _ in range(N_TRAIN_ROWS)]
+    )
+    write_jsonl(
+        out / "task" / "test.jsonl", [{"question": question, "answer": str(rng.randint(env.low, env.high))} for _ in range(N_TEST_ROWS)]
+    )
     info = {
         "seed": args.seed, "sft_steps": args.steps, "sft_lr": args.lr, "games": args.games,
         "eval_games": len(eval_secrets),

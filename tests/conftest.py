@@ -21,7 +21,9 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
         corpus,
-        trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
     torch.manual_seed(seed)

@@ -40,9 +40,15 @@ def test_version_and_fast_help():
     assert help_out.returncode == 0 and "--loss-opt" in help_out.stdout and "--prompt-groups-per-step" in help_out.stdout
     # --help must not import the heavy stack.
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys; from grpo_core.cli import main\ntry: main(['run', '--help'])\nexcept SystemExit: pass\nprint('torch' in sys.modules, 'transformers' in sys.modules)"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys; from grpo_core.cli import main\ntry: main(['run', '--help'])\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip().endswith("False False")
 
 
@@ -55,7 +61,16 @@ def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, t
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        for key in ("reward/total", "reward/std", "groups/kept", "groups/dropped_zero_variance", "tokens/completion", "time/sample", "time/train", "time/step"):
+        for key in (
+            "reward/total",
+            "reward/std",
+            "groups/kept",
+            "groups/dropped_zero_variance",
+            "tokens/completion",
+            "time/sample",
+            "time/train",
+            "time/step",
+        ):
             assert key in m, key
         assert m["tokens/completion"] > 0
     # Two steps: the summary compares step 1 with step 2, not two windows that overlap.
@@ -285,7 +300,10 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    assert grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--lora-rank", "4", "--checkpoint-every", "1", *SIGNAL)).returncode == 0
+    assert (
+        grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--lora-rank", "4", "--checkpoint-every", "1", *SIGNAL)).returncode
+        == 0
+    )
     out = grpo_core("export", str(run_dir), str(tmp_path / "final"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"exported {run_dir / 'final'} to {tmp_path / 'final'}"
@@ -304,9 +322,15 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
     assert f"prompt settings from {tmp_path / 'one'}/grpo_core_prompt.json" in out.stderr + out.stdout
 
     for args, message in [
-        ((str(run_dir), str(tmp_path / "final")), f"error: {tmp_path / 'final'} already exists and is not an empty folder; choose another OUT_DIR"),
+        (
+            (str(run_dir), str(tmp_path / "final")),
+            f"error: {tmp_path / 'final'} already exists and is not an empty folder; choose another OUT_DIR",
+        ),
         ((str(run_dir), "--step", "9", str(tmp_path / "x")), f"error: {run_dir} has no checkpoint of step 9 (checkpoints of steps 1, 2)"),
-        ((str(tmp_path / "nothing"), str(tmp_path / "x")), f"error: {tmp_path / 'nothing'}: not a grpo-core run directory (no config.json there)"),
+        (
+            (str(tmp_path / "nothing"), str(tmp_path / "x")),
+            f"error: {tmp_path / 'nothing'}: not a grpo-core run directory (no config.json there)",
+        ),
     ]:
         out = grpo_core("export", *args)
         assert out.returncode == 1 and out.stderr.strip() == message, out.stderr

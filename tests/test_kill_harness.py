@@ -78,6 +78,9 @@ def test_sigkill_at_random_points_then_resume_ends_bitwise_equal(tiny_model_dir,
     records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in records] == list(range(1, STEPS + 1))
     reference = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
-    drop_time = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]
+
+    def drop_time(ms):
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]
+
     assert drop_time(records) == drop_time(reference)
     assert not any(p.name.startswith(".tmp-") for p in (killed / "checkpoints").iterdir())

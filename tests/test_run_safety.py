@@ -53,7 +53,12 @@ class BuggyLoss(GRPOLoss):
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory):
     root = tmp_path_factory.mktemp("pkg")
-    pkg = make_plugin_package(root, "grpo-safety-plugins", PLUGINS, {"reward.keyed": "grpo_safety_plugins:KeyedReward", "loss.buggy": "grpo_safety_plugins:BuggyLoss"})
+    pkg = make_plugin_package(
+        root,
+        "grpo-safety-plugins",
+        PLUGINS,
+        {"reward.keyed": "grpo_safety_plugins:KeyedReward", "loss.buggy": "grpo_safety_plugins:BuggyLoss"},
+    )
     target = root / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(pkg)],
@@ -86,7 +91,10 @@ def test_a_secret_option_is_never_written_and_must_be_given_again_to_resume(plug
 
 def test_a_setting_that_changes_the_run_cannot_change_on_resume(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "r"
-    assert grpo_core(*run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY"), env=plugin_site).returncode == 0
+    assert (
+        grpo_core(*run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY"), env=plugin_site).returncode
+        == 0
+    )
     out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "6", "--learning-rate", "0.5", env=plugin_site)
     assert out.returncode == 1
     assert "--learning-rate cannot change" in out.stderr and "allowed: --max-steps" in out.stderr
@@ -95,10 +103,14 @@ def test_a_setting_that_changes_the_run_cannot_change_on_resume(plugin_site, tin
     assert same.returncode == 0, same.stderr  # repeating a stored value is no change
 
 
-def test_an_error_after_training_started_keeps_the_trained_steps_and_says_how_to_resume(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
+def test_an_error_after_training_started_keeps_the_trained_steps_and_says_how_to_resume(
+    plugin_site, tiny_model_dir, tiny_dataset, tmp_path
+):
     run_dir = tmp_path / "r"
     # Two prompt groups per step: call 5 is step 3's first group.
-    args = run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY", "--reward-opt", "wrong_count_at_call=5")
+    args = run_args(
+        tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY", "--reward-opt", "wrong_count_at_call=5"
+    )
     out = grpo_core(*args, env=plugin_site)
     assert out.returncode == 1
     assert out.stderr.splitlines()[-2:] == [
@@ -111,7 +123,9 @@ def test_an_error_after_training_started_keeps_the_trained_steps_and_says_how_to
     assert (run_dir / "final" / "model.safetensors").is_file()
 
 
-def test_an_unexpected_error_is_called_internal_with_its_traceback_in_the_run_directory(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
+def test_an_unexpected_error_is_called_internal_with_its_traceback_in_the_run_directory(
+    plugin_site, tiny_model_dir, tiny_dataset, tmp_path
+):
     run_dir = tmp_path / "r"
     args = run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY", "--loss", "buggy")
     out = grpo_core(*args, env=plugin_site)

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal, Sequence
+from collections.abc import Sequence
+from typing import ClassVar, Literal
 
 import attrs
 

@@ -393,7 +393,7 @@ def write_merged_model(base: str, weights: Path, out: Path) -> None:
             raise PluginError(f"the service's LoRA adapter holds {key}, which is not a LoRA factor ({', '.join(LORA_FACTORS)})")
         factors.setdefault(module, {})[factor] = value.to(torch.float32)
     modules = {}
-    for name, pair in factors.items():
+    for name, _pair in factors.items():
         try:
             modules[name] = model.get_submodule(name)
         except AttributeError:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import attrs
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,
@@ -22,7 +23,9 @@ class CISPOLoss(KLPenalty):
     eps_low >= 1 removes the lower bound of the weight, as MiniMax-M1 trains.
     """
 
-    eps_low: float = option(0.2, help="lower bound of the ratio weight: 1-eps_low (>= 1: no lower bound, as in MiniMax-M1)", validator=validate_eps_low)
+    eps_low: float = option(
+        0.2, help="lower bound of the ratio weight: 1-eps_low (>= 1: no lower bound, as in MiniMax-M1)", validator=validate_eps_low
+    )
     eps_high: float = option(0.28, help="upper bound of the ratio weight: 1+eps_high", validator=validate_non_negative)
     ratio_log_cap: float = log_cap_option("token")
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)

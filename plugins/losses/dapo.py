@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,
@@ -29,10 +30,16 @@ class DAPOLoss(KLPenalty):
     every token equally, so long answers are not diluted. Use it for long chain-of-thought RL.
     """
 
-    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low)
-    eps_high: float = option(0.28, help="upper clip range (clip-higher): ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
+    eps_low: float = option(
+        0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low
+    )
+    eps_high: float = option(
+        0.28, help="upper clip range (clip-higher): ratios above 1+eps_high stop pushing up", validator=validate_non_negative
+    )
     ratio_log_cap: float = log_cap_option("token")
-    dual_clip: float | None = option(None, help="dual-clip constant c > 1 for negative advantages (None = off; 3 is common)", validator=_validate_dual_clip)
+    dual_clip: float | None = option(
+        None, help="dual-clip constant c > 1 for negative advantages (None = off; 3 is common)", validator=_validate_dual_clip
+    )
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
 
     @hookimpl

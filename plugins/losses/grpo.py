@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import attrs
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,
@@ -23,10 +24,14 @@ class GRPOLoss(KLPenalty):
     always-positive KL estimator, k1 the original one.
     """
 
-    eps_low: float = option(0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low)
+    eps_low: float = option(
+        0.2, help="lower clip range: ratios below 1-eps_low stop pushing down (>= 1: no lower clip)", validator=validate_eps_low
+    )
     eps_high: float = option(0.2, help="upper clip range: ratios above 1+eps_high stop pushing up", validator=validate_non_negative)
     ratio_log_cap: float = log_cap_option("token")
-    kl_beta: float = option(0.001, help="weight of the KL penalty to the reference policy; 0 = no reference model", validator=validate_non_negative)
+    kl_beta: float = option(
+        0.001, help="weight of the KL penalty to the reference policy; 0 = no reference model", validator=validate_non_negative
+    )
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
 
     @hookimpl

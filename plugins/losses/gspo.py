@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import attrs
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,
@@ -20,7 +21,9 @@ class ImportanceSamplingLoss(KLPenalty):
     truncate the ratio when data is noticeably off-policy.
     """
 
-    clip_rho: float | None = option(None, help="truncate the ratio at this value (None = no truncation)", validator=validate_positive_or_none)
+    clip_rho: float | None = option(
+        None, help="truncate the ratio at this value (None = no truncation)", validator=validate_positive_or_none
+    )
     ratio_log_cap: float = log_cap_option("token")
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
 

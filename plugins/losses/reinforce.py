@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import attrs
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import (
     KLPenalty,

@@ -5,6 +5,7 @@ from typing import Literal
 
 import attrs
 import torch
+
 from grpo_core import LossInputs, LossOutput, hookimpl, option
 from grpo_core.loss import LOG_RATIO_CLAMP, masked_diff
 
@@ -36,9 +37,13 @@ class TISLoss:
 
     cap: float = option(2.0, help="truncate the importance weight at this value", validator=_validate_cap)
     level: Literal["token", "sequence"] = option(
-        "token", help="token: one weight per token; sequence: one weight per sequence", validator=attrs.validators.in_(("token", "sequence"))
+        "token",
+        help="token: one weight per token; sequence: one weight per sequence",
+        validator=attrs.validators.in_(("token", "sequence")),
     )
-    icepop: float | None = option(None, help="IcePop: zero the weight where π_old/π_s is outside [1/T, T] (token level; None = off)", validator=_validate_icepop)
+    icepop: float | None = option(
+        None, help="IcePop: zero the weight where π_old/π_s is outside [1/T, T] (token level; None = off)", validator=_validate_icepop
+    )
 
     @property
     def needs_reference(self) -> bool:

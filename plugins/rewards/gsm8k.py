@@ -7,8 +7,9 @@ plain functions on strings, for other rewards (e.g. ``grpo-reward-sympy``) to re
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -35,8 +36,7 @@ _NUM = (
 _NUM_RE = re.compile(_NUM)
 
 # Characters dropped before a number is converted (currency, separators, spaces, percent).
-_DROP = str.maketrans({"$": None, "€": None, "£": None, ",": None, " ": None, "\t": None,
-                       "\n": None, "%": None, "−": "-"})
+_DROP = str.maketrans({"$": None, "€": None, "£": None, ",": None, " ": None, "\t": None, "\n": None, "%": None, "−": "-"})
 
 
 def _to_value(raw: str) -> Fraction | None:
@@ -292,12 +292,8 @@ class GSM8KReward:
     needs_answer = True
 
     strict: bool = option(False, help="require an explicit answer marker; no last-number fallback")
-    format_bonus: float = option(
-        0.0, help='added when the completion contains a "#### N" answer line', validator=_non_negative
-    )
-    format_penalty: float = option(
-        0.0, help="subtracted when the completion has no explicit answer marker", validator=_non_negative
-    )
+    format_bonus: float = option(0.0, help='added when the completion contains a "#### N" answer line', validator=_non_negative)
+    format_penalty: float = option(0.0, help="subtracted when the completion has no explicit answer marker", validator=_non_negative)
 
     def _score_one(self, completion: str, reference: Fraction) -> float:
         value, _, marker, text = _analyze(completion, self.strict)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, Callable, Literal, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
 import attrs
 
@@ -94,15 +95,28 @@ class MultiTurnRollout:
         validator=_positive,
     )  # fmt: skip
     template: Literal["auto", "tokenizer", "plain"] = option(
-        "auto", help="chat template: the tokenizer's (an error if it has none), plain (contents in a row, answers closed by eos), or auto: the tokenizer's when it has one, else plain"
-    )  # fmt: skip
+        "auto",
+        help=(
+            "chat template: the tokenizer's (an error if it has none), plain (contents in a row, answers closed by eos), "
+            "or auto: the tokenizer's when it has one, else plain"
+        ),
+    )
     tool_timeout: float = option(10.0, help="seconds a tool call may take before it fails (0 = no limit)", validator=_non_negative)
     on_prefix_mismatch: Literal["error", "end"] = option(
-        "error", help="a chat template that does not extend the conversation's tokens: stop with an error naming the position, or end that conversation there (multi_turn/prefix_failures)"
-    )  # fmt: skip
+        "error",
+        help=(
+            "a chat template that does not extend the conversation's tokens: stop with an error naming the position, "
+            "or end that conversation there (multi_turn/prefix_failures)"
+        ),
+    )
     per_trajectory: bool = option(
-        False, help="--loop async: roll out each conversation as its own task (one prompt, one sample per call), so one waiting on its environment or tools holds up no other; best with a server sampler, while the in-process sampler generates faster in batched rounds"
-    )  # fmt: skip
+        False,
+        help=(
+            "--loop async: roll out each conversation as its own task (one prompt, one sample per call), "
+            "so one waiting on its environment or tools holds up no other; "
+            "best with a server sampler, while the in-process sampler generates faster in batched rounds"
+        ),
+    )
     _local: threading.local = attrs.field(factory=threading.local, init=False, repr=False)
 
     @property

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import attrs
 
@@ -25,9 +26,7 @@ class SingleTurnRollout:
     _token_cache: dict[str, list[int]] = attrs.field(factory=dict, init=False, repr=False)
 
     @hookimpl
-    def rollout(
-        self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams
-    ) -> list[list[Sample]]:
+    def rollout(self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
         encoded = [self.encode(tokenizer, p) for p in prompts]
         fits = [self._fits(p, tokens, sampler.max_context, params.max_tokens) for p, tokens in zip(prompts, encoded)]
@@ -37,20 +36,18 @@ class SingleTurnRollout:
         texts = iter(tokenizer.batch_decode([c.tokens for _, _, g in kept for c in g], skip_special_tokens=True))
         by_prompt: dict[int, list[Sample]] = {}
         for prompt, tokens, group in kept:
-            by_prompt[id(prompt)] = (
-                [
-                    Sample(
-                        prompt=prompt,
-                        tokens=tokens + c.tokens,
-                        sampling_logprobs=[0.0] * len(tokens) + c.logprobs,
-                        loss_mask=[0.0] * len(tokens) + [1.0] * len(c.tokens),
-                        text=next(texts),
-                        finish_reason=c.finish_reason,
-                        policy_version=sampler.version,
-                    )
-                    for c in group
-                ]
-            )
+            by_prompt[id(prompt)] = [
+                Sample(
+                    prompt=prompt,
+                    tokens=tokens + c.tokens,
+                    sampling_logprobs=[0.0] * len(tokens) + c.logprobs,
+                    loss_mask=[0.0] * len(tokens) + [1.0] * len(c.tokens),
+                    text=next(texts),
+                    finish_reason=c.finish_reason,
+                    policy_version=sampler.version,
+                )
+                for c in group
+            ]
         # A skipped prompt keeps its place as an empty group.
         return [by_prompt.get(id(p), []) for p in prompts]
 

@@ -11,7 +11,6 @@ import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
-from grpo_core.plugins_manager import PluginError
 from grpo_core.plugins.backends.local import (
     LocalTrainer,
     ModelForward,
@@ -23,6 +22,7 @@ from grpo_core.plugins.backends.local import (
     model_forward,
     trained_state_dict,
 )
+from grpo_core.plugins_manager import PluginError
 
 
 @attrs.define
@@ -40,7 +40,9 @@ class LocalSamplerPlugin:
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> LocalSampler:
         if not isinstance(trainer, LocalTrainer):
-            raise PluginError(f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler")
+            raise PluginError(
+                f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
+            )
         # Sampling may only run ahead of training on its own copy of the weights.
         own_weights = config.weight_sync_interval > 1 or config.loop == "async"
         return LocalSampler(

@@ -15,6 +15,9 @@ class InProcessWeightSync:
     @hookimpl
     def weight_sync(self, trainer, sampler, step: int) -> int:
         if not hasattr(sampler, "load_weights_from"):
-            raise PluginError(f"--weight-sync in_process hands weights to a sampler in this process; a {type(sampler).__name__} needs its own (e.g. --weight-sync vllm)")
+            raise PluginError(
+                f"--weight-sync in_process hands weights to a sampler in this process; "
+                f"a {type(sampler).__name__} needs its own (e.g. --weight-sync vllm)"
+            )
         sampler.load_weights_from(trainer)
         return sampler.version

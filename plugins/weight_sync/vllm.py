@@ -46,7 +46,9 @@ class VLLMWeightSync:
     weights_dir: str = option("", help="folder the policy is written to, which the server reads (empty = RUN_DIR/sampler-weights)")
     server_weights_dir: str = option("", help="that folder as the server's machine sees it, when mounted elsewhere (empty = weights_dir)")
     tolerance: float = option(1e-3, help="largest |server - trainer| logprob on the probe accepted after a sync (fp32; larger for bf16)")
-    on_mismatch: Literal["repair", "stop"] = option("repair", help="beyond the tolerance: repair (write and reload again, stop if still off) or stop")
+    on_mismatch: Literal["repair", "stop"] = option(
+        "repair", help="beyond the tolerance: repair (write and reload again, stop if still off) or stop"
+    )
     probe_tokens: int = option(64, help="tokens in the probe sequence scored on both sides")
     replicas: list[str] = option(
         help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
@@ -105,7 +107,9 @@ class VLLMWeightSync:
         for url in self.replicas:
             if url not in self.replica_clients:
                 base = sampler.client
-                self.replica_clients[url] = ServerClient(url, api_key=base.api_key, timeout=base.timeout, retry_deadline=base.retry_deadline)
+                self.replica_clients[url] = ServerClient(
+                    url, api_key=base.api_key, timeout=base.timeout, retry_deadline=base.retry_deadline
+                )
         return [self.replica_clients[url] for url in self.replicas]
 
     @property
@@ -161,7 +165,8 @@ class VLLMWeightSync:
 
     def _mismatch_message(self, trainer: Any, diff: float, url: str, repaired: bool) -> str:
         message = (
-            f"after syncing policy version {trainer.version}, the logprobs of the server at {url} differ from the trainer's by up to {diff:.3g} "
+            f"after syncing policy version {trainer.version}, the logprobs of the server at {url} "
+            f"differ from the trainer's by up to {diff:.3g} "
             f"(tolerance {self.tolerance:g}) on a {self.probe_tokens}-token probe"
             + (", also after writing and reloading the weights again" if repaired else "")
         )
@@ -171,7 +176,9 @@ class VLLMWeightSync:
                 f"stale unless the checkpoint carries lm_head.weight, which grpo-core writes: check that the server reads "
                 f"{self.server_weights_dir or self.folder}, or serve the model untied ({UNTIE_FLAG})"
             )
-        return f"{message}. Check that the server reads {self.server_weights_dir or self.folder} and serves the trainer's model in its dtype"
+        return (
+            f"{message}. Check that the server reads {self.server_weights_dir or self.folder} and serves the trainer's model in its dtype"
+        )
 
 
 def ties_output_layer(folder: Path) -> bool:

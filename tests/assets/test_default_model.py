@@ -100,12 +100,12 @@ def test_task_files(train_rows, test_rows):
 @torch.no_grad()
 def test_greedy_accuracy(model, tokenizer, test_rows):
     rows = test_rows[:20]
-    enc = tokenizer([prompt_of(r["question"]) for r in rows], padding=True, padding_side="left",
-                    return_tensors="pt")
-    out = model.generate(**enc, do_sample=False, max_new_tokens=40,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    enc = tokenizer([prompt_of(r["question"]) for r in rows], padding=True, padding_side="left", return_tensors="pt")
+    out = model.generate(
+        **enc, do_sample=False, max_new_tokens=40, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     correct = 0
-    for row, seq in zip(rows, out[:, enc["input_ids"].shape[1]:]):
+    for row, seq in zip(rows, out[:, enc["input_ids"].shape[1] :]):
         got = re.findall(r"####\s*(-?\d+)", tokenizer.decode(seq, skip_special_tokens=True))
         correct += bool(got) and got[-1] == ANSWER_RE.search(row["answer"]).group(1)
     print(f"greedy accuracy: {correct}/{len(rows)}")
@@ -133,8 +133,9 @@ def test_temperature_one_is_calibrated_for_rl(model, tokenizer, test_rows):
         if done.all():
             break
         last = last + 1
-        out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None],
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(
+            input_ids=nxt[:, None], attention_mask=mask, position_ids=last[:, None], past_key_values=out.past_key_values, use_cache=True
+        )
     correct = 0
     for k in range(len(prompts)):
         text = tokenizer.decode(ids[k, width:][mask[k, width:].bool()], skip_special_tokens=True)

@@ -242,7 +242,9 @@ def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_th
         return step
 
     r = SimpleNamespace(
-        selection=SimpleNamespace(manager=SimpleNamespace(hook=SimpleNamespace(weight_sync=weight_sync)), plugins={"weight_sync": [sync_plugin]}),
+        selection=SimpleNamespace(
+            manager=SimpleNamespace(hook=SimpleNamespace(weight_sync=weight_sync)), plugins={"weight_sync": [sync_plugin]}
+        ),
         state=SimpleNamespace(loop=SimpleNamespace(policy_version=0)),
         trainer=None,
         sampler=inner,
@@ -537,7 +539,9 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
     ("rollout", "max_concurrent", "expected"),
     [("scripted", 3, 3), ("scripted", None, 2 * (4 + 1)), ("scripted_trajectory", 3, 3), ("scripted_trajectory", None, 2 * (4 + 1) * 4)],
 )
-def test_max_concurrent_bounds_the_rollouts_in_flight(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, max_concurrent, expected):
+def test_max_concurrent_bounds_the_rollouts_in_flight(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, max_concurrent, expected
+):
     monkeypatch.setattr(Script, "latency", lambda prompt_id, n: 0.3)
     run(
         config(
@@ -582,9 +586,13 @@ def test_a_retryable_error_is_retried_with_backoff(tiny_model_dir, tiny_dataset,
 
 
 @pytest.mark.parametrize(("rollout", "retries"), [("scripted", 1), ("scripted_trajectory", 3)])
-def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, retries):
+def test_a_rollout_failing_past_its_retries_is_counted_and_its_prompt_recorded(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, retries
+):
     # Every call for row 2 fails except, per trajectory, the group's first: one failed trajectory fails its group.
-    monkeypatch.setattr(Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 and (rollout == "scripted" or n) else None)
+    monkeypatch.setattr(
+        Script, "error", lambda prompt_id, n: TimeoutError("env") if row(prompt_id) == 2 and (rollout == "scripted" or n) else None
+    )
     r = tmp_path / "r"
     run(
         config(

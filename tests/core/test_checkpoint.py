@@ -47,7 +47,14 @@ class FakeSampler:
 
 def save(run_dir, step, trainer=None, keep=5, sampler=None):
     loop = LoopState(step=step, policy_version=step, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * step)
-    return save_checkpoint(run_dir, loop, trainer or FakeTrainer(step), capture_rng(sampler or FakeSampler(0)), lambda d: (d / "extra.json").write_text("{}"), keep)
+    return save_checkpoint(
+        run_dir,
+        loop,
+        trainer or FakeTrainer(step),
+        capture_rng(sampler or FakeSampler(0)),
+        lambda d: (d / "extra.json").write_text("{}"),
+        keep,
+    )
 
 
 def test_a_checkpoint_restores_weights_counters_and_every_rng(tmp_path):

@@ -9,10 +9,7 @@ from grpo_core.loop import learning_rate
 
 def test_toml_then_cli_overrides_and_plugin_tables(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text(
-        "max_steps = 7\nlearning_rate = 0.001\n"
-        "[loss.grpo]\neps_high = 0.3\n[reward.gsm8k]\nstrict = true\nweight = 2.0\n"
-    )
+    path.write_text("max_steps = 7\nlearning_rate = 0.001\n[loss.grpo]\neps_high = 0.3\n[reward.gsm8k]\nstrict = true\nweight = 2.0\n")
     config = load(str(path), {"max_steps": 3}, {"loss": ["kl_beta=0"]})
     assert config.max_steps == 3 and config.learning_rate == 0.001
     assert config.loss == ["grpo"] and config.reward == ["gsm8k:2.0"]
@@ -105,11 +102,17 @@ def test_a_run_sets_the_threads_it_is_given(monkeypatch):
 def test_env_and_tools_are_selected_by_flags_and_tables(tmp_path):
     config = load(None, {"env": "retry_math", "tool": ["calculator"]}, {"env": ["max_turns=2"], "tool": ["decimals=2"]})
     assert config.env == "retry_math" and config.tool == ["calculator"]
-    assert config.plugin_options["env"] == {"retry_math": {"max_turns": "2"}} and config.plugin_options["tool"] == {"calculator": {"decimals": "2"}}
+    assert config.plugin_options["env"] == {"retry_math": {"max_turns": "2"}} and config.plugin_options["tool"] == {
+        "calculator": {"decimals": "2"}
+    }
     path = tmp_path / "run.toml"
     path.write_text("[env.retry_math]\nmax_turns = 2\n[tool.calculator]\n")
     from_file = load(str(path), {}, {})
-    assert from_file.env == "retry_math" and from_file.tool == ["calculator"] and from_file.plugin_options == {"env": {"retry_math": {"max_turns": 2}}}
+    assert (
+        from_file.env == "retry_math"
+        and from_file.tool == ["calculator"]
+        and from_file.plugin_options == {"env": {"retry_math": {"max_turns": 2}}}
+    )
 
 
 def test_the_default_reward_is_the_environments_when_one_is_selected():

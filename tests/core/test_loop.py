@@ -62,7 +62,10 @@ def test_same_seed_same_run_on_cpu(tiny_model_dir, tiny_dataset, tmp_path):
     run(config(tiny_model_dir, tiny_dataset, a, seed=1))
     run(config(tiny_model_dir, tiny_dataset, b, seed=1))
     run(config(tiny_model_dir, tiny_dataset, c, seed=2))
-    drop_time = lambda ms: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]
+
+    def drop_time(ms):
+        return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in ms]
+
     assert drop_time(metrics_of(a)) == drop_time(metrics_of(b))
     wa, wb, wc = weights_of(a), weights_of(b), weights_of(c)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -126,6 +129,10 @@ def test_the_run_seed_orders_the_data(tiny_model_dir, tiny_dataset, tmp_path, mo
 
     seeds = []
     real = loop.prompt_batches
-    monkeypatch.setattr(loop, "prompt_batches", lambda prompts, size, epochs, seed, shuffle: seeds.append(seed) or real(prompts, size, epochs, seed, shuffle))
+    monkeypatch.setattr(
+        loop,
+        "prompt_batches",
+        lambda prompts, size, epochs, seed, shuffle: seeds.append(seed) or real(prompts, size, epochs, seed, shuffle),
+    )
     run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", seed=7, max_steps=1))
     assert seeds == [7]

@@ -18,8 +18,23 @@ DEFAULTS = {  # as docs/losses.md states them
     "reinforce": {"agg": "seq-mean-token-sum", "kl_beta": 0.0, "kl_estimator": "k3"},
     "importance_sampling": {"clip_rho": None, "ratio_log_cap": 20.0, "agg": "seq-mean-token-sum", "kl_beta": 0.0, "kl_estimator": "k3"},
     "grpo": {"eps_low": 0.2, "eps_high": 0.2, "ratio_log_cap": 20.0, "kl_beta": 0.001, "kl_estimator": "k3", "agg": "seq-mean-token-sum"},
-    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "dual_clip": None, "agg": "token-mean", "kl_beta": 0.0, "kl_estimator": "k3"},
-    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "seq_ratio_log_cap": 20.0, "agg": "seq-mean-token-mean", "kl_beta": 0.0, "kl_estimator": "k3"},
+    "dapo": {
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "ratio_log_cap": 20.0,
+        "dual_clip": None,
+        "agg": "token-mean",
+        "kl_beta": 0.0,
+        "kl_estimator": "k3",
+    },
+    "gspo": {
+        "eps_low": 3e-4,
+        "eps_high": 4e-4,
+        "seq_ratio_log_cap": 20.0,
+        "agg": "seq-mean-token-mean",
+        "kl_beta": 0.0,
+        "kl_estimator": "k3",
+    },
     "cispo": {"eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "agg": "token-mean", "kl_beta": 0.0, "kl_estimator": "k3"},
     "dro": {"beta": 0.05, "agg": "seq-mean-token-sum"},
 }
@@ -86,8 +101,14 @@ def test_aggregation_errors():
 
 def test_nothing_trained_gives_zero_for_every_mode():
     lp = [t([1.0, 2.0]).requires_grad_()]
-    inputs = LossInputs(logprobs=lp, old_logprobs=[t([1.0, 2.0])], sampling_logprobs=[t([1.0, 2.0])],
-                        mask=[t([0.0, 0.0])], advantages=[t([1.0, 1.0])], max_tokens=4)
+    inputs = LossInputs(
+        logprobs=lp,
+        old_logprobs=[t([1.0, 2.0])],
+        sampling_logprobs=[t([1.0, 2.0])],
+        mask=[t([0.0, 0.0])],
+        advantages=[t([1.0, 1.0])],
+        max_tokens=4,
+    )
     for agg in AGGREGATIONS:
         out = call_loss([make_plugin("cispo", agg=agg)], inputs)
         assert out.loss.item() == 0.0
@@ -106,11 +127,16 @@ def random_batch(seed):
         p = [rng.uniform(-4.0, -0.05) for _ in range(n)]
         old = [x + rng.gauss(0, 0.4) for x in p]
         mask = [0.0 if (i == 3 or t < rng.randint(0, n // 2)) else 1.0 for t in range(n)]  # seq 3 all masked
-        seqs.append({
-            "logprobs": p, "old": old, "sampling": [x + rng.gauss(0, 0.4) for x in old],
-            "ref": [x + rng.gauss(0, 0.4) for x in p], "mask": mask,
-            "adv": [rng.gauss(0, 1)] * n if i % 2 else [rng.gauss(0, 1) for _ in range(n)],
-        })
+        seqs.append(
+            {
+                "logprobs": p,
+                "old": old,
+                "sampling": [x + rng.gauss(0, 0.4) for x in old],
+                "ref": [x + rng.gauss(0, 0.4) for x in p],
+                "mask": mask,
+                "adv": [rng.gauss(0, 1)] * n if i % 2 else [rng.gauss(0, 1) for _ in range(n)],
+            }
+        )
     return seqs
 
 
@@ -138,8 +164,10 @@ def test_split_step_gives_the_gradient_of_one_call(name, agg):
 
     num_sequences = sum(1 for s in seqs if sum(s["mask"]) > 0)
     num_tokens = sum(sum(s["mask"]) for s in seqs)
-    halves = [build(seqs[:4], num_sequences=num_sequences, num_tokens=num_tokens),
-              build(seqs[4:], num_sequences=num_sequences, num_tokens=num_tokens)]
+    halves = [
+        build(seqs[:4], num_sequences=num_sequences, num_tokens=num_tokens),
+        build(seqs[4:], num_sequences=num_sequences, num_tokens=num_tokens),
+    ]
     total = 0.0
     parts = []
     for half in halves:
@@ -160,7 +188,8 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """The step's metrics from its calls' metrics (the rule docs/losses.md states)."""
     tokens = [p["loss/active_tokens"] for p in parts]
     return {
-        key: sum(p[key] for p in parts) if key in STEP_TOTAL_METRICS
+        key: sum(p[key] for p in parts)
+        if key in STEP_TOTAL_METRICS
         else sum(p[key] * n for p, n in zip(parts, tokens)) / max(sum(tokens), 1.0)
         for key in parts[0]
     }
@@ -213,8 +242,15 @@ def test_call_loss_needs_a_loss_plugin():
 def test_call_loss_returns_a_scalar_and_namespaced_metrics():
     out = call_loss([make_plugin("loss.grpo", kl_beta=0.0)], build(random_batch(2)))
     assert isinstance(out, LossOutput) and out.loss.dim() == 0
-    assert set(out.metrics) == {"loss/policy", "loss/ratio_mean", "loss/active_tokens", "loss/clip_frac_low",
-                                "loss/clip_frac_high", "kl/mean", "kl/policy_old"}
+    assert set(out.metrics) == {
+        "loss/policy",
+        "loss/ratio_mean",
+        "loss/active_tokens",
+        "loss/clip_frac_low",
+        "loss/clip_frac_high",
+        "kl/mean",
+        "kl/policy_old",
+    }
     assert all(isinstance(v, float) for v in out.metrics.values())
 
 
@@ -228,8 +264,14 @@ def test_kl_metrics_are_k3_estimates_over_trained_tokens(name):
     lp = torch.tensor([-1.0, -2.0, -3.0], dtype=torch.float64, requires_grad=True)
     ref = torch.tensor([-1.5, -1.0, 900.0], dtype=torch.float64)
     old = torch.tensor([-1.2, -2.3, -900.0], dtype=torch.float64)
-    inputs = LossInputs(logprobs=[lp], old_logprobs=[old], sampling_logprobs=[old], ref_logprobs=[ref],
-                        mask=[torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)], advantages=[torch.ones(3, dtype=torch.float64)])
+    inputs = LossInputs(
+        logprobs=[lp],
+        old_logprobs=[old],
+        sampling_logprobs=[old],
+        ref_logprobs=[ref],
+        mask=[torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)],
+        advantages=[torch.ones(3, dtype=torch.float64)],
+    )
     out = call_loss([make_plugin(name, kind="loss")], inputs)
     k3 = lambda x: math.exp(x) - x - 1  # noqa: E731  exp(x) − x − 1 with x = log q − log p
     assert out.metrics["kl/mean"] == pytest.approx((k3(-0.5) + k3(1.0)) / 2)
@@ -243,8 +285,14 @@ def test_kl_metrics_are_k3_estimates_over_trained_tokens(name):
 
 def test_kl_metrics_are_zero_on_policy_and_with_nothing_trained():
     lp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
-    inputs = LossInputs(logprobs=[lp], old_logprobs=[lp.detach()], sampling_logprobs=[lp.detach()], ref_logprobs=[lp.detach()],
-                        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)])
+    inputs = LossInputs(
+        logprobs=[lp],
+        old_logprobs=[lp.detach()],
+        sampling_logprobs=[lp.detach()],
+        ref_logprobs=[lp.detach()],
+        mask=[torch.ones(2, dtype=torch.float64)],
+        advantages=[torch.ones(2, dtype=torch.float64)],
+    )
     out = call_loss([make_plugin("loss.grpo")], inputs)
     assert out.metrics["kl/mean"] == 0.0 and out.metrics["kl/policy_old"] == 0.0
     inputs.mask = [torch.zeros(2, dtype=torch.float64)]
@@ -338,8 +386,14 @@ def test_cookbook_guide_toml_reproduces_the_cookbook_loss(monkeypatch, capsys):
     assert config.grad_clip_norm == 0.0 and config.weight_sync_interval == 1
     # ... and the cookbook's loss, written out token by token.
     expected = 0.0
-    for lp, old, s, ref, m, adv in zip([x.detach() for x in inputs.logprobs], inputs.old_logprobs, inputs.sampling_logprobs,
-                                       inputs.ref_logprobs, inputs.mask, inputs.advantages):
+    for lp, old, s, ref, m, adv in zip(
+        [x.detach() for x in inputs.logprobs],
+        inputs.old_logprobs,
+        inputs.sampling_logprobs,
+        inputs.ref_logprobs,
+        inputs.mask,
+        inputs.advantages,
+    ):
         for t in range(len(lp)):
             if m[t] == 0:
                 continue

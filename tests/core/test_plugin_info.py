@@ -105,7 +105,8 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
     assert "loss grpo  (grpo-core 0.1.0)  hooks: loss\n" in listing.stdout
     infos = {(i["kind"], i["name"]): i for i in json.loads(grpo_core("plugins", "--json", env=env).stdout)}
     assert infos[("reward", "wrongarg")]["problems"] == [
-        "hookimpl definition: reward(self, prompt, sample); Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
+        "hookimpl definition: reward(self, prompt, sample); "
+        "Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
     ]
     assert infos[("loss", "hookless")]["problems"] == ["a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"]
     assert infos[("reward", "vault")]["problems"] == [] and infos[("reward", "vault")]["options"][0]["secret"] is True
@@ -114,10 +115,22 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
     # A model that does not exist: an error about it would mean the plugin was checked too late.
     missing_model = tmp_path / "no-model"
     for extra, message in [
-        (["--reward", "misspelled"], "reward plugin 'misspelled' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:Misspelled) cannot be used: method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?)"),
-        (["--reward", "wrongarg"], "reward plugin 'wrongarg' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:WrongArgument) cannot be used: hookimpl definition: reward(self, prompt, sample); Argument(s) {'sample'}"),
-        (["--loss", "hookless"], "loss plugin 'hookless' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:Hookless) cannot be used: a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"),
-    ]:  # fmt: skip
+        (
+            ["--reward", "misspelled"],
+            "reward plugin 'misspelled' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:Misspelled) cannot be used: "
+            "method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?)",
+        ),
+        (
+            ["--reward", "wrongarg"],
+            "reward plugin 'wrongarg' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:WrongArgument) cannot be used: "
+            "hookimpl definition: reward(self, prompt, sample); Argument(s) {'sample'}",
+        ),
+        (
+            ["--loss", "hookless"],
+            "loss plugin 'hookless' from grpo-bad-plugins 1.2.3 (grpo_bad_plugins:Hookless) cannot be used: "
+            "a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)",
+        ),
+    ]:
         run_dir = tmp_path / "r"
         out = grpo_core(*small_run_args(missing_model, tiny_dataset, run_dir, *extra), env=env)
         assert out.returncode == 1, out.stderr

@@ -163,7 +163,8 @@ def test_plugin_problems_find_a_misspelled_hook_and_say_what_the_kind_needs():
 
 def test_plugin_problems_find_a_wrong_argument_and_a_missing_hook():
     assert plugin_problems("reward", _WrongArgument, "reward.x") == [
-        "hookimpl definition: reward(self, prompt, sample); Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
+        "hookimpl definition: reward(self, prompt, sample); "
+        "Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
     ]
     assert plugin_problems("loss", _Hookless, "loss.x") == ["a loss plugin must implement @hookimpl def loss(self, inputs) (missing: loss)"]
     (backend,) = plugin_problems("backend", _HalfBackend, "backend.x")

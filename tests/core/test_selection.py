@@ -112,7 +112,10 @@ def test_an_environment_and_tools_reach_the_rollout():
 @pytest.mark.parametrize(
     "values, message",
     [
-        ({"env": "retry_math"}, "rollout 'single_turn' does not take an environment, so --env would do nothing: choose a multi-turn rollout"),
+        (
+            {"env": "retry_math"},
+            "rollout 'single_turn' does not take an environment, so --env would do nothing: choose a multi-turn rollout",
+        ),
         ({"tool": ["calculator"]}, "rollout 'single_turn' does not take tools, so --tool would do nothing"),
         ({"rollout": "multi_turn", "reward": ["env"]}, "reward env scores what an environment gave: select one with --env NAME"),
         ({"rollout": "multi_turn", "env": "retry_mat"}, "unknown env 'retry_mat'; did you mean 'retry_math'?"),
@@ -152,8 +155,13 @@ def test_tools_are_known_by_the_names_in_their_specs(monkeypatch):
     monkeypatch.setattr(plugins_manager, "catalog", lambda: builtins + extra)
     with pytest.raises(PluginError, match="tools 'calc2' and another selected tool are both called 'calculator'"):
         select_plugins(load(None, {"rollout": "multi_turn", "tool": ["calculator", "calc2"]}, {}))
-    with pytest.raises(PluginError, match=r"tool 'nameless': tool_spec\(\) must return a dict with a non-empty 'name', got \{'description': 'no name'\}"):
+    with pytest.raises(
+        PluginError, match=r"tool 'nameless': tool_spec\(\) must return a dict with a non-empty 'name', got \{'description': 'no name'\}"
+    ):
         select_plugins(load(None, {"rollout": "multi_turn", "tool": ["nameless"]}, {}))
-    assert list(select_plugins(load(None, {"rollout": "multi_turn", "tool": ["calc2", "nameless"]}, {"tool": ["nameless.name=other"]})).tools) == [
-        "calculator", "other",
-    ]  # fmt: skip
+    assert list(
+        select_plugins(load(None, {"rollout": "multi_turn", "tool": ["calc2", "nameless"]}, {"tool": ["nameless.name=other"]})).tools
+    ) == [
+        "calculator",
+        "other",
+    ]

@@ -15,7 +15,15 @@ from grpo_core.stages import RewardError, compute_advantages, score_groups
 def group(texts, prompt_id="p"):
     prompt = Prompt(id=prompt_id, text="q", answer="1")
     return [
-        Sample(prompt=prompt, tokens=[1, 2, 3], sampling_logprobs=[0.0, -1.0, -1.0], loss_mask=[0.0, 1.0, 1.0], text=t, finish_reason="stop", policy_version=0)
+        Sample(
+            prompt=prompt,
+            tokens=[1, 2, 3],
+            sampling_logprobs=[0.0, -1.0, -1.0],
+            loss_mask=[0.0, 1.0, 1.0],
+            text=t,
+            finish_reason="stop",
+            policy_version=0,
+        )
         for t in texts
     ]
 
@@ -103,7 +111,15 @@ def test_turn_contexts_are_the_prompt_then_each_turns_context_but_the_last():
     from grpo_core.types import Turn
 
     prompt = Prompt(id="p", text="q", answer="1")
-    sample = Sample(prompt=prompt, tokens=list(range(20)), sampling_logprobs=[0.0] * 20, loss_mask=[0.0] * 20, text="", finish_reason="stop", policy_version=0)
+    sample = Sample(
+        prompt=prompt,
+        tokens=list(range(20)),
+        sampling_logprobs=[0.0] * 20,
+        loss_mask=[0.0] * 20,
+        text="",
+        finish_reason="stop",
+        policy_version=0,
+    )
     assert turn_contexts(sample) == []
     sample.turns = [Turn(3, 6, 9)]
     assert turn_contexts(sample) == []  # a single turn: nothing to score

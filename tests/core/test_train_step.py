@@ -50,7 +50,11 @@ def test_split_step_gradient_equals_one_call(tiny_model_dir, agg, loss_name, mon
     from grpo_core.plugins.backends.local import LocalTrainer
 
     captured: dict = {}
-    monkeypatch.setattr(LocalTrainer, "optim_step", lambda self, params: captured.update({n: p.grad.clone() for n, p in self.model.named_parameters()}) or {})
+    monkeypatch.setattr(
+        LocalTrainer,
+        "optim_step",
+        lambda self, params: captured.update({n: p.grad.clone() for n, p in self.model.named_parameters()}) or {},
+    )
     grads = []
     for max_per_call in (None, 3):
         config = RunConfig(model=str(tiny_model_dir), max_samples_per_fwd_bwd=max_per_call, max_completion_tokens=8, grad_clip_norm=0.0)
@@ -123,8 +127,9 @@ def test_every_metric_of_a_split_step_equals_the_one_call_value(tiny_model_dir, 
     # the trainer's forward, so the TIS weights move. A reference with other weights moves kl/*.
     results = []
     for max_per_call in (None, 3):
-        config, trainer = fresh_trainer(tiny_model_dir, max_samples_per_fwd_bwd=max_per_call,
-                                        anchor="sampling" if anchor == "sampling" else "old_policy")
+        config, trainer = fresh_trainer(
+            tiny_model_dir, max_samples_per_fwd_bwd=max_per_call, anchor="sampling" if anchor == "sampling" else "old_policy"
+        )
         samples = off_policy_samples(trainer.tokenizer)
         if anchor == "stale":
             for s in samples:
@@ -138,7 +143,9 @@ def test_every_metric_of_a_split_step_equals_the_one_call_value(tiny_model_dir, 
         results.append(train_on_groups(build_manager(plugins), trainer, reference, [samples], config, 1e-3))
     one, split = results
     assert set(one) == set(split)
-    moving = ["kl/mean", "loss/policy"] + (["loss/ratio_mean"] if anchor == "sampling" else ["tis/weight_mean", "tis/clip_frac", "tis/icepop_frac"])
+    moving = ["kl/mean", "loss/policy"] + (
+        ["loss/ratio_mean"] if anchor == "sampling" else ["tis/weight_mean", "tis/clip_frac", "tis/icepop_frac"]
+    )
     for key in moving:  # the inputs make these metrics informative, not 0 or 1 by construction
         assert one[key] not in (0.0, 1.0), key
     differ = {key: (split[key], one[key]) for key in one if split[key] != pytest.approx(one[key], rel=1e-4, abs=1e-6)}

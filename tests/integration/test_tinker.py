@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.integration.tinker_server import TinkerServer, client_env, ensure_client_venv, ensure_server_venv
+# After the insert: run as `python test_tinker.py CHECK` in the client venv, the repository root is not on sys.path.
+from tests.integration.tinker_server import TinkerServer, client_env, ensure_client_venv, ensure_server_venv  # noqa: E402
 
 pytestmark = [pytest.mark.tinker, pytest.mark.slow]
 

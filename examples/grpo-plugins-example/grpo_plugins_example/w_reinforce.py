@@ -23,7 +23,8 @@ class WReinforceLoss(KLPenalty):
     """
 
     positive_weight: float = option(
-        0.1, help="λ: weight of tokens with a positive advantage (1 = plain policy gradient, 0 = negative samples only)",
+        0.1,
+        help="λ: weight of tokens with a positive advantage (1 = plain policy gradient, 0 = negative samples only)",
         validator=validate_non_negative,
     )
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)

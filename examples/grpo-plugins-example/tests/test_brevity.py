@@ -1,7 +1,7 @@
 import pytest
+from grpo_plugins_example.brevity import BrevityReward
 
 from grpo_core import PluginError, Prompt, Sample, make_plugin
-from grpo_plugins_example.brevity import BrevityReward
 
 
 def sample(prompt_tokens: int, completion_tokens: int) -> Sample:

@@ -22,9 +22,24 @@ _TRANSFORMS = standard_transformations + (implicit_multiplication_application, r
 # variables, except e (Euler's number) and i (the imaginary unit).
 _NAMES: dict[str, object] = {c: sympy.Symbol(c) for c in string.ascii_letters}
 _NAMES.update(
-    e=sympy.E, i=sympy.I, pi=sympy.pi, oo=sympy.oo, sqrt=sympy.sqrt, log=sympy.log, ln=sympy.log,
-    exp=sympy.exp, sin=sympy.sin, cos=sympy.cos, tan=sympy.tan, sec=sympy.sec, csc=sympy.csc,
-    cot=sympy.cot, asin=sympy.asin, acos=sympy.acos, atan=sympy.atan, abs=sympy.Abs,
+    e=sympy.E,
+    i=sympy.I,
+    pi=sympy.pi,
+    oo=sympy.oo,
+    sqrt=sympy.sqrt,
+    log=sympy.log,
+    ln=sympy.log,
+    exp=sympy.exp,
+    sin=sympy.sin,
+    cos=sympy.cos,
+    tan=sympy.tan,
+    sec=sympy.sec,
+    csc=sympy.csc,
+    cot=sympy.cot,
+    asin=sympy.asin,
+    acos=sympy.acos,
+    atan=sympy.atan,
+    abs=sympy.Abs,
 )
 
 

@@ -18,9 +18,7 @@ class NotMath(ValueError):
     """The text is not an expression this package can compare (prose, units, a list, ...)."""
 
 
-FUNCTIONS = frozenset(
-    {"sqrt", "log", "ln", "exp", "sin", "cos", "tan", "sec", "csc", "cot", "asin", "acos", "atan", "abs", "pi", "oo"}
-)
+FUNCTIONS = frozenset({"sqrt", "log", "ln", "exp", "sin", "cos", "tan", "sec", "csc", "cot", "asin", "acos", "atan", "abs", "pi", "oo"})
 """Multi-letter names allowed in an expression; every other name must be a single letter."""
 
 _CMD_RE = re.compile(r"\\([A-Za-z]+|.)", re.DOTALL)
@@ -28,14 +26,51 @@ _FRACS = {"frac", "dfrac", "tfrac", "cfrac"}
 _DROP_WITH_ARG = {"text", "textrm", "textit", "textbf", "textsf", "mbox", "hbox", "mathrm", "unit", "operatorname"}
 _KEEP_ARG = {"mathbf", "mathit", "boldsymbol", "bm", "mathbb", "mathcal"}
 _DROP = {
-    "left", "right", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl", "Bigr", "displaystyle",
-    "textstyle", "quad", "qquad", ",", "!", ";", ":", " ", "%", "$", "circ", "degree",
+    "left",
+    "right",
+    "big",
+    "Big",
+    "bigg",
+    "Bigg",
+    "bigl",
+    "bigr",
+    "Bigl",
+    "Bigr",
+    "displaystyle",
+    "textstyle",
+    "quad",
+    "qquad",
+    ",",
+    "!",
+    ";",
+    ":",
+    " ",
+    "%",
+    "$",
+    "circ",
+    "degree",
 }
 _SIMPLE = {
-    "cdot": "*", "times": "*", "ast": "*", "div": "/", "pi": " pi ", "infty": " oo ",
-    "ln": " ln ", "log": " log ", "exp": " exp ", "sin": " sin ", "cos": " cos ", "tan": " tan ",
-    "sec": " sec ", "csc": " csc ", "cot": " cot ", "arcsin": " asin ", "arccos": " acos ",
-    "arctan": " atan ", "{": "(", "}": ")",
+    "cdot": "*",
+    "times": "*",
+    "ast": "*",
+    "div": "/",
+    "pi": " pi ",
+    "infty": " oo ",
+    "ln": " ln ",
+    "log": " log ",
+    "exp": " exp ",
+    "sin": " sin ",
+    "cos": " cos ",
+    "tan": " tan ",
+    "sec": " sec ",
+    "csc": " csc ",
+    "cot": " cot ",
+    "arcsin": " asin ",
+    "arccos": " acos ",
+    "arctan": " atan ",
+    "{": "(",
+    "}": ")",
 }
 _UNICODE = str.maketrans({"−": "-", "×": "*", "÷": "/", "·": "*", "π": " pi ", "√": " sqrt ", "∞": " oo "})
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import attrs
 
@@ -195,9 +196,7 @@ class SympyReward:
     # Read by grpo-core's data loader: rows without a reference answer are refused up front.
     needs_answer = True
 
-    timeout_s: float = option(
-        2.0, help="time limit of one sympy check (seconds); a check over it scores 0; 0 = no limit, in-process"
-    )
+    timeout_s: float = option(2.0, help="time limit of one sympy check (seconds); a check over it scores 0; 0 = no limit, in-process")
     strict: bool = option(False, help="require an explicit answer marker; no last-number fallback")
     memory_limit_mb: int = option(2048, help="address-space limit of the sympy worker (Linux); 0 = none")
     startup_timeout_s: float = option(120.0, help="how long the worker may take to start (import sympy)")

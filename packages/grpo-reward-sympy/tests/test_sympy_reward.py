@@ -6,12 +6,12 @@ import time
 
 import attrs
 import pytest
-
-from grpo_core import Prompt, Sample, make_plugin
-from grpo_core.plugins_manager import catalog
 from grpo_reward_sympy.equivalence import is_equivalent
 from grpo_reward_sympy.parse import NotMath, plain_number, to_sympy_text
 from grpo_reward_sympy.reward import SympyReward, extract_final_answer, last_boxed, reference_answer
+
+from grpo_core import Prompt, Sample, make_plugin
+from grpo_core.plugins_manager import catalog
 
 
 def sample(prompt: Prompt, text: str) -> Sample:

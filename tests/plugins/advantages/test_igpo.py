@@ -25,9 +25,15 @@ def conversation(tokenizer, prompt: Prompt, pieces: list[tuple[str, str]], rewar
         mask += [1.0] * (end - start) + [0.0] * (len(tokens) - end)
         turns.append(Turn(start, end, len(tokens)))
     sample = Sample(
-        prompt=prompt, tokens=tokens, sampling_logprobs=[0.0] * len(tokens), loss_mask=mask, text="", finish_reason="stop", policy_version=0,
+        prompt=prompt,
+        tokens=tokens,
+        sampling_logprobs=[0.0] * len(tokens),
+        loss_mask=mask,
+        text="",
+        finish_reason="stop",
+        policy_version=0,
         turns=turns,
-    )  # fmt: skip
+    )
     sample.reward = reward
     return sample
 
@@ -126,7 +132,10 @@ def test_score_turns_scores_only_the_answer_tokens_after_each_context(trainer, h
     lead = tokenizer.encode("Answer: ", add_special_tokens=False)
     first = group[0]
     assert scores[0][0] == pytest.approx(
-        [hand_score(hf_model, first.tokens[:end] + lead, answer) for end in (first.turns[0].start, first.turns[0].context_end, first.turns[1].context_end)],
+        [
+            hand_score(hf_model, first.tokens[:end] + lead, answer)
+            for end in (first.turns[0].start, first.turns[0].context_end, first.turns[1].context_end)
+        ],
         abs=1e-5,
     )
     assert scores[0][2] == []
@@ -261,7 +270,9 @@ def test_bad_inputs_fail_clearly(trainer):
 
 
 def test_options_reach_the_plugin_by_name():
-    plugin = make_plugin("igpo", kind="advantage", info_gain="prob_diff", norm="joint", gamma=0.9, answer_template="The answer is {answer}.")
+    plugin = make_plugin(
+        "igpo", kind="advantage", info_gain="prob_diff", norm="joint", gamma=0.9, answer_template="The answer is {answer}."
+    )
     assert (plugin.info_gain, plugin.norm, plugin.gamma, plugin.answer_template) == ("prob_diff", "joint", 0.9, "The answer is {answer}.")
     assert plugin.gains([-1.0, -0.5]) == pytest.approx([math.exp(-0.5) - math.exp(-1.0)])
     assert IGPOAdvantage().gains([-1.0, -0.5]) == pytest.approx([0.5])

@@ -12,13 +12,34 @@ VOCAB = 97
 def qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))  # fmt: skip
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def qwen2_with_biases():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False))  # fmt: skip
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def llama_linear_rope_and_mlp_bias():
@@ -148,7 +169,19 @@ def test_unsupported_models_are_named_with_the_reason():
     assert "autocast" in unsupported_reason(model, torch.bfloat16)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
     assert "model type 'gpt2'" in unsupported_reason(gpt2, None)
-    windowed = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8, use_sliding_window=True, sliding_window=4))  # fmt: skip
+    windowed = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            use_sliding_window=True,
+            sliding_window=4,
+        )
+    )
     assert unsupported_reason(windowed, None) == "sliding-window attention"
     assert unsupported_reason(model.to(torch.float64), None) == "weights that are not float32"
 

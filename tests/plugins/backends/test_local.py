@@ -85,7 +85,7 @@ def test_sampling_is_repeatable_with_the_seed_and_stops_at_max_tokens(tiny_model
 
 
 def assert_finish_reasons(completions, max_tokens, stop_ids):
-    """"stop" exactly when the last token is a stop token (and no earlier one is); otherwise
+    """ "stop" exactly when the last token is a stop token (and no earlier one is); otherwise
     "length", and then the completion is max_tokens long."""
     for c in completions:
         assert not stop_ids & set(c.tokens[:-1]), c.tokens
@@ -276,8 +276,11 @@ def two_adam_steps(trainer, params: tinker.AdamParams, reference: tinker.AdamPar
 DEFAULT_ADAM = dict(learning_rate=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
 
 
-@pytest.mark.parametrize("setting", [{}, {"beta1": 0.5}, {"beta2": 0.7}, {"eps": 1e-2}, {"weight_decay": 0.5}],
-                         ids=["defaults", "beta1", "beta2", "eps", "weight_decay"])
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"beta1": 0.5}, {"beta2": 0.7}, {"eps": 1e-2}, {"weight_decay": 0.5}],
+    ids=["defaults", "beta1", "beta2", "eps", "weight_decay"],
+)
 def test_optim_step_applies_every_adamw_setting(tiny_model_dir, setting):
     _, _, trainer, _ = make(tiny_model_dir)
     error, gap = two_adam_steps(trainer, tinker.AdamParams(**{**DEFAULT_ADAM, **setting}), tinker.AdamParams(**DEFAULT_ADAM))

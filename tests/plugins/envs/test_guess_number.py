@@ -100,7 +100,12 @@ def test_the_shipped_model_plays_through_the_multi_turn_rollout_token_for_token(
     env = GuessNumberEnv()
     sampler = ScriptedSampler(tok, ["Is it more than 8?", "Is it more than 12?", "It is 11."])
     [[sample]] = MultiTurnRollout(max_turns=6).rollout(
-        prompts=[Prompt(id="g", text="", answer="11")], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=12), env=env.env_reset, tools={}
+        prompts=[Prompt(id="g", text="", answer="11")],
+        num_samples=1,
+        sampler=sampler,
+        params=SamplingParams(max_tokens=12),
+        env=env.env_reset,
+        tools={},
     )
     messages = [
         {"role": "user", "content": "Guess my number from 1 to 16."},

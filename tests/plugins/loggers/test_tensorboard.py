@@ -108,8 +108,15 @@ def test_a_run_with_logger_tensorboard_logs_what_metrics_jsonl_holds(tiny_model_
     run_dir = tmp_path / "run"
     out = grpo_core(
         *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3"),
-        "--logger", "jsonl", "--logger", "tensorboard", "--logger-opt", "jsonl.samples_every=2", "--logger-opt", "tensorboard.samples_every=2",
-    )  # fmt: skip
+        "--logger",
+        "jsonl",
+        "--logger",
+        "tensorboard",
+        "--logger-opt",
+        "jsonl.samples_every=2",
+        "--logger-opt",
+        "tensorboard.samples_every=2",
+    )
     assert out.returncode == 0, out.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     events = read_events(run_dir / "tensorboard")

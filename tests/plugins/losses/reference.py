@@ -20,8 +20,23 @@ DEFAULTS = {
     "reinforce": {"agg": "seq-mean-token-sum", "kl_beta": 0.0, "kl_estimator": "k3"},
     "importance_sampling": {"agg": "seq-mean-token-sum", "clip_rho": None, "ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
     "grpo": {"agg": "seq-mean-token-sum", "eps_low": 0.2, "eps_high": 0.2, "ratio_log_cap": 20.0, "kl_beta": 0.001, "kl_estimator": "k3"},
-    "dapo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "dual_clip": None, "kl_beta": 0.0, "kl_estimator": "k3"},
-    "gspo": {"agg": "seq-mean-token-mean", "eps_low": 3e-4, "eps_high": 4e-4, "seq_ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
+    "dapo": {
+        "agg": "token-mean",
+        "eps_low": 0.2,
+        "eps_high": 0.28,
+        "ratio_log_cap": 20.0,
+        "dual_clip": None,
+        "kl_beta": 0.0,
+        "kl_estimator": "k3",
+    },
+    "gspo": {
+        "agg": "seq-mean-token-mean",
+        "eps_low": 3e-4,
+        "eps_high": 4e-4,
+        "seq_ratio_log_cap": 20.0,
+        "kl_beta": 0.0,
+        "kl_estimator": "k3",
+    },
     "cispo": {"agg": "token-mean", "eps_low": 0.2, "eps_high": 0.28, "ratio_log_cap": 20.0, "kl_beta": 0.0, "kl_estimator": "k3"},
     "dro": {"agg": "seq-mean-token-sum", "beta": 0.05},
 }
@@ -134,8 +149,9 @@ def sequence_log_ratio(seq: dict, cap: float = CLAMP) -> float:
     return clip(log_s, -cap, cap)
 
 
-def reference_metrics(name: str, seqs: list[dict], options: dict | None = None, tis: dict | None = None,
-                      with_ref: bool = True, **normalizers) -> dict[str, float]:
+def reference_metrics(
+    name: str, seqs: list[dict], options: dict | None = None, tis: dict | None = None, with_ref: bool = True, **normalizers
+) -> dict[str, float]:
     """Every metric the loss (and TIS) reports, from the definitions in docs/losses.md."""
     o = dict(DEFAULTS[name])
     o.update(options or {})
@@ -150,8 +166,7 @@ def reference_metrics(name: str, seqs: list[dict], options: dict | None = None, 
         return ratio(seq["logprobs"][t], seq["old"][t], o.get("ratio_log_cap", CLAMP))[0]
 
     policy = reference_loss(name, seqs, options, tis, policy_only=True, **normalizers)[0]
-    metrics = {"loss/policy": policy, "loss/active_tokens": float(sum(sum(seq["mask"]) for seq in seqs)),
-               "loss/ratio_mean": mean(r)}
+    metrics = {"loss/policy": policy, "loss/active_tokens": float(sum(sum(seq["mask"]) for seq in seqs)), "loss/ratio_mean": mean(r)}
     x = lambda seq, t: clip(seq["logprobs"][t] - seq["old"][t], -CLAMP, CLAMP)  # noqa: E731
     metrics["kl/policy_old"] = mean(lambda seq, t: math.exp(x(seq, t)) - x(seq, t) - 1.0)
     if with_ref:
@@ -166,10 +181,12 @@ def reference_metrics(name: str, seqs: list[dict], options: dict | None = None, 
         metrics["loss/clip_frac_low"] = mean(lambda seq, t: float(r(seq, t) < 1 - o["eps_low"]))
         metrics["loss/clip_frac_high"] = mean(lambda seq, t: float(r(seq, t) > 1 + o["eps_high"]))
     if name == "dapo" and o["dual_clip"] is not None:
+
         def dual_binds(seq: dict, t: int) -> float:
             a = adv(seq, t)
             s = ppo(r(seq, t), 0.0, a, 1 - o["eps_low"], 1 + o["eps_high"])[0]
             return float(a < 0 and s > -o["dual_clip"] * a)
+
         metrics["loss/clip_frac_dual"] = mean(dual_binds)
     if name == "importance_sampling" and o["clip_rho"] is not None:
         metrics["loss/clip_frac_high"] = mean(lambda seq, t: float(r(seq, t) > o["clip_rho"]))
@@ -187,9 +204,11 @@ def reference_metrics(name: str, seqs: list[dict], options: dict | None = None, 
         metrics["tis/clip_frac"] = mean(lambda seq, t: float(raw(seq, t) > cap))
         metrics["tis/weight_mean"] = mean(lambda seq, t: tis_weights(seq, level, cap, icepop)[t])
         if icepop is not None:
+
             def dropped(seq: dict, t: int) -> float:
                 ratio_t = safe_exp(seq["old"][t] - seq["sampling"][t])
                 return float(ratio_t < 1.0 / icepop or ratio_t > icepop)
+
             metrics["tis/icepop_frac"] = mean(dropped)
     return metrics
 
@@ -268,9 +287,18 @@ TIS_MODES = {
 }
 
 
-def random_sequence(rng, length: int, *, prompt: int | None = None, shift: float = 0.0,
-                    sampler_shift: float = 0.0, adv: str = "seq", masked: bool = False,
-                    on_policy: bool = False, garbage: bool = False) -> dict:
+def random_sequence(
+    rng,
+    length: int,
+    *,
+    prompt: int | None = None,
+    shift: float = 0.0,
+    sampler_shift: float = 0.0,
+    adv: str = "seq",
+    masked: bool = False,
+    on_policy: bool = False,
+    garbage: bool = False,
+) -> dict:
     p = [math.log(rng.uniform(0.01, 1.0)) for _ in range(length)]
     old = list(p) if on_policy else [x + rng.gauss(0.0, 0.3) + shift for x in p]
     sampling = [x + rng.gauss(0.0, 0.3) + sampler_shift for x in old]
@@ -295,7 +323,7 @@ def random_sequence(rng, length: int, *, prompt: int | None = None, shift: float
     return {"logprobs": p, "old": old, "sampling": sampling, "ref": ref, "mask": mask, "adv": a}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scenario(name: str, seed: int = 0) -> list[dict]:
     """The sequences of one named scenario (cached: callers must not modify them)."""
     import random
@@ -307,14 +335,19 @@ def scenario(name: str, seed: int = 0) -> list[dict]:
     if name == "per_token_adv":
         return [random_sequence(rng, L(), adv="token") for _ in range(4)]
     if name == "all_masked":
-        return [random_sequence(rng, L()), random_sequence(rng, L(), masked=True),
-                random_sequence(rng, L(), adv="token"), random_sequence(rng, 1, masked=True)]
+        return [
+            random_sequence(rng, L()),
+            random_sequence(rng, L(), masked=True),
+            random_sequence(rng, L(), adv="token"),
+            random_sequence(rng, 1, masked=True),
+        ]
     if name == "zero_adv":
-        return [random_sequence(rng, L(), adv="zero"), random_sequence(rng, L(), adv="zero"),
-                random_sequence(rng, L(), adv="token")]
+        return [random_sequence(rng, L(), adv="zero"), random_sequence(rng, L(), adv="zero"), random_sequence(rng, L(), adv="token")]
     if name == "far":  # ratios far outside every clip range, both ways; sampler far off too
-        return [random_sequence(rng, L(), shift=s, sampler_shift=-s, adv=a)
-                for s, a in [(3.0, "seq"), (-3.0, "seq"), (3.0, "token"), (-3.0, "token")]]
+        return [
+            random_sequence(rng, L(), shift=s, sampler_shift=-s, adv=a)
+            for s, a in [(3.0, "seq"), (-3.0, "seq"), (3.0, "token"), (-3.0, "token")]
+        ]
     if name == "single":
         return [random_sequence(rng, L(), adv="token")]
     if name == "lengths":  # very short and maximal sequences
@@ -354,7 +387,7 @@ def plugins_for(name: str, options: dict | None, tis: dict | None) -> list:
     return list(_plugins(key))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plugins(key) -> tuple:
     from grpo_core import make_plugin
 
@@ -365,8 +398,16 @@ def _plugins(key) -> tuple:
     return tuple(plugins)
 
 
-def assert_matches_reference(name: str, seqs: list[dict], options: dict | None = None, tis: dict | None = None,
-                             atol: float = 1e-6, plugins: list | None = None, pm=None, **normalizers):
+def assert_matches_reference(
+    name: str,
+    seqs: list[dict],
+    options: dict | None = None,
+    tis: dict | None = None,
+    atol: float = 1e-6,
+    plugins: list | None = None,
+    pm=None,
+    **normalizers,
+):
     """Run the plugin (with TIS when given) and compare value and gradient with the reference.
 
     ``call_loss`` by default; ``pm``, a plugin manager from ``build_manager`` (what call_loss
@@ -388,8 +429,7 @@ def assert_matches_reference(name: str, seqs: list[dict], options: dict | None =
     assert_metrics_match(out.metrics, reference_metrics(name, seqs, options, tis, max_tokens=inputs.max_tokens, **normalizers), atol)
     for i, (x, g) in enumerate(zip(inputs.logprobs, grads)):
         grad = x.grad if x.grad is not None else torch.zeros_like(x)
-        torch.testing.assert_close(grad, torch.tensor(g, dtype=torch.float64), atol=atol, rtol=0,
-                                   msg=lambda m: f"sequence {i}: {m}")
+        torch.testing.assert_close(grad, torch.tensor(g, dtype=torch.float64), atol=atol, rtol=0, msg=lambda m, i=i: f"sequence {i}: {m}")
     return out
 
 

@@ -44,8 +44,15 @@ def test_call_loss_with_tis_equals_reference():
     plugins = [make_plugin("cispo"), make_plugin("tis", cap=2.0)]
     for s in SCENARIOS:
         out = assert_matches_reference("cispo", scenario(s), {}, {"level": "token", "cap": 2.0}, plugins=plugins)
-        assert {"tis/weight_mean", "tis/clip_frac", "loss/policy", "loss/clip_frac_low", "loss/clip_frac_high",
-                "loss/ratio_mean", "loss/active_tokens"} <= set(out.metrics)
+        assert {
+            "tis/weight_mean",
+            "tis/clip_frac",
+            "loss/policy",
+            "loss/clip_frac_low",
+            "loss/clip_frac_high",
+            "loss/ratio_mean",
+            "loss/active_tokens",
+        } <= set(out.metrics)
 
 
 def test_defaults_follow_the_spec():
@@ -61,13 +68,25 @@ def test_eps_low_of_one_or_more_means_no_lower_bound(eps_low):
     # not raised to 1 − eps_low; the upper bound still holds (e^{3} -> 1.28).
     lp = torch.zeros(2, dtype=torch.float64, requires_grad=True)
     old = torch.tensor([3.0, -3.0], dtype=torch.float64)
-    inputs = LossInputs(logprobs=[lp], old_logprobs=[old], sampling_logprobs=[old],
-                        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)])
+    inputs = LossInputs(
+        logprobs=[lp],
+        old_logprobs=[old],
+        sampling_logprobs=[old],
+        mask=[torch.ones(2, dtype=torch.float64)],
+        advantages=[torch.ones(2, dtype=torch.float64)],
+    )
     out = call_loss([make_plugin("cispo", eps_low=eps_low, agg="token-sum")], inputs)
     out.loss.backward()
     assert lp.grad.tolist() == pytest.approx([-math.exp(-3.0), -1.28])
     assert out.metrics["loss/clip_frac_low"] == 0.0 and out.metrics["loss/clip_frac_high"] == 0.5
-    default = call_loss([make_plugin("cispo", agg="token-sum")], LossInputs(
-        logprobs=[lp.detach().clone().requires_grad_()], old_logprobs=[old], sampling_logprobs=[old],
-        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)]))
+    default = call_loss(
+        [make_plugin("cispo", agg="token-sum")],
+        LossInputs(
+            logprobs=[lp.detach().clone().requires_grad_()],
+            old_logprobs=[old],
+            sampling_logprobs=[old],
+            mask=[torch.ones(2, dtype=torch.float64)],
+            advantages=[torch.ones(2, dtype=torch.float64)],
+        ),
+    )
     assert default.metrics["loss/clip_frac_low"] == 0.5  # with eps_low = 0.2 the same token is raised to 0.8

@@ -17,9 +17,11 @@ def test_concrete_value_and_gradient():
     # −A·π + ½β(π − π_old)², β = 0.5: token 0: −1·(−1) + 0.25·1 ; token 1: −1·(−2) + 0
     lp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
     inputs = LossInputs(
-        logprobs=[lp], old_logprobs=[torch.tensor([-2.0, -2.0], dtype=torch.float64)],
+        logprobs=[lp],
+        old_logprobs=[torch.tensor([-2.0, -2.0], dtype=torch.float64)],
         sampling_logprobs=[torch.tensor([-2.0, -2.0], dtype=torch.float64)],
-        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.ones(2, dtype=torch.float64)],
+        mask=[torch.ones(2, dtype=torch.float64)],
+        advantages=[torch.ones(2, dtype=torch.float64)],
     )
     out = call_loss([make_plugin("dro", beta=0.5)], inputs)
     assert out.loss.item() == pytest.approx(1.25 + 2.0)

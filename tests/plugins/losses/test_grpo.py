@@ -39,9 +39,12 @@ def test_kl_values_on_concrete_numbers():
     for estimator, kl in expected.items():
         lp = torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)
         inputs = LossInputs(
-            logprobs=[lp], old_logprobs=[lp.detach()], sampling_logprobs=[lp.detach()],
+            logprobs=[lp],
+            old_logprobs=[lp.detach()],
+            sampling_logprobs=[lp.detach()],
             ref_logprobs=[torch.tensor([-1.5], dtype=torch.float64)],
-            mask=[torch.ones(1, dtype=torch.float64)], advantages=[torch.zeros(1, dtype=torch.float64)],
+            mask=[torch.ones(1, dtype=torch.float64)],
+            advantages=[torch.zeros(1, dtype=torch.float64)],
         )
         out = call_loss([make_plugin("loss.grpo", kl_beta=2.0, kl_estimator=estimator)], inputs)
         assert out.loss.item() == pytest.approx(2.0 * kl)
@@ -92,7 +95,15 @@ def test_clip_fractions():
 
 @pytest.mark.parametrize(
     "options",
-    [{"agg": "x"}, {"eps_low": "abc"}, {"kl_estimator": "k4"}, {"kl_beta": -1.0}, {"eps_low": -0.1}, {"ratio_log_cap": 0.0}, {"epsilon": 0.2}],
+    [
+        {"agg": "x"},
+        {"eps_low": "abc"},
+        {"kl_estimator": "k4"},
+        {"kl_beta": -1.0},
+        {"eps_low": -0.1},
+        {"ratio_log_cap": 0.0},
+        {"epsilon": 0.2},
+    ],
 )
 def test_bad_options_raise_plugin_error(options):
     with pytest.raises(PluginError):
@@ -111,9 +122,11 @@ def test_eps_low_of_one_or_more_removes_the_lower_clip():
     for eps_low, value, grad, clipped in [(0.2, 0.8, 0.0, 1.0), (1.0, r, r, 0.0), (4.0, r, r, 0.0)]:
         lp = torch.tensor([0.0], dtype=torch.float64, requires_grad=True)
         inputs = LossInputs(
-            logprobs=[lp], old_logprobs=[torch.tensor([3.0], dtype=torch.float64)],
+            logprobs=[lp],
+            old_logprobs=[torch.tensor([3.0], dtype=torch.float64)],
             sampling_logprobs=[torch.tensor([3.0], dtype=torch.float64)],
-            mask=[torch.ones(1, dtype=torch.float64)], advantages=[torch.tensor([-1.0], dtype=torch.float64)],
+            mask=[torch.ones(1, dtype=torch.float64)],
+            advantages=[torch.tensor([-1.0], dtype=torch.float64)],
         )
         out = call_loss([make_plugin("loss.grpo", eps_low=eps_low, kl_beta=0.0)], inputs)
         out.loss.backward()
@@ -126,8 +139,13 @@ def test_ratio_log_cap_clips_the_token_log_ratio():
     # π − π_old = 2 with ratio_log_cap = 1: r = e^{1}, no gradient; −0.5 is inside: r = e^{−0.5}.
     lp = torch.tensor([0.0, 0.0], dtype=torch.float64, requires_grad=True)
     old = torch.tensor([-2.0, 0.5], dtype=torch.float64)
-    inputs = LossInputs(logprobs=[lp], old_logprobs=[old], sampling_logprobs=[old],
-                        mask=[torch.ones(2, dtype=torch.float64)], advantages=[torch.tensor([-1.0, -1.0], dtype=torch.float64)])
+    inputs = LossInputs(
+        logprobs=[lp],
+        old_logprobs=[old],
+        sampling_logprobs=[old],
+        mask=[torch.ones(2, dtype=torch.float64)],
+        advantages=[torch.tensor([-1.0, -1.0], dtype=torch.float64)],
+    )
     out = call_loss([make_plugin("loss.grpo", ratio_log_cap=1.0, eps_low=0.9, eps_high=5.0, kl_beta=0.0, agg="token-sum")], inputs)
     out.loss.backward()
     assert out.loss.item() == pytest.approx(math.e + math.exp(-0.5))

@@ -40,8 +40,14 @@ def test_ratio_gradient_and_clip_rho():
 
 def test_log_ratio_is_clamped_at_20():
     # π − π_old = ±25: r = e^{±20} with no gradient (the clamp binds); −1: normal gradient.
-    seq = {"logprobs": [-1.0, -30.0, -2.0], "old": [-26.0, -5.0, -1.0], "sampling": [-26.0, -5.0, -1.0],
-           "ref": [0.0, 0.0, 0.0], "mask": [1.0, 1.0, 1.0], "adv": [1.0, 1.0, 1.0]}
+    seq = {
+        "logprobs": [-1.0, -30.0, -2.0],
+        "old": [-26.0, -5.0, -1.0],
+        "sampling": [-26.0, -5.0, -1.0],
+        "ref": [0.0, 0.0, 0.0],
+        "mask": [1.0, 1.0, 1.0],
+        "adv": [1.0, 1.0, 1.0],
+    }
     out = assert_matches_reference("importance_sampling", [seq], {"agg": "token-sum"}, atol=1e-3)
     assert out.loss.item() == pytest.approx(-(math.exp(20) + math.exp(-20) + math.exp(-1)), rel=1e-12)
 

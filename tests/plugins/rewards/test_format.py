@@ -7,7 +7,10 @@ from grpo_core import PluginError, Prompt, Sample, make_plugin
 
 def samples(*texts):
     prompt = Prompt(id="p", text="q", answer="1")
-    return [Sample(prompt=prompt, tokens=[1], sampling_logprobs=[0.0], loss_mask=[1.0], text=t, finish_reason="stop", policy_version=0) for t in texts]
+    return [
+        Sample(prompt=prompt, tokens=[1], sampling_logprobs=[0.0], loss_mask=[1.0], text=t, finish_reason="stop", policy_version=0)
+        for t in texts
+    ]
 
 
 def test_default_pattern_wants_a_final_gsm8k_line():
@@ -27,5 +30,7 @@ def test_format_needs_no_reference_answer():
     reward = make_plugin("format")
     assert reward.needs_answer is False
     assert "needs_answer" in type(reward).__doc__
-    no_answer = Sample(prompt=None, tokens=[1], sampling_logprobs=[0.0], loss_mask=[1.0], text="#### 7", finish_reason="stop", policy_version=0)
+    no_answer = Sample(
+        prompt=None, tokens=[1], sampling_logprobs=[0.0], loss_mask=[1.0], text="#### 7", finish_reason="stop", policy_version=0
+    )
     assert reward.reward(prompt=None, samples=[no_answer]) == [1.0]

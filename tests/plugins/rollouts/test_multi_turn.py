@@ -246,8 +246,8 @@ def test_a_template_that_rewrites_history_is_an_error_naming_the_position(qwen_t
     # The rewrite starts at the policy's "<think>", right after the opening.
     assert f"At character {len(opening)} of its text, in the policy's turn 1 (from token {len(ids(tok, opening))})" in message
     assert (
-        "the conversation reads '<think>what is 1 plus 2</think> The answ' but the template now renders 'The answer is 4.<|im_end|>\\n<|im_start|>u'"
-        in message
+        "the conversation reads '<think>what is 1 plus 2</think> The answ' "
+        "but the template now renders 'The answer is 4.<|im_end|>\\n<|im_start|>u'" in message
     )
     assert message.startswith("prompt r, after turn 1: the chat template does not extend the conversation")
 
@@ -465,12 +465,14 @@ def test_the_template_option(qwen_tokenizer, embedded_tokenizer):
         (
             "auto",
             qwen_tokenizer,
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
         ),
         (
             "tokenizer",
             qwen_tokenizer,
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n",
         ),
         ("plain", qwen_tokenizer, "what is 1 plus 2?"),
         ("auto", embedded_tokenizer, "what is 1 plus 2?"),
@@ -592,7 +594,9 @@ def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
 
 
 @pytest.mark.parametrize("per_trajectory", [False, True])
-def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_own(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, per_trajectory):
+def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_own(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, per_trajectory
+):
     from grpo_core.async_loop import SharedSampler
     from grpo_core.loop import run
     from tests.core.test_loop import config

@@ -7,7 +7,9 @@ from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,12 @@ def test_chat_messages_use_the_chat_template(sampler):
         assert group[0].tokens[: len(expected)] == expected
         # A plain prompt goes through the template too, unless chat_template=false.
         text = Prompt(id="t", text="hi")
-        wrapped = make_plugin("single_turn").rollout(prompts=[text], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=1))[0][0]
-        raw = make_plugin("single_turn", chat_template=False).rollout(prompts=[text], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=1))[0][0]
+        wrapped = make_plugin("single_turn").rollout(prompts=[text], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=1))[
+            0
+        ][0]
+        raw = make_plugin("single_turn", chat_template=False).rollout(
+            prompts=[text], num_samples=1, sampler=sampler, params=SamplingParams(max_tokens=1)
+        )[0][0]
         assert wrapped.tokens[:-1] == sampler.tokenizer("<user>hi\n<assistant>")["input_ids"]
         assert raw.tokens[:-1] == sampler.tokenizer("hi")["input_ids"]
     finally:
@@ -76,7 +82,10 @@ def test_encode_is_what_the_rollout_samples_from_and_is_kept(sampler):
     assert sample.tokens[:3] == tokens[:3] and sample.loss_mask[:4] == [0.0, 0.0, 0.0, 1.0]
     sampler.tokenizer.chat_template = CHAT_TEMPLATE
     try:
-        assert make_plugin("single_turn").encode(sampler.tokenizer, prompt) == sampler.tokenizer("<user>what is 2 plus 2?\n<assistant>")["input_ids"]
+        assert (
+            make_plugin("single_turn").encode(sampler.tokenizer, prompt)
+            == sampler.tokenizer("<user>what is 2 plus 2?\n<assistant>")["input_ids"]
+        )
         assert make_plugin("single_turn", chat_template=False).encode(sampler.tokenizer, prompt) == tokens
     finally:
         sampler.tokenizer.chat_template = None

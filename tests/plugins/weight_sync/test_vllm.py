@@ -139,7 +139,10 @@ def test_a_stale_tied_output_layer_is_caught_and_the_error_says_what_to_check(ti
     monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
     train_a_step(trainer)
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
-    with pytest.raises(WeightSyncMismatch, match=r"differ from the trainer's by up to [\d.]+ \(tolerance 0.001\) on a 64-token probe, also after writing and reloading") as err:
+    with pytest.raises(
+        WeightSyncMismatch,
+        match=r"differ from the trainer's by up to [\d.]+ \(tolerance 0.001\) on a 64-token probe, also after writing and reloading",
+    ) as err:
         plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
     assert "ties its output layer" in str(err.value) and """--hf-overrides '{"tie_word_embeddings": false}'""" in str(err.value)
     assert len(fake.reload_paths) == 2 and sampler.version == 0
@@ -182,7 +185,9 @@ def test_server_weights_dir_is_what_the_server_is_told(untied_model_dir, tmp_pat
 def test_a_server_without_dev_mode_is_a_clear_error(untied_model_dir, tmp_path):
     trainer, fake, sampler = setup(untied_model_dir)
     original = fake.answer
-    fake.answer = lambda method, path, body: httpx.Response(404, json={"detail": "Not Found"}) if path == "/collective_rpc" else original(method, path, body)
+    fake.answer = lambda method, path, body: (
+        httpx.Response(404, json={"detail": "Not Found"}) if path == "/collective_rpc" else original(method, path, body)
+    )
     with pytest.raises(PluginError, match="could not reload the weights from .*HTTP 404.*start vLLM with VLLM_SERVER_DEV_MODE=1"):
         VLLMWeightSync(weights_dir=str(tmp_path)).weight_sync(trainer=trainer, sampler=sampler, step=1)
 
@@ -227,7 +232,12 @@ def test_probe_length_follows_the_option_and_the_context(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert len(VLLMWeightSync(probe_tokens=100).probe(tokenizer, 256)) == 100
     assert len(VLLMWeightSync(probe_tokens=100).probe(tokenizer, 40)) == 40
-    assert VLLMWeightSync(probe_tokens=10).probe(tokenizer, None) == tokenizer.encode("Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\"", add_special_tokens=False)[:10]
+    assert (
+        VLLMWeightSync(probe_tokens=10).probe(tokenizer, None)
+        == tokenizer.encode(
+            "Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\"", add_special_tokens=False
+        )[:10]
+    )
 
 
 def test_folder_defaults_to_the_run_directory(tmp_path):
@@ -238,7 +248,9 @@ def test_folder_defaults_to_the_run_directory(tmp_path):
 
 
 def test_tied_output_layer_goes_into_a_sharded_checkpoint_index(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}})
+    )
     embedding = torch.arange(6.0).reshape(3, 2)
     write_tied_output_layer(tmp_path, embedding)
     from safetensors.torch import load_file
