@@ -15,7 +15,6 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-Aggregation = Literal["token-sum", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGGREGATIONS: tuple[str, ...] = (
     "token-sum",
     "token-mean",
