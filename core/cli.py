@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import tempfile
@@ -15,6 +16,7 @@ import attrs
 import click
 
 from grpo_core import __version__
+from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, cli_fields
 from grpo_core.plugins_manager import KINDS, PluginError
 
 EXIT_ERROR = 1
@@ -22,96 +24,33 @@ EXIT_ERROR = 1
 EXIT_INTERNAL = 3
 """An unexpected error (a bug in grpo-core or a plugin): the traceback is written to a file."""
 
-SECTIONS = {
-    "Model and data": [
-        "model",
-        "dataset",
-        "prompt_field",
-        "answer_field",
-        "prompt_template",
-        "max_rows",
-        "skip_bad_rows",
-        "epochs",
-        "max_steps",
-        "shuffle",
-    ],
-    "Plugins (what is installed, with options and help: grpo-core plugins)": [
-        "backend",
-        "sampler",
-        "rollout",
-        "env",
-        "tool",
-        "reward",
-        "advantage",
-        "loss",
-        "logger",
-        "weight_sync",
-        *(f"{k}_opt" for k in KINDS),
-    ],
-    "The GRPO step": [
-        "prompt_groups_per_step",
-        "completions_per_prompt",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stop",
-        "drop_zero_variance_groups",
-        "weight_sync_interval",
-        "anchor",
-        "max_reward_failures_in_a_row",
-        "reward_timeout",
-        "max_samples_per_fwd_bwd",
-        "min_samples_per_fwd_bwd",
-    ],
-    "Optimizer": [
-        "learning_rate",
-        "lr_schedule",
-        "warmup_steps",
-        "beta1",
-        "beta2",
-        "adam_eps",
-        "weight_decay",
-        "grad_clip_norm",
-        "max_nonfinite_steps_in_a_row",
-    ],
-    "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; docs/performance.md)": [
-        "lora_rank",
-        "lora_alpha",
-        "lora_target_modules",
-    ],
-    "Asynchronous loop (docs/async.md)": [
-        "loop",
-        "max_head_offpolicy_versions",
-        "max_concurrent",
-        "synchronous_training",
-        "minibatches_per_step",
-        "rollout_retries",
-        "rollout_retry_backoff",
-        "max_rollout_failures_in_a_row",
-        "max_rollout_failure_rate",
-        "rollout_failure_window",
-    ],
-    "Run directory, checkpoints, resume": ["run_dir", "checkpoint_every", "keep_checkpoints", "resume", "overwrite", "config_file"],
-    "Machine": ["device", "dtype", "threads", "seed", "debug"],
-}
+
+class SectionedOption(click.Option):
+    """An option that knows the ``--help`` section it is listed in (a setting's comes from its field)."""
+
+    def __init__(self, *args: Any, section: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.section = section
 
 
 class SectionedCommand(click.Command):
-    """``--help`` in the sections above, each option with its default."""
+    """``--help`` in the sections of ``config.SECTIONS``, each option with its default."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        records = {p.name: p.get_help_record(ctx) for p in self.get_params(ctx)}
-        for title, names in [*SECTIONS.items(), ("Other", [n for n in records if not any(n in v for v in SECTIONS.values())])]:
-            rows = [records[n] for n in names if records.get(n)]
-            if rows:
+        rows: dict[str, list[tuple[str, str]]] = {title: [] for title in SECTIONS}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record:
+                rows.setdefault(param.section if isinstance(param, SectionedOption) and param.section else "Other", []).append(record)
+        for title, records in rows.items():
+            if records:
                 with formatter.section(title):
-                    formatter.write_dl(rows)
+                    formatter.write_dl(records)
 
 
 def _default_text(field: Any) -> str:
     default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
-    if default is None or default == []:
+    if default is None or default in ([], {}):
         return ""
     return f" [default: {', '.join(map(str, default)) if isinstance(default, list) else default}]"
 
@@ -125,35 +64,48 @@ def _flags(name: str) -> list[str]:
 
 
 def _click_option(field: Any) -> Any:
+    """The flag of a RunConfig field. Its value reaches ``config.load`` as typed; the field reads it."""
     flag, *aliases = _flags(field.name)
-    help_text = field.metadata.get("help", "") + _default_text(field)
+    option = functools.partial(
+        click.option, cls=SectionedOption, section=field.metadata["section"], help=field.metadata["help"] + _default_text(field)
+    )
     annotation = field.type
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     base = args[0] if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1 else annotation
     if base is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", default=None, help=help_text)
+        return option(f"{flag}/--no-{flag[2:]}", default=None)
+    if base == dict[str, float]:
+        return option(flag, *aliases, field.name, multiple=True, metavar="NAME[:WEIGHT]")
     if typing.get_origin(base) is list:
-        return click.option(flag, *aliases, field.name, multiple=True, help=help_text)
+        return option(flag, *aliases, field.name, multiple=True)
     if typing.get_origin(base) is Literal:
-        return click.option(flag, *aliases, field.name, type=click.Choice(typing.get_args(base)), default=None, help=help_text)
+        return option(flag, *aliases, field.name, type=click.Choice(typing.get_args(base)), default=None)
     param_type = {int: int, float: float}.get(base, str)
-    return click.option(flag, *aliases, field.name, type=param_type, default=None, help=help_text)
+    return option(flag, *aliases, field.name, type=param_type, default=None)
 
 
 def _run_options(func: Any) -> Any:
-    from grpo_core.config import cli_fields
-
-    for field in reversed(cli_fields()):
-        func = _click_option(field)(func)
+    func = click.option(
+        "--config",
+        "config_file",
+        type=click.Path(),
+        cls=SectionedOption,
+        section=RUN_DIRECTORY,
+        help="TOML file of settings and [kind.name] option tables",
+    )(func)
     for kind in reversed(KINDS):
         func = click.option(
             *(f"{flag}-opt" for flag in _flags(kind)),
             f"{kind}_opt",
             multiple=True,
             metavar="[NAME.]KEY=VALUE",
+            cls=SectionedOption,
+            section=PLUGINS,
             help=f"option of the selected {kind} plugin; repeatable",
         )(func)
-    return click.option("--config", "config_file", type=click.Path(), help="TOML file of settings and [kind.name] option tables")(func)
+    for field in reversed(cli_fields()):
+        func = _click_option(field)(func)
+    return func
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -164,9 +116,22 @@ def main() -> None:
 
 @main.command(cls=SectionedCommand)
 @_run_options
-@click.option("--resume", "resume", metavar="RUN_DIR", help="continue that run from its newest checkpoint, with its own config")
-@click.option("--overwrite", is_flag=True, help="replace what --run-dir holds (a non-empty run directory is refused otherwise)")
-@click.option("--debug", is_flag=True, help="show the traceback of an error")
+@click.option(
+    "--resume",
+    "resume",
+    metavar="RUN_DIR",
+    cls=SectionedOption,
+    section=RUN_DIRECTORY,
+    help="continue that run from its newest checkpoint, with its own config",
+)
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    cls=SectionedOption,
+    section=RUN_DIRECTORY,
+    help="replace what --run-dir holds (a non-empty run directory is refused otherwise)",
+)
+@click.option("--debug", is_flag=True, cls=SectionedOption, section=MACHINE, help="show the traceback of an error")
 def run(config_file: str | None, resume: str | None, overwrite: bool, debug: bool, **values: Any) -> None:
     """Train a policy with GRPO. With no arguments: the embedded tiny model and task, on CPU (its own
     settings: core/assets/default/run.toml; any flag wins).
@@ -235,8 +200,6 @@ EVAL_FIELDS = (
 
 
 def _eval_options(func: Any) -> Any:
-    from grpo_core.config import cli_fields
-
     for field in reversed([f for f in cli_fields() if f.name in EVAL_FIELDS]):
         func = _click_option(field)(func)
     for kind in ("backend", "rollout", "reward"):

@@ -8,6 +8,9 @@ plugins selected) or to TOML tables ``[loss.cispo]``.
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,13 +21,40 @@ from grpo_core.plugins_manager import KINDS, PluginError, coerce
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
-MULTI_KINDS = ("reward", "loss", "logger", "tool")
+MULTI_KINDS = ("loss", "logger", "tool")
+"""Kinds a TOML file selects as a list; rewards are selected with their weights."""
 
 
-def _field(default: Any, help: str, **kwargs: Any) -> Any:
-    if isinstance(default, list):
-        return attrs.field(factory=lambda: list(default), metadata={"help": help}, **kwargs)
-    return attrs.field(default=default, metadata={"help": help}, **kwargs)
+MODEL_AND_DATA = "Model and data"
+PLUGINS = "Plugins (what is installed, with options and help: grpo-core plugins)"
+GRPO_STEP = "The GRPO step"
+OPTIMIZER = "Optimizer"
+LORA = "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; docs/performance.md)"
+ASYNC = "Asynchronous loop (docs/async.md)"
+RUN_DIRECTORY = "Run directory, checkpoints, resume"
+MACHINE = "Machine"
+SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, RUN_DIRECTORY, MACHINE)
+"""The sections of ``grpo-core run --help``, in order; every setting names one."""
+
+
+def _field(
+    default: Any,
+    help: str,
+    section: str,
+    *,
+    resumable: bool = False,
+    from_text: Callable[[str], Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A setting: its default, its ``--help`` text and section, and whether ``--resume`` may change it.
+
+    ``resumable`` settings change nothing a step computes (limits, bookkeeping). ``from_text``
+    reads the value as a user typed it in a flag or a TOML file (applied once, where it enters).
+    """
+    metadata = {"help": help, "section": section, "resumable": resumable, "from_text": from_text}
+    if isinstance(default, (list, dict)):
+        return attrs.field(factory=lambda: type(default)(default), metadata=metadata, **kwargs)
+    return attrs.field(default=default, metadata=metadata, **kwargs)
 
 
 def _non_negative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -62,10 +92,58 @@ def default_threads() -> int:
     return max(1, cpus // 2)
 
 
+def decode_escapes(template: str) -> str:
+    r"""``\n``, ``\t`` and ``\\`` typed in a shell (a backslash and a letter) as the characters they name."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], template)
+
+
+def parse_reward_spec(spec: str) -> tuple[str, float]:
+    """``"format:0.1"`` -> ("format", 0.1); a bare name weighs 1."""
+    if not isinstance(spec, str):
+        raise PluginError(f"reward {spec!r}: expected NAME[:WEIGHT]")
+    name, sep, weight = spec.partition(":")
+    if not name:
+        raise PluginError(f"reward '{spec}': no name (use NAME[:WEIGHT])")
+    if not sep:
+        return spec, 1.0
+    try:
+        return name, _weight(name, float(weight))
+    except ValueError:
+        raise PluginError(f"reward '{spec}': weight '{weight}' is not a number (use NAME[:WEIGHT])") from None
+
+
+def _weight(name: str, weight: float) -> float:
+    if not math.isfinite(weight):
+        raise PluginError(f"reward '{name}': weight must be a finite number, got {weight}")
+    return weight
+
+
+def reward_weights(value: str | Iterable[str] | Mapping[str, Any]) -> dict[str, float]:
+    """The selected rewards as {name: weight}, from ``NAME[:WEIGHT]`` specs (``--reward``, a TOML
+    ``reward`` list) or from a mapping (``[reward.NAME] weight = ...`` tables, config.json)."""
+    if isinstance(value, Mapping):
+        pairs = []
+        for name, weight in value.items():
+            try:
+                pairs.append((name, _weight(name, coerce(weight, float))))
+            except (TypeError, ValueError):
+                raise PluginError(f"reward '{name}': weight {weight!r} is not a number") from None
+    else:
+        pairs = [parse_reward_spec(spec) for spec in ([value] if isinstance(value, str) else value)]
+    weights: dict[str, float] = {}
+    for name, weight in pairs:
+        if name in weights:
+            raise PluginError(f"reward '{name}' is selected twice")
+        weights[name] = weight
+    return weights
+
+
 @attrs.define
 class RunConfig:
-    # What to train on.
-    model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model")
+    """Every setting of a run. A new one is one ``_field`` line here: its flag, TOML key, ``--help``
+    entry (in its section) and whether ``--resume`` may change it all follow from it."""
+
+    model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model", MODEL_AND_DATA)
     dataset: str = _field(
         DEFAULT,
         (
@@ -73,90 +151,116 @@ class RunConfig:
             "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); "
             "'default' or 'default:train' = the embedded task's train split, 'default:test' its test split"
         ),
+        MODEL_AND_DATA,
     )
-    prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)")
-    answer_field: str = _field("answer", "dataset field holding the reference answer")
+    prompt_field: str = _field("question", "dataset field holding the prompt text (or a 'messages' list)", MODEL_AND_DATA)
+    answer_field: str = _field("answer", "dataset field holding the reference answer", MODEL_AND_DATA)
     prompt_template: str | None = _field(
         None,
         (
             "format of the prompt text with {prompt} (\\n and \\t typed in a shell are a line break and a tab); "
             "default: the embedded task's, else '{prompt}'"
         ),
+        MODEL_AND_DATA,
+        from_text=decode_escapes,
     )
-    max_rows: int | None = _field(None, "use at most this many dataset rows", validator=_positive)
-    epochs: int = _field(1, "passes over the dataset", validator=_positive)
-    max_steps: int | None = _field(None, "stop after this many optimizer steps", validator=_positive)
-    shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch")
-    skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping")
+    max_rows: int | None = _field(None, "use at most this many dataset rows", MODEL_AND_DATA, validator=_positive)
+    skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping", MODEL_AND_DATA)
+    epochs: int = _field(1, "passes over the dataset", MODEL_AND_DATA, validator=_positive)
+    max_steps: int | None = _field(None, "stop after this many optimizer steps", MODEL_AND_DATA, resumable=True, validator=_positive)
+    shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch", MODEL_AND_DATA)
 
-    # Plugins.
-    backend: str = _field("local", "trainer backend (the policy being trained, and its reference)")
-    sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's")
-    rollout: str = _field("single_turn", "rollout plugin")
+    backend: str = _field("local", "trainer backend (the policy being trained, and its reference)", PLUGINS)
+    sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's", PLUGINS)
+    rollout: str = _field("single_turn", "rollout plugin", PLUGINS)
     env: str | None = _field(
-        None, "environment plugin the policy converses with (a multi-turn rollout, e.g. --rollout multi_turn --env retry_math)"
+        None,
+        "environment plugin the policy converses with (a multi-turn rollout, e.g. --rollout multi_turn --env retry_math)",
+        PLUGINS,
     )
-    tool: list[str] = _field([], "tool plugin the policy may call in a multi-turn rollout; repeat for several")
-    reward: list[str] = _field([], "reward plugins as NAME[:WEIGHT]; repeat for several (default: gsm8k, or env when --env is given)")
-    advantage: str = _field("grpo", "advantage plugin")
-    loss: list[str] = _field(["grpo"], "loss plugin, plus wrappers such as tis; repeat for several")
-    logger: list[str] = _field(["console", "jsonl"], "on_step plugins (loggers, checkpoints); repeat for several")
-    weight_sync: str | None = _field(None, "weight sync plugin; default: the backend's")
+    tool: list[str] = _field([], "tool plugin the policy may call in a multi-turn rollout; repeat for several", PLUGINS)
+    reward: dict[str, float] = _field(
+        {},
+        "reward plugin and its weight (1 when not given); repeat for several (default: gsm8k, or env when --env is given)",
+        PLUGINS,
+        converter=reward_weights,
+    )
+    advantage: str = _field("grpo", "advantage plugin", PLUGINS)
+    loss: list[str] = _field(["grpo"], "loss plugin, plus wrappers such as tis; repeat for several", PLUGINS)
+    logger: list[str] = _field(["console", "jsonl"], "on_step plugins (loggers, checkpoints); repeat for several", PLUGINS)
+    weight_sync: str | None = _field(None, "weight sync plugin; default: the backend's", PLUGINS)
     plugin_options: dict[str, dict[str, dict[str, Any]]] = attrs.field(
         factory=dict, metadata={"help": "kind -> plugin -> options", "cli": False}
     )
 
-    # The GRPO step.
-    prompt_groups_per_step: int = _field(8, "prompts per optimizer step", validator=_positive)
-    completions_per_prompt: int = _field(8, "group size G (at least 2)", validator=_at_least_two)
-    max_completion_tokens: int = _field(32, "max generated tokens per completion", validator=_positive)
-    temperature: float = _field(1.0, "sampling temperature (0 = greedy, for eval)", validator=_non_negative)
-    top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)")
-    top_k: int = _field(0, "top-k sampling (0 = off)")
-    stop: list[str] = _field([], "stop string; repeat for several")
-    drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)")
-    weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", validator=_positive)
+    prompt_groups_per_step: int = _field(8, "prompts per optimizer step", GRPO_STEP, validator=_positive)
+    completions_per_prompt: int = _field(8, "group size G (at least 2)", GRPO_STEP, validator=_at_least_two)
+    max_completion_tokens: int = _field(32, "max generated tokens per completion", GRPO_STEP, validator=_positive)
+    temperature: float = _field(1.0, "sampling temperature (0 = greedy, for eval)", GRPO_STEP, validator=_non_negative)
+    top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)", GRPO_STEP)
+    top_k: int = _field(0, "top-k sampling (0 = off)", GRPO_STEP)
+    stop: list[str] = _field([], "stop string; repeat for several", GRPO_STEP)
+    drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)", GRPO_STEP)
+    weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", GRPO_STEP, validator=_positive)
     anchor: Literal["old_policy", "sampling"] = _field(
-        "old_policy", "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)"
+        "old_policy",
+        "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)",
+        GRPO_STEP,
     )
-    max_reward_failures_in_a_row: int = _field(64, "stop the run after this many samples in a row whose reward failed", validator=_positive)
+    max_reward_failures_in_a_row: int = _field(
+        64, "stop the run after this many samples in a row whose reward failed", GRPO_STEP, resumable=True, validator=_positive
+    )
     reward_timeout: float = _field(
-        300.0, "seconds one reward call may take before its samples fail (0 = no limit)", validator=_non_negative
+        300.0,
+        "seconds one reward call may take before its samples fail (0 = no limit)",
+        GRPO_STEP,
+        resumable=True,
+        validator=_non_negative,
     )
     max_samples_per_fwd_bwd: int | None = _field(
-        None, "split a step into forward/backward calls of at most this many samples", validator=_positive
+        None, "split a step into forward/backward calls of at most this many samples", GRPO_STEP, validator=_positive
     )
-    min_samples_per_fwd_bwd: int = _field(1, "a last forward/backward call with fewer samples joins the one before", validator=_positive)
+    min_samples_per_fwd_bwd: int = _field(
+        1, "a last forward/backward call with fewer samples joins the one before", GRPO_STEP, validator=_positive
+    )
 
-    # Optimizer.
-    learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", validator=_non_negative)
-    lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup")
-    warmup_steps: int = _field(0, "linear warmup steps", validator=_non_negative)
-    beta1: float = _field(0.9, "Adam beta1, in [0, 1)", validator=_unit_interval)
-    beta2: float = _field(0.999, "Adam beta2, in [0, 1)", validator=_unit_interval)
-    adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", validator=_positive)
-    weight_decay: float = _field(0.0, "AdamW weight decay", validator=_non_negative)
-    grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", validator=_non_negative)
+    learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", OPTIMIZER, validator=_non_negative)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup", OPTIMIZER)
+    warmup_steps: int = _field(0, "linear warmup steps", OPTIMIZER, validator=_non_negative)
+    beta1: float = _field(0.9, "Adam beta1, in [0, 1)", OPTIMIZER, validator=_unit_interval)
+    beta2: float = _field(0.999, "Adam beta2, in [0, 1)", OPTIMIZER, validator=_unit_interval)
+    adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", OPTIMIZER, validator=_positive)
+    weight_decay: float = _field(0.0, "AdamW weight decay", OPTIMIZER, validator=_non_negative)
+    grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", OPTIMIZER, validator=_non_negative)
     max_nonfinite_steps_in_a_row: int = _field(
-        3, "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run", validator=_positive
+        3,
+        "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run",
+        OPTIMIZER,
+        resumable=True,
+        validator=_positive,
     )
 
-    # LoRA (peft) on the local trainer; lora_rank also on the tinker trainer.
     lora_rank: int = _field(
-        0, "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)", validator=_non_negative
+        0,
+        "LoRA rank: train low-rank adapters instead of every weight (0 = off, full fine-tuning)",
+        LORA,
+        validator=_non_negative,
     )
-    lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", validator=_positive)
+    lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", LORA, validator=_positive)
     lora_target_modules: list[str] = _field(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "modules that get adapters (names as in the model; the default fits Llama/Qwen-style models); repeat for several",
+        LORA,
     )
 
-    # Asynchronous loop.
     loop: Literal["sync", "async"] = _field(
-        "sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)"
+        "sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)", ASYNC
     )
     max_head_offpolicy_versions: int = _field(
-        1, "async: a trained sample is at most this many policy versions older than the trainer (0 = on-policy)", validator=_non_negative
+        1,
+        "async: a trained sample is at most this many policy versions older than the trainer (0 = on-policy)",
+        ASYNC,
+        validator=_non_negative,
     )
     max_concurrent: int | None = _field(
         None,
@@ -164,41 +268,67 @@ class RunConfig:
             "async: most rollout calls in flight at once (default: all the gate admits, "
             "prompt_groups_per_step x (max_head_offpolicy_versions + 1), times completions_per_prompt for a per_trajectory rollout)"
         ),
+        ASYNC,
+        resumable=True,
         validator=_positive,
     )
     synchronous_training: bool = _field(
-        False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)"
+        False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)", ASYNC
     )
     minibatches_per_step: int = _field(
-        1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", validator=_positive
+        1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", ASYNC, validator=_positive
     )
     rollout_retries: int = _field(
-        3, "async: retries of a rollout that raised a retryable error (timeouts, connection errors)", validator=_non_negative
+        3,
+        "async: retries of a rollout that raised a retryable error (timeouts, connection errors)",
+        ASYNC,
+        resumable=True,
+        validator=_non_negative,
     )
-    rollout_retry_backoff: float = _field(1.0, "async: seconds before the first retry, doubled at each next one", validator=_non_negative)
-    max_rollout_failures_in_a_row: int = _field(8, "async: stop the run after this many rollouts in a row failed", validator=_positive)
+    rollout_retry_backoff: float = _field(
+        1.0, "async: seconds before the first retry, doubled at each next one", ASYNC, resumable=True, validator=_non_negative
+    )
+    max_rollout_failures_in_a_row: int = _field(
+        8, "async: stop the run after this many rollouts in a row failed", ASYNC, resumable=True, validator=_positive
+    )
     max_rollout_failure_rate: float = _field(
-        0.5, "async: stop the run when more than this share of the last rollout_failure_window rollouts failed", validator=_non_negative
+        0.5,
+        "async: stop the run when more than this share of the last rollout_failure_window rollouts failed",
+        ASYNC,
+        resumable=True,
+        validator=_non_negative,
     )
-    rollout_failure_window: int = _field(50, "async: rollouts over which the failure rate is measured", validator=_positive)
+    rollout_failure_window: int = _field(
+        50, "async: rollouts over which the failure rate is measured", ASYNC, resumable=True, validator=_positive
+    )
 
-    # Machine and bookkeeping.
-    device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
-    dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = _field(
-        None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive
+    run_dir: str | None = _field(
+        None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)", RUN_DIRECTORY
     )
-    seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)")
-    run_dir: str | None = _field(None, "where to write config, metrics, checkpoints and the final policy (default runs/<time>)")
     checkpoint_every: int = _field(
-        50, "write a checkpoint every N steps, and always at the end (0 = only at the end)", validator=_non_negative
+        50,
+        "write a checkpoint every N steps, and always at the end (0 = only at the end)",
+        RUN_DIRECTORY,
+        resumable=True,
+        validator=_non_negative,
     )
-    keep_checkpoints: int = _field(2, "keep the newest K checkpoints", validator=_positive)
+    keep_checkpoints: int = _field(2, "keep the newest K checkpoints", RUN_DIRECTORY, resumable=True, validator=_positive)
+
+    device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU", MACHINE)
+    dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU", MACHINE)
+    threads: int | None = _field(
+        None,
+        "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)",
+        MACHINE,
+        resumable=True,
+        validator=_positive,
+    )
+    seed: int = _field(0, "seed for data order, sampling and init (CPU runs repeat exactly)", MACHINE)
 
     def __attrs_post_init__(self) -> None:
         if not self.reward:
             # An environment scores its own conversations; without one the embedded task's reward.
-            self.reward = ["env"] if self.env else ["gsm8k"]
+            self.reward = {"env" if self.env else "gsm8k": 1.0}
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -226,15 +356,21 @@ def cli_fields() -> list[attrs.Attribute]:
     return [f for f in attrs.fields(RunConfig) if f.metadata.get("cli", True)]
 
 
-def parse_reward_spec(spec: str) -> tuple[str, float]:
-    """``"format:0.1"`` -> ("format", 0.1); a bare name weighs 1."""
-    name, sep, weight = spec.partition(":")
-    if not sep:
-        return spec, 1.0
-    try:
-        return name, float(weight)
-    except ValueError:
-        raise PluginError(f"reward '{spec}': weight '{weight}' is not a number (use NAME[:WEIGHT])") from None
+def resumable_fields() -> list[str]:
+    """Settings a resumed run may change: none of them changes what a step computes."""
+    return [f.name for f in cli_fields() if f.metadata["resumable"]]
+
+
+def typed_value(field: attrs.Attribute, value: Any) -> Any:
+    """A value (a flag's text, a TOML or JSON value) as ``field`` holds it."""
+    value = coerce([value] if field.type == list[str] and isinstance(value, str) else value, field.type)
+    return field.converter(value) if field.converter is not None else value
+
+
+def given_value(field: attrs.Attribute, value: Any) -> Any:
+    """A value a user gave (a flag, a TOML key) as ``field`` holds it: its text is read here, once."""
+    from_text = field.metadata.get("from_text")
+    return typed_value(field, from_text(value) if from_text is not None and isinstance(value, str) else value)
 
 
 def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[str, dict[str, Any]]:
@@ -261,15 +397,6 @@ def selected_names(config: RunConfig, kind: str) -> list[str]:
     return selected_names_from(attrs.asdict(config), kind)
 
 
-RESUMABLE = (
-    "max_steps", "checkpoint_every", "keep_checkpoints", "threads", "reward_timeout",
-    "max_nonfinite_steps_in_a_row", "max_reward_failures_in_a_row",
-    "max_concurrent", "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
-    "rollout_failure_window",
-)  # fmt: skip
-"""Settings a resumed run may change: none of them changes what a step computes."""
-
-
 def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
     """The config of the run in ``run_dir``, with the changes ``--resume`` allows.
 
@@ -284,15 +411,21 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     stored = json.loads(path.read_text())
     fields = {f.name: f for f in cli_fields()}
     refused = []
+    resumable = resumable_fields()
     for key, value in overrides.items():
         if key not in fields:
             raise PluginError(f"unknown config key '{key}'")
-        if key in RESUMABLE:
+        try:
+            value = given_value(fields[key], value)
+            changed = value != typed_value(fields[key], stored.get(key))
+        except (TypeError, ValueError) as exc:
+            raise PluginError(f"config '{key}': {exc}") from None
+        if key in resumable:
             stored[key] = value
-        elif coerce([value] if fields[key].type == list[str] and isinstance(value, str) else value, fields[key].type) != stored.get(key):
+        elif changed:
             refused.append(f"--{key.replace('_', '-')}")
     if refused:
-        allowed = ", ".join(f"--{k.replace('_', '-')}" for k in RESUMABLE)
+        allowed = ", ".join(f"--{k.replace('_', '-')}" for k in resumable)
         raise PluginError(f"--resume continues the run as it was configured: {', '.join(refused)} cannot change (allowed: {allowed})")
     options: dict[str, dict[str, dict[str, Any]]] = stored.pop("plugin_options", {}) or {}
     for kind, items in plugin_opts.items():
@@ -308,7 +441,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
         raise PluginError(f"--resume: secret options were not saved; give them again ({', '.join(missing)}), e.g. as env:VARIABLE")
     stored["run_dir"] = str(run_dir)
     try:
-        config = RunConfig(**{k: coerce(v, fields[k].type) for k, v in stored.items() if k in fields})
+        config = RunConfig(**{k: typed_value(fields[k], v) for k, v in stored.items() if k in fields})
     except (TypeError, ValueError) as exc:
         raise PluginError(f"{path}: {exc}") from None
     config.plugin_options = options
@@ -317,11 +450,9 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
 
 def selected_names_from(stored: dict[str, Any], kind: str) -> list[str]:
     value = stored.get(kind)
-    if kind == "reward":
-        return [parse_reward_spec(s)[0] for s in value or []]
     if value is None:
         return []
-    return list(value) if isinstance(value, list) else [value]
+    return list(value) if isinstance(value, (list, dict)) else [value]
 
 
 def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
@@ -341,9 +472,11 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
                 # [loss.cispo] both selects a plugin and sets its options; a reward table may
                 # carry its weight.
                 table_opts[key] = {name: dict(opts) for name, opts in value.items()}
-                weights = {name: opts.pop("weight", None) for name, opts in table_opts[key].items()} if key == "reward" else {}
-                names = [f"{n}:{w}" if w is not None else n for n, w in weights.items()] if key == "reward" else list(value)
-                values[key] = names if key in MULTI_KINDS else (names[0] if len(names) == 1 else names)
+                if key == "reward":
+                    values[key] = {name: opts.pop("weight", 1.0) for name, opts in table_opts[key].items()}
+                else:
+                    names = list(value)
+                    values[key] = names if key in MULTI_KINDS else (names[0] if len(names) == 1 else names)
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -359,10 +492,8 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         field = fields.get(key)
         if field is None:
             raise PluginError(f"unknown config key '{key}'" + (f" in {config_file}" if config_file else ""))
-        if field.type in (list[str],) and isinstance(value, str):
-            value = [value]
         try:
-            kwargs[key] = coerce(value, field.type)
+            kwargs[key] = given_value(field, value)
         except (TypeError, ValueError) as exc:
             raise PluginError(f"config '{key}': {exc}") from None
     try:

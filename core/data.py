@@ -54,7 +54,7 @@ class Dataset:
     name: str
     """What identifies it to a user: ``default:test`` for an embedded split, else the path."""
     template: str
-    """The prompt template in effect (escapes decoded, the embedded task's when it is used)."""
+    """The prompt template in effect (the embedded task's when none is given)."""
     skipped_bad_rows: list[str] = attrs.field(factory=list)
     skipped_long_prompts: list[str] = attrs.field(factory=list)
 
@@ -95,14 +95,9 @@ def dataset_name(dataset: str) -> str:
     return f"{EMBEDDED}:{split}" if split else dataset
 
 
-def decode_escapes(template: str) -> str:
-    r"""``\n``, ``\t`` and ``\\`` typed in a shell (a backslash and a letter) as the characters they name."""
-    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], template)
-
-
 def resolve_template(config: RunConfig) -> str:
     if config.prompt_template is not None:
-        return decode_escapes(config.prompt_template)
+        return config.prompt_template
     return DEFAULT_TASK_TEMPLATE if embedded_split(config.dataset) else "{prompt}"
 
 

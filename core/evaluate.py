@@ -11,7 +11,9 @@ import math
 import sys
 from typing import Any
 
-from grpo_core.config import RunConfig
+import attrs
+
+from grpo_core.config import RunConfig, cli_fields, typed_value
 from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
 from grpo_core.loop import sampling_params, seed_everything
@@ -31,12 +33,12 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
     return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
-def eval_config(overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tuple[RunConfig, str]:
+def eval_config(flags: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tuple[RunConfig, str]:
     """The config of an eval: flags first, then the prompt settings saved beside the model, then defaults.
 
     Returns the config and a phrase saying where its prompt settings came from.
     """
-    values = dict(overrides)
+    values = dict(flags)
     model = str(values.get("model", "default"))
     settings = read_prompt_settings(model)
     if "dataset" not in values:
@@ -47,30 +49,27 @@ def eval_config(overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) ->
         values["dataset"] = EVAL_DATASET
     if settings is None:
         return load_config(None, values, plugin_opts), "prompt settings: flags and defaults (none saved with the model)"
-    from_settings = [key for key in SAVED_SETTINGS if key not in values and key in settings]
-    values.update({key: settings[key] for key in from_settings})
-    if "prompt_template" in from_settings:
-        # Saved as used; escaped again because the template is decoded once more (\n typed in a shell).
-        values["prompt_template"] = values["prompt_template"].replace("\\", "\\\\")
-    opts = {kind: list(items) for kind, items in plugin_opts.items()}
-    if values.setdefault("rollout", settings.get("rollout")) == settings.get("rollout"):
-        # Saved first, so a --rollout-opt given for the same option wins.
-        saved = [f"{key}={_as_flag(value)}" for key, value in settings.get("rollout_options", {}).items()]
-        opts["rollout"] = saved + opts.get("rollout", [])
-    given = sorted(key for key in SAVED_SETTINGS if key in overrides)
+    if "rollout" not in values and settings.get("rollout") is not None:
+        values["rollout"] = settings["rollout"]
+    config = load_config(None, values, plugin_opts)
     origin = f"prompt settings from {model}/{PROMPT_SETTINGS_FILE}"
+    # The saved settings are values as the run used them, not text typed by a user: they are set
+    # as they are, where a flag does not give them.
+    fields = {f.name: f for f in cli_fields()}
+    try:
+        saved = {key: typed_value(fields[key], settings[key]) for key in SAVED_SETTINGS if key not in flags and key in settings}
+        config = attrs.evolve(config, **saved)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"{origin}: {exc}") from None
+    if config.rollout == settings.get("rollout"):
+        # Saved first, so a --rollout-opt given for the same option wins.
+        options = {**settings.get("rollout_options", {}), **config.options_for("rollout", config.rollout)}
+        if options:
+            config.plugin_options = {**config.plugin_options, "rollout": {config.rollout: options}}
+    given = sorted(key for key in SAVED_SETTINGS if key in flags)
     if given:
         origin += f" (flags win: {', '.join('--' + key.replace('_', '-') for key in given)})"
-    return load_config(None, values, opts), origin
-
-
-def _as_flag(value: Any) -> str:
-    """A saved option as the ``--rollout-opt`` text that parses back to it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return ",".join(map(str, value))
-    return str(value)
+    return config, origin
 
 
 def evaluate(

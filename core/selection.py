@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pluggy
 
-from grpo_core.config import RunConfig, parse_reward_spec
+from grpo_core.config import RunConfig
 from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, coerce_options, find, instantiate, is_wrapper
 
 
@@ -78,10 +78,9 @@ def select_plugins(config: RunConfig) -> Selection:
     sampler_cls = find(names["sampler"][0], "sampler").load_valid()
     default_sync = getattr(sampler_cls, "default_weight_sync", None) or getattr(backend_cls, "default_weight_sync", "in_process")
     names["weight_sync"] = [config.weight_sync or default_sync]
-    reward_specs = [parse_reward_spec(spec) for spec in config.reward]
-    if not reward_specs:
+    if not config.reward:
         raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
-    names["reward"] = [name for name, _ in reward_specs]
+    names["reward"] = list(config.reward)
 
     plugins: dict[str, dict[str, Any]] = {}
     typed_options: dict[str, dict[str, dict[str, Any]]] = {}
@@ -101,7 +100,7 @@ def select_plugins(config: RunConfig) -> Selection:
     check_single_choice(plugins)
     config.plugin_options = typed_options
 
-    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in reward_specs]
+    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items()]
     check_conversation(config, plugins, rewards)
     loss = next(p for p in plugins["loss"].values() if not is_wrapper(p, "loss"))
     manager = build_manager(p for by_name in plugins.values() for p in by_name.values())

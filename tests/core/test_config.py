@@ -12,7 +12,7 @@ def test_toml_then_cli_overrides_and_plugin_tables(tmp_path):
     path.write_text("max_steps = 7\nlearning_rate = 0.001\n[loss.grpo]\neps_high = 0.3\n[reward.gsm8k]\nstrict = true\nweight = 2.0\n")
     config = load(str(path), {"max_steps": 3}, {"loss": ["kl_beta=0"]})
     assert config.max_steps == 3 and config.learning_rate == 0.001
-    assert config.loss == ["grpo"] and config.reward == ["gsm8k:2.0"]
+    assert config.loss == ["grpo"] and config.reward == {"gsm8k": 2.0}
     assert config.plugin_options["loss"]["grpo"] == {"eps_high": 0.3, "kl_beta": "0"}
     assert config.plugin_options["reward"]["gsm8k"] == {"strict": True}
 
@@ -21,7 +21,7 @@ def test_toml_selection_without_options_and_cli_selection_wins(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('loss = "grpo"\nreward = ["gsm8k", "format:0.1"]\n[advantage.rloo]\n')
     config = load(str(path), {}, {})
-    assert config.loss == ["grpo"] and config.reward == ["gsm8k", "format:0.1"] and config.advantage == "rloo"
+    assert config.loss == ["grpo"] and config.reward == {"gsm8k": 1.0, "format": 0.1} and config.advantage == "rloo"
     assert load(str(path), {"advantage": "grpo"}, {}).advantage == "grpo"
 
 
@@ -116,8 +116,8 @@ def test_env_and_tools_are_selected_by_flags_and_tables(tmp_path):
 
 
 def test_the_default_reward_is_the_environments_when_one_is_selected():
-    assert RunConfig().reward == ["gsm8k"]
-    assert RunConfig(env="retry_math").reward == ["env"]
-    assert RunConfig(env="retry_math", reward=["gsm8k"]).reward == ["gsm8k"]
-    assert load(None, {"env": "retry_math"}, {}).reward == ["env"]
-    assert load(None, {"env": "retry_math", "reward": ["gsm8k", "env:0.5"]}, {}).reward == ["gsm8k", "env:0.5"]
+    assert RunConfig().reward == {"gsm8k": 1.0}
+    assert RunConfig(env="retry_math").reward == {"env": 1.0}
+    assert RunConfig(env="retry_math", reward=["gsm8k"]).reward == {"gsm8k": 1.0}
+    assert load(None, {"env": "retry_math"}, {}).reward == {"env": 1.0}
+    assert load(None, {"env": "retry_math", "reward": ["gsm8k", "env:0.5"]}, {}).reward == {"gsm8k": 1.0, "env": 0.5}

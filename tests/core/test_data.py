@@ -8,13 +8,13 @@ import attrs
 import pytest
 
 from grpo_core import PluginError
+from grpo_core.config import decode_escapes, load
 from grpo_core.data import (
     ASSETS,
     DEFAULT_TASK_TEMPLATE,
     PROMPT_SETTINGS_FILE,
     DataError,
     check_prompt_lengths,
-    decode_escapes,
     load_dataset,
     load_prompts,
     prompt_batches,
@@ -196,7 +196,8 @@ def test_embedded_splits_by_name_or_path_keep_the_task_template(tmp_path):
     copy.write_text((ASSETS / "task" / "train.jsonl").read_text())
     other = load_dataset(config_for(dataset=str(copy), max_rows=1))
     assert (other.name, other.template) == (str(copy), "{prompt}") and not other.prompts[0].text.startswith("Question:")
-    typed = load_dataset(config_for(dataset=str(copy), max_rows=1, prompt_template=r"Q: {prompt}\nA:"))
+    # A template as typed in a shell: the config reads its escapes once, where it is given.
+    typed = load_dataset(load(None, {"dataset": str(copy), "max_rows": 1, "prompt_template": r"Q: {prompt}\nA:"}, {}))
     assert typed.template == "Q: {prompt}\nA:" and typed.prompts[0].text.endswith("?\nA:")
 
 
@@ -279,8 +280,6 @@ def test_single_turn_chat_template_counts_in_the_length_check(tiny_model_dir, tm
 
 
 def test_prompt_settings_round_trip(tmp_path):
-    from grpo_core.config import load
-
     config = load(None, {"dataset": "default", "stop": ["\n\n"], "max_completion_tokens": 12}, {"rollout": ["chat_template=false"]})
     path = write_prompt_settings(tmp_path, config)
     assert path == tmp_path / PROMPT_SETTINGS_FILE
