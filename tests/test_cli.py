@@ -1,4 +1,4 @@
-"""End-to-end: the real ``grpo-core`` command in a subprocess."""
+"""End-to-end: the real ``grpo-core`` command in a subprocess (its option parsing and --help in-process)."""
 
 from __future__ import annotations
 
@@ -349,3 +349,54 @@ def test_lora_run_on_the_embedded_task_learns(tmp_path):
 
     checkpoint = max((tmp_path / "run" / "checkpoints").iterdir())
     assert set(torch.load(checkpoint / "trainer.pt", weights_only=True)) == {"adapter", "optimizer", "version"}
+
+
+def test_run_help_lists_every_option_in_its_section_in_order():
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+    from grpo_core.config import PLUGINS, SECTIONS, cli_fields
+
+    text = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
+    flags: dict[str, list[str]] = {}
+    for block in text.split("\n\n"):
+        title, *rows = block.splitlines()
+        if title.endswith(":") and rows:
+            flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
+    assert list(flags) == [*SECTIONS, "Other"] and flags["Other"] == ["-h"]
+    for field in cli_fields():
+        assert f"--{field.name.replace('_', '-')}" in flags[field.metadata["section"]], field.name
+    assert flags[PLUGINS][-2:] == ["--loss-opt", "--logger-opt"] and "  --reward NAME[:WEIGHT] " in text
+    assert flags["Run directory, checkpoints, resume"][-3:] == ["--config", "--resume", "--overwrite"]
+    assert flags["Machine"][-1] == "--debug"
+
+
+def captured_run_config(monkeypatch, *args: str) -> tuple[int, str, object]:
+    """What ``grpo-core run ARGS`` hands the training loop (which is not started), with its exit code and output."""
+    from click.testing import CliRunner
+
+    import grpo_core.loop
+    from grpo_core.cli import main
+
+    seen = []
+    monkeypatch.setattr(grpo_core.loop, "run", lambda config, **kwargs: seen.append(config) or {"exit_code": 0})
+    out = CliRunner().invoke(main, ["run", *args])
+    return out.exit_code, out.output, (seen[0] if seen else None)
+
+
+def test_reward_weights_from_flags_and_from_a_toml_table_reach_the_run_as_the_same_value(monkeypatch, tmp_path):
+    code, _, from_flags = captured_run_config(monkeypatch, "--reward", "gsm8k", "--reward", "format:0.1")
+    assert code == 0 and from_flags.reward == {"gsm8k": 1.0, "format": 0.1}
+    path = tmp_path / "run.toml"
+    path.write_text("[reward.gsm8k]\n[reward.format]\nweight = 0.1\n")
+    code, _, from_toml = captured_run_config(monkeypatch, "--config", str(path))
+    assert code == 0 and from_toml.reward == from_flags.reward
+    code, output, _ = captured_run_config(monkeypatch, "--reward", "format:x")
+    assert code == 1 and "error: reward 'format:x': weight 'x' is not a number (use NAME[:WEIGHT])" in output
+    code, output, _ = captured_run_config(monkeypatch, "--reward", "gsm8k", "--reward", "gsm8k:2")
+    assert code == 1 and "error: reward 'gsm8k' is selected twice" in output
+
+
+def test_a_template_typed_on_the_command_line_has_its_escapes_read_once(monkeypatch):
+    code, _, config = captured_run_config(monkeypatch, "--prompt-template", r'Q: {prompt}\n"A\\n":')
+    assert code == 0 and config.prompt_template == 'Q: {prompt}\n"A\\n":'

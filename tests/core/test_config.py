@@ -121,3 +121,98 @@ def test_the_default_reward_is_the_environments_when_one_is_selected():
     assert RunConfig(env="retry_math", reward=["gsm8k"]).reward == {"gsm8k": 1.0}
     assert load(None, {"env": "retry_math"}, {}).reward == {"env": 1.0}
     assert load(None, {"env": "retry_math", "reward": ["gsm8k", "env:0.5"]}, {}).reward == {"gsm8k": 1.0, "env": 0.5}
+
+
+def test_every_setting_names_a_help_section_and_says_whether_resume_may_change_it():
+    from grpo_core.config import SECTIONS, cli_fields
+
+    for field in cli_fields():
+        assert field.metadata.get("section") in SECTIONS, f"{field.name}: declare it with _field(default, help, SECTION)"
+        assert field.metadata["help"] and isinstance(field.metadata["resumable"], bool), field.name
+
+
+def test_the_settings_resume_may_change_are_those_marked_resumable():
+    from grpo_core.config import resumable_fields
+
+    assert resumable_fields() == [
+        "max_steps", "max_reward_failures_in_a_row", "reward_timeout", "max_nonfinite_steps_in_a_row", "max_concurrent",
+        "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
+        "rollout_failure_window", "checkpoint_every", "keep_checkpoints", "threads",
+    ]  # fmt: skip
+
+
+def stored_run(tmp_path, **values):
+    """A run directory holding the config.json of a run made with these values."""
+    load(None, values, {}).write(tmp_path / "config.json")
+    return str(tmp_path)
+
+
+def test_resume_changes_only_resumable_settings_and_compares_the_rest_as_typed(tmp_path):
+    from grpo_core.config import load_resumed
+
+    run_dir = stored_run(tmp_path, reward=["gsm8k", "format:0.5"], prompt_template=r"Q: {prompt}\nA:", max_steps=3)
+    resumed = load_resumed(run_dir, {"max_steps": "8", "keep_checkpoints": 4}, {})
+    assert (resumed.max_steps, resumed.keep_checkpoints, resumed.run_dir) == (8, 4, run_dir)
+    assert resumed.reward == {"gsm8k": 1.0, "format": 0.5} and resumed.prompt_template == "Q: {prompt}\nA:"
+    # The stored values given again, as typed on a command line, are no change.
+    again = load_resumed(run_dir, {"reward": ["gsm8k", "format:0.5"], "prompt_template": r"Q: {prompt}\nA:"}, {})
+    assert again.reward == {"gsm8k": 1.0, "format": 0.5} and again.prompt_template == "Q: {prompt}\nA:"
+    with pytest.raises(PluginError, match=r"--reward, --learning-rate cannot change \(allowed: --max-steps, "):
+        load_resumed(run_dir, {"reward": ["gsm8k", "format:0.6"], "learning_rate": "0.5"}, {})
+    with pytest.raises(PluginError, match="--prompt-template cannot change"):
+        load_resumed(run_dir, {"prompt_template": r"Q: {prompt}\\nA:"}, {})
+    with pytest.raises(PluginError, match="config 'max_steps': expected an integer"):
+        load_resumed(run_dir, {"max_steps": "many"}, {})
+
+
+def test_a_stored_template_is_read_as_saved_not_decoded_again(tmp_path):
+    from grpo_core.config import load_resumed
+
+    run_dir = stored_run(tmp_path, prompt_template=r"a\\nb {prompt}")
+    assert load(None, {"prompt_template": r"a\\nb {prompt}"}, {}).prompt_template == "a\\nb {prompt}"
+    assert load_resumed(run_dir, {}, {}).prompt_template == "a\\nb {prompt}"
+
+
+def test_a_template_from_a_toml_file_has_its_escapes_read_once(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("prompt_template = 'Q: {prompt}\\n\"A\\\\t\":'\n")
+    assert load(str(path), {}, {}).prompt_template == 'Q: {prompt}\n"A\\t":'
+
+
+def test_reward_weights_from_a_toml_table_a_toml_list_and_flags_are_the_same_typed_value(tmp_path):
+    tables = tmp_path / "tables.toml"
+    tables.write_text("[reward.gsm8k]\nstrict = true\n[reward.format]\nweight = 0.1\n")
+    listed = tmp_path / "list.toml"
+    listed.write_text('reward = ["gsm8k", "format:0.1"]\n')
+    from_tables, from_list = load(str(tables), {}, {}), load(str(listed), {}, {})
+    from_flags = load(None, {"reward": ["gsm8k", "format:0.1"]}, {})
+    assert from_tables.reward == from_list.reward == from_flags.reward == {"gsm8k": 1.0, "format": 0.1}
+    assert list(from_tables.reward) == ["gsm8k", "format"]  # the order given is the order scored and logged
+    assert from_tables.plugin_options == {"reward": {"gsm8k": {"strict": True}}}  # the weight is no plugin option
+    assert load(None, {"reward": "format:2"}, {}).reward == {"format": 2.0}
+    assert load(str(tables), {"reward": ["format:3"]}, {}).reward == {"format": 3.0}  # flags win
+
+
+@pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        (["format:x"], "reward 'format:x': weight 'x' is not a number"),
+        (["gsm8k", "gsm8k:2"], "reward 'gsm8k' is selected twice"),
+        ([":2"], r"reward ':2': no name \(use NAME\[:WEIGHT\]\)"),
+        (["format:nan"], "reward 'format': weight must be a finite number, got nan"),
+        (["format:inf"], "reward 'format': weight must be a finite number, got inf"),
+        ({"format": "heavy"}, "reward 'format': weight 'heavy' is not a number"),
+        ({"format": True}, "reward 'format': weight True is not a number"),
+        ([3], "reward 3: expected NAME"),
+    ],
+)
+def test_bad_reward_weights_are_clear_errors(given, error):
+    with pytest.raises(PluginError, match=error):
+        load(None, {"reward": given}, {})
+
+
+def test_a_bad_weight_in_a_toml_table_is_a_clear_error(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[reward.format]\nweight = "a lot"\n')
+    with pytest.raises(PluginError, match="reward 'format': weight 'a lot' is not a number"):
+        load(str(path), {}, {})

@@ -95,6 +95,43 @@ def test_a_saved_template_with_a_literal_backslash_comes_back_as_saved(tmp_path)
     assert resolve_template(config) == "a\\nb {prompt}"
 
 
+@pytest.mark.parametrize(
+    "template",
+    ["a\\nb {prompt}", "Say \"{prompt}\" 'now'\\t\\\\ done", "C:\\new\\table\n{prompt}\t\\", "{prompt}\\"],
+)
+def test_a_saved_template_with_backslashes_and_quotes_survives_eval_unchanged(tmp_path, template):
+    from grpo_core.config import RunConfig
+
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    write_prompt_settings(folder, RunConfig(prompt_template=template))
+    config, _ = eval_config({"model": str(folder)}, {})
+    assert config.prompt_template == template and resolve_template(config) == template
+
+
+def test_saved_rollout_options_keep_their_types_and_flags_win(tmp_path):
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    settings = {"dataset": "default:train", "embedded_task": True, "rollout": "multi_turn"}
+    saved = {"max_turns": 3, "template": "plain", "tool_timeout": 2.5, "per_trajectory": False}
+    (folder / PROMPT_SETTINGS_FILE).write_text(json.dumps({**settings, "rollout_options": saved}))
+    config, _ = eval_config({"model": str(folder)}, {})
+    assert config.rollout == "multi_turn" and config.plugin_options == {"rollout": {"multi_turn": saved}}
+    config, _ = eval_config({"model": str(folder)}, {"rollout": ["max_turns=5"]})
+    assert config.plugin_options == {"rollout": {"multi_turn": {**saved, "max_turns": "5"}}}
+
+
+def test_bad_saved_settings_are_a_clear_error(tmp_path):
+    folder = settings_dir(tmp_path, {})
+    path = folder / PROMPT_SETTINGS_FILE
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_completion_tokens": 0}))
+    with pytest.raises(PluginError, match=f"prompt settings from {folder}/{PROMPT_SETTINGS_FILE}: max_completion_tokens must be positive"):
+        eval_config({"model": str(folder)}, {})
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_completion_tokens": "many"}))
+    with pytest.raises(PluginError, match="expected an integer, got 'many'"):
+        eval_config({"model": str(folder)}, {})
+
+
 def test_a_policy_trained_on_other_data_needs_a_dataset(tmp_path):
     folder = settings_dir(tmp_path, {"dataset": "/data/gsm8k/train.jsonl"})
     with pytest.raises(PluginError, match=r"was trained on /data/gsm8k/train.jsonl; pass --dataset"):

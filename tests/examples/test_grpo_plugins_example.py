@@ -124,7 +124,7 @@ def test_run_with_its_reward_and_its_loss(example_site, tiny_model_dir, tiny_dat
         assert 0 < m["loss/positive_frac"] < 1
         assert m["loss/ratio_mean"] == pytest.approx(1.0)  # on-policy
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["loss"] == ["w_reinforce"] and config["reward"] == ["brevity"]
+    assert config["loss"] == ["w_reinforce"] and config["reward"] == {"brevity": 1.0}
 
 
 def test_positive_weight_one_trains_exactly_like_importance_sampling(example_site, tiny_model_dir, tiny_dataset, tmp_path):

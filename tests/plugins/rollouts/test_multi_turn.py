@@ -560,7 +560,7 @@ def test_a_small_run_through_the_cli_reports_the_conversations(tiny_model_dir, t
     out = grpo_core(*args, "--env-opt", "max_turns=2", "--max-completion-tokens", "4", "--no-drop-zero-variance-groups")
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["reward"] == ["env"] and config["plugin_options"] == {"env": {"retry_math": {"max_turns": 2}}}
+    assert config["reward"] == {"env": 1.0} and config["plugin_options"] == {"env": {"retry_math": {"max_turns": 2}}}
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
     for m in metrics:
@@ -580,7 +580,7 @@ def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["reward"] == ["env"] and config["env"] == "retry_math" and config["rollout"] == "multi_turn"
+    assert config["reward"] == {"env": 1.0} and config["env"] == "retry_math" and config["rollout"] == "multi_turn"
     match = re.search(r"reward: first 10 steps ([\d.]+) -> last 10 steps ([\d.]+)", out.stdout)
     assert match, out.stdout[-2000:]
     first, last = map(float, match.groups())
