@@ -417,7 +417,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
             raise PluginError(f"unknown config key '{key}'")
         try:
             value = given_value(fields[key], value)
-            changed = value != typed_value(fields[key], stored.get(key))
+            changed = key not in stored or value != typed_value(fields[key], stored[key])
         except (TypeError, ValueError) as exc:
             raise PluginError(f"config '{key}': {exc}") from None
         if key in resumable:
@@ -456,7 +456,11 @@ def selected_names_from(stored: dict[str, Any], kind: str) -> list[str]:
 
 
 def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
-    """Merge a TOML file, CLI overrides and ``--<kind>-opt`` lists into a validated RunConfig."""
+    """Merge a TOML file, CLI overrides and ``--<kind>-opt`` lists into a validated RunConfig.
+
+    The TOML values and ``overrides`` are read as a user gave them (see ``given_value``): the
+    place where text typed in a shell or a file becomes the typed config, once.
+    """
     values: dict[str, Any] = {}
     table_opts: dict[str, dict[str, dict[str, Any]]] = {}
     if config_file is not None:

@@ -216,3 +216,18 @@ def test_a_bad_weight_in_a_toml_table_is_a_clear_error(tmp_path):
     path.write_text('[reward.format]\nweight = "a lot"\n')
     with pytest.raises(PluginError, match="reward 'format': weight 'a lot' is not a number"):
         load(str(path), {}, {})
+
+
+def test_resuming_a_run_stored_before_a_setting_existed_refuses_that_setting_clearly(tmp_path):
+    import json
+
+    from grpo_core.config import load_resumed
+
+    run_dir = stored_run(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    del stored["lora_rank"], stored["threads"]
+    (tmp_path / "config.json").write_text(json.dumps(stored))
+    with pytest.raises(PluginError, match=r"--lora-rank cannot change"):
+        load_resumed(run_dir, {"lora_rank": "8"}, {})
+    resumed = load_resumed(run_dir, {"threads": "2"}, {})
+    assert (resumed.threads, resumed.lora_rank) == (2, 0)
