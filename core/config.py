@@ -2,7 +2,8 @@
 
 Every field is a CLI flag (``max_steps`` -> ``--max-steps``) and a top-level TOML key.
 Plugin options go to ``--<kind>-opt key=value`` (``name.key=value`` where a kind has several
-plugins selected) or to TOML tables ``[loss.cispo]``.
+plugins selected) or to TOML tables ``[loss.cispo]``. Rewards are held with their weights,
+``{"gsm8k": 1.0, "format": 0.1}``, from ``--reward format:0.1`` or ``[reward.format] weight = 0.1``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def _field(
     ``resumable`` settings change nothing a step computes (limits, bookkeeping). ``from_text``
     reads the value as a user typed it in a flag or a TOML file (applied once, where it enters).
     """
+    if section not in SECTIONS:
+        raise ValueError(f"unknown --help section {section!r}; use one of config.SECTIONS")
     metadata = {"help": help, "section": section, "resumable": resumable, "from_text": from_text}
     if isinstance(default, (list, dict)):
         return attrs.field(factory=lambda: type(default)(default), metadata=metadata, **kwargs)
