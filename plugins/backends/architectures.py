@@ -34,8 +34,8 @@ EXPERT_PROJECTIONS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 class LoraTargets:
     """Where adapters go: modules by name, and parameters that no linear layer holds."""
 
-    modules: tuple[str, ...] | str
-    """Module names, or peft's ``"all-linear"``."""
+    modules: tuple[str, ...]
+    """Module names (a name matches every module whose name ends so)."""
     parameters: tuple[str, ...] = ()
     """3-D expert weights (peft's ``target_parameters``): one adapter per expert."""
     fan_in_fan_out: bool = False
@@ -69,8 +69,11 @@ def lora_targets(model: Any, names: Sequence[str]) -> LoraTargets:
             return LORA_PRESETS[model_type]
         names = [ALL_LINEAR]
     if list(names) == [ALL_LINEAR]:
+        # Named one by one, not as peft's "all-linear": peft maps that onto a MoE model's router too.
+        head = model.get_output_embeddings()
+        linear = tuple(n for n, m in model.named_modules() if _is_linear(m) and m is not head)
         preset = LORA_PRESETS.get(model_type)
-        targets = LoraTargets(ALL_LINEAR, preset.parameters if preset else (), preset.fan_in_fan_out if preset else False)
+        targets = LoraTargets(linear, preset.parameters if preset else (), preset.fan_in_fan_out if preset else False)
         _refuse_untargeted_experts(model, targets)
         return targets
     module_names = [n for n, _ in model.named_modules()]

@@ -178,7 +178,7 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
     lora = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=targets.modules if isinstance(targets.modules, str) else list(targets.modules),
+        target_modules=list(targets.modules),
         target_parameters=list(targets.parameters) or None,
         fan_in_fan_out=targets.fan_in_fan_out,
         lora_dropout=0.0,
