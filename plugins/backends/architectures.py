@@ -43,7 +43,9 @@ class LoraTargets:
 
 
 LORA_PRESETS: dict[str, LoraTargets] = {
-    **dict.fromkeys(("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2"), LoraTargets(LLAMA_PROJECTIONS)),
+    **dict.fromkeys(
+        ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2"), LoraTargets(LLAMA_PROJECTIONS)
+    ),
     # Fused projections: q, k, v in one layer, gate and up in another.
     "phi3": LoraTargets(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     # Conv1D layers: c_attn is q, k, v fused; c_proj names both the attention's and the MLP's output.
@@ -85,7 +87,9 @@ def lora_targets(model: Any, names: Sequence[str]) -> LoraTargets:
         elif any(_ends_with(p, name) for p in parameter_names):
             parameters.append(name)
         else:
-            raise PluginError(f"--lora-target-modules: '{name}' matches nothing in this {model_type} model ({_what_can_be_targeted(model)})")
+            raise PluginError(
+                f"--lora-target-modules: '{name}' matches nothing in this {model_type} model ({_what_can_be_targeted(model)})"
+            )
     fan_in_fan_out = model_type in LORA_PRESETS and LORA_PRESETS[model_type].fan_in_fan_out
     return LoraTargets(tuple(modules), tuple(parameters), fan_in_fan_out)
 
