@@ -124,16 +124,21 @@ def _is_linear(module: Any) -> bool:
     return isinstance(module, torch.nn.Linear | Conv1D)
 
 
-def attention_implementation(requested: str, path: str | Path) -> str:
+def attention_implementation(requested: str, path: str | Path) -> str | None:
     """The attention implementation to load ``path`` with: ``requested``, or for ``auto`` the
     one its config.json records (a policy grpo-core saved), else sdpa where the architecture
-    supports it and eager where it does not (Gemma2: sdpa cannot soft-cap attention scores)."""
-    if requested != AUTO:
-        return requested
+    supports it and eager where it does not (Gemma2: sdpa cannot soft-cap attention scores).
+    None: a model class transformers does not map, left to transformers (which names the problem)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if requested == "sdpa" and model_class is not None and not model_class._supports_sdpa:
+        raise PluginError(f"--backend-opt attn_implementation=sdpa: {model_class.__name__} has no sdpa attention; use auto (eager here)")
+    if requested != AUTO:
+        return requested
     if config._attn_implementation:
         return config._attn_implementation
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    if model_class is None:
+        return None
     return "sdpa" if model_class._supports_sdpa else "eager"

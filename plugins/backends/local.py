@@ -146,7 +146,7 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
         tokenizer.pad_token = tokenizer.eos_token
     # Written into every config.json saved from this model, so that a saved policy loads with the
     # attention it was trained with (grpo-core eval, export, from_pretrained).
-    model.config.attn_implementation = attention
+    model.config.attn_implementation = model.config._attn_implementation
     # Dropout off: the sampler's and the trainer's logprobs must describe the same policy.
     model.to(device).eval()
     return model, tokenizer

@@ -280,6 +280,12 @@ def test_auto_attention_is_one_the_architecture_supports(family_dirs, family, ex
     assert model.config._attn_implementation == expected
 
 
+def test_sdpa_where_the_architecture_has_none_is_refused(family_dirs):
+    with pytest.raises(PluginError) as err:
+        load_model(str(family_dirs("gemma2")), torch.device("cpu"), "sdpa")
+    assert str(err.value) == "--backend-opt attn_implementation=sdpa: Gemma2ForCausalLM has no sdpa attention; use auto (eager here)"
+
+
 def test_the_saved_policy_carries_its_attention_to_eval_and_export(family_dirs, tmp_path):
     trainer = LocalBackend(attn_implementation="eager").make_trainer(config=RunConfig(model=str(family_dirs("llama"))))
     assert trainer.model.config._attn_implementation == "eager"
