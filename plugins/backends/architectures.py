@@ -78,11 +78,16 @@ def lora_targets(model: Any, names: Sequence[str]) -> LoraTargets:
         targets = LoraTargets(linear, preset.parameters if preset else (), preset.fan_in_fan_out if preset else False)
         _refuse_untargeted_experts(model, targets)
         return targets
-    module_names = [n for n, _ in model.named_modules()]
+    named_modules = list(model.named_modules())
     parameter_names = [n for n, p in model.named_parameters() if p.dim() >= 2]
     modules, parameters = [], []
     for name in names:
-        if any(_ends_with(m, name) for m in module_names):
+        matched = [m for n, m in named_modules if _ends_with(n, name)]
+        if matched and not any(_is_linear(m) or isinstance(m, torch.nn.Embedding) for m in matched):
+            raise PluginError(
+                f"--lora-target-modules: '{name}' is a {type(matched[0]).__name__}, not a linear layer ({_what_can_be_targeted(model)})"
+            )
+        if matched:
             modules.append(name)
         elif any(_ends_with(p, name) for p in parameter_names):
             parameters.append(name)

@@ -264,6 +264,12 @@ def test_experts_without_a_preset_are_refused_not_skipped(family_dirs, monkeypat
             "--lora-target-modules: 'q_proj' matches nothing in this gpt2 model (its linear layers: c_attn, c_fc, c_proj, lm_head; "
             "or auto, all-linear)",
         ),
+        (
+            "llama",
+            ["q_proj", "self_attn"],
+            "--lora-target-modules: 'self_attn' is a LlamaAttention, not a linear layer (its linear layers: down_proj, gate_proj, "
+            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, all-linear)",
+        ),
         ("llama", ["auto", "q_proj"], "--lora-target-modules: 'auto' stands alone, not beside other names (auto q_proj)"),
         ("llama", [], "--lora-rank needs at least one --lora-target-modules (auto, all-linear or names)"),
     ],
