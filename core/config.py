@@ -251,8 +251,11 @@ class RunConfig:
     )
     lora_alpha: float = _field(32.0, "LoRA alpha: the adapters' update is scaled by alpha / rank", LORA, validator=_positive)
     lora_target_modules: list[str] = _field(
-        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        "modules that get adapters (names as in the model; the default fits Llama/Qwen-style models); repeat for several",
+        ["auto"],
+        (
+            "modules that get adapters: auto = the model type's attention and MLP projections (MoE experts included), "
+            "all-linear = every linear layer but the output head, or names as in the model; repeat for several"
+        ),
         LORA,
     )
 

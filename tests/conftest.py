@@ -9,11 +9,10 @@ DATA = REPO / "tests" / "data"
 """Data the tests read, shipped in the repository (each folder with its license)."""
 
 
-def build_tiny_model(path: Path, seed: int = 0) -> Path:
-    """A random 2-layer Qwen3 with a byte-level BPE tokenizer trained here on a few lines."""
-    import torch
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer (300 tokens) trained here on a few lines of additions."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
     corpus = [f"Question: what is {a} plus {b}?\nAnswer: {a} + {b} = {a + b}\n#### {a + b}" for a in range(20) for b in range(20)]
     tok = Tokenizer(models.BPE())
@@ -25,7 +24,15 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
             vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
         ),
     )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+
+
+def build_tiny_model(path: Path, seed: int = 0) -> Path:
+    """A random 2-layer Qwen3 with the tiny tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer),

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -16,6 +17,7 @@ from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.data import ASSETS
+from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins_manager import PluginError
 
@@ -36,7 +38,13 @@ class LocalBackend:
     the base model with the adapters merged in (a plain transformers folder).
     """
 
-    attn_implementation: str = option("sdpa", help="transformers attention implementation")
+    attn_implementation: str = option(
+        AUTO,
+        help=(
+            "transformers attention implementation; auto = the one the model folder records, else sdpa where the "
+            "architecture has it, eager where not (Gemma2); saved with the policy"
+        ),
+    )
     fast_forward: bool = option(
         True,
         help="run Llama/Qwen2/Qwen3 models (fp32) through grpo-core's lean forward; off = transformers' own",
@@ -130,11 +138,15 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
     path = model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        attention = attention_implementation(attn_implementation, path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     except (OSError, ValueError) as exc:
         raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # Written into every config.json saved from this model, so that a saved policy loads with the
+    # attention it was trained with (grpo-core eval, export, from_pretrained).
+    model.config.attn_implementation = model.config._attn_implementation
     # Dropout off: the sampler's and the trainer's logprobs must describe the same policy.
     model.to(device).eval()
     return model, tokenizer
@@ -155,24 +167,26 @@ LORA_PREFIX = "lora_"
 def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str]) -> Any:
     """``model`` with LoRA adapters on ``target_modules`` (peft); everything else is frozen.
 
-    Returns the transformers model itself, its target modules wrapped by peft's LoRA layers
-    (B starts at zero, so the policy starts as the base model). No dropout: the sampler and
-    the trainer must score the same policy.
+    ``target_modules`` is a ``--lora-target-modules`` value (``auto``, ``all-linear`` or names;
+    see :mod:`architectures`). Returns the transformers model itself, its targets wrapped by
+    peft's LoRA layers (B starts at zero, so the policy starts as the base model). No dropout:
+    the sampler and the trainer must score the same policy.
     """
     import peft
 
-    if not target_modules:
-        raise PluginError("--lora-rank needs at least one --lora-target-modules")
-    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), lora_dropout=0.0, bias="none")
-    try:
-        model = peft.inject_adapter_in_model(lora, model)
-    except ValueError as exc:
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise PluginError(
-            f"--lora-target-modules {' '.join(target_modules)}: {str(exc).splitlines()[0]} (this model's linear layers: {', '.join(names)})"
-        ) from None
+    targets = lora_targets(model, target_modules)
+    lora = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=list(targets.modules),
+        target_parameters=list(targets.parameters) or None,
+        fan_in_fan_out=targets.fan_in_fan_out,
+        lora_dropout=0.0,
+        bias="none",
+    )
+    model = peft.inject_adapter_in_model(lora, model)
     tied = model.get_input_embeddings().weight
-    on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and m.get_base_layer().weight is tied]
+    on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and getattr(m.get_base_layer(), "weight", None) is tied]
     if on_tied:
         # Merged, the adapter would change one of two layers that share their weight.
         raise PluginError(f"--lora-target-modules: '{on_tied[0]}' shares its weight with the embedding (tied); leave it out")
@@ -204,13 +218,21 @@ def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict, its own key names, with every active adapter added into
     its layer's weight: what peft's merge_and_unload gives, without changing ``model``."""
-    state = {k.replace(".base_layer.", "."): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+    state = {_without_wrappers(k): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and not module.merged:
+            # An expert weight's adapter (peft's ParamWrapper, nested one per weight) names its weight.
+            key = f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}"
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
-                    state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight(adapter)
+                    state[key] = state[key] + module.get_delta_weight(adapter)
     return state
+
+
+def _without_wrappers(name: str) -> str:
+    """A parameter's or module's name in the base model: peft's LoRA layers hold the layer they
+    wrap as ``base_layer``, nested where several weights of one module are wrapped."""
+    return re.sub(r"\.base_layer(?=\.|$)", "", name)
 
 
 @contextmanager

@@ -1,0 +1,305 @@
+"""Every architecture family trains on defaults: LoRA target presets, attention chosen per
+architecture, sampler and trainer scoring one policy (plugins/backends/architectures.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import attrs
+import pytest
+import torch
+import transformers
+
+from grpo_core import hookimpl, selection
+from grpo_core.config import RunConfig
+from grpo_core.loop import run
+from grpo_core.plugins.backends import architectures
+from grpo_core.plugins.backends.local import LocalBackend, load_model
+from grpo_core.plugins_manager import PluginEntry, PluginError
+from tests.conftest import build_tiny_tokenizer
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+MOE = dict(num_experts_per_tok=2)
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", SMALL),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**SMALL, "head_dim": 16}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", SMALL),
+    "mistral": ("MistralConfig", "MistralForCausalLM", SMALL),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {**SMALL, "head_dim": 16}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**SMALL, "head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", SMALL),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=2, n_head=4)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", SMALL),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**SMALL, **MOE, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**SMALL, **MOE, "num_local_experts": 4}),
+}  # fmt: skip
+
+LLAMA = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+EXPERTS = {"q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"}
+DEFAULT_TARGETS = {
+    **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2"), LLAMA),
+    "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "gpt2": {"c_attn", "c_proj", "c_fc"},
+    "qwen3_moe": EXPERTS,
+    "mixtral": EXPERTS,
+}
+"""What gets adapters on defaults: a module's last name, an expert weight as experts.<weight>."""
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    tokenizer = build_tiny_tokenizer()
+    built = {}
+
+    def build(family):
+        if family not in built:
+            config_name, model_name, sizes = FAMILIES[family]
+            config = getattr(transformers, config_name)(
+                vocab_size=len(tokenizer),
+                max_position_embeddings=256,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **sizes,
+            )
+            torch.manual_seed(0)
+            path = tmp_path_factory.mktemp(family)
+            getattr(transformers, model_name)(config).save_pretrained(path)
+            tokenizer.save_pretrained(path)
+            built[family] = path
+        return built[family]
+
+    return build
+
+
+SAMPLER_TRAINER_GAPS: list[float] = []
+
+
+@attrs.define
+class SamplerTrainerGap:
+    """Records, per loss call, the largest |trainer − sampler| logprob over the trained tokens."""
+
+    @hookimpl(wrapper=True)
+    def loss(self, inputs):
+        SAMPLER_TRAINER_GAPS.append(
+            max(
+                float((lp.detach() - s)[m > 0].abs().max())
+                for lp, s, m in zip(inputs.logprobs, inputs.sampling_logprobs, inputs.mask)
+                if bool((m > 0).any())
+            )
+        )
+        return (yield)
+
+
+@attrs.define
+class LengthReward:
+    """Longer completions score higher: a learning signal for a random model."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [len(s.text) / 10 for s in samples]
+
+
+@pytest.fixture(autouse=True)
+def test_plugins(monkeypatch):
+    original = selection.find
+    entries = {
+        (kind, name): PluginEntry(kind=kind, name=name, target=f"{__name__}:{cls}", distribution="tests", version="0")
+        for kind, name, cls in (("reward", "length", "LengthReward"), ("loss", "gap", "SamplerTrainerGap"))
+    }
+    monkeypatch.setattr(selection, "find", lambda name, kind=None: entries.get((kind, name)) or original(name, kind))
+    SAMPLER_TRAINER_GAPS.clear()
+
+
+def run_config(model_dir, tiny_dataset, run_dir, **kw):
+    return RunConfig(
+        model=str(model_dir),
+        dataset=str(tiny_dataset),
+        prompt_template="Question: {prompt}\nAnswer:",
+        max_steps=3,
+        prompt_groups_per_step=2,
+        completions_per_prompt=4,
+        max_completion_tokens=6,
+        learning_rate=1e-2,
+        reward=["length"],
+        loss=["grpo", "gap"],
+        logger=["jsonl"],
+        run_dir=str(run_dir),
+        drop_zero_variance_groups=False,
+        **kw,
+    )
+
+
+def metrics_of(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights_in(folder):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def adapted_targets(model):
+    """The default-target names (as in DEFAULT_TARGETS) that carry adapters in ``model``."""
+    names = set()
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A"):
+            base = name.replace(".base_layer", "")
+            names.add(f"experts.{module.parameter_name}" if hasattr(module, "parameter_name") else base.rsplit(".", 1)[-1])
+    return names
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trains_3_steps_in_fp32_with_sampler_and_trainer_agreeing(family_dirs, tiny_dataset, tmp_path, family, lora_rank):
+    model_dir = family_dirs(family)
+    summary = run(run_config(model_dir, tiny_dataset, tmp_path / "run", dtype="float32", lora_rank=lora_rank))
+    metrics = metrics_of(tmp_path / "run")
+    assert summary["steps"] == 3 and [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(math.isfinite(m["loss/total"]) and m["optim/skipped_nonfinite"] == 0 for m in metrics)
+    # Every step's trained tokens: the sampler's logprobs are the trainer's (the policy changes each step).
+    assert len(SAMPLER_TRAINER_GAPS) == 3 and max(SAMPLER_TRAINER_GAPS) <= 1e-4
+    before, after = weights_in(model_dir), weights_in(tmp_path / "run" / "final")
+    assert after.keys() == before.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    if lora_rank:
+        # The merged adapters change exactly the default targets' weights, every expert's included
+        # (saved one tensor per expert and projection, as the model's checkpoints hold them).
+        modules = [t for t in DEFAULT_TARGETS[family] if not t.startswith("experts.")]
+        experts = len(modules) < len(DEFAULT_TARGETS[family])
+        expected = {k for k in before if any(k.endswith(f".{t}.weight") for t in modules) or (experts and ".experts." in k)}
+        assert changed == expected
+    else:
+        assert changed
+    saved = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert saved["attn_implementation"] == ("eager" if family == "gemma2" else "sdpa")
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8], ids=["full", "lora8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trains_3_steps_in_bf16(family_dirs, tiny_dataset, tmp_path, family, lora_rank):
+    run(run_config(family_dirs(family), tiny_dataset, tmp_path / "run", dtype="bfloat16", lora_rank=lora_rank))
+    metrics = metrics_of(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(math.isfinite(m["loss/total"]) and math.isfinite(m["optim/grad_norm"]) for m in metrics)
+    assert len(SAMPLER_TRAINER_GAPS) == 3 and all(math.isfinite(g) for g in SAMPLER_TRAINER_GAPS)
+
+
+def make_trainer(model_dir, **config):
+    torch.manual_seed(0)
+    return LocalBackend().make_trainer(config=RunConfig(model=str(model_dir), lora_rank=4, **config))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_targets_are_the_familys_projections(family_dirs, family):
+    trainer = make_trainer(family_dirs(family))
+    assert adapted_targets(trainer.model) == DEFAULT_TARGETS[family]
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
+
+
+@pytest.mark.parametrize("family", ["phi3", "gpt2", "qwen3_moe", "mixtral"])
+def test_the_policy_written_for_a_sampler_is_the_adapted_model(family_dirs, tmp_path, family):
+    trainer = make_trainer(family_dirs(family))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    input_ids = torch.randint(0, 290, (2, 9), generator=gen)
+    with torch.no_grad():
+        adapted = trainer.model(input_ids=input_ids).logits
+        trainer.save_weights_for_sampler(str(tmp_path / "policy"))
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()(input_ids=input_ids).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(family_dirs(family)).eval()(input_ids=input_ids).logits
+    assert float((adapted - base).abs().max()) > 1e-2
+    assert torch.allclose(merged, adapted, atol=1e-4)
+
+
+def test_all_linear_adapts_every_linear_layer_and_the_experts(family_dirs):
+    trainer = make_trainer(family_dirs("qwen3_moe"), lora_target_modules=["all-linear"])
+    assert adapted_targets(trainer.model) == EXPERTS
+    trainer = make_trainer(family_dirs("gpt2"), lora_target_modules=["all-linear"])
+    assert adapted_targets(trainer.model) == {"c_attn", "c_proj", "c_fc"}
+    # The output head is never adapted (its weight is the embedding's here).
+    assert not hasattr(trainer.model.lm_head, "lora_A")
+
+
+def test_names_pick_modules_and_expert_weights(family_dirs):
+    trainer = make_trainer(family_dirs("mixtral"), lora_target_modules=["o_proj", "mlp.experts.down_proj"])
+    assert adapted_targets(trainer.model) == {"o_proj", "experts.down_proj"}
+
+
+def test_an_architecture_without_a_preset_gets_all_linear(family_dirs, monkeypatch):
+    monkeypatch.delitem(architectures.LORA_PRESETS, "olmo2")
+    trainer = make_trainer(family_dirs("olmo2"))
+    assert adapted_targets(trainer.model) == LLAMA
+
+
+def test_experts_without_a_preset_are_refused_not_skipped(family_dirs, monkeypatch):
+    monkeypatch.delitem(architectures.LORA_PRESETS, "mixtral")
+    with pytest.raises(PluginError) as err:
+        make_trainer(family_dirs("mixtral"))
+    assert str(err.value) == (
+        "--lora-target-modules all-linear: this mixtral model's expert weights ('model.layers.0.mlp.experts.gate_up_proj', ...) "
+        "are not linear layers and would get no adapters; name the targets instead, the experts by their weights "
+        "(e.g. mlp.experts.gate_up_proj)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "message"),
+    [
+        (
+            "mixtral",
+            ["q_proj", "gate_proj"],
+            "--lora-target-modules: 'gate_proj' matches nothing in this mixtral model (its linear layers: k_proj, lm_head, o_proj, "
+            "q_proj, v_proj; its expert weights: mlp.experts.down_proj, mlp.experts.gate_up_proj; or auto, all-linear)",
+        ),
+        (
+            "gpt2",
+            ["q_proj"],
+            "--lora-target-modules: 'q_proj' matches nothing in this gpt2 model (its linear layers: c_attn, c_fc, c_proj, lm_head; "
+            "or auto, all-linear)",
+        ),
+        (
+            "llama",
+            ["q_proj", "self_attn"],
+            "--lora-target-modules: 'self_attn' is a LlamaAttention, not a linear layer (its linear layers: down_proj, gate_proj, "
+            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, all-linear)",
+        ),
+        ("llama", ["auto", "q_proj"], "--lora-target-modules: 'auto' stands alone, not beside other names (auto q_proj)"),
+        ("llama", [], "--lora-rank needs at least one --lora-target-modules (auto, all-linear or names)"),
+    ],
+)
+def test_targets_that_match_nothing_are_one_clear_error(family_dirs, family, targets, message):
+    with pytest.raises(PluginError) as err:
+        make_trainer(family_dirs(family), lora_target_modules=targets)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(("family", "expected"), [("gemma2", "eager"), ("llama", "sdpa"), ("qwen3_moe", "sdpa")])
+def test_auto_attention_is_one_the_architecture_supports(family_dirs, family, expected):
+    model, _ = load_model(str(family_dirs(family)), torch.device("cpu"), "auto")
+    assert model.config._attn_implementation == expected
+
+
+def test_sdpa_where_the_architecture_has_none_is_refused(family_dirs):
+    with pytest.raises(PluginError) as err:
+        load_model(str(family_dirs("gemma2")), torch.device("cpu"), "sdpa")
+    assert str(err.value) == "--backend-opt attn_implementation=sdpa: Gemma2ForCausalLM has no sdpa attention; use auto (eager here)"
+
+
+def test_the_saved_policy_carries_its_attention_to_eval_and_export(family_dirs, tmp_path):
+    trainer = LocalBackend(attn_implementation="eager").make_trainer(config=RunConfig(model=str(family_dirs("llama"))))
+    assert trainer.model.config._attn_implementation == "eager"
+    trainer.save_weights_for_sampler(str(tmp_path / "policy"))
+    # What eval and export do with a saved policy: load it with the backend's defaults.
+    reloaded, _ = load_model(str(tmp_path / "policy"), torch.device("cpu"), "auto")
+    assert reloaded.config._attn_implementation == "eager"
+    # A plain from_pretrained reads it too; an explicit choice still wins.
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy").config._attn_implementation == "eager"
+    explicit, _ = load_model(str(tmp_path / "policy"), torch.device("cpu"), "sdpa")
+    assert explicit.config._attn_implementation == "sdpa"
