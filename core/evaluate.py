@@ -14,8 +14,8 @@ from typing import Any
 from grpo_core.config import RunConfig
 from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
-from grpo_core.loop import sampling_params, seed_everything
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
+from grpo_core.lifecycle import sampling_params, seed_everything
 from grpo_core.selection import select_plugins
 from grpo_core.stages import score_groups
 

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from grpo_core.backend import Reference, Sampler, Trainer
+    from grpo_core.backend import PolicyScorer, Reference, Sampler, Trainer
     from grpo_core.config import RunConfig
-    from grpo_core.loop import RunState
     from grpo_core.loss import LossInputs, LossOutput
-    from grpo_core.types import Episode, Prompt, Sample, SamplingParams
+    from grpo_core.types import Episode, Prompt, RunState, Sample, SamplingParams
 
 PROJECT = "grpo_core"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -169,6 +168,22 @@ def reward(prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
     :param prompt: the prompt (with its reference ``answer``) the group was sampled for.
     :param samples: the group's samples; read ``sample.text`` for the completion.
     :returns: one score per sample, in order.
+    """
+
+
+@hookspec
+def prepare_advantages(groups: Sequence[Sequence[Sample]], scorer: PolicyScorer | None) -> None:
+    """Called once before the ``advantage`` calls of a batch of groups (kind ``advantage``; an
+    advantage that needs nothing but rewards omits it).
+
+    For an advantage that needs the current policy's view of the samples: IGPO scores the answer
+    after every turn of every group here, in one forward, and keeps the scores for the
+    ``advantage`` call of each group (one call per group of ``groups``, on the same samples).
+
+    :param groups: the groups whose advantages come next (each with at least two scored samples).
+    :param scorer: a read-only handle on the policy being trained: ``scorer.tokenizer`` and
+        ``scorer.forward(datums)`` (teacher-forced logprobs; one call sees one policy version,
+        also while the async loop trains). None where no trainer is at hand.
     """
 
 

@@ -10,7 +10,9 @@ import attrs
 import pluggy
 
 from grpo_core.config import RunConfig, parse_reward_spec
-from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, coerce_options, find, instantiate, is_wrapper
+from grpo_core.errors import PluginError
+from grpo_core.options import coerce_options, instantiate
+from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper
 
 
 @attrs.define

@@ -11,8 +11,8 @@ import attrs
 
 from grpo_core import Completion, SamplingParams, hookimpl
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.plugins.backends import tinker_sdk as sdk
-from grpo_core.plugins_manager import PluginError
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 

@@ -12,7 +12,8 @@ import torch
 from grpo_core import LossOutput, hookimpl, selection
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig
-from grpo_core.loop import NonFiniteSteps, RunFailed, run
+from grpo_core.lifecycle import NonFiniteSteps, RunFailed
+from grpo_core.loop import run
 from grpo_core.plugins_manager import PluginEntry
 
 BROKEN_AT_STEP: dict[str, int] = {}
@@ -179,7 +180,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(tiny_model_
 
 
 def test_resume_refuses_a_finished_run_and_a_directory_without_checkpoints(tiny_model_dir, tiny_dataset, tmp_path):
-    from grpo_core.plugins_manager import PluginError
+    from grpo_core.errors import PluginError
 
     run(config(tiny_model_dir, tiny_dataset, tmp_path / "done", max_steps=2))
     with pytest.raises(PluginError, match=r"complete at step 2 of 2; pass --max-steps > 2"):
@@ -190,7 +191,7 @@ def test_resume_refuses_a_finished_run_and_a_directory_without_checkpoints(tiny_
 
 
 def test_a_run_directory_holding_a_run_is_refused_unless_overwrite(tiny_model_dir, tiny_dataset, tmp_path):
-    from grpo_core.plugins_manager import PluginError
+    from grpo_core.errors import PluginError
 
     run_dir = tmp_path / "r"
     run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2))
