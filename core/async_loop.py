@@ -12,8 +12,9 @@ rollout while a step trains: the synchronous loop, step for step.
 Versions are the trainer's optimizer steps (``trainer.version``), the number every sample
 carries in ``policy_version``; a step with ``minibatches_per_step`` K advances it by K.
 
-Everything that keeps a run from being lost is the synchronous loop's (``grpo_core.loop``):
-start-up checks, signals, the failure checkpoint, the non-finite guard, checkpoints. The async
+The step is the synchronous loop's: the same training (``grpo_core.stages.train_step``) and the
+same end (``grpo_core.lifecycle.end_step``: count, weight sync, observe, checkpoint), with the
+same start-up checks, signals, failure checkpoint and non-finite guard. The async
 state (the prompts taken, those still in flight) is written beside them after every step, in
 ``RUN_DIR/async/step-N.json``; a resumed run samples the in-flight prompts again before any new
 one, so no prompt is skipped or trained twice. ``RUN_DIR/async/groups.jsonl`` records what
@@ -39,8 +40,9 @@ import attrs
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
-from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run, sync_weights
-from grpo_core.metrics import Metrics, scope
+from grpo_core.hookspecs import declared
+from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
 from grpo_core.types import Prompt
 
@@ -68,7 +70,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     started = time.perf_counter()
     check_async_settings(config)
     r = start_run(config, resume, overwrite)
-    if getattr(r.sampler, "own_weights", True) is False:
+    if not declared(r.sampler, "sampler object", "own_weights"):
         sampler = config.sampler or f"the {config.backend} backend's default"
         raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler}) shares the trainer's weights")
     state = r.state
@@ -147,7 +149,7 @@ class SharedSampler:
 
     def __init__(self, sampler: Any) -> None:
         self.inner = sampler
-        self.parallel = max(1, int(getattr(sampler, "concurrent_samples", 1)))
+        self.parallel = max(1, declared(sampler, "sampler object", "concurrent_samples"))
         self.busy_seconds = 0.0
         """Wall time during which at least one generation ran."""
         self.calls = 0
@@ -229,28 +231,22 @@ class SharedSampler:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:
-        """The sampler itself, with no generation running (only the main thread asks)."""
+        """The sampler itself, with no generation running (only the main thread asks): a weight
+        sync never lands in the middle of a rollout's generation, and a server never serves a mix
+        of old and new weights to one. Records ``time/wait_sync``, how long the trainer waited for
+        the generations in flight to end (idle time, like ``time/wait``)."""
+        asked = time.perf_counter()
         with self._cond:
             self._exclusive = True
             while self._active:
                 self._cond.wait()
+        record("time/wait_sync", time.perf_counter() - asked, "sum")
         try:
             yield self.inner
         finally:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
-
-    def sync(self, r: Run, step: int) -> Metrics:
-        """The run's weight sync, with no generation in flight: a server never serves a mix of
-        old and new weights to one rollout. ``time/wait_sync``: how long the trainer waited for
-        the generations in flight to end (idle time, like ``time/wait``)."""
-        asked = time.perf_counter()
-        with self.exclusive():
-            waited = time.perf_counter() - asked
-            metrics = sync_weights(r, step)
-        metrics.add("time/wait_sync", waited, "sum")
-        return metrics
 
     def close(self) -> None:
         """Wait for the running generations and refuse new ones: no thread is left inside torch
@@ -380,7 +376,7 @@ class AsyncLoop:
         drain = config.synchronous_training
         self.unit = config.prompt_groups_per_step if drain else 1
         rollout = r.selection.plugins["rollout"][0]
-        self.calls_per_group = config.completions_per_prompt if getattr(rollout, "per_trajectory", False) and not drain else 1
+        self.calls_per_group = config.completions_per_prompt if declared(rollout, "rollout", "per_trajectory") and not drain else 1
         concurrent = config.max_concurrent or (
             config.prompt_groups_per_step * (config.max_head_offpolicy_versions + 1) * self.calls_per_group
         )
@@ -559,16 +555,10 @@ class AsyncLoop:
             t1 = time.perf_counter()
             with self.trainer_lock:
                 metrics = train_step(self.pm, trainer, self.r.reference, kept, config, learning_rate(config, step - 1, state.total_steps))
-            if step % config.weight_sync_interval == 0:
-                metrics.merge(self.sampler.sync(self.r, step))
             t2 = time.perf_counter()
-            with self.cond:
-                self.gate.sampler_version = self.sampler.inner.version
-                self.gate.next_step_version = trainer.version
             window = t2 - last
             busy = self.sampler.busy_seconds
             metrics.merge(merge_group_metrics(batch))
-            waited_sync = metrics.get("time/wait_sync", 0.0)
             metrics.update(
                 {
                     "time/sample": sum(f.sample_seconds for f in batch),
@@ -576,7 +566,6 @@ class AsyncLoop:
                     "time/wait": waited,
                     "time/train": t2 - t1,
                     "time/step": window,
-                    "perf/trainer_idle_frac": (waited + waited_sync) / window if window > 0 else 0.0,
                     "perf/sampler_busy_frac": min(1.0, (busy - busy_before) / window) if window > 0 else 0.0,
                     "perf/samples_per_s": metrics.get("train/samples", 0.0) / window if window > 0 else 0.0,
                     "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
@@ -589,8 +578,8 @@ class AsyncLoop:
                 "sum",
             )
             metrics = metrics.as_dict()
-            # The sampler's RNG and weights are taken with no generation running.
-            counted = functools.partial(self.record, step, batch, start_version, metrics)
+            # The sync, and the sampler's RNG and weights, with no generation running.
+            counted = functools.partial(self.counted, step, batch, start_version, metrics, waited, window)
             stop = end_step(self.r, step, metrics, [g for f in batch for g in f.groups], self.sampler.exclusive, counted)
             with self.cond:
                 self.gate.training = False
@@ -666,8 +655,15 @@ class AsyncLoop:
             self.cond.notify_all()
         return sum(len(f.taken) for f in stale)
 
-    def record(self, step: int, batch: list[Finished], version: int, metrics: dict[str, float]) -> None:
-        """The step's ledger lines, the async state of the step, and the queue's metrics."""
+    def counted(self, step: int, batch: list[Finished], version: int, metrics: dict[str, float], waited: float, window: float) -> None:
+        """The step is counted and synced: the gate sees the sampler's version, the ledger and the
+        async state of the step are written, and the metrics get the queue and the idle time."""
+        with self.cond:
+            self.gate.sampler_version = self.sampler.inner.version
+            self.gate.next_step_version = self.r.trainer.version
+            self.cond.notify_all()
+        idle = waited + metrics.get("time/wait_sync", 0.0)
+        metrics["perf/trainer_idle_frac"] = min(1.0, idle / window) if window > 0 else 0.0
         for finished in batch:
             self.write_ledger(step, finished, "failed" if finished.failed else "trained", version)
         self.ledger.flush()

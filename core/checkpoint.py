@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.types import LoopState
 
 CHECKPOINTS = "checkpoints"
@@ -38,7 +39,7 @@ def capture_rng(sampler: Any) -> dict[str, Any]:
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    if hasattr(sampler, "state_dict"):
+    if not declared(sampler, "sampler object", "stateless"):
         rng["sampler"] = sampler.state_dict()
     return rng
 

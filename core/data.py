@@ -28,6 +28,7 @@ import attrs
 
 from grpo_core.embedded import EMBEDDED, embedded_split, split_path
 from grpo_core.errors import DataError, PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.options import is_secret, option_fields
 from grpo_core.plugins_manager import find
 from grpo_core.types import Prompt
@@ -314,7 +315,7 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
     A rollout without an ``encode(tokenizer, prompt)`` method, or a model of unknown context,
     is not checked here.
     """
-    encode = getattr(rollout, "encode", None)
+    encode = declared(rollout, "rollout", "encode")
     if encode is None or max_context is None:
         return
     kept, long = [], []
@@ -329,7 +330,7 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
             )
     if not long:
         return
-    if getattr(rollout, "long_prompts", "error") != "skip":
+    if declared(rollout, "rollout", "long_prompts") != "skip":
         more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
         raise DataError(
             f"{long[0]}, the model's context{more}: shorten the prompts, lower --max-completion-tokens, "

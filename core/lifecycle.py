@@ -36,6 +36,7 @@ from grpo_core.checkpoint import (
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
 from grpo_core.selection import select_plugins
@@ -59,14 +60,13 @@ class RunFailed(Exception):
 
 def keeps_no_state(sampler: Any) -> bool:
     """A sampler that checkpoints nothing of its own (a server) holds whatever weights it was last sent."""
-    return not hasattr(sampler, "load_state_dict")
+    return declared(sampler, "sampler object", "stateless")
 
 
 def sync_weights(r: Run, step: int) -> Metrics:
-    """Bring the trainer's weights to the sampler, in both loops right after the step's training
-    (when ``step % weight_sync_interval == 0``) and before the step is counted: a sync that fails
-    fails its step, so the newest checkpoint is of the step before, whose resumed run trains this
-    step again and syncs after it. Returns what the sync recorded (``sync/*``, ``time/weight_sync``)."""
+    """Bring the trainer's weights to the sampler (at the end of a step, see :func:`end_step`; at
+    start and at the end for a server). Returns what the sync recorded (``sync/*``,
+    ``time/weight_sync``)."""
     with scope() as metrics:
         r.state.loop.policy_version = r.selection.manager.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
     return metrics
@@ -131,8 +131,8 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     return r
 
 
-def complete_step(state: RunState, selection: Any, sampler: Any, metrics: dict[str, float], max_nonfinite: int) -> None:
-    """The step's weights are in place: count it, and take the RNGs a checkpoint of it holds."""
+def count_step(state: RunState, selection: Any, metrics: dict[str, float], max_nonfinite: int) -> None:
+    """The step's weights are in place: count it (or stop the run after too many skipped ones)."""
     skipped = metrics.get("optim/skipped_nonfinite", 0.0) > 0
     state.loop.nonfinite_in_a_row = state.loop.nonfinite_in_a_row + 1 if skipped else 0
     if state.loop.nonfinite_in_a_row >= max_nonfinite:
@@ -144,7 +144,6 @@ def complete_step(state: RunState, selection: Any, sampler: Any, metrics: dict[s
     state.loop.reward_failures_in_a_row = selection.reward_failures_in_a_row
     reward = metrics["reward/total"]
     state.loop.history.append(reward if math.isfinite(reward) else None)
-    state.rng = capture_rng(sampler)
 
 
 def end_step(
@@ -155,19 +154,30 @@ def end_step(
     quiet_sampler: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     counted: Callable[[], None] | None = None,
 ) -> bool:
-    """The end of a step, the same in both loops: count it, let every plugin observe it,
-    checkpoint it when due. Returns whether the run stops after it.
+    """The end of a step, the same in both loops: count it, sync the weights when due, let every
+    plugin observe it, checkpoint it when due. Returns whether the run stops after it.
 
-    ``quiet_sampler()`` gives the sampler with no generation running (the async loop's), whose
-    RNG a checkpoint holds; ``counted()`` runs once the step is counted, before any plugin sees it
-    (the async loop writes its state of the step there).
+    The weight sync has this one place (every ``weight_sync_interval`` steps), and one failure
+    rule: it runs once the step is counted, so a sync that fails stops the run with the
+    checkpoint of the whole step (its RNGs and the sampler as the failed sync left it); a resumed
+    run sends a server sampler the weights before its first step.
+
+    ``quiet_sampler()`` gives the sampler with no generation running (the async loop's), for the
+    sync and the RNGs a checkpoint holds; ``counted()`` runs once the step is counted and synced,
+    before any plugin sees it (the async loop writes its state of the step there).
     """
     state, config = r.state, r.config
     metrics["policy/version"] = r.trainer.version
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
-    with quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
-        complete_step(state, r.selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
+    with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
+        count_step(state, r.selection, metrics, config.max_nonfinite_steps_in_a_row)
+        try:
+            if step % config.weight_sync_interval == 0:
+                synced.merge(sync_weights(r, step))
+        finally:
+            state.rng = capture_rng(sampler)
+    metrics.update(synced.as_dict())
     if counted is not None:
         counted()
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)

@@ -1,7 +1,7 @@
 """The synchronous, on-policy GRPO loop.
 
 ``run`` reads top to bottom as the recipe: start the run, then per step sample, score,
-advantages, train, sync, and end the step. Each stage is one call; everything a researcher swaps
+advantages, train, and end the step (count, sync, observe, checkpoint). Each stage is one call; everything a researcher swaps
 is behind a hook, and everything that keeps a run from being lost (start, signals, checkpoints,
 the failure path) is in ``grpo_core.lifecycle``, which the async loop shares.
 """
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from grpo_core.config import RunConfig
-from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run, sync_weights
+from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.metrics import scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
 
@@ -43,8 +43,6 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
             metrics.merge(advantage_metrics)
             t2 = time.perf_counter()
             metrics.merge(train_step(pm, r.trainer, r.reference, kept, config, learning_rate(config, step - 1, state.total_steps)))
-            if step % config.weight_sync_interval == 0:
-                metrics.merge(sync_weights(r, step))
             t3 = time.perf_counter()
             metrics.update({"time/sample": t1 - t0, "time/reward": t2 - t1, "time/train": t3 - t2, "time/step": t3 - t0}, "sum")
             if end_step(r, step, metrics.as_dict(), groups):

@@ -245,6 +245,7 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
         _new_manager().register(cls, name=name)
     except pluggy.PluginValidationError as exc:
         problems.append(_validation_reason(exc))
+    problems.extend(attribute_problems(kind, cls))
     own = KIND_HOOKS[kind]
     required = REQUIRED_HOOKS.get(kind, ())
     if not any(hook in marked for hook in own) or any(hook not in marked for hook in required):
@@ -254,6 +255,27 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
         missing = [hook for hook in needs if hook not in marked]
         article = "an" if kind[0] in "aeiou" else "a"
         problems.append(f"{article} {kind} plugin must implement {how + ' ' if how else ''}{wanted} (missing: {', '.join(missing)})")
+    return problems
+
+
+def attribute_problems(kind: str, cls: type) -> list[str]:
+    """A declared attribute (``hookspecs.ATTRIBUTES``) the class sets with a value of another type:
+    a class attribute, or an option's default. A property is read, and checked, on the instance."""
+    problems = []
+    fields = {f.name: f for f in attrs.fields(cls)} if attrs.has(cls) else {}
+    for name, attribute in hookspecs.ATTRIBUTES.get(kind, {}).items():
+        if name in fields:
+            value = fields[name].default
+            if value is attrs.NOTHING or isinstance(value, attrs.Factory):  # type: ignore[arg-type]
+                continue
+        elif hasattr(cls, name):
+            value = inspect.getattr_static(cls, name)
+            if isinstance(value, property) or (attribute.type == "callable | None" and inspect.isfunction(value)):
+                continue
+        else:
+            continue
+        if not attribute.accepts(value):
+            problems.append(f"attribute '{name}' must be {attribute.type} (declared in grpo_core.hookspecs), got {value!r}")
     return problems
 
 

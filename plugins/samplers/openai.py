@@ -7,7 +7,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import httpx
@@ -297,6 +297,8 @@ class ServerSampler:
     concurrent_samples: int = 1
     """``sample`` calls the async loop's workers may make at once: the server batches them, and
     the client's window (``concurrency``) bounds the requests they make together."""
+    stateless: ClassVar[bool] = True
+    """A server: the run sends it the weights it must sample from at start, on resume and at the end."""
     logprobs_mode: str | None = None
     """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
     vocab_size: int = attrs.field(init=False)

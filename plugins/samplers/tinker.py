@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -56,7 +56,9 @@ class TinkerSampler:
     def __attrs_post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
 
-    # No state_dict: the weights live on the service, so the run syncs them at start and on resume.
+    stateless: ClassVar[bool] = True
+    """No state_dict: the weights live on the service, so the run syncs them at start and on resume."""
+
     def load_weights_from(self, trainer: Any) -> None:
         self.client = trainer.sampling_client()
         self.version = trainer.version

@@ -21,9 +21,9 @@ from grpo_core.async_loop import (
 )
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
-from grpo_core.lifecycle import RunFailed
+from grpo_core.lifecycle import RunFailed, sync_weights
 from grpo_core.loop import run
-from grpo_core.metrics import Metrics, record
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.types import Prompt, Sample
@@ -256,7 +256,8 @@ def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_th
     thread.start()
     while not inner.running:
         time.sleep(0.005)
-    metrics = shared.sync(r, 7)
+    with scope() as metrics, shared.exclusive():
+        metrics.merge(sync_weights(r, 7))
     thread.join()
     assert r.state.loop.policy_version == 7
     assert metrics["sync/logprob_max_abs_diff"] == 0.0
