@@ -195,7 +195,7 @@ def main() -> None:
 
     server = None
     if args.server:
-        from grpo_core.data import ASSETS
+        from grpo_core.embedded import ASSETS
         from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
 
         model = Path(ASSETS)

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from grpo_core import SamplingParams
     from grpo_core.config import RunConfig
-    from grpo_core.data import ASSETS
+    from grpo_core.embedded import ASSETS
+    from grpo_core.metrics import scope
     from grpo_core.plugins.samplers.openai import OpenAISampler, completion_body
 
     model_dir = Path(args.model_dir or ASSETS)
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             steps_before = engine_steps(sampler.client.base_url)
             started = time.perf_counter()
             if contender == "grpo-core":
-                tokens = sum(len(c.tokens) for g in sampler.sample(prompts, args.group_size, params) for c in g)
+                with scope() as recorded:
+                    tokens = sum(len(c.tokens) for g in sampler.sample(prompts, args.group_size, params) for c in g)
             else:
                 tokens = bare.round(bodies)
             seconds = time.perf_counter() - started
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 "engine_steps": steps,
             }
             if contender == "grpo-core":
-                record["retries"] = sampler.last_metrics["sampler/retries"]
+                record["retries"] = recorded["sampler/retries"]
             if args.verbose:
                 extra = "" if steps is None else f", {steps:.0f} engine steps"
                 extra += f", {record['retries']:.0f} retries" if contender == "grpo-core" else ""

@@ -12,8 +12,9 @@ rollout while a step trains: the synchronous loop, step for step.
 Versions are the trainer's optimizer steps (``trainer.version``), the number every sample
 carries in ``policy_version``; a step with ``minibatches_per_step`` K advances it by K.
 
-Everything that keeps a run from being lost is the synchronous loop's (``grpo_core.loop``):
-start-up checks, signals, the failure checkpoint, the non-finite guard, checkpoints. The async
+The step is the synchronous loop's: the same training (``grpo_core.stages.train_step``) and the
+same end (``grpo_core.lifecycle.end_step``: count, weight sync, observe, checkpoint), with the
+same start-up checks, signals, failure checkpoint and non-finite guard. The async
 state (the prompts taken, those still in flight) is written beside them after every step, in
 ``RUN_DIR/async/step-N.json``; a resumed run samples the in-flight prompts again before any new
 one, so no prompt is skipped or trained twice. ``RUN_DIR/async/groups.jsonl`` records what
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -35,21 +37,13 @@ from typing import Any
 
 import attrs
 
-from grpo_core.backend import sample_to_datum
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.loop import (
-    Run,
-    complete_step,
-    finish_run,
-    guard_run,
-    learning_rate,
-    start_run,
-    sync_weights,
-    write_checkpoint,
-)
-from grpo_core.plugins_manager import PluginError
-from grpo_core.stages import advantage_plugin, compute_advantages, score_groups, train_on_groups
+from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.metrics import Metrics, record, scope
+from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -76,7 +70,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     started = time.perf_counter()
     check_async_settings(config)
     r = start_run(config, resume, overwrite)
-    if getattr(r.sampler, "own_weights", True) is False:
+    if not declared(r.sampler, "sampler object", "own_weights"):
         sampler = config.sampler or f"the {config.backend} backend's default"
         raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler}) shares the trainer's weights")
     state = r.state
@@ -93,16 +87,13 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
 
 
 def check_async_settings(config: RunConfig) -> None:
+    """The settings both loops check, then those of the async loop's own."""
+    check_settings(config)
     behind = config.minibatches_per_step * (config.weight_sync_interval - 1)
     if not config.synchronous_training and config.max_head_offpolicy_versions < behind:
         raise PluginError(
             f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
             f"--max-head-offpolicy-versions must be at least {behind}"
-        )
-    if config.minibatches_per_step > config.prompt_groups_per_step:
-        raise PluginError(
-            f"--minibatches-per-step {config.minibatches_per_step} splits a step's groups: it cannot exceed "
-            f"--prompt-groups-per-step {config.prompt_groups_per_step}"
         )
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
@@ -158,7 +149,7 @@ class SharedSampler:
 
     def __init__(self, sampler: Any) -> None:
         self.inner = sampler
-        self.parallel = max(1, int(getattr(sampler, "concurrent_samples", 1)))
+        self.parallel = max(1, declared(sampler, "sampler object", "concurrent_samples"))
         self.busy_seconds = 0.0
         """Wall time during which at least one generation ran."""
         self.calls = 0
@@ -240,26 +231,22 @@ class SharedSampler:
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[Any]:
-        """The sampler itself, with no generation running (only the main thread asks)."""
+        """The sampler itself, with no generation running (only the main thread asks): a weight
+        sync never lands in the middle of a rollout's generation, and a server never serves a mix
+        of old and new weights to one. Records ``time/wait_sync``, how long the trainer waited for
+        the generations in flight to end (idle time, like ``time/wait``)."""
+        asked = time.perf_counter()
         with self._cond:
             self._exclusive = True
             while self._active:
                 self._cond.wait()
+        record("time/wait_sync", time.perf_counter() - asked, "sum")
         try:
             yield self.inner
         finally:
             with self._cond:
                 self._exclusive = False
                 self._cond.notify_all()
-
-    def sync(self, r: Run, step: int) -> dict[str, float]:
-        """The run's weight sync, with no generation in flight: a server never serves a mix of
-        old and new weights to one rollout. ``time/wait_sync``: how long the trainer waited for
-        the generations in flight to end (idle time, like ``time/wait``)."""
-        asked = time.perf_counter()
-        with self.exclusive():
-            waited = time.perf_counter() - asked
-            return {**sync_weights(r, step), "time/wait_sync": waited}
 
     def close(self) -> None:
         """Wait for the running generations and refuse new ones: no thread is left inside torch
@@ -311,7 +298,8 @@ class Rolled:
     """One rollout call's outcome: its groups (None for a dropped sample) or why it failed."""
 
     groups: list[list[Any]] = attrs.field(factory=list)
-    metrics: dict[str, float] = attrs.field(factory=dict)
+    metrics: Metrics = attrs.field(factory=Metrics)
+    """What the rollout and the sampler recorded during the call."""
     version: int = 0
     seconds: float = 0.0
     retries: int = 0
@@ -327,7 +315,7 @@ class Finished:
     """The oldest policy version any of its samples came from."""
     groups: list[list[Any]] = attrs.field(factory=list)
     kept: list[list[Any]] = attrs.field(factory=list)
-    metrics: dict[str, float] = attrs.field(factory=dict)
+    metrics: Metrics = attrs.field(factory=Metrics)
     sample_seconds: float = 0.0
     reward_seconds: float = 0.0
     retries: int = 0
@@ -388,7 +376,7 @@ class AsyncLoop:
         drain = config.synchronous_training
         self.unit = config.prompt_groups_per_step if drain else 1
         rollout = r.selection.plugins["rollout"][0]
-        self.calls_per_group = config.completions_per_prompt if getattr(rollout, "per_trajectory", False) and not drain else 1
+        self.calls_per_group = config.completions_per_prompt if declared(rollout, "rollout", "per_trajectory") and not drain else 1
         concurrent = config.max_concurrent or (
             config.prompt_groups_per_step * (config.max_head_offpolicy_versions + 1) * self.calls_per_group
         )
@@ -412,9 +400,8 @@ class AsyncLoop:
         self.outcomes: collections.deque[bool] = collections.deque(maxlen=config.rollout_failure_window)
         self.score_lock = threading.Lock()
         self.trainer_lock = threading.Lock()
-        """Held while a step changes the trainer's weights; an advantage that scores
-        with the trainer (IGPO) takes it too, so its scores come from one version."""
-        self.scores_with_trainer = bool(getattr(advantage_plugin(self.pm), "needs_turn_scores", False))
+        """Held while a step changes the trainer's weights; the policy scorer an advantage gets
+        (``prepare_advantages``) takes it too, so its scores come from one version."""
         self.threads = [
             threading.Thread(target=self.work, daemon=True, name=f"grpo-core-rollout-{i}") for i in range(self.gate.max_concurrent)
         ]
@@ -487,12 +474,12 @@ class AsyncLoop:
         for attempt in range(config.rollout_retries + 1):
             self.sampler.begin_rollout()
             try:
-                groups = self.pm.hook.rollout(
-                    prompts=[t.prompt for t in group.taken], num_samples=num_samples, sampler=self.sampler, params=self.r.params,
-                    **self.r.selection.rollout_args,
-                )  # fmt: skip
-                # Read in this worker's thread: a rollout's last_metrics are those of its caller's last call.
-                metrics = dict(getattr(self.r.selection.plugins["rollout"][0], "last_metrics", {}))
+                # What the rollout and the sampler record in this thread; a failed attempt's records go with it.
+                with scope() as metrics:
+                    groups = self.pm.hook.rollout(
+                        prompts=[t.prompt for t in group.taken], num_samples=num_samples, sampler=self.sampler,
+                        params=self.r.params, **self.r.selection.rollout_args,
+                    )  # fmt: skip
                 break
             except RETRYABLE as exc:
                 if attempt == config.rollout_retries:
@@ -514,14 +501,16 @@ class AsyncLoop:
         groups = [[s for s in g if s is not None] for g in groups]
         t1 = time.perf_counter()
         # Rewards and their failure counter are shared by every worker.
-        with self.score_lock, self.trainer_lock if self.scores_with_trainer else contextlib.nullcontext():
+        with self.score_lock:
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(
-                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd
+                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock
             )
-        rollout_metrics = merge_metrics([p.metrics for p in parts]) if len(parts) > 1 else parts[0].metrics
+        metrics.merge(advantage_metrics)
+        for part in parts:
+            metrics.merge(part.metrics)
         return Finished(
-            group.taken, min(p.version for p in parts), groups, kept, {**metrics, **advantage_metrics, **rollout_metrics},
+            group.taken, min(p.version for p in parts), groups, kept, metrics,
             sample_seconds=seconds, reward_seconds=time.perf_counter() - t1, retries=retries, dropped_samples=dropped,
         )  # fmt: skip
 
@@ -565,15 +554,11 @@ class AsyncLoop:
             staleness = [start_version - s.policy_version for g in kept for s in g]
             t1 = time.perf_counter()
             with self.trainer_lock:
-                train_metrics = self.train_batch(kept, learning_rate(config, step - 1, state.total_steps))
-            sync_metrics = self.sampler.sync(self.r, step) if step % config.weight_sync_interval == 0 else {}
+                metrics = train_step(self.pm, trainer, self.r.reference, kept, config, learning_rate(config, step - 1, state.total_steps))
             t2 = time.perf_counter()
-            with self.cond:
-                self.gate.sampler_version = self.sampler.inner.version
-                self.gate.next_step_version = trainer.version
             window = t2 - last
             busy = self.sampler.busy_seconds
-            metrics = {**merge_group_metrics(batch), **train_metrics, **sync_metrics}
+            metrics.merge(merge_group_metrics(batch))
             metrics.update(
                 {
                     "time/sample": sum(f.sample_seconds for f in batch),
@@ -581,7 +566,6 @@ class AsyncLoop:
                     "time/wait": waited,
                     "time/train": t2 - t1,
                     "time/step": window,
-                    "perf/trainer_idle_frac": (waited + sync_metrics.get("time/wait_sync", 0.0)) / window if window > 0 else 0.0,
                     "perf/sampler_busy_frac": min(1.0, (busy - busy_before) / window) if window > 0 else 0.0,
                     "perf/samples_per_s": metrics.get("train/samples", 0.0) / window if window > 0 else 0.0,
                     "staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
@@ -590,32 +574,18 @@ class AsyncLoop:
                     "async/dropped_samples": float(sum(f.dropped_samples for f in batch)),
                     "async/rollout_retries": float(sum(f.retries for f in batch)),
                     "async/rollout_failed": float(sum(f.failed is not None for f in batch)),
-                }
+                },
+                "sum",
             )
-            metrics["policy/version"] = trainer.version
-            if step == 1:
-                metrics.update({k: float(v) for k, v in state.data.items()})
-            with self.sampler.exclusive() as sampler:  # its RNG and weights, not in the middle of a generation
-                complete_step(state, self.r.selection, sampler, metrics, config.max_nonfinite_steps_in_a_row)
-            self.record(step, batch, start_version)
-            with self.cond:
-                metrics.update(
-                    {
-                        "queue/in_flight": float(self.gate.in_flight),
-                        "queue/ready": float(self.gate.ready),
-                        "queue/again": float(len(self.queue.again)),
-                    }
-                )
-            self.pm.hook.on_step(step=step, metrics=metrics, state=state, groups=[g for f in batch for g in f.groups])
-            if config.checkpoint_every and step % config.checkpoint_every == 0:
-                write_checkpoint(state, config, trainer)
+            metrics = metrics.as_dict()
+            # The sync, and the sampler's RNG and weights, with no generation running.
+            counted = functools.partial(self.counted, step, batch, start_version, metrics, waited, window)
+            stop = end_step(self.r, step, metrics, [g for f in batch for g in f.groups], self.sampler.exclusive, counted)
             with self.cond:
                 self.gate.training = False
                 self.cond.notify_all()
             last, busy_before = time.perf_counter(), busy
-            if state.interrupted:
-                state.request_stop(f"interrupted after step {step}")
-            if state.stop_reason:
+            if stop:
                 break
 
     def wait_for_batch(self, step: int) -> tuple[list[Finished] | None, int]:
@@ -685,29 +655,15 @@ class AsyncLoop:
             self.cond.notify_all()
         return sum(len(f.taken) for f in stale)
 
-    def train_batch(self, kept: list[list[Any]], lr: float) -> dict[str, float]:
-        """One optimizer step, or ``minibatches_per_step`` K of them on shares of the groups, all
-        against π_old of the step's start (so the later ones have a ratio to clip)."""
-        config, trainer = self.config, self.r.trainer
-        K = config.minibatches_per_step
-        if K == 1:
-            return train_on_groups(self.pm, trainer, self.r.reference, kept, config, lr)
-        shares = [kept[len(kept) * k // K : len(kept) * (k + 1) // K] for k in range(K)]
-        shares = [s for s in shares if s]
-        if not shares:
-            return train_on_groups(self.pm, trainer, self.r.reference, kept, config, lr)
-        old = None
-        if config.anchor == "old_policy":
-            old = trainer.forward([sample_to_datum(s) for g in kept for s in g])
-        results, offset = [], 0
-        for share in shares:
-            n = sum(len(g) for g in share)
-            view = trainer if old is None else StepStartPolicy(trainer, old[offset : offset + n])
-            results.append(train_on_groups(self.pm, view, self.r.reference, share, config, lr))
-            offset += n
-        return merge_minibatch_metrics(results)
-
-    def record(self, step: int, batch: list[Finished], version: int) -> None:
+    def counted(self, step: int, batch: list[Finished], version: int, metrics: dict[str, float], waited: float, window: float) -> None:
+        """The step is counted and synced: the gate sees the sampler's version, the ledger and the
+        async state of the step are written, and the metrics get the queue and the idle time."""
+        with self.cond:
+            self.gate.sampler_version = self.sampler.inner.version
+            self.gate.next_step_version = self.r.trainer.version
+            self.cond.notify_all()
+        idle = waited + metrics.get("time/wait_sync", 0.0)
+        metrics["perf/trainer_idle_frac"] = min(1.0, idle / window) if window > 0 else 0.0
         for finished in batch:
             self.write_ledger(step, finished, "failed" if finished.failed else "trained", version)
         self.ledger.flush()
@@ -715,6 +671,14 @@ class AsyncLoop:
             again = [*self.queue.again, *(t for f in self.arrived for t in f.taken), *(t for g in self.running.values() for t in g.taken)]
             snapshot = {"cursor": self.queue.cursor, "again": [[t.index, attrs.asdict(t.prompt)] for t in again]}
         write_async_state(self.folder, self.r.state.step, snapshot)
+        with self.cond:
+            metrics.update(
+                {
+                    "queue/in_flight": float(self.gate.in_flight),
+                    "queue/ready": float(self.gate.ready),
+                    "queue/again": float(len(self.queue.again)),
+                }
+            )
 
     def write_ledger(self, step: int, finished: Finished, outcome: str, trainer_version: int) -> None:
         kept = {id(g[0].prompt) for g in finished.kept if g}
@@ -739,107 +703,15 @@ class AsyncLoop:
         self.ledger.close()
 
 
-class StepStartPolicy:
-    """The trainer as a step's later minibatches see it: π_old is the policy at the step's start.
-
-    Its version matches no sample, so ``anchor_logprobs`` asks ``forward`` for π_old, which
-    returns the logprobs computed before the step's first optimizer step.
-    """
-
-    version = -1
-
-    def __init__(self, trainer: Any, old_logprobs: list[Any]) -> None:
-        self.trainer = trainer
-        self.old_logprobs = old_logprobs
-
-    def forward(self, datums: list[Any]) -> list[Any]:
-        return self.old_logprobs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.trainer, name)
-
-
-SUMMED = {
-    "reward/failed",
-    "reward/errors",
-    "reward/timeouts",
-    "tokens/completion",
-    "train/samples",
-    "optim/skipped_nonfinite",
-    "train/skipped",
-    "tool/calls",
-    "tool/errors",
-    "tool/timeouts",
-    "multi_turn/prefix_failures",
-    "time/igpo",
-    "igpo/scored_sequences",
-}
-
-
-def is_count(key: str) -> bool:
-    """A metric that adds up over rollouts and minibatches (every other one is a mean)."""
-    return key in SUMMED or key.startswith("groups/")
-
-
-def merge_metrics(results: list[dict[str, float]]) -> dict[str, float]:
-    """Metrics of parts of one unit of work (minibatches of a step, trajectories of a group):
-    counts add up, every other metric is the parts' mean."""
-    keys = dict.fromkeys(k for m in results for k in m)
-    merged = {}
-    for key in keys:
-        values = [m[key] for m in results if key in m]
-        merged[key] = sum(values) if is_count(key) else sum(values) / len(values)
+def merge_group_metrics(batch: list[Finished]) -> Metrics:
+    """A step's rollout, reward and advantage metrics from those of its rollouts, merged by their
+    reductions: the values of the groups scored together (``reward/total`` NaN when all failed)."""
+    merged = Metrics()
+    merged.add("reward/total", math.nan, "mean", weight=0.0)
+    for finished in batch:
+        if finished.failed is None:
+            merged.merge(finished.metrics)
     return merged
-
-
-def merge_minibatch_metrics(results: list[dict[str, float]]) -> dict[str, float]:
-    return {**merge_metrics(results), "optim/minibatches": float(len(results))}
-
-
-def merge_group_metrics(batch: list[Finished]) -> dict[str, float]:
-    """A step's reward and advantage metrics from those of its rollouts, as if scored together:
-    counts add up, means are weighted by what they average over, ``reward/std`` is pooled."""
-    done = [f for f in batch if f.failed is None]
-    if not done:
-        return {"reward/total": math.nan}
-    if len(done) == 1:
-        return dict(done[0].metrics)
-    keys = dict.fromkeys(k for f in done for k in f.metrics)
-    merged: dict[str, float] = {}
-    for key in keys:
-        if key == "reward/std":
-            continue
-        parts = [(f.metrics[key], metric_weight(f, key)) for f in done if key in f.metrics]
-        if is_count(key):
-            merged[key] = float(sum(v for v, _ in parts))
-        else:
-            merged[key] = weighted_mean(parts)
-    scored = [
-        (f.metrics["reward/total"], f.metrics["reward/std"], metric_weight(f, "reward/total")) for f in done if "reward/std" in f.metrics
-    ]
-    mean = merged.get("reward/total", math.nan)
-    total = sum(n for _, _, n in scored if n)
-    if total:
-        second = sum(n * (std**2 + m**2) for m, std, n in scored if n) / total
-        merged["reward/std"] = math.sqrt(max(second - mean**2, 0.0)) if total > 1 else 0.0
-    elif scored:
-        merged["reward/std"] = 0.0
-    return merged
-
-
-def metric_weight(finished: Finished, key: str) -> int:
-    samples = [s for g in finished.groups for s in g]
-    if key == "reward/total":
-        return sum(s.reward is not None for s in samples)
-    if key.startswith("reward/"):
-        return sum(s.rewards.get(key.removeprefix("reward/")) is not None for s in samples)
-    return len(samples)
-
-
-def weighted_mean(parts: list[tuple[float, int]]) -> float:
-    parts = [(v, n) for v, n in parts if n and not math.isnan(v)]
-    total = sum(n for _, n in parts)
-    return sum(v * n for v, n in parts) / total if total else math.nan
 
 
 def write_async_state(folder: Path, step: int, snapshot: dict[str, Any]) -> None:

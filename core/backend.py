@@ -7,10 +7,11 @@ grpo-core runs unchanged on the local backend and on a remote Tinker service.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
 
 if TYPE_CHECKING:
     import tinker
@@ -26,6 +27,31 @@ class NonFiniteWeights(PluginError):
 CustomLossFn = Callable[[Sequence["tinker.Datum"], Sequence["torch.Tensor"]], "tuple[torch.Tensor, dict[str, float]]"]
 """``loss_fn(datums, logprobs)`` -> ``(loss, metrics)``; ``logprobs[i]`` are the target-token
 logprobs of ``datums[i]`` (length = len(target_tokens)), differentiable in the weights."""
+
+
+class PolicyScorer:
+    """A read-only view of the policy being trained, for plugins that score with it (the
+    ``prepare_advantages`` hook): its tokenizer and teacher-forced logprobs, nothing that changes it.
+
+    ``forward`` runs in calls of at most ``max_samples_per_call`` sequences, all under ``lock``
+    (the async loop's, held while a step changes the weights): the logprobs of one call come from
+    one policy version, whatever thread asks.
+    """
+
+    def __init__(self, trainer: Trainer, max_samples_per_call: int | None = None, lock: Any = None) -> None:
+        self._trainer = trainer
+        self._size = max_samples_per_call
+        self._lock = lock
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._trainer.tokenizer
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        """Target-token logprobs of each datum under the current weights, without gradient."""
+        size = self._size or max(len(datums), 1)
+        with self._lock if self._lock is not None else contextlib.nullcontext():
+            return [lp for start in range(0, len(datums), size) for lp in self._trainer.forward(list(datums[start : start + size]))]
 
 
 @runtime_checkable

@@ -19,7 +19,9 @@ from typing import Any
 
 import attrs
 
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.types import LoopState
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
@@ -30,18 +32,6 @@ class CheckpointError(PluginError):
     """A checkpoint or policy could not be written or read; the message says what is still valid."""
 
 
-@attrs.define
-class LoopState:
-    """The loop's counters that a resumed run must continue from."""
-
-    step: int = 0
-    policy_version: int = 0
-    reward_failures_in_a_row: int = 0
-    nonfinite_in_a_row: int = 0
-    history: list[float | None] = attrs.field(factory=list)
-    """``reward/total`` of every step so far (the summary compares its first and last steps)."""
-
-
 def capture_rng(sampler: Any) -> dict[str, Any]:
     """Every random state a step consumes, taken at a step boundary."""
     import torch
@@ -49,7 +39,7 @@ def capture_rng(sampler: Any) -> dict[str, Any]:
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    if hasattr(sampler, "state_dict"):
+    if not declared(sampler, "sampler object", "stateless"):
         rng["sampler"] = sampler.state_dict()
     return rng
 

@@ -17,7 +17,8 @@ import click
 
 from grpo_core import __version__
 from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, cli_fields
-from grpo_core.plugins_manager import KINDS, PluginError
+from grpo_core.errors import PluginError
+from grpo_core.options import KINDS
 
 EXIT_ERROR = 1
 """A run that the user can fix: bad config, data or plugin; a training failure it explains."""
@@ -174,7 +175,7 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
 
 def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
     """One clear message and a non-zero exit; an unexpected error also leaves its traceback in a file."""
-    from grpo_core.loop import RunFailed
+    from grpo_core.lifecycle import RunFailed
 
     saved = exc.saved if isinstance(exc, RunFailed) else None
     cause = exc.cause if isinstance(exc, RunFailed) else exc

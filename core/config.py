@@ -18,7 +18,9 @@ from typing import Any, Literal
 import attrs
 import tomllib
 
-from grpo_core.plugins_manager import KINDS, PluginError, coerce
+from grpo_core.embedded import embedded_split
+from grpo_core.errors import PluginError
+from grpo_core.options import KINDS, coerce
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
@@ -349,13 +351,6 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
-    def write(self, path: Path) -> None:
-        """The resolved config as JSON, secret plugin options shown as ``***``."""
-        from grpo_core.plugins_manager import redact_plugin_options
-
-        data = {**self.to_dict(), "plugin_options": redact_plugin_options(self.plugin_options)}
-        path.write_text(json.dumps(data, indent=2) + "\n")
-
 
 def cli_fields() -> list[attrs.Attribute]:
     attrs.resolve_types(RunConfig)
@@ -409,7 +404,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     Flags that would change what a step computes are refused unless they repeat the stored
     value; plugin options may only supply secrets, which config.json never holds.
     """
-    from grpo_core.plugins_manager import REDACTED
+    from grpo_core.options import REDACTED
 
     path = Path(run_dir) / "config.json"
     if not path.is_file():
@@ -490,8 +485,6 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
-    from grpo_core.data import embedded_split
-
     if values.get("model", DEFAULT) == DEFAULT and embedded_split(str(values.get("dataset", DEFAULT))) is not None:
         # The embedded model and task come with settings tuned for them; anything given wins.
         preset = tomllib.loads(DEFAULT_PRESET.read_text()) if DEFAULT_PRESET.is_file() else {}

@@ -26,23 +26,20 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from grpo_core.plugins_manager import PluginError, find, is_secret, option_fields
+from grpo_core.embedded import EMBEDDED, embedded_split, split_path
+from grpo_core.errors import DataError, PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.options import is_secret, option_fields
+from grpo_core.plugins_manager import find
 from grpo_core.types import Prompt
 
 if TYPE_CHECKING:
     from grpo_core.config import RunConfig
 
-ASSETS = Path(__file__).parent / "assets" / "default"
-EMBEDDED = "default"
-EMBEDDED_SPLITS = ("train", "test")
 DEFAULT_TASK_TEMPLATE = "Question: {prompt}\nAnswer:"
 PROMPT_SETTINGS_FILE = "grpo_core_prompt.json"
 SHOWN_SKIPS = 3
 """How many skip reasons a notice quotes; the count covers them all."""
-
-
-class DataError(PluginError):
-    """Bad dataset input; the message names the file and line."""
 
 
 @attrs.define
@@ -66,28 +63,6 @@ class Dataset:
             "data/skipped_bad_rows": len(self.skipped_bad_rows),
             "data/skipped_long_prompts": len(self.skipped_long_prompts),
         }
-
-
-def embedded_split(dataset: str) -> str | None:
-    """The embedded task's split that ``dataset`` names (``default``, ``default:test``, or its
-    file's path), else None."""
-    name, sep, split = dataset.partition(":")
-    if name == EMBEDDED:
-        if not sep:
-            return "train"
-        if split not in EMBEDDED_SPLITS:
-            raise DataError(f"unknown split '{split}' of the embedded task; splits: {', '.join(EMBEDDED_SPLITS)}")
-        return split
-    path = Path(dataset)
-    if path.is_file():
-        for split in EMBEDDED_SPLITS:
-            if path.resolve() == _split_path(split).resolve():
-                return split
-    return None
-
-
-def _split_path(split: str) -> Path:
-    return ASSETS / "task" / f"{split}.jsonl"
 
 
 def dataset_name(dataset: str) -> str:
@@ -150,7 +125,7 @@ def dataset_source(dataset: str) -> Source:
     dataset, ``NAME``, ``NAME:SPLIT`` or ``NAME:CONFIG:SPLIT`` (split ``train`` by default)."""
     split = embedded_split(dataset)
     if split:
-        return Source("jsonl", _split_path(split), _split_path(split))
+        return Source("jsonl", split_path(split), split_path(split))
     path = Path(dataset)
     if path.is_file():
         return Source("parquet" if path.suffix == ".parquet" else "jsonl", path, path)
@@ -335,7 +310,7 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
     A rollout without an ``encode(tokenizer, prompt)`` method, or a model of unknown context,
     is not checked here.
     """
-    encode = getattr(rollout, "encode", None)
+    encode = declared(rollout, "rollout", "encode")
     if encode is None or max_context is None:
         return
     kept, long = [], []
@@ -350,7 +325,7 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
             )
     if not long:
         return
-    if getattr(rollout, "long_prompts", "error") != "skip":
+    if declared(rollout, "rollout", "long_prompts") != "skip":
         more = f" (and {len(long) - 1} more)" if len(long) > 1 else ""
         raise DataError(
             f"{long[0]}, the model's context{more}: shorten the prompts, lower --max-completion-tokens, "

@@ -16,8 +16,9 @@ import attrs
 from grpo_core.config import RunConfig, cli_fields, typed_value
 from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
-from grpo_core.loop import sampling_params, seed_everything
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.lifecycle import sampling_params, seed_everything
 from grpo_core.selection import select_plugins
 from grpo_core.stages import score_groups
 
@@ -85,7 +86,7 @@ def evaluate(
     trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     prompts = dataset.prompts
-    chat = getattr(rollout, "chat_template", None)
+    chat = declared(rollout, "rollout", "chat_template")
     if chat is None:
         chat_text = ""
     elif getattr(sampler.tokenizer, "chat_template", None) is None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from grpo_core.checkpoint import STATE_FILE, checkpoint_dir, complete_checkpoints, save_policy
 from grpo_core.data import PROMPT_SETTINGS_FILE, write_prompt_settings
-from grpo_core.plugins_manager import REDACTED, PluginError, coerce
+from grpo_core.errors import PluginError
+from grpo_core.options import REDACTED, coerce
 
 
 def export_policy(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> tuple[Path, str]:

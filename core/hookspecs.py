@@ -19,18 +19,105 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import pluggy
 
+from grpo_core.errors import PluginError
+
 if TYPE_CHECKING:
-    from grpo_core.backend import Reference, Sampler, Trainer
+    from grpo_core.backend import PolicyScorer, Reference, Sampler, Trainer
     from grpo_core.config import RunConfig
-    from grpo_core.loop import RunState
     from grpo_core.loss import LossInputs, LossOutput
-    from grpo_core.types import Episode, Prompt, Sample, SamplingParams
+    from grpo_core.types import Episode, Prompt, RunState, Sample, SamplingParams
 
 PROJECT = "grpo_core"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# Declared attributes: besides hook arguments and results, core reads these (and only these) from a
+# plugin (a class attribute, an option or a property) or from the sampler a sampler plugin makes.
+# A plugin that does not set one gets its default; ``grpo_core.plugins_manager.plugin_problems``
+# refuses a plugin class that sets one with the wrong type, and :func:`declared` an instance.
+
+ACCEPTS: dict[str, Callable[[Any], bool]] = {
+    "bool": lambda v: isinstance(v, bool),
+    "bool | None": lambda v: v is None or isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "callable | None": lambda v: v is None or callable(v),
+}
+
+
+@attrs.frozen
+class Attribute:
+    """One declared attribute: its type, its default, and what core does with it."""
+
+    type: str
+    """A key of ``ACCEPTS``."""
+    default: Any
+    doc: str
+
+    def accepts(self, value: Any) -> bool:
+        return ACCEPTS[self.type](value)
+
+
+ATTRIBUTES: dict[str, dict[str, Attribute]] = {
+    "backend": {
+        "default_sampler": Attribute("str", "local", "the sampler plugin a run uses when --sampler is not given"),
+        "default_weight_sync": Attribute(
+            "str", "in_process", "the weight sync a run uses when neither --weight-sync nor the sampler plugin names one"
+        ),
+    },
+    "sampler": {
+        "default_weight_sync": Attribute(
+            "str | None", None, "the weight sync that reaches this sampler (a server's: vllm); None: the backend's"
+        ),
+    },
+    "rollout": {
+        "per_trajectory": Attribute(
+            "bool", False, "--loop async calls it with one prompt and num_samples=1, G calls per group (see the rollout hook)"
+        ),
+        "encode": Attribute(
+            "callable | None", None, "encode(tokenizer, prompt) -> token ids: every prompt is measured against the context at start"
+        ),
+        "long_prompts": Attribute("str", "error", "'skip': a prompt too long for the context is skipped (counted), else refused"),
+        "chat_template": Attribute("bool | None", None, "whether it wraps plain prompts in the chat template (eval says so)"),
+    },
+    "reward": {
+        "needs_answer": Attribute("bool", False, "every dataset row must carry a reference answer"),
+        "needs_env": Attribute("bool", False, "it scores what an environment gave: a run refuses it without --env"),
+    },
+    "env": {
+        "needs_answer": Attribute("bool", False, "every dataset row must carry a reference answer"),
+    },
+    "loss": {
+        "needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)"),
+    },
+    "sampler object": {
+        "own_weights": Attribute("bool", True, "False: it samples from the trainer's own weights (shared), which --loop async refuses"),
+        "concurrent_samples": Attribute("int", 1, "how many sample calls the async loop's workers may make at once"),
+        "stateless": Attribute(
+            "bool",
+            False,
+            "True for a server: it checkpoints nothing, and the run sends it the weights it must sample from at start, "
+            "on resume and at the end; False: it has state_dict() and load_state_dict(state) (its RNG, version, own weights)",
+        ),
+    },
+}
+"""Per plugin kind (``"sampler object"``: what ``make_sampler`` returns), the attributes core reads."""
+
+
+def declared(obj: Any, kind: str, name: str) -> Any:
+    """The declared attribute ``name`` of a plugin of ``kind`` (or of a ``"sampler object"``):
+    its value, or its default when ``obj`` does not set it; a PluginError when the value has
+    another type than declared."""
+    attribute = ATTRIBUTES[kind][name]
+    value = getattr(obj, name, attribute.default)
+    if not attribute.accepts(value):
+        raise PluginError(f"{type(obj).__name__}.{name} must be {attribute.type} (declared in grpo_core.hookspecs), got {value!r}")
+    return value
 
 
 @hookspec(firstresult=True)
@@ -169,6 +256,22 @@ def reward(prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
     :param prompt: the prompt (with its reference ``answer``) the group was sampled for.
     :param samples: the group's samples; read ``sample.text`` for the completion.
     :returns: one score per sample, in order.
+    """
+
+
+@hookspec
+def prepare_advantages(groups: Sequence[Sequence[Sample]], scorer: PolicyScorer | None) -> None:
+    """Called once before the ``advantage`` calls of a batch of groups (kind ``advantage``; an
+    advantage that needs nothing but rewards omits it).
+
+    For an advantage that needs the current policy's view of the samples: IGPO scores the answer
+    after every turn of every group here, in one forward, and keeps the scores for the
+    ``advantage`` call of each group (one call per group of ``groups``, on the same samples).
+
+    :param groups: the groups whose advantages come next (each with at least two scored samples).
+    :param scorer: a read-only handle on the policy being trained: ``scorer.tokenizer`` and
+        ``scorer.forward(datums)`` (teacher-forced logprobs; one call sees one policy version,
+        also while the async loop trains). None where no trainer is at hand.
     """
 
 

@@ -25,7 +25,6 @@ AGGREGATIONS: tuple[str, ...] = (
 LOG_RATIO_CLAMP = 20.0
 """Default of ``ratio_log_cap`` / ``seq_ratio_log_cap``: a log-ratio is clipped to ±this before
 exp(), so a far off-policy token cannot overflow (e^20 ≈ 4.9e8)."""
-STEP_TOTAL_METRICS = frozenset({"loss/policy", "loss/active_tokens"})
 """Metrics that are a batch's share of a step total: a step split into several calls adds them
 up. Every other loss metric is a mean over the batch's trained tokens: a split step weighs each
 call's value by its trained tokens, which gives the value of one call with all sequences."""
@@ -133,12 +132,21 @@ class PaddedLossInputs:
         return float((x_B_T.detach() * self.mask_B_T).sum()) / total if total > 0 else 0.0
 
 
+SUMMED_LOSS_METRICS: frozenset[str] = frozenset({"loss/policy", "loss/active_tokens"})
+"""What every loss reports summed over a step's calls: the aggregated policy term (it carries
+the step's normalizer) and the count of trained tokens."""
+
+
 @attrs.define
 class LossOutput:
     loss: torch.Tensor
     """0-d tensor, differentiable in ``inputs.logprobs``."""
     metrics: dict[str, float] = attrs.field(factory=dict)
-    """Namespaced metrics (``loss/policy``, ``loss/clip_frac_low``, ``tis/weight_mean``, ...)."""
+    """Namespaced metrics (``loss/policy``, ``loss/clip_frac_low``, ``tis/weight_mean``, ...): each a
+    mean over the call's trained tokens, but for those named in ``summed``."""
+    summed: frozenset[str] = SUMMED_LOSS_METRICS
+    """The metrics that add up over a step's forward/backward calls (a loss whose own metric is a
+    sum adds its name); every other one is merged as a mean weighted by the calls' trained tokens."""
 
 
 def aggregate(term_B_T: torch.Tensor, padded: PaddedLossInputs, agg: str) -> torch.Tensor:
@@ -167,17 +175,6 @@ def validate_agg(instance: Any, attribute: Any, value: str) -> None:
     """attrs validator for the ``agg`` option of every loss."""
     if value not in AGGREGATIONS:
         raise ValueError(f"agg must be one of {', '.join(AGGREGATIONS)}, not {value!r}")
-
-
-def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
-    """Run the ``loss`` hook of the given plugin instances, exactly as a training run does."""
-    from grpo_core.plugins_manager import build_manager
-
-    pm = build_manager(plugins)
-    out = pm.hook.loss(inputs=inputs)
-    if out is None:
-        raise ValueError("no loss plugin among the given plugins: pass one loss, e.g. make_plugin('loss.grpo')")
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

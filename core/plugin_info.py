@@ -7,7 +7,9 @@ from typing import Any
 
 import attrs
 
-from grpo_core.plugins_manager import PluginError, catalog, is_secret, plugin_hooks, plugin_problems
+from grpo_core.errors import PluginError
+from grpo_core.options import is_secret
+from grpo_core.plugins_manager import catalog, plugin_hooks, plugin_problems
 
 
 def describe_all() -> list[dict[str, Any]]:

@@ -12,21 +12,25 @@ import difflib
 import functools
 import importlib
 import inspect
-import os
-import re
-import types
-import typing
+import json
 from collections.abc import Iterable, Sequence
 from importlib import metadata
-from typing import Any, Literal, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import pluggy
 
 from grpo_core import hookspecs
+from grpo_core.errors import PluginError
+
+if TYPE_CHECKING:
+    from grpo_core.config import RunConfig
+    from grpo_core.loss import LossInputs, LossOutput
+
+from grpo_core.options import ENV_PREFIX, KINDS, REDACTED, instantiate, is_secret, option_fields
 
 GROUP = "grpo_core"
-KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "loss", "logger")
 SINGLE_CHOICE = ("backend", "sampler", "weight_sync", "rollout", "advantage", "loss")
 KIND_HOOKS = {
     "backend": ("load_tokenizer", "make_trainer", "make_reference"),
@@ -36,41 +40,14 @@ KIND_HOOKS = {
     "env": ("env_reset",),
     "tool": ("tool_spec", "tool_call"),
     "reward": ("reward",),
-    "advantage": ("advantage",),
+    "advantage": ("advantage", "prepare_advantages"),
     "loss": ("loss",),
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }
 """The hooks a plugin of each kind may implement; it must implement at least one of them."""
-REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer"), "tool": ("tool_spec", "tool_call")}
+REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer"), "tool": ("tool_spec", "tool_call"), "advantage": ("advantage",)}
 """Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then
 trains; a tool is described to the policy, then called)."""
-SECRET_NAME = re.compile(
-    r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
-    r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
-)
-"""Option names that hold secrets even when not declared ``secret=True`` (``max_tokens`` does not match)."""
-REDACTED = "***"
-ENV_PREFIX = "env:"
-
-
-class PluginError(Exception):
-    """A plugin cannot be found, loaded or configured; the message is meant for the user."""
-
-
-def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = None, **kwargs: Any) -> Any:
-    """A plugin option: an attrs field whose help shows in ``grpo-core plugins``.
-
-    ``secret=True`` keeps the value out of config.json and logs (``***``) and lets the user
-    give it as ``env:NAME`` (read from the environment when the plugin is made). Options
-    named like ``api_key``, ``token``, ``password`` or ``secret`` are secret unless
-    ``secret=False``.
-    """
-    return attrs.field(default=default, metadata={"help": help, "secret": secret}, **kwargs)
-
-
-def is_secret(name: str, field: attrs.Attribute | None = None) -> bool:
-    declared = field.metadata.get("secret") if field is not None else None
-    return bool(SECRET_NAME.match(name)) if declared is None else declared
 
 
 @attrs.frozen
@@ -171,62 +148,6 @@ def make_plugin(name: str, kind: str | None = None, **options: Any) -> Any:
     return instantiate(cls, entry.qualified_name, options)
 
 
-def instantiate(cls: type, label: str, options: dict[str, Any]) -> Any:
-    """``cls(**options)`` with options coerced to their types and ``env:NAME`` secrets read."""
-    kwargs = coerce_options(cls, label, options)
-    fields = option_fields(cls)
-    for key, value in kwargs.items():
-        if is_secret(key, fields[key]) and isinstance(value, str) and value.startswith(ENV_PREFIX):
-            variable = value[len(ENV_PREFIX) :]
-            if variable not in os.environ:
-                raise PluginError(f"option '{key}' of {label} is read from the environment variable {variable}, which is not set")
-            kwargs[key] = _coerce_option(label, key, fields[key], os.environ[variable])
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise PluginError(f"{label}: {exc}") from exc
-
-
-def option_fields(cls: type) -> dict[str, attrs.Attribute]:
-    attrs.resolve_types(cls)
-    return {f.name: f for f in attrs.fields(cls) if f.init}
-
-
-def coerce_options(cls: type, label: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Options converted to their declared types (what config.json stores); unknown ones raise.
-
-    A secret given as ``env:NAME`` stays a reference here, so the value itself is only read
-    when the plugin is made.
-    """
-    fields = option_fields(cls)
-    coerced = {}
-    for key, value in options.items():
-        field = fields.get(key)
-        if field is None:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            known = ", ".join(fields) or "none"
-            raise PluginError(f"unknown option '{key}' for {label}{hint} options: {known}")
-        if is_secret(key, field) and isinstance(value, str) and value.startswith(ENV_PREFIX):
-            coerced[key] = value
-        else:
-            coerced[key] = _coerce_option(label, key, field, value)
-    return coerced
-
-
-def _coerce_option(label: str, key: str, field: attrs.Attribute, value: Any) -> Any:
-    try:
-        return coerce(value, field.type)
-    except (TypeError, ValueError) as exc:
-        # The error quotes the value; a secret's value must not reach the terminal or a log.
-        reason = f"not a valid {_type_name(field.type)} (value hidden: secret option)" if is_secret(key, field) else exc
-        raise PluginError(f"option '{key}' of {label}: {reason}") from None
-
-
-def _type_name(annotation: Any) -> str:
-    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
-
-
 def redact(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options of one plugin with secret values shown as ``***`` (an ``env:NAME`` reference is kept).
 
@@ -243,76 +164,23 @@ def redact(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def write_config(config: RunConfig, path: Path) -> None:
+    """The resolved config as JSON (``config.json``), secret plugin options shown as ``***``."""
+    data = {**config.to_dict(), "plugin_options": redact_plugin_options(config.plugin_options)}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def redact_plugin_options(plugin_options: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
     """``config.plugin_options`` (kind -> plugin -> options) safe to write to config.json and logs."""
     return {kind: {name: redact(kind, name, opts) for name, opts in by_name.items()} for kind, by_name in plugin_options.items()}
 
 
-def coerce(value: Any, annotation: Any) -> Any:
-    """Convert ``value`` to ``annotation`` (CLI strings parse; other mismatches raise)."""
-    if annotation is None or annotation is Any:
-        return value
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
-            if type(None) in args:
-                return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg)
-            except (TypeError, ValueError) as exc:
-                errors.append(str(exc))
-        raise ValueError("; ".join(errors))
-    if origin is Literal:
-        for choice in args:
-            if value == choice or (isinstance(value, str) and str(choice) == value):
-                return choice
-        raise ValueError(f"expected one of {', '.join(map(repr, args))}, got {value!r}")
-    if origin in (list, tuple, Sequence):
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise TypeError(f"expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        return [coerce(v, inner) for v in items]
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ValueError(f"expected true or false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise TypeError(f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"expected an integer, got {value!r}") from None
-        raise TypeError(f"expected an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, bool):
-            raise TypeError(f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ValueError(f"expected a number, got {value!r}") from None
-        raise TypeError(f"expected a number, got {value!r}")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise TypeError(f"expected a string, got {value!r}")
-    if isinstance(annotation, type) and not isinstance(value, annotation):
-        raise TypeError(f"expected {annotation.__name__}, got {value!r}")
-    return value
+def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
+    """Run the ``loss`` hook of the given plugin instances, exactly as a training run does."""
+    out = build_manager(plugins).hook.loss(inputs=inputs)
+    if out is None:
+        raise ValueError("no loss plugin among the given plugins: pass one loss, e.g. make_plugin('loss.grpo')")
+    return out
 
 
 def build_manager(plugins: Iterable[Any]) -> pluggy.PluginManager:
@@ -377,6 +245,7 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
         _new_manager().register(cls, name=name)
     except pluggy.PluginValidationError as exc:
         problems.append(_validation_reason(exc))
+    problems.extend(attribute_problems(kind, cls))
     own = KIND_HOOKS[kind]
     required = REQUIRED_HOOKS.get(kind, ())
     if not any(hook in marked for hook in own) or any(hook not in marked for hook in required):
@@ -386,6 +255,27 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
         missing = [hook for hook in needs if hook not in marked]
         article = "an" if kind[0] in "aeiou" else "a"
         problems.append(f"{article} {kind} plugin must implement {how + ' ' if how else ''}{wanted} (missing: {', '.join(missing)})")
+    return problems
+
+
+def attribute_problems(kind: str, cls: type) -> list[str]:
+    """A declared attribute (``hookspecs.ATTRIBUTES``) the class sets with a value of another type:
+    a class attribute, or an option's default. A property is read, and checked, on the instance."""
+    problems = []
+    fields = {f.name: f for f in attrs.fields(cls)} if attrs.has(cls) else {}
+    for name, attribute in hookspecs.ATTRIBUTES.get(kind, {}).items():
+        if name in fields:
+            value = fields[name].default
+            if value is attrs.NOTHING or isinstance(value, attrs.Factory):  # type: ignore[arg-type]
+                continue
+        elif hasattr(cls, name):
+            value = inspect.getattr_static(cls, name)
+            if isinstance(value, property) or (attribute.type == "callable | None" and inspect.isfunction(value)):
+                continue
+        else:
+            continue
+        if not attribute.accepts(value):
+            problems.append(f"attribute '{name}' must be {attribute.type} (declared in grpo_core.hookspecs), got {value!r}")
     return problems
 
 

@@ -10,7 +10,10 @@ import attrs
 import pluggy
 
 from grpo_core.config import RunConfig
-from grpo_core.plugins_manager import PluginError, build_manager, check_single_choice, coerce_options, find, instantiate, is_wrapper
+from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.options import coerce_options, instantiate
+from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper
 
 
 @attrs.define
@@ -48,14 +51,14 @@ class Selection:
 
     @property
     def needs_reference(self) -> bool:
-        return bool(getattr(self.loss, "needs_reference", False))
+        return declared(self.loss, "loss", "needs_reference")
 
     @property
     def rewards_needing_answer(self) -> list[str]:
         """Names of the selected rewards, and environment, that compare against a row's answer
         (``needs_answer = True``)."""
-        env = [f"{self.env_name} (environment)" for p in self.plugins.get("env", []) if getattr(p, "needs_answer", False)]
-        return [r.name for r in self.rewards if getattr(r.plugin, "needs_answer", False)] + env
+        env = [f"{self.env_name} (environment)" for p in self.plugins.get("env", []) if declared(p, "env", "needs_answer")]
+        return [r.name for r in self.rewards if declared(r.plugin, "reward", "needs_answer")] + env
 
 
 def select_plugins(config: RunConfig) -> Selection:
@@ -74,9 +77,9 @@ def select_plugins(config: RunConfig) -> Selection:
         "logger": list(config.logger),
     }
     backend_cls = find(config.backend, "backend").load_valid()
-    names["sampler"] = [config.sampler or getattr(backend_cls, "default_sampler", "local")]
+    names["sampler"] = [config.sampler or declared(backend_cls, "backend", "default_sampler")]
     sampler_cls = find(names["sampler"][0], "sampler").load_valid()
-    default_sync = getattr(sampler_cls, "default_weight_sync", None) or getattr(backend_cls, "default_weight_sync", "in_process")
+    default_sync = declared(sampler_cls, "sampler", "default_weight_sync") or declared(backend_cls, "backend", "default_weight_sync")
     names["weight_sync"] = [config.weight_sync or default_sync]
     if not config.reward:
         raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
@@ -124,7 +127,7 @@ def check_conversation(config: RunConfig, plugins: dict[str, dict[str, Any]], re
                 f"rollout '{config.rollout}' does not take {'an environment' if arg == 'env' else 'tools'}, "
                 f"so {flag} would do nothing: choose a multi-turn rollout (--rollout multi_turn)"
             )
-    needing_env = [r.name for r in rewards if getattr(r.plugin, "needs_env", False)]
+    needing_env = [r.name for r in rewards if declared(r.plugin, "reward", "needs_env")]
     if needing_env and not config.env:
         raise PluginError(f"reward {', '.join(needing_env)} scores what an environment gave: select one with --env NAME")
 

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import pluggy
 
-from grpo_core.backend import Reference, Trainer, sample_to_datum
+from grpo_core.backend import PolicyScorer, Reference, Trainer, sample_to_datum
 from grpo_core.config import RunConfig
-from grpo_core.loss import STEP_TOTAL_METRICS, LossInputs
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
+from grpo_core.loss import LossInputs
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.types import Sample
 
 if TYPE_CHECKING:
@@ -57,9 +58,7 @@ def call_with_timeout(fn: Callable[[], T], timeout: float) -> T:
     return outcome["value"]
 
 
-def score_groups(
-    selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int, timeout: float = 0.0
-) -> dict[str, float]:
+def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int, timeout: float = 0.0) -> Metrics:
     """Weighted sum of every reward; a None/NaN, a raising or a timed-out reward marks the sample failed.
 
     A failed sample is not trained on; the run stops once ``max_failures_in_a_row`` samples
@@ -102,18 +101,20 @@ def score_groups(
                 sample.reward = sum(r.weight * sample.rewards[r.name] for r in selection.rewards)
                 selection.reward_failures_in_a_row = 0
     totals = [s.reward for g in groups for s in g if s.reward is not None]
-    metrics = {
-        "reward/total": _mean(totals),
-        "reward/std": _std(totals),
-        "reward/failed": float(failed),
-        "reward/errors": float(errors),
-        "reward/timeouts": float(timeouts),
-    }
-    metrics.update({f"reward/{name}": _mean(v) for name, v in per_reward.items()})
-    tokens = [s.num_completion_tokens for g in groups for s in g]
-    metrics["tokens/completion"] = float(sum(tokens))
-    metrics["tokens/completion_mean"] = _mean(tokens)
-    metrics["completion/truncated_frac"] = _mean([s.finish_reason == "length" for g in groups for s in g])
+    samples = [s for g in groups for s in g]
+    with scope() as metrics:
+        record("reward/total", _mean(totals), "mean", weight=len(totals))
+        record("reward/std", 0.0, "std", weight=0.0)
+        for total in totals:
+            record("reward/std", total, "std")
+        record("reward/failed", failed, "sum")
+        record("reward/errors", errors, "sum")
+        record("reward/timeouts", timeouts, "sum")
+        for name, values in per_reward.items():
+            record(f"reward/{name}", _mean(values), "mean", weight=len(values))
+        record("tokens/completion", sum(s.num_completion_tokens for s in samples), "sum")
+        record("tokens/completion_mean", _mean([s.num_completion_tokens for s in samples]), "mean", weight=len(samples))
+        record("completion/truncated_frac", _mean([s.finish_reason == "length" for s in samples]), "mean", weight=len(samples))
     return metrics
 
 
@@ -123,17 +124,30 @@ def compute_advantages(
     drop_zero_variance: bool,
     trainer: Trainer | None = None,
     max_samples_per_call: int | None = None,
-) -> tuple[list[list[Sample]], dict[str, float]]:
+    trainer_lock: contextlib.AbstractContextManager[Any] | None = None,
+) -> tuple[list[list[Sample]], Metrics]:
     """Advantages per group; groups without signal (every advantage 0, < 2 scored) are dropped.
 
-    An advantage plugin with ``needs_turn_scores = True`` (igpo) first gets the answer scores
-    of every turn of every group from one ``trainer`` forward (see :func:`score_turns`), in
-    calls of at most ``max_samples_per_call`` sequences. For it a group whose outcome rewards
-    are all equal may still carry signal (the turns' information gains): a group is dropped
-    when all its advantages are 0, which for an outcome-only advantage means equal rewards.
+    An advantage plugin that needs the current policy (igpo) gets every group first through the
+    ``prepare_advantages`` hook, with a read-only :class:`grpo_core.backend.PolicyScorer` on
+    ``trainer`` (forwards of at most ``max_samples_per_call`` sequences, under ``trainer_lock``
+    when the trainer trains meanwhile). For it a group whose outcome rewards are all equal may
+    still carry signal: a group is dropped when all its advantages are 0, which for an
+    outcome-only advantage means equal rewards.
     """
-    plugin = advantage_plugin(pm)
-    metrics: dict[str, float] = {}
+    with scope() as metrics:
+        kept = _advantages(pm, groups, drop_zero_variance, trainer, max_samples_per_call, trainer_lock)
+    return kept, metrics
+
+
+def _advantages(
+    pm: pluggy.PluginManager,
+    groups: Sequence[Sequence[Sample]],
+    drop_zero_variance: bool,
+    trainer: Trainer | None,
+    max_samples_per_call: int | None,
+    trainer_lock: contextlib.AbstractContextManager[Any] | None,
+) -> list[list[Sample]]:
     dropped_zero_variance = dropped_failed = skipped = 0
     candidates: list[list[Sample]] = []
     for group in groups:
@@ -145,19 +159,10 @@ def compute_advantages(
             dropped_failed += 1
             continue
         candidates.append(scored)
-    needs_turn_scores = bool(getattr(plugin, "needs_turn_scores", False))
-    turn_scores: list[list[list[float]]] = []
-    if needs_turn_scores:
-        if trainer is None:
-            raise PluginError("this advantage scores the answer after every turn and needs the trainer: pass trainer=")
-        t0 = time.perf_counter()
-        turn_scores, score_metrics = score_turns(trainer, candidates, plugin.answer_template, max_samples_per_call)
-        metrics.update(score_metrics)
-        metrics["time/igpo"] = time.perf_counter() - t0
+    scorer = PolicyScorer(trainer, max_samples_per_call, trainer_lock) if trainer is not None else None
+    pm.hook.prepare_advantages(groups=candidates, scorer=scorer)
     kept: list[list[Sample]] = []
-    for g, scored in enumerate(candidates):
-        if needs_turn_scores:
-            plugin.turn_scores_G = turn_scores[g]
+    for scored in candidates:
         advantages = pm.hook.advantage(rewards_G=[s.reward for s in scored], samples=scored)
         if drop_zero_variance and all(a == 0 for adv in advantages for a in ([adv] if isinstance(adv, (int, float)) else adv)):
             dropped_zero_variance += 1
@@ -170,92 +175,60 @@ def compute_advantages(
             else:
                 raise ValueError(f"advantage returned {len(adv)} values for a sample of {len(sample.tokens)} tokens")
         kept.append(scored)
-    if hasattr(plugin, "step_metrics"):
-        metrics.update(plugin.step_metrics())
-    return kept, {
-        "groups/kept": float(len(kept)),
-        "groups/dropped_zero_variance": float(dropped_zero_variance),
-        "groups/dropped_failed": float(dropped_failed),
-        "groups/skipped": float(skipped),
-        **metrics,
-    }
+    record("groups/kept", len(kept), "sum")
+    record("groups/dropped_zero_variance", dropped_zero_variance, "sum")
+    record("groups/dropped_failed", dropped_failed, "sum")
+    record("groups/skipped", skipped, "sum")
+    return kept
 
 
-def advantage_plugin(pm: pluggy.PluginManager) -> Any:
-    """The plugin instance that answers the ``advantage`` hook (the last registered wins)."""
-    impls = pm.hook.advantage.get_hookimpls()
-    return impls[-1].plugin if impls else None
+def train_step(
+    pm: pluggy.PluginManager,
+    trainer: Trainer,
+    reference: Reference | None,
+    groups: Sequence[Sequence[Sample]],
+    config: RunConfig,
+    learning_rate: float,
+) -> Metrics:
+    """A step's training, the same in both loops: one optimizer step, or ``minibatches_per_step``
+    K of them on shares of the groups, all against π_old of the step's start (so the later ones
+    have a ratio to clip). ``optim/updates`` counts the optimizer steps taken."""
+    K = config.minibatches_per_step
+    shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
+    if len(shares) <= 1:
+        return train_on_groups(pm, trainer, reference, groups, config, learning_rate)
+    old = None
+    if config.anchor == "old_policy":
+        old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
+    offset = 0
+    with scope() as metrics:
+        record("optim/minibatches", len(shares), "sum")
+        for share in shares:
+            n = sum(len(g) for g in share)
+            view = trainer if old is None else StepStartPolicy(trainer, old[offset : offset + n])
+            metrics.merge(train_on_groups(pm, view, reference, share, config, learning_rate))
+            offset += n
+    return metrics
 
 
-def turn_contexts(sample: Sample) -> list[int]:
-    """Where the conversation stands before each turn but the last: ``tokens[:ctx_t]`` for t = 0..T−1.
+class StepStartPolicy:
+    """The trainer as a step's later minibatches see it: π_old is the policy at the step's start.
 
-    ctx_0 is the prompt alone (the first turn's start), ctx_t the end of turn t's context (its
-    observation and the next assistant header). The score after the last turn never enters
-    IGPO (the outcome reward stands in for it), so it is not computed; a single-turn sample
-    has nothing to score.
+    Its version matches no sample, so ``anchor_logprobs`` asks ``forward`` for π_old, which
+    returns the logprobs computed before the step's first optimizer step.
     """
-    turns = sample.turns
-    if len(turns) < 2:
-        return []
-    return [turns[0].start] + [turn.context_end for turn in turns[:-1]]
 
+    version = -1
 
-def score_turns(
-    trainer: Trainer, groups: Sequence[Sequence[Sample]], answer_template: str, max_samples_per_call: int | None = None
-) -> tuple[list[list[list[float]]], dict[str, float]]:
-    """Teacher-forced score of each prompt's answer after each turn, for every sample of every group.
+    def __init__(self, trainer: Trainer, old_logprobs: list[Any]) -> None:
+        self.trainer = trainer
+        self.old_logprobs = old_logprobs
 
-    s_t = mean log-probability under the current policy of the answer's tokens following
-    ``tokens[:ctx_t]`` and the part of ``answer_template`` before ``{answer}`` (the two are
-    tokenized apart, so exactly the answer's own tokens are averaged). All sequences go to one
-    ``trainer.forward`` (split only into calls of ``max_samples_per_call``).
+    def forward(self, datums: list[Any]) -> list[Any]:
+        return self.old_logprobs
 
-    :returns: per group, per sample, the scores s_0..s_{T−1} (empty for a single turn); and
-        metrics: ``igpo/scored_sequences`` and ``igpo/answer_logprob_t0`` (mean s_0).
-    """
-    import tinker
-
-    lead, _ = answer_template.split("{answer}", 1)
-    lead_ids = list(trainer.tokenizer.encode(lead, add_special_tokens=False)) if lead else []
-    datums: list[Any] = []
-    answer_lengths: list[int] = []
-    owners: list[tuple[int, int]] = []
-    for g, group in enumerate(groups):
-        for i, sample in enumerate(group):
-            contexts = turn_contexts(sample)
-            if not contexts:
-                continue
-            if not sample.prompt.answer:
-                raise PluginError(f"prompt {sample.prompt.id} has no answer: igpo scores the ground-truth answer after every turn")
-            answer_ids = list(trainer.tokenizer.encode(sample.prompt.answer, add_special_tokens=False))
-            for end in contexts:
-                ids = sample.tokens[:end] + lead_ids + answer_ids
-                datums.append(
-                    tinker.Datum(
-                        model_input=tinker.ModelInput.from_ints(ids[:-1]),
-                        loss_fn_inputs={
-                            "target_tokens": ids[1:],
-                            "weights": [0.0] * (len(ids) - 1 - len(answer_ids)) + [1.0] * len(answer_ids),
-                        },
-                    )
-                )
-                answer_lengths.append(len(answer_ids))
-                owners.append((g, i))
-    scores: list[list[list[float]]] = [[[] for _ in group] for group in groups]
-    logprobs: list[Any] = []
-    for idx in fwd_bwd_chunks(len(datums), 1, max_samples_per_call) if datums else []:
-        logprobs.extend(trainer.forward([datums[k] for k in idx]))
-    first: list[float] = []
-    for (g, i), length, lp in zip(owners, answer_lengths, logprobs):
-        score = float(lp[-length:].mean())
-        if not scores[g][i]:
-            first.append(score)
-        scores[g][i].append(score)
-    metrics = {"igpo/scored_sequences": float(len(datums))}
-    if first:
-        metrics["igpo/answer_logprob_t0"] = _mean(first)
-    return scores, metrics
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
 
 
 def train_on_groups(
@@ -265,49 +238,50 @@ def train_on_groups(
     groups: Sequence[Sequence[Sample]],
     config: RunConfig,
     learning_rate: float,
-) -> dict[str, float]:
-    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step."""
+) -> Metrics:
+    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step.
+
+    A loss's metrics are token-weighted means over its calls, but for those its output declares
+    summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
+    """
     import tinker
     import torch
 
-    samples = [s for g in groups for s in g]
-    if not samples:
-        return {"train/skipped": 1.0}
-    datums = [sample_to_datum(s) for s in samples]
-    mask = [torch.tensor(s.loss_mask[1:]) for s in samples]
-    sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
-    advantages = [torch.tensor(s.advantages[1:]) for s in samples]
-    ref = reference.forward(datums) if reference is not None else None
-    old = anchor_logprobs(trainer, datums, samples, sampling, config.anchor)
-    num_sequences = sum(int(m.sum() > 0) for m in mask)
-    num_tokens = float(sum(m.sum() for m in mask))
-
-    metric_sums: dict[str, float] = {}
-    step_loss = 0.0
-    for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
-        loss_fn = StepLoss(
-            pm=pm,
-            old=[old[i] for i in idx] if old is not None else None,
-            sampling=[sampling[i] for i in idx],
-            mask=[mask[i] for i in idx],
-            advantages=[advantages[i] for i in idx],
-            ref=[ref[i] for i in idx] if ref is not None else None,
-            num_sequences=num_sequences,
-            num_tokens=num_tokens,
-            max_tokens=config.max_completion_tokens,
-        )
-        result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
-        # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
-        step_loss += result.metrics.pop("loss")
-        # Every other metric is a mean over the call's trained tokens: weighted by them, the
-        # step's value is that of one call with all sequences.
-        call_tokens = float(sum(mask[i].sum() for i in idx))
-        for key, value in result.metrics.items():
-            metric_sums[key] = metric_sums.get(key, 0.0) + (value if key in STEP_TOTAL_METRICS else value * call_tokens)
-    metrics = {k: v if k in STEP_TOTAL_METRICS else v / max(num_tokens, 1.0) for k, v in metric_sums.items()}
-    metrics["loss/total"] = step_loss
-    metrics.update(
-        trainer.optim_step(
+    with scope() as metrics:
+        samples = [s for g in groups for s in g]
+        if not samples:
+            record("train/skipped", 1, "sum")
+            record("optim/updates", 0, "sum")
+            return metrics
+        datums = [sample_to_datum(s) for s in samples]
+        mask = [torch.tensor(s.loss_mask[1:]) for s in samples]
+        sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
+        advantages = [torch.tensor(s.advantages[1:]) for s in samples]
+        ref = reference.forward(datums) if reference is not None else None
+        old = anchor_logprobs(trainer, datums, samples, sampling, config.anchor)
+        num_sequences = sum(int(m.sum() > 0) for m in mask)
+        num_tokens = float(sum(m.sum() for m in mask))
+        for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
+            loss_fn = StepLoss(
+                pm=pm,
+                old=[old[i] for i in idx] if old is not None else None,
+                sampling=[sampling[i] for i in idx],
+                mask=[mask[i] for i in idx],
+                advantages=[advantages[i] for i in idx],
+                ref=[ref[i] for i in idx] if ref is not None else None,
+                num_sequences=num_sequences,
+                num_tokens=num_tokens,
+                max_tokens=config.max_completion_tokens,
+            )
+            result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
+            # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
+            record("loss/total", result.metrics.pop("loss"), "sum")
+            # Every other metric is a mean over the call's trained tokens: weighted by them, the
+            # step's value is that of one call with all sequences.
+            call_tokens = float(sum(mask[i].sum() for i in idx))
+            for key, value in result.metrics.items():
+                record(key, value, "sum" if key in loss_fn.summed else "mean", weight=call_tokens)
+        optim = trainer.optim_step(
             tinker.AdamParams(
                 learning_rate=learning_rate,
                 beta1=config.beta1,
@@ -317,8 +291,11 @@ def train_on_groups(
                 grad_clip_norm=config.grad_clip_norm,
             )
         )
-    )
-    metrics["train/samples"] = float(len(samples))
+        skipped = optim.pop("optim/skipped_nonfinite", 0.0)
+        record("optim/skipped_nonfinite", skipped, "sum")
+        record("optim/updates", 0 if skipped else 1, "sum")
+        metrics.update(optim, "mean")
+        record("train/samples", len(samples), "sum")
     return metrics
 
 
@@ -341,6 +318,8 @@ class StepLoss:
     num_sequences: int
     num_tokens: float
     max_tokens: int
+    summed: frozenset[str] = frozenset()
+    """The metrics the loss declared summed over calls (``LossOutput.summed``), once it ran."""
 
     @property
     def on_policy(self) -> bool:
@@ -360,8 +339,30 @@ class StepLoss:
         )
 
     def __call__(self, _datums: Any, logprobs: Sequence[Any]) -> tuple[Any, dict[str, float]]:
+        record_mismatch(logprobs, self.sampling, self.mask)
         out = self.pm.hook.loss(inputs=self.inputs(logprobs))
+        self.summed = out.summed
         return out.loss, out.metrics
+
+
+def record_mismatch(logprobs: Sequence[Any], sampling: Sequence[Any], mask: Sequence[Any]) -> None:
+    """How far the sampler's logprobs of the trained tokens are from the trainer's: the largest
+    and the mean |Δ|, and the k3 estimate of KL(sampler ‖ trainer), e^r − 1 − r with r = trainer − sampler.
+
+    0 when both compute one policy exactly (fp32, the local sampler); a bf16 forward, another
+    engine or kernel makes them differ. See docs/losses.md (TIS) for how to read them.
+    """
+    import torch
+
+    with torch.no_grad():
+        trained = [m > 0 for m in mask]
+        diff = torch.cat([(lp.detach().float() - s.float())[t] for lp, s, t in zip(logprobs, sampling, trained)])
+    if diff.numel() == 0:
+        return
+    tokens = float(diff.numel())
+    record("mismatch/logprob_abs_max", float(diff.abs().max()), "max")
+    record("mismatch/logprob_abs_mean", float(diff.abs().mean()), "mean", weight=tokens)
+    record("mismatch/kl_k3", float((torch.exp(diff) - 1 - diff).mean()), "mean", weight=tokens)
 
 
 def fwd_bwd_chunks(n: int, min_size: int, max_size: int | None) -> list[range]:
@@ -383,12 +384,19 @@ def anchor_logprobs(trainer: Trainer, datums: list, samples: list[Sample], sampl
     return trainer.forward(datums)
 
 
+def learning_rate(config: RunConfig, step_index: int, total_steps: int) -> float:
+    """Linear warmup to the peak, then constant, linear or cosine decay to zero."""
+    peak = config.learning_rate
+    if step_index < config.warmup_steps:
+        return peak * (step_index + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return peak
+    decay_steps = max(total_steps - config.warmup_steps, 1)
+    progress = min((step_index - config.warmup_steps) / decay_steps, 1.0)
+    if config.lr_schedule == "linear":
+        return peak * (1.0 - progress)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def _mean(values: Sequence[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
-
-
-def _std(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mean = _mean(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))

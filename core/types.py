@@ -6,6 +6,7 @@ reward function can build them without touching torch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -133,3 +134,46 @@ class SamplingParams:
     """Stop strings: generation ends once the decoded completion contains one."""
     stop_token_ids: list[int] = attrs.field(factory=list)
     """Stop tokens besides the tokenizer's eos."""
+
+
+@attrs.define
+class LoopState:
+    """The loop's counters that a resumed run must continue from."""
+
+    step: int = 0
+    policy_version: int = 0
+    reward_failures_in_a_row: int = 0
+    nonfinite_in_a_row: int = 0
+    history: list[float | None] = attrs.field(factory=list)
+    """``reward/total`` of every step so far (the summary compares its first and last steps)."""
+
+
+@attrs.define
+class RunState:
+    """What on_step plugins may read and change while the run goes on."""
+
+    run_dir: Path
+    total_steps: int = 0
+    loop: LoopState = attrs.field(factory=LoopState)
+    stop_reason: str | None = None
+    signal: int | None = None
+    """The signal (SIGINT, SIGTERM) that asked the run to stop."""
+    rng: dict[str, Any] | None = None
+    """Every RNG as it was when the last step completed: what a checkpoint of that step holds."""
+    data: dict[str, int] = attrs.field(factory=dict)
+    """Prompts used and rows skipped (``data/...``), reported in the summary and step 1's metrics."""
+
+    @property
+    def step(self) -> int:
+        return self.loop.step
+
+    @property
+    def policy_version(self) -> int:
+        return self.loop.policy_version
+
+    @property
+    def interrupted(self) -> bool:
+        return self.signal is not None
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason

@@ -45,7 +45,7 @@ BUILT_IN = "grpo-core"
 
 def plugin_reference(infos: list[dict[str, Any]] | None = None) -> str:
     """The plugin reference page of ``infos`` (default: the installed built-ins, as ``grpo-core plugins`` lists them)."""
-    from grpo_core.plugins_manager import KINDS
+    from grpo_core.options import KINDS
 
     if infos is None:
         from grpo_core.plugin_info import describe_all

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from grpo_core import Sample, hookimpl, option
+from grpo_core import PluginError, Sample, hookimpl, option
+from grpo_core.metrics import record
+
+if TYPE_CHECKING:
+    from grpo_core.backend import PolicyScorer, Trainer
 
 
 @attrs.define
@@ -34,14 +39,11 @@ class IGPOAdvantage:
         "{answer}", help="the answer as the policy would write it, e.g. 'The answer is {answer}.'; only the answer's tokens are scored"
     )
 
-    needs_turn_scores: ClassVar[bool] = True
-    """The advantage stage scores the answer after each turn (``grpo_core.stages.score_turns``)
-    and sets ``turn_scores_G`` before each call of ``advantage``."""
-
     turn_scores_G: list[list[float]] = attrs.field(factory=list, init=False, repr=False)
     """s_0..s_{T−1} of each sample of the group being computed (empty for a single turn)."""
-    gains_by_turn: dict[int, list[float]] = attrs.field(factory=dict, init=False, repr=False)
-    """Information gains seen since the last ``step_metrics``, by turn (1-based)."""
+    prepared: dict[int, list[list[float]]] = attrs.field(factory=dict, init=False, repr=False)
+    """The turn scores of the groups ``prepare_advantages`` scored, by the id of a group's first
+    sample, until its ``advantage`` call takes them."""
 
     def __attrs_post_init__(self) -> None:
         if "{answer}" not in self.answer_template:
@@ -50,7 +52,22 @@ class IGPOAdvantage:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
 
     @hookimpl
+    def prepare_advantages(self, groups: Sequence[Sequence[Sample]], scorer: PolicyScorer | None) -> None:
+        """Score the answer after every turn of every group with one policy forward."""
+        if scorer is None:
+            raise PluginError("igpo scores the answer after every turn and needs the trainer: pass trainer= to compute_advantages")
+        started = time.perf_counter()
+        scores, metrics = score_turns(scorer, groups, self.answer_template)
+        self.prepared = {id(group[0]): group_scores for group, group_scores in zip(groups, scores) if group}
+        record("time/igpo", time.perf_counter() - started, "sum")
+        record("igpo/scored_sequences", metrics["igpo/scored_sequences"], "sum")
+        if "igpo/answer_logprob_t0" in metrics:
+            record("igpo/answer_logprob_t0", metrics["igpo/answer_logprob_t0"], "mean", weight=metrics["igpo/first_scores"])
+
+    @hookimpl
     def advantage(self, rewards_G: Sequence[float], samples: Sequence[Sample]) -> list[float | list[float]]:
+        if samples and id(samples[0]) in self.prepared:
+            self.turn_scores_G = self.prepared.pop(id(samples[0]))
         if len(self.turn_scores_G) != len(samples):
             raise ValueError(
                 f"igpo got turn scores for {len(self.turn_scores_G)} samples and {len(samples)} samples: "
@@ -63,7 +80,9 @@ class IGPOAdvantage:
         gains_G = [self.gains(scores) for scores in self.turn_scores_G]
         for gains in gains_G:
             for t, gain in enumerate(gains, start=1):
-                self.gains_by_turn.setdefault(t, []).append(gain)
+                for suffix in ("", f"_turn{t}"):  # over every turn, and over turn t's
+                    record(f"igpo/ig_mean{suffix}", gain, "mean")
+                    record(f"igpo/ig_std{suffix}", gain, "std")
         outcome_stats = _stats(list(rewards_G))
         gain_stats = _stats([g for gains in gains_G for g in gains])
         if self.norm == "joint":
@@ -88,16 +107,75 @@ class IGPOAdvantage:
             return [math.exp(b) - math.exp(a) for a, b in zip(scores, scores[1:])]
         return [b - a for a, b in zip(scores, scores[1:])]
 
-    def step_metrics(self) -> dict[str, float]:
-        """Information-gain statistics since the last call (then forgotten): overall and per turn."""
-        everything = [g for gains in self.gains_by_turn.values() for g in gains]
-        metrics: dict[str, float] = {}
-        if everything:
-            metrics["igpo/ig_mean"], metrics["igpo/ig_std"] = _mean_std(everything)
-        for t, gains in sorted(self.gains_by_turn.items()):
-            metrics[f"igpo/ig_mean_turn{t}"], metrics[f"igpo/ig_std_turn{t}"] = _mean_std(gains)
-        self.gains_by_turn = {}
-        return metrics
+
+def turn_contexts(sample: Sample) -> list[int]:
+    """Where the conversation stands before each turn but the last: ``tokens[:ctx_t]`` for t = 0..T−1.
+
+    ctx_0 is the prompt alone (the first turn's start), ctx_t the end of turn t's context (its
+    observation and the next assistant header). The score after the last turn never enters
+    IGPO (the outcome reward stands in for it), so it is not computed; a single-turn sample
+    has nothing to score.
+    """
+    turns = sample.turns
+    if len(turns) < 2:
+        return []
+    return [turns[0].start] + [turn.context_end for turn in turns[:-1]]
+
+
+def score_turns(
+    policy: PolicyScorer | Trainer, groups: Sequence[Sequence[Sample]], answer_template: str
+) -> tuple[list[list[list[float]]], dict[str, float]]:
+    """Teacher-forced score of each prompt's answer after each turn, for every sample of every group.
+
+    s_t = mean log-probability under the current policy of the answer's tokens following
+    ``tokens[:ctx_t]`` and the part of ``answer_template`` before ``{answer}`` (the two are
+    tokenized apart, so exactly the answer's own tokens are averaged). All sequences go to one
+    ``policy.forward``.
+
+    :returns: per group, per sample, the scores s_0..s_{T−1} (empty for a single turn); and
+        ``igpo/scored_sequences``, ``igpo/answer_logprob_t0`` (mean s_0) and
+        ``igpo/first_scores`` (how many s_0 it is the mean of).
+    """
+    import tinker
+
+    lead, _ = answer_template.split("{answer}", 1)
+    lead_ids = list(policy.tokenizer.encode(lead, add_special_tokens=False)) if lead else []
+    datums: list[Any] = []
+    answer_lengths: list[int] = []
+    owners: list[tuple[int, int]] = []
+    for g, group in enumerate(groups):
+        for i, sample in enumerate(group):
+            contexts = turn_contexts(sample)
+            if not contexts:
+                continue
+            if not sample.prompt.answer:
+                raise PluginError(f"prompt {sample.prompt.id} has no answer: igpo scores the ground-truth answer after every turn")
+            answer_ids = list(policy.tokenizer.encode(sample.prompt.answer, add_special_tokens=False))
+            for end in contexts:
+                ids = sample.tokens[:end] + lead_ids + answer_ids
+                datums.append(
+                    tinker.Datum(
+                        model_input=tinker.ModelInput.from_ints(ids[:-1]),
+                        loss_fn_inputs={
+                            "target_tokens": ids[1:],
+                            "weights": [0.0] * (len(ids) - 1 - len(answer_ids)) + [1.0] * len(answer_ids),
+                        },
+                    )
+                )
+                answer_lengths.append(len(answer_ids))
+                owners.append((g, i))
+    scores: list[list[list[float]]] = [[[] for _ in group] for group in groups]
+    logprobs = policy.forward(datums) if datums else []
+    first: list[float] = []
+    for (g, i), length, lp in zip(owners, answer_lengths, logprobs):
+        score = float(lp[-length:].mean())
+        if not scores[g][i]:
+            first.append(score)
+        scores[g][i].append(score)
+    metrics = {"igpo/scored_sequences": float(len(datums)), "igpo/first_scores": float(len(first))}
+    if first:
+        metrics["igpo/answer_logprob_t0"] = sum(first) / len(first)
+    return scores, metrics
 
 
 def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
 
 AUTO = "auto"
 ALL_LINEAR = "all-linear"

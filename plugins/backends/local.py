@@ -16,10 +16,10 @@ import torch
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
-from grpo_core.data import ASSETS
+from grpo_core.embedded import ASSETS
+from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
-from grpo_core.plugins_manager import PluginError
 
 
 @attrs.define

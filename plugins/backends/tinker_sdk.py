@@ -23,7 +23,7 @@ from typing import Any
 
 import tinker
 
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
 
 SDK_VERSION = tuple(int(part) for part in distribution_version("tinker").split(".")[:2])
 MIN_SDK = (0, 24)

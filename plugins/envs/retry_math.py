@@ -7,8 +7,8 @@ from typing import Any
 import attrs
 
 from grpo_core import Prompt, hookimpl, option
+from grpo_core.errors import PluginError
 from grpo_core.plugins.rewards.gsm8k import score
-from grpo_core.plugins_manager import PluginError
 from grpo_core.types import EnvStep
 
 

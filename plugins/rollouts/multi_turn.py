@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -12,7 +11,8 @@ import attrs
 
 from grpo_core import Completion, Prompt, Sample, SamplingParams, hookimpl, option
 from grpo_core.backend import Sampler
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
+from grpo_core.metrics import record
 from grpo_core.stages import CallTimeout, call_with_timeout
 from grpo_core.types import Episode, Turn
 
@@ -117,12 +117,6 @@ class MultiTurnRollout:
             "best with a server sampler, while the in-process sampler generates faster in batched rounds"
         ),
     )
-    _local: threading.local = attrs.field(factory=threading.local, init=False, repr=False)
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        """The metrics of this thread's last rollout call (the loops merge them into the step's)."""
-        return dict(getattr(self._local, "metrics", {}))
 
     @hookimpl
     def rollout(
@@ -157,11 +151,11 @@ class MultiTurnRollout:
                 self._take_turn(conv, completion, tokenizer, template, tool_specs, tools, limit, counts)
         samples = [[self._sample_of(c) for c in group] for group in groups]
         trajectories = [c for g in groups for c in g]
-        self._local.metrics = {
-            "multi_turn/turns_mean": sum(len(c.turns) for c in trajectories) / max(len(trajectories), 1),
-            "multi_turn/max_turns_frac": sum(c.finish_reason == "max_turns" for c in trajectories) / max(len(trajectories), 1),
-            **{key: float(value) for key, value in counts.items()},
-        }
+        n = max(len(trajectories), 1)
+        record("multi_turn/turns_mean", sum(len(c.turns) for c in trajectories) / n, "mean", weight=len(trajectories))
+        record("multi_turn/max_turns_frac", sum(c.finish_reason == "max_turns" for c in trajectories) / n, "mean", weight=len(trajectories))
+        for key, value in counts.items():
+            record(key, value, "sum")
         return samples
 
     def _template(self, tokenizer: Any) -> str | None:

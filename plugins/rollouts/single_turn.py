@@ -7,7 +7,7 @@ import attrs
 
 from grpo_core import Prompt, Sample, SamplingParams, hookimpl, option
 from grpo_core.backend import Sampler
-from grpo_core.plugins_manager import PluginError
+from grpo_core.errors import PluginError
 
 
 @attrs.define

@@ -11,6 +11,7 @@ import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.local import (
     LocalTrainer,
     ModelForward,
@@ -22,7 +23,6 @@ from grpo_core.plugins.backends.local import (
     model_forward,
     trained_state_dict,
 )
-from grpo_core.plugins_manager import PluginError
 
 
 @attrs.define

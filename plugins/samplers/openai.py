@@ -1,17 +1,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import random
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import httpx
 
 from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
+from grpo_core.metrics import record
 
 TOKENIZER_PROBE = "Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\""
 """Text tokenized on both sides at start: digits, spaces, newlines, tabs, punctuation, non-ASCII."""
@@ -101,6 +103,15 @@ class OpenAISampler:
         return sampler
 
 
+_call_counts: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar("grpo_core_server_call_counts", default=None)
+"""The counts of the ``ServerClient.call`` a request is made for (tasks inherit it from the call's)."""
+
+
+async def _counted(coroutine: Coroutine[Any, Any, Any], counts: dict[str, int]) -> Any:
+    _call_counts.set(counts)
+    return await coroutine
+
+
 class ServerClient:
     """An httpx client on an event loop of its own thread: the sync ``call`` runs a coroutine there.
 
@@ -149,8 +160,18 @@ class ServerClient:
         self._lock = self.call(_make_lock())
         self.semaphore = self.call(_make_semaphore(concurrency))
 
-    def call(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+    def call(self, coroutine: Coroutine[Any, Any, Any], counts: dict[str, int] | None = None) -> Any:
+        """Run ``coroutine`` on the client's loop; ``counts`` (keys as ``self.counts``) gets the
+        requests, retries and reconnects made for it alone, whatever else runs at the same time."""
+        if counts is not None:
+            coroutine = _counted(coroutine, counts)
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _count(self, key: str) -> None:
+        self.counts[key] += 1
+        counts = _call_counts.get()
+        if counts is not None:
+            counts[key] += 1
 
     def close(self) -> None:
         if self._loop.is_closed():
@@ -175,7 +196,7 @@ class ServerClient:
             if dropped_at is not None and resync:
                 await self._reconnect(dropped_at)
                 dropped_at = None
-            self.counts["requests"] += 1
+            self._count("requests")
             retry_after = None
             try:
                 response = await self._http.request(method, path, json=body)
@@ -206,7 +227,7 @@ class ServerClient:
                     f"{method} {self.base_url}{path} kept failing for {now - first_failure:.0f}s "
                     f"({attempt + 1} attempts, retry deadline {self.retry_deadline:g}s); last error: {error}"
                 )
-            self.counts["retries"] += 1
+            self._count("retries")
             delay = min(self.backoff_max, self.backoff_first * 2**attempt)
             # Equal jitter: clients that failed together do not all come back at the same instant.
             delay = delay / 2 + self._jitter.uniform(0, delay / 2)
@@ -223,7 +244,7 @@ class ServerClient:
                 # The weight sync posts through this same loop, which stays free meanwhile.
                 await asyncio.to_thread(self.on_reconnect)
             self._epoch += 1
-            self.counts["reconnects"] += 1
+            self._count("reconnects")
 
     def only_model(self) -> str:
         models = [m["id"] for m in self.get("/v1/models").get("data", [])]
@@ -276,9 +297,8 @@ class ServerSampler:
     concurrent_samples: int = 1
     """``sample`` calls the async loop's workers may make at once: the server batches them, and
     the client's window (``concurrency``) bounds the requests they make together."""
-    last_metrics: dict[str, float] = attrs.field(factory=dict)
-    """Counts of the last ``sample`` call (``sampler/requests``, ``sampler/retries``,
-    ``sampler/reconnects``, ``sampler/prompts``, ``sampler/completions``), for the step's metrics."""
+    stateless: ClassVar[bool] = True
+    """A server: the run sends it the weights it must sample from at start, on resume and at the end."""
     logprobs_mode: str | None = None
     """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
     vocab_size: int = attrs.field(init=False)
@@ -307,14 +327,18 @@ class ServerSampler:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-        before = dict(self.client.counts)
         if needs_processed_logprobs(params) and self.logprobs_mode != "processed":
             self._check_logprobs_mode(list(prompts[0]), params)
         chunks = [[list(p) for p in prompts[i : i + self.prompts_per_request]] for i in range(0, len(prompts), self.prompts_per_request)]
-        results = self.client.call(self._sample_chunks(chunks, num_samples, params))
+        counts = dict.fromkeys(self.client.counts, 0)
+        results = self.client.call(self._sample_chunks(chunks, num_samples, params), counts)
         groups = [group for chunk in results for group in chunk]
-        self.last_metrics = {f"sampler/{k}": float(v - before[k]) for k, v in self.client.counts.items()}
-        self.last_metrics.update({"sampler/prompts": float(len(prompts)), "sampler/completions": float(sum(len(g) for g in groups))})
+        # Recorded for the step (sums): ``sampler/requests``, ``sampler/retries``, ``sampler/reconnects``
+        # (those made for this call's completions), ``sampler/prompts``, ``sampler/completions``.
+        for key, value in counts.items():
+            record(f"sampler/{key}", value, "sum")
+        record("sampler/prompts", len(prompts), "sum")
+        record("sampler/completions", sum(len(g) for g in groups), "sum")
         return groups
 
     async def _sample_chunks(self, chunks: list[list[list[int]]], n: int, params: SamplingParams) -> list[list[list[Completion]]]:

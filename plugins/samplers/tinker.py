@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
 from grpo_core import Completion, SamplingParams, hookimpl
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.plugins.backends import tinker_sdk as sdk
-from grpo_core.plugins_manager import PluginError
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -56,7 +56,9 @@ class TinkerSampler:
     def __attrs_post_init__(self) -> None:
         self.vocab_size = len(self.tokenizer)
 
-    # No state_dict: the weights live on the service, so the run syncs them at start and on resume.
+    stateless: ClassVar[bool] = True
+    """No state_dict: the weights live on the service, so the run syncs them at start and on resume."""
+
     def load_weights_from(self, trainer: Any) -> None:
         self.client = trainer.sampling_client()
         self.version = trainer.version

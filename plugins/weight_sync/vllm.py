@@ -11,6 +11,7 @@ import attrs
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.backend import sample_to_datum
+from grpo_core.metrics import record
 from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
 
 TIED_OUTPUT_FILE = "lm_head.safetensors"
@@ -54,8 +55,6 @@ class VLLMWeightSync:
         help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
         factory=list,
     )
-    last_metrics: dict[str, float] = attrs.field(factory=dict, init=False)
-    """The last sync's metrics; the weight_sync hook returns only the version."""
     written_version: int | None = attrs.field(default=None, init=False)
     run_dir: Path | None = attrs.field(default=None, init=False)
     replica_clients: dict[str, ServerClient] = attrs.field(factory=dict, init=False)
@@ -77,11 +76,13 @@ class VLLMWeightSync:
             raise PluginError("weight sync 'vllm' needs a server sampler (--sampler openai)")
         # A restarted server serves the weights it was started with: sync it before it samples again.
         sampler.client.on_reconnect = lambda: self.sync(trainer, sampler)
-        self.last_metrics = self.sync(trainer, sampler)
-        self.last_metrics["time/weight_sync"] = time.perf_counter() - started
+        worst, repairs = self.sync(trainer, sampler)
+        record("sync/logprob_max_abs_diff", worst, "max")
+        record("sync/repairs", repairs, "sum")
+        record("time/weight_sync", time.perf_counter() - started, "sum")
         return sampler.version
 
-    def sync(self, trainer: Any, sampler: Any) -> dict[str, float]:
+    def sync(self, trainer: Any, sampler: Any) -> tuple[float, int]:
         """Write (unless this version is already written), then reload and verify every server;
         repair once where allowed."""
         if self.written_version != trainer.version:
@@ -99,7 +100,7 @@ class VLLMWeightSync:
                 raise WeightSyncMismatch(self._mismatch_message(trainer, diff, client.base_url, repaired=repairs > 0))
             worst = max(worst, diff)
         sampler.version = trainer.version
-        return {"sync/logprob_max_abs_diff": worst, "sync/repairs": float(repairs)}
+        return worst, repairs
 
     def clients(self, sampler: Any) -> list[ServerClient]:
         if not self.replicas:

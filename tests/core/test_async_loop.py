@@ -20,9 +20,12 @@ from grpo_core.async_loop import (
     merge_group_metrics,
 )
 from grpo_core.config import RunConfig
-from grpo_core.loop import RunFailed, run
+from grpo_core.errors import PluginError
+from grpo_core.lifecycle import RunFailed, sync_weights
+from grpo_core.loop import run
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
-from grpo_core.plugins_manager import PluginEntry, PluginError
+from grpo_core.plugins_manager import PluginEntry
 from grpo_core.types import Prompt, Sample
 from tests.core.test_loop import config as sync_config
 
@@ -235,15 +238,15 @@ def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_th
 
     inner = SlowSampler(seconds=0.4)
     shared = SharedSampler(inner)
-    sync_plugin = SimpleNamespace(last_metrics={"sync/logprob_max_abs_diff": 0.0})
 
     def weight_sync(trainer, sampler, step):
         assert sampler is inner and inner.running == 0  # nothing sampled while the weights change
+        record("sync/logprob_max_abs_diff", 0.0, "max")
         return step
 
     r = SimpleNamespace(
         selection=SimpleNamespace(
-            manager=SimpleNamespace(hook=SimpleNamespace(weight_sync=weight_sync)), plugins={"weight_sync": [sync_plugin]}
+            manager=SimpleNamespace(hook=SimpleNamespace(weight_sync=weight_sync)),
         ),
         state=SimpleNamespace(loop=SimpleNamespace(policy_version=0)),
         trainer=None,
@@ -253,7 +256,8 @@ def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_th
     thread.start()
     while not inner.running:
         time.sleep(0.005)
-    metrics = shared.sync(r, 7)
+    with scope() as metrics, shared.exclusive():
+        metrics.merge(sync_weights(r, 7))
     thread.join()
     assert r.state.loop.policy_version == 7
     assert metrics["sync/logprob_max_abs_diff"] == 0.0
@@ -410,16 +414,17 @@ def scored(rewards_by_group):
 
 
 def finished_with(groups):
+    """A rollout's outcome with the metrics the reward and advantage stages record for it."""
     ok = [s.reward for g in groups for s in g if s.reward is not None]
     mean = sum(ok) / len(ok)
-    metrics = {
-        "reward/total": mean,
-        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in ok) / len(ok)),
-        "reward/length": mean,
-        "reward/failed": float(sum(s.reward is None for g in groups for s in g)),
-        "groups/kept": float(len(groups)),
-        "tokens/completion_mean": 1.0,
-    }
+    metrics = Metrics()
+    metrics.add("reward/total", mean, "mean", weight=len(ok))
+    metrics.add("reward/length", mean, "mean", weight=len(ok))
+    for r in ok:
+        metrics.add("reward/std", r, "std")
+    metrics.add("reward/failed", sum(s.reward is None for g in groups for s in g), "sum")
+    metrics.add("groups/kept", len(groups), "sum")
+    metrics.add("tokens/completion_mean", 1.0, "mean", weight=sum(len(g) for g in groups))
     return Finished(taken=[], groups=groups, kept=groups, metrics=metrics)
 
 
@@ -657,16 +662,16 @@ def test_the_circuit_breaker_stops_the_run(tiny_model_dir, tiny_dataset, tmp_pat
 
 
 def test_minibatches_step_the_optimizer_k_times_against_the_steps_pi_old(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    from grpo_core import async_loop
+    from grpo_core import stages
 
     calls = []
-    original = async_loop.train_on_groups
+    original = stages.train_on_groups
 
     def spy(pm, trainer, reference, groups, config, lr):
         calls.append(trainer.version)
         return original(pm, trainer, reference, groups, config, lr)
 
-    monkeypatch.setattr(async_loop, "train_on_groups", spy)
+    monkeypatch.setattr(stages, "train_on_groups", spy)
     r = tmp_path / "r"
     run(
         config(
@@ -683,11 +688,11 @@ def test_minibatches_step_the_optimizer_k_times_against_the_steps_pi_old(tiny_mo
 
 
 def test_one_minibatch_anchors_on_the_step_start_policy_and_the_later_ones_too(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    from grpo_core import async_loop
+    from grpo_core import stages
 
     ratios = []
-    original = async_loop.train_on_groups
-    monkeypatch.setattr(async_loop, "train_on_groups", lambda *a: (m := original(*a), ratios.append(m["loss/ratio_mean"]))[0])
+    original = stages.train_on_groups
+    monkeypatch.setattr(stages, "train_on_groups", lambda *a: (m := original(*a), ratios.append(m["loss/ratio_mean"]))[0])
     run(
         config(
             tiny_model_dir,
@@ -745,19 +750,19 @@ def test_a_resumed_run_drops_the_group_records_after_its_checkpoint_and_a_torn_l
 
 def test_turn_scores_are_never_taken_while_a_step_changes_the_weights(tiny_model_dir, tmp_path, monkeypatch):
     """IGPO scores with the trainer from a rollout worker: those forwards wait for the step."""
-    from grpo_core.async_loop import AsyncLoop
+    from grpo_core import async_loop
     from grpo_core.plugins.backends.local import LocalTrainer
 
     dataset = tmp_path / "games.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in range(1, 13)))
     steps, scores = [], []
-    train_batch, forward = AsyncLoop.train_batch, LocalTrainer.forward
+    train_step, forward = async_loop.train_step, LocalTrainer.forward
 
-    def timed_train_batch(self, kept, lr):
+    def timed_train_step(*args):
         started = time.perf_counter()
         time.sleep(0.2)  # a long step: a scoring forward arriving meanwhile must wait for it
         try:
-            return train_batch(self, kept, lr)
+            return train_step(*args)
         finally:
             steps.append((started, time.perf_counter()))
 
@@ -769,7 +774,7 @@ def test_turn_scores_are_never_taken_while_a_step_changes_the_weights(tiny_model
             if threading.current_thread().name.startswith("grpo-core-rollout"):
                 scores.append((started, time.perf_counter()))
 
-    monkeypatch.setattr(AsyncLoop, "train_batch", timed_train_batch)
+    monkeypatch.setattr(async_loop, "train_step", timed_train_step)
     monkeypatch.setattr(LocalTrainer, "forward", timed_forward)
     cfg = config(
         tiny_model_dir, dataset, tmp_path / "run", max_steps=4, reward=["env"], rollout="multi_turn", env="guess_number",

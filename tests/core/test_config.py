@@ -4,7 +4,7 @@ import pytest
 
 from grpo_core import PluginError
 from grpo_core.config import RunConfig, load, parse_reward_spec
-from grpo_core.loop import learning_rate
+from grpo_core.stages import learning_rate
 
 
 def test_toml_then_cli_overrides_and_plugin_tables(tmp_path):
@@ -86,7 +86,7 @@ def test_default_threads_follow_omp_num_threads_else_half_the_cpus(monkeypatch):
 def test_a_run_sets_the_threads_it_is_given(monkeypatch):
     import torch
 
-    from grpo_core.loop import seed_everything
+    from grpo_core.lifecycle import seed_everything
 
     before = torch.get_num_threads()
     try:

@@ -10,7 +10,6 @@ import pytest
 from grpo_core import PluginError
 from grpo_core.config import decode_escapes, load
 from grpo_core.data import (
-    ASSETS,
     DEFAULT_TASK_TEMPLATE,
     PROMPT_SETTINGS_FILE,
     DataError,
@@ -21,6 +20,7 @@ from grpo_core.data import (
     read_prompt_settings,
     write_prompt_settings,
 )
+from grpo_core.embedded import ASSETS
 
 
 def write(tmp_path, lines):

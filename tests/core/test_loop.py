@@ -8,6 +8,7 @@ import torch
 
 from grpo_core import hookimpl, selection
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.loop import run
 from grpo_core.plugins_manager import PluginEntry
 
@@ -107,7 +108,8 @@ def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_one_stops_at_on
     import os
     import signal
 
-    from grpo_core.loop import RunState, stop_on_signals
+    from grpo_core.lifecycle import stop_on_signals
+    from grpo_core.types import RunState
 
     sig = getattr(signal, signum)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -125,14 +127,51 @@ def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_one_stops_at_on
 
 
 def test_the_run_seed_orders_the_data(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    from grpo_core import loop
+    from grpo_core import lifecycle
 
     seeds = []
-    real = loop.prompt_batches
+    real = lifecycle.prompt_batches
     monkeypatch.setattr(
-        loop,
+        lifecycle,
         "prompt_batches",
         lambda prompts, size, epochs, seed, shuffle: seeds.append(seed) or real(prompts, size, epochs, seed, shuffle),
     )
     run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", seed=7, max_steps=1))
     assert seeds == [7]
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_more_minibatches_than_groups_are_refused_in_both_loops(tiny_model_dir, tiny_dataset, tmp_path, loop):
+    with pytest.raises(PluginError, match="cannot exceed --prompt-groups-per-step 2"):
+        run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop=loop, minibatches_per_step=3, prompt_groups_per_step=2))
+
+
+def test_minibatches_take_that_many_optimizer_steps_per_step_in_the_sync_loop(tiny_model_dir, tiny_dataset, tmp_path):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=2, prompt_groups_per_step=4, minibatches_per_step=4))
+    metrics = metrics_of(r)
+    assert [m["optim/updates"] for m in metrics] == [4, 4]
+    assert [m["policy/version"] for m in metrics] == [4, 8]
+    assert all(m["optim/minibatches"] == 4 and m["train/samples"] == 16 for m in metrics)
+    # The later minibatches' ratio is against the policy of the step's start: not 1.
+    assert all(abs(m["loss/ratio_mean"] - 1.0) > 1e-6 for m in metrics)
+    one = tmp_path / "one"
+    run(config(tiny_model_dir, tiny_dataset, one, max_steps=2, prompt_groups_per_step=4))
+    assert [m["optim/updates"] for m in metrics_of(one)] == [1, 1]
+    assert [m["policy/version"] for m in metrics_of(one)] == [1, 2]
+
+
+def test_sampler_and_trainer_agree_in_fp32_and_the_mismatch_is_logged_every_step(tiny_model_dir, tiny_dataset, tmp_path):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=2))
+    for m in metrics_of(r):
+        assert 0.0 <= m["mismatch/logprob_abs_max"] < 1e-5
+        assert 0.0 <= m["mismatch/logprob_abs_mean"] <= m["mismatch/logprob_abs_max"]
+        assert abs(m["mismatch/kl_k3"]) < 1e-5
+
+
+def test_a_bfloat16_trainer_disagrees_with_the_sampler_measurably(tiny_model_dir, tiny_dataset, tmp_path):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=1, dtype="bfloat16"))
+    (m,) = metrics_of(r)
+    assert m["mismatch/logprob_abs_max"] > 1e-4 and m["mismatch/logprob_abs_mean"] > 0 and m["mismatch/kl_k3"] != 0

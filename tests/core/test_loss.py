@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpo_core import LossInputs, LossOutput, PluginError, call_loss, make_plugin
-from grpo_core.loss import AGGREGATIONS, STEP_TOTAL_METRICS, aggregate
+from grpo_core.loss import AGGREGATIONS, SUMMED_LOSS_METRICS, aggregate
 
 REPO = Path(__file__).resolve().parents[2]
 LOSSES = ["reinforce", "importance_sampling", "grpo", "dapo", "gspo", "cispo", "dro"]
@@ -189,7 +189,7 @@ def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     tokens = [p["loss/active_tokens"] for p in parts]
     return {
         key: sum(p[key] for p in parts)
-        if key in STEP_TOTAL_METRICS
+        if key in SUMMED_LOSS_METRICS
         else sum(p[key] * n for p, n in zip(parts, tokens)) / max(sum(tokens), 1.0)
         for key in parts[0]
     }

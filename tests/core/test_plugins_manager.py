@@ -6,15 +6,12 @@ import attrs
 import pytest
 
 from grpo_core import PluginError, hookimpl, make_plugin, option
+from grpo_core.options import coerce, coerce_options, instantiate, is_secret
 from grpo_core.plugins_manager import (
     build_manager,
     catalog,
     check_single_choice,
-    coerce,
-    coerce_options,
     find,
-    instantiate,
-    is_secret,
     plugin_problems,
     redact,
     redact_plugin_options,

@@ -12,7 +12,8 @@ import torch
 from grpo_core import LossOutput, hookimpl, selection
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig
-from grpo_core.loop import NonFiniteSteps, RunFailed, run
+from grpo_core.lifecycle import NonFiniteSteps, RunFailed
+from grpo_core.loop import run
 from grpo_core.plugins_manager import PluginEntry
 
 BROKEN_AT_STEP: dict[str, int] = {}
@@ -57,7 +58,23 @@ class NanGradientLoss:
         return LossOutput(total, {})
 
 
-TEST_PLUGINS = {("reward", "length"): "LengthReward", ("loss", "nan_gradient"): "NanGradientLoss"}
+@attrs.define
+class FailingSync:
+    """The in-process weight sync, failing at the step named in BROKEN_AT_STEP["sync"]."""
+
+    @hookimpl
+    def weight_sync(self, trainer, sampler, step):
+        if BROKEN_AT_STEP.get("sync") == step:
+            raise ConnectionError("the server is gone")
+        sampler.load_weights_from(trainer)
+        return sampler.version
+
+
+TEST_PLUGINS = {
+    ("reward", "length"): "LengthReward",
+    ("loss", "nan_gradient"): "NanGradientLoss",
+    ("weight_sync", "failing"): "FailingSync",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +157,24 @@ def test_an_error_mid_run_leaves_a_checkpoint_of_the_last_step_that_resumes_exac
     assert_same_run(whole, failed)
 
 
+def test_a_failed_weight_sync_leaves_the_checkpoint_of_its_whole_step(tiny_model_dir, tiny_dataset, tmp_path):
+    whole, failed = tmp_path / "whole", tmp_path / "failed"
+    run(config(tiny_model_dir, tiny_dataset, whole, weight_sync="failing"))
+    BROKEN_AT_STEP["sync"] = 3
+    with pytest.raises(RunFailed) as caught:
+        run(config(tiny_model_dir, tiny_dataset, failed, weight_sync="failing"))
+    assert "the server is gone" in str(caught.value.cause)
+    # The step had trained and is counted: its weights and RNGs are kept; it was never observed.
+    assert caught.value.saved == f"steps 1-3 are saved in {failed}/checkpoints/step-000003; continue with: grpo-core run --resume {failed}"
+    assert [m["step"] for m in metrics(failed)] == [1, 2]
+    BROKEN_AT_STEP.clear()
+    run(config(tiny_model_dir, tiny_dataset, failed, weight_sync="failing"), resume=True)
+    # The sampler shares the trainer's weights: the run goes on as if the sync had not failed.
+    wa, wb = weights(whole), weights(failed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert without_time(metrics(whole))[3:] == without_time(metrics(failed))[2:]
+
+
 def test_a_nan_gradient_skips_the_step_and_stops_the_run_after_k_in_a_row(tiny_model_dir, tiny_dataset, tmp_path):
     from safetensors.torch import load_file
 
@@ -179,7 +214,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(tiny_model_
 
 
 def test_resume_refuses_a_finished_run_and_a_directory_without_checkpoints(tiny_model_dir, tiny_dataset, tmp_path):
-    from grpo_core.plugins_manager import PluginError
+    from grpo_core.errors import PluginError
 
     run(config(tiny_model_dir, tiny_dataset, tmp_path / "done", max_steps=2))
     with pytest.raises(PluginError, match=r"complete at step 2 of 2; pass --max-steps > 2"):
@@ -190,7 +225,7 @@ def test_resume_refuses_a_finished_run_and_a_directory_without_checkpoints(tiny_
 
 
 def test_a_run_directory_holding_a_run_is_refused_unless_overwrite(tiny_model_dir, tiny_dataset, tmp_path):
-    from grpo_core.plugins_manager import PluginError
+    from grpo_core.errors import PluginError
 
     run_dir = tmp_path / "r"
     run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2))

@@ -107,7 +107,7 @@ def test_advantage_with_wrong_length_is_an_error():
 
 
 def test_turn_contexts_are_the_prompt_then_each_turns_context_but_the_last():
-    from grpo_core.stages import turn_contexts
+    from grpo_core.plugins.advantages.igpo import turn_contexts
     from grpo_core.types import Turn
 
     prompt = Prompt(id="p", text="q", answer="1")
@@ -133,11 +133,3 @@ def test_a_group_is_dropped_when_every_advantage_is_zero():
     g[0].reward, g[1].reward = 1.0, 1.0 + 1e-12
     kept, metrics = compute_advantages(build_manager([GRPOAdvantage()]), [g], drop_zero_variance=True)
     assert kept == [] and metrics["groups/dropped_zero_variance"] == 1.0
-
-
-def test_the_advantage_stage_finds_the_selected_plugin_instance():
-    from grpo_core.stages import advantage_plugin
-
-    plugin = GRPOAdvantage()
-    assert advantage_plugin(build_manager([plugin])) is plugin
-    assert advantage_plugin(build_manager([])) is None

@@ -20,6 +20,7 @@ import torch
 from grpo_core import Prompt, Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
@@ -108,9 +109,10 @@ def test_sync_every_step_keeps_server_and_trainer_within_tolerance(request, mode
     for step in (1, 2, 3):
         optimizer_step(trainer, seed=step)
         assert sync.verify(trainer, sampler) > 10 * TOLERANCE  # the step moved the policy away from the server's
-        assert sync.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
-        assert sync.last_metrics["sync/logprob_max_abs_diff"] < TOLERANCE and sync.last_metrics["sync/repairs"] == 0.0
-        print(f"{which} step {step}: {sync.last_metrics}")
+        with scope() as recorded:
+            assert sync.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
+        assert recorded["sync/logprob_max_abs_diff"] < TOLERANCE and recorded["sync/repairs"] == 0.0
+        print(f"{which} step {step}: {dict(recorded)}")
         # What is sampled next comes from the new weights, with their logprobs.
         assert_samples_match_trainer(trainer, sampler)
     sampler.close()
@@ -133,7 +135,9 @@ def test_a_stale_server_is_caught(tied_server, models, tmp_path, monkeypatch):
     assert sampler.version == 0
     # Repaired by a sync that writes lm_head.weight where the server reads.
     good = VLLMWeightSync(weights_dir=str(tmp_path / "w"))
-    assert good.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1 and good.last_metrics["sync/logprob_max_abs_diff"] < TOLERANCE
+    with scope() as recorded:
+        assert good.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert recorded["sync/logprob_max_abs_diff"] < TOLERANCE
     sampler.close()
 
 
@@ -150,12 +154,13 @@ def test_the_server_killed_and_restarted_is_waited_for_and_synced_again(vllm_ven
         restarted.start()
         prompts = [trainer.tokenizer.encode(f"Question: what is {a} plus 1?\nAnswer:") for a in range(5)]
         started = time.monotonic()
-        groups = sampler.sample(prompts, 3, SamplingParams(max_tokens=6))
+        with scope() as recorded:
+            groups = sampler.sample(prompts, 3, SamplingParams(max_tokens=6))
         restarted.join()
-        print(f"sampling waited {time.monotonic() - started:.0f}s for the restart; {sampler.last_metrics}")
+        print(f"sampling waited {time.monotonic() - started:.0f}s for the restart; {dict(recorded)}")
         assert [len(g) for g in groups] == [3] * 5
-        assert sampler.last_metrics["sampler/prompts"] == 5.0 and sampler.last_metrics["sampler/completions"] == 15.0
-        assert sampler.last_metrics["sampler/reconnects"] == 1.0 and sampler.last_metrics["sampler/retries"] >= 1.0
+        assert recorded["sampler/prompts"] == 5.0 and recorded["sampler/completions"] == 15.0
+        assert recorded["sampler/reconnects"] == 1.0 and recorded["sampler/retries"] >= 1.0
         # The restarted server loaded the weights it was started with; the resync put version 1 back.
         assert sync.verify(trainer, sampler) < TOLERANCE
         assert_samples_match_trainer(trainer, sampler)

@@ -5,10 +5,11 @@ import math
 import pytest
 
 from grpo_core import Prompt, Sample, make_plugin
+from grpo_core.errors import PluginError
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
-from grpo_core.plugins.advantages.igpo import IGPOAdvantage
-from grpo_core.plugins_manager import PluginError, build_manager
-from grpo_core.stages import compute_advantages, score_turns
+from grpo_core.plugins.advantages.igpo import IGPOAdvantage, score_turns
+from grpo_core.plugins_manager import build_manager
+from grpo_core.stages import compute_advantages
 from grpo_core.types import Turn
 
 

@@ -9,11 +9,12 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
+from grpo_core.metrics import scope
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
-from grpo_core.plugins_manager import PluginError
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -343,7 +344,8 @@ def test_vllm_weight_sync_sends_the_merged_policy_of_a_lora_trainer(tmp_path):
     try:
         sampler = OpenAISampler(base_url=server.url, retry_deadline=120.0).make_sampler(config=RunConfig(), trainer=trainer)
         sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), on_mismatch="stop")
-        assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
-        assert sync.last_metrics["sync/logprob_max_abs_diff"] < 1e-3
+        with scope() as recorded:
+            assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
+        assert recorded["sync/logprob_max_abs_diff"] < 1e-3
     finally:
         server.stop()

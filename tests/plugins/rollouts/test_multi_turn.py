@@ -10,7 +10,8 @@ import attrs
 import pytest
 
 from grpo_core import Completion, PluginError, Prompt, SamplingParams, make_plugin
-from grpo_core.data import ASSETS
+from grpo_core.embedded import ASSETS
+from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
 from tests.test_cli import grpo_core, small_run_args
@@ -128,11 +129,18 @@ def policy_logprobs(n: int) -> list[float]:
     return [-(i + 1) / 100 for i in range(n)]
 
 
+RECORDED: list[Metrics] = []
+"""What each ``run`` below recorded for the step's metrics, the last one last."""
+
+
 def run(rollout, prompts, num_samples, sampler, env=None, tools=None, max_tokens=32, **params):
-    return rollout.rollout(
-        prompts=prompts, num_samples=num_samples, sampler=sampler,
-        params=SamplingParams(max_tokens=max_tokens, **params), env=env, tools=tools or {},
-    )  # fmt: skip
+    with scope() as recorded:
+        groups = rollout.rollout(
+            prompts=prompts, num_samples=num_samples, sampler=sampler,
+            params=SamplingParams(max_tokens=max_tokens, **params), env=env, tools=tools or {},
+        )  # fmt: skip
+    RECORDED.append(recorded)
+    return groups
 
 
 def retry_math(**options):
@@ -179,7 +187,7 @@ def test_embedded_tokenizer_retry_math_conversation_flattens_token_in_token_out(
     ]
     full = tok.apply_chat_template(messages, chat_template=PLAIN_TEMPLATE, tokenize=False)
     assert tok.decode(sample.tokens, skip_special_tokens=False) == full
-    assert rollout.last_metrics == {
+    assert RECORDED[-1] == {
         "multi_turn/turns_mean": 2.0, "multi_turn/max_turns_frac": 0.0,
         "tool/calls": 0.0, "tool/errors": 0.0, "tool/timeouts": 0.0, "multi_turn/prefix_failures": 0.0,
     }  # fmt: skip
@@ -219,7 +227,7 @@ def test_qwen_template_with_system_prompt_and_a_tool_call(qwen_tokenizer):
     # The tool turn is not an answer: retry_math saw one try, right.
     assert sample.env_reward == 1.0
     assert sampler.calls[0][2].stop == ["</tool_call>"]
-    metrics = rollout.last_metrics
+    metrics = RECORDED[-1]
     assert metrics["tool/calls"] == 1.0 and metrics["tool/errors"] == 0.0 and metrics["multi_turn/turns_mean"] == 2.0
 
 
@@ -258,7 +266,7 @@ def test_a_template_that_rewrites_history_is_an_error_naming_the_position(qwen_t
     n = len(ids(tok, opening))
     assert len(sample.tokens) == n + len(ids(tok, "<think>what is 1 plus 2</think> The answer is 4.")) + 1
     assert sample.turns == [Turn(start=n, end=len(sample.tokens), context_end=len(sample.tokens))]
-    assert rollout.last_metrics["multi_turn/prefix_failures"] == 1.0
+    assert RECORDED[-1]["multi_turn/prefix_failures"] == 1.0
 
 
 def test_one_sampler_call_per_round_for_every_live_conversation(embedded_tokenizer):
@@ -327,7 +335,7 @@ def test_max_turns_ends_a_conversation(embedded_tokenizer):
     assert len(sampler.calls) == 3 and len(sample.turns) == 3 and episode.steps == 3
     assert sample.finish_reason == "max_turns" and sample.env_reward == 0.75
     assert sample.turns[-1].context_end == len(sample.tokens) == sample.turns[-1].end
-    assert rollout.last_metrics["multi_turn/max_turns_frac"] == 1.0 and rollout.last_metrics["multi_turn/turns_mean"] == 3.0
+    assert RECORDED[-1]["multi_turn/max_turns_frac"] == 1.0 and RECORDED[-1]["multi_turn/turns_mean"] == 3.0
 
 
 def test_max_total_tokens_cuts_the_turn_that_reaches_it(embedded_tokenizer):
@@ -394,7 +402,7 @@ def tool_conversation(tok, replies, tools, **options):
         rollout, [Prompt(id="t", messages=[{"role": "user", "content": "what is 1 plus 2?"}])], 1, sampler, tools=tools, max_tokens=200
     )[0]
     text = tok.decode(sample.tokens, skip_special_tokens=False)
-    return sample, text, rollout.last_metrics
+    return sample, text, RECORDED[-1]
 
 
 def test_tool_results_and_errors_come_back_as_tool_messages(qwen_tokenizer):
@@ -441,7 +449,7 @@ def test_tool_calls_are_text_without_tools_and_end_a_conversation_without_an_env
     (sample,) = run(rollout, [Prompt(id="t", text="what is 1 plus 2?")], 1, sampler, max_tokens=200)[0]
     assert len(sampler.calls) == 1 and sampler.calls[0][2].stop == []
     assert sample.text == call and len(sample.turns) == 1 and sample.finish_reason == "stop" and sample.env_reward is None
-    assert rollout.last_metrics["tool/calls"] == 0.0
+    assert RECORDED[-1]["tool/calls"] == 0.0
 
 
 def test_a_special_token_inside_a_turn_is_kept_and_the_template_closes_a_turn_it_did_not_end(qwen_tokenizer):
@@ -520,14 +528,17 @@ def test_policy_version_is_the_oldest_a_conversation_was_sampled_from(embedded_t
     assert len(sampler.calls) == 2 and sampler.version == 5 and sample.policy_version == 3
 
 
-def test_last_metrics_belong_to_the_calling_thread(embedded_tokenizer):
+def test_metrics_are_recorded_in_the_calling_threads_scope(embedded_tokenizer):
     rollout = make_plugin("multi_turn")
-    run(rollout, [Prompt(id="m", text=QUESTION, answer="52")], 1, ScriptedSampler(embedded_tokenizer, [[" 52" + EOS]]), env=retry_math())
-    seen = {}
-    worker = threading.Thread(target=lambda: seen.update(rollout.last_metrics))
-    worker.start()
-    worker.join()
-    assert seen == {} and rollout.last_metrics["multi_turn/turns_mean"] == 1.0
+    with scope() as main:
+        worker = threading.Thread(
+            target=run,
+            args=(rollout, [Prompt(id="m", text=QUESTION, answer="52")], 1, ScriptedSampler(embedded_tokenizer, [[" 52" + EOS]])),
+            kwargs={"env": retry_math()},
+        )
+        worker.start()
+        worker.join()
+    assert dict(main) == {} and RECORDED[-1]["multi_turn/turns_mean"] == 1.0
 
 
 def test_sampler_logprobs_line_up_with_the_trainer_on_a_real_model(tiny_model_dir):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
-from grpo_core.plugins_manager import PluginError
 from grpo_core.selection import select_plugins
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
+from grpo_core.metrics import scope
 from grpo_core.plugins.samplers.openai import (
     TOKENIZER_PROBE,
     OpenAISampler,
@@ -49,7 +50,7 @@ def test_sample_sends_token_ids_and_sampling_settings_and_groups_completions_by_
     sampler = make_sampler(fake, tokenizer)
     prompts = [[5, 6, 7], [9, 10]]
     params = SamplingParams(max_tokens=3, temperature=1.0, top_p=1.0, top_k=0, stop=["####"], stop_token_ids=[4])
-    groups = sampler.sample(prompts, 2, params)
+    groups, recorded = sample_recorded(sampler, prompts, 2, params)
 
     bodies = sorted((b for p, b in fake.requests if p == "/v1/completions"), key=lambda b: b["prompt"])
     assert [b["prompt"] for b in bodies] == [[[5, 6, 7]], [[9, 10]]]
@@ -63,7 +64,7 @@ def test_sample_sends_token_ids_and_sampling_settings_and_groups_completions_by_
             assert completion.tokens == expected_tokens(fake, prompt, j, 3)
             assert completion.logprobs == pytest.approx([-0.1 - j / 100, -0.2 - j / 100, -0.3 - j / 100])
             assert completion.finish_reason == "length"
-    assert sampler.last_metrics == {
+    assert recorded == {
         "sampler/requests": 2.0, "sampler/retries": 0.0, "sampler/reconnects": 0.0, "sampler/prompts": 2.0, "sampler/completions": 4.0,
     }  # fmt: skip
     sampler.close()
@@ -156,10 +157,10 @@ def test_retryable_failures_are_retried_and_counted(tokenizer, failure):
     fake = FakeVLLM(tokenizer)
     fake.failures = [failure, failure]
     sampler = make_sampler(fake, tokenizer)
-    groups = sampler.sample([[3, 4]], 2, SamplingParams(max_tokens=2))
+    groups, recorded = sample_recorded(sampler, [[3, 4]], 2, SamplingParams(max_tokens=2))
     assert [c.tokens for c in groups[0]] == [expected_tokens(fake, [3, 4], j, 2) for j in range(2)]
-    assert sampler.last_metrics["sampler/retries"] == 2.0 and sampler.last_metrics["sampler/requests"] == 3.0
-    assert sampler.last_metrics["sampler/prompts"] == 1.0 and sampler.last_metrics["sampler/completions"] == 2.0
+    assert recorded["sampler/retries"] == 2.0 and recorded["sampler/requests"] == 3.0
+    assert recorded["sampler/prompts"] == 1.0 and recorded["sampler/completions"] == 2.0
     sampler.close()
 
 
@@ -263,18 +264,18 @@ def test_a_dropped_connection_runs_the_reconnect_hook_once_before_requests_go_on
 
     sampler.client.on_reconnect = resync
     fake.failures = [httpx.ConnectError("refused")] * 4 + [503]
-    groups = sampler.sample([[i + 1] for i in range(6)], 2, SamplingParams(max_tokens=1))
+    groups, recorded = sample_recorded(sampler, [[i + 1] for i in range(6)], 2, SamplingParams(max_tokens=1))
     assert [g[0].tokens for g in groups] == [expected_tokens(fake, [i + 1], 0, 1) for i in range(6)]
     assert len(log) == 1
-    assert sampler.last_metrics["sampler/reconnects"] == 1.0 and sampler.last_metrics["sampler/retries"] == 5.0
+    assert recorded["sampler/reconnects"] == 1.0 and recorded["sampler/retries"] == 5.0
     # Every prompt was answered exactly once.
     answered = [b["prompt"][0] for p, b in fake.requests[5:] if p == "/v1/completions"]
     assert sorted(answered) == [[i + 1] for i in range(6)]
 
     # Busy (503) and slow (timeout) servers kept their weights: no resync.
     fake.failures = [503, httpx.ReadTimeout("slow")]
-    sampler.sample([[1]], 2, SamplingParams(max_tokens=1))
-    assert len(log) == 1 and sampler.last_metrics["sampler/reconnects"] == 0.0
+    _, recorded = sample_recorded(sampler, [[1]], 2, SamplingParams(max_tokens=1))
+    assert len(log) == 1 and recorded["sampler/reconnects"] == 0.0
     sampler.close()
 
 
@@ -375,11 +376,11 @@ def test_by_default_eight_prompts_go_in_one_request(tokenizer):
     try:
         sampler = OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
         prompts = [[i + 1, 2] for i in range(20)]
-        groups = sampler.sample(prompts, 2, SamplingParams(max_tokens=2))
+        groups, recorded = sample_recorded(sampler, prompts, 2, SamplingParams(max_tokens=2))
         sent = sorted(b["prompt"] for p, b in fake.requests if p == "/v1/completions")
         assert sent == [prompts[0:8], prompts[8:16], prompts[16:20]]
         assert [[c.tokens for c in g] for g in groups] == [[expected_tokens(fake, p, j, 2) for j in range(2)] for p in prompts]
-        assert sampler.last_metrics["sampler/requests"] == 3.0 and sampler.last_metrics["sampler/prompts"] == 20.0
+        assert recorded["sampler/requests"] == 3.0 and recorded["sampler/prompts"] == 20.0
         sampler.close()
     finally:
         server.close()
@@ -484,3 +485,43 @@ def test_idle_connections_are_dropped_before_the_servers_keep_alive_timeout(monk
         client.close()
         server.shutdown()
         server.server_close()
+
+
+def sample_recorded(sampler, prompts, num_samples, params):
+    """What ``sample`` returns, and what it recorded for the step's metrics."""
+    with scope() as recorded:
+        groups = sampler.sample(prompts, num_samples, params)
+    return groups, recorded
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_a_run_through_the_server_records_its_requests_in_every_step(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop):
+    """The sampler's counts reach the step's metrics in both loops (the async loop's rollout
+    workers record them in their own scopes, merged into the step's)."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.loop import run
+
+    fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    server = LocalHTTPServer(fake)
+    try:
+        config = RunConfig(
+            model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Question: {prompt}\nAnswer:", loop=loop,
+            max_steps=2, prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=3, reward=["format"],
+            logger=["jsonl"], run_dir=str(tmp_path / "run"), drop_zero_variance_groups=False, sampler="openai",
+            plugin_options={
+                "sampler": {"openai": {"base_url": server.url, "prompts_per_request": 1}},
+                "weight_sync": {"vllm": {"weights_dir": str(tmp_path / "weights")}},
+            },
+        )  # fmt: skip
+        run(config)
+    finally:
+        server.close()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    sent = [b for p, b in fake.requests if p == "/v1/completions" and "prompt_logprobs" not in b]
+    assert [m["sampler/prompts"] for m in metrics] == [2.0, 2.0]
+    assert [m["sampler/completions"] for m in metrics] == [4.0, 4.0]
+    assert [m["sampler/requests"] for m in metrics] == [2.0, 2.0] and len(sent) >= 4
+    assert all(m["sampler/retries"] == 0.0 and "sync/logprob_max_abs_diff" in m for m in metrics)

@@ -9,8 +9,8 @@ import pytest
 
 from grpo_core import SamplingParams, make_plugin
 from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
 from grpo_core.plugins.samplers.tinker import TinkerSampler
-from grpo_core.plugins_manager import PluginError
 
 
 class FakeSamplingClient:

@@ -10,6 +10,7 @@ import torch
 
 from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
+from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import (
@@ -62,16 +63,16 @@ def test_sync_writes_reloads_clears_the_cache_and_verifies(untied_model_dir, tmp
     before = VLLMWeightSync(weights_dir=str(tmp_path / "unused")).verify(trainer, sampler)
     assert before > 0.01  # the server still has the old weights: the check can see a difference
 
-    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert sync_recorded(plugin, trainer, sampler, step=1) == 1
     assert sampler.version == 1
     paths = [p for p, _ in fake.requests]
     reload_at = paths.index("/collective_rpc")
     assert paths[reload_at + 1] == "/reset_prefix_cache" and paths[reload_at + 2] == "/v1/completions"
     assert fake.requests[reload_at][1] == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "w").resolve())}}
     assert (tmp_path / "w" / "model.safetensors").exists() and not (tmp_path / "w" / TIED_OUTPUT_FILE).exists()
-    assert set(plugin.last_metrics) == {"sync/logprob_max_abs_diff", "sync/repairs", "time/weight_sync"}
-    assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
-    assert plugin.last_metrics["time/weight_sync"] > 0
+    assert set(RECORDED[-1]) == {"sync/logprob_max_abs_diff", "sync/repairs", "time/weight_sync"}
+    assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and RECORDED[-1]["sync/repairs"] == 0.0
+    assert RECORDED[-1]["time/weight_sync"] > 0
     # The probe is scored whole on the server.
     probe = fake.requests[reload_at + 2][1]
     assert probe["prompt_logprobs"] == 0 and len(probe["prompt"][0]) == 64
@@ -82,8 +83,8 @@ def test_a_tied_model_follows_every_sync_exactly_because_lm_head_is_written(tiny
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     for step in (1, 2, 3):
         train_a_step(trainer, seed=step)
-        assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
-        assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
+        assert sync_recorded(plugin, trainer, sampler, step=step) == step
+        assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and RECORDED[-1]["sync/repairs"] == 0.0
     from safetensors.torch import load_file
 
     written = load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"]
@@ -119,8 +120,8 @@ def test_a_trainer_without_a_local_model_syncs_a_tied_model_from_the_checkpoint_
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     for step in (1, 2):
         train_a_step(local, seed=step)
-        plugin.weight_sync(trainer=trainer, sampler=sampler, step=step)
-        assert plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5 and plugin.last_metrics["sync/repairs"] == 0.0
+        sync_recorded(plugin, trainer, sampler, step=step)
+        assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and RECORDED[-1]["sync/repairs"] == 0.0
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(tmp_path / TIED_OUTPUT_FILE)["lm_head.weight"], local.model.get_input_embeddings().weight.detach())
@@ -143,7 +144,7 @@ def test_a_stale_tied_output_layer_is_caught_and_the_error_says_what_to_check(ti
         WeightSyncMismatch,
         match=r"differ from the trainer's by up to [\d.]+ \(tolerance 0.001\) on a 64-token probe, also after writing and reloading",
     ) as err:
-        plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+        sync_recorded(plugin, trainer, sampler, step=1)
     assert "ties its output layer" in str(err.value) and """--hf-overrides '{"tie_word_embeddings": false}'""" in str(err.value)
     assert len(fake.reload_paths) == 2 and sampler.version == 0
 
@@ -157,8 +158,8 @@ def test_a_lost_reload_is_repaired_and_counted(untied_model_dir, tmp_path):
     trainer, fake, sampler = setup(untied_model_dir, ignore_reloads=1)
     train_a_step(trainer)
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
-    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
-    assert plugin.last_metrics["sync/repairs"] == 1.0 and plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5
+    assert sync_recorded(plugin, trainer, sampler, step=1) == 1
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
     assert len(fake.reload_paths) == 2
 
 
@@ -178,7 +179,7 @@ def test_server_weights_dir_is_what_the_server_is_told(untied_model_dir, tmp_pat
     (tmp_path / "server-view").symlink_to(tmp_path / "w", target_is_directory=True)
     plugin = VLLMWeightSync(weights_dir=str(tmp_path / "w"), server_weights_dir=str(tmp_path / "server-view"))
     train_a_step(trainer)
-    plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
     assert fake.reload_paths == [str(tmp_path / "server-view")]
 
 
@@ -197,14 +198,15 @@ def test_a_restarted_server_is_synced_again_before_it_samples(untied_model_dir, 
     initial = {k: v.clone() for k, v in fake.model.state_dict().items()}
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     train_a_step(trainer)
-    plugin.weight_sync(trainer=trainer, sampler=sampler, step=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
     written = (tmp_path / "model.safetensors").stat().st_mtime_ns
 
     fake.restart(initial)
     assert plugin.verify(trainer, sampler) > 0.01  # the restarted server has the initial weights
     fake.failures.append(httpx.ConnectError("connection refused"))  # what the sampler sees of the restart
-    groups = sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
-    assert len(groups[0]) == 2 and sampler.last_metrics["sampler/reconnects"] == 1.0
+    with scope() as recorded:
+        groups = sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
+    assert len(groups[0]) == 2 and recorded["sampler/reconnects"] == 1.0
     assert plugin.verify(trainer, sampler) < 1e-5
     # Reloaded from the folder, which still holds this version: not written again.
     assert len(fake.reload_paths) == 2 and (tmp_path / "model.safetensors").stat().st_mtime_ns == written
@@ -271,16 +273,16 @@ def test_every_replica_behind_a_load_balancer_is_reloaded_and_checked(untied_mod
     plugin.replica_clients = {f"http://{name}": client for name, (_, client) in replicas.items()}
     replicas["b"][0].ignore_reloads = 1
     train_a_step(trainer)
-    assert plugin.weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
+    assert sync_recorded(plugin, trainer, sampler, step=1) == 1
     assert [len(fake.reload_paths) for fake, _ in replicas.values()] == [1, 2] and balancer.reload_paths == []
-    assert plugin.last_metrics["sync/repairs"] == 1.0 and plugin.last_metrics["sync/logprob_max_abs_diff"] < 1e-5
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
     for _, client in replicas.values():
         assert plugin.verify(trainer, sampler, client) < 1e-5
 
     replicas["b"][0].ignore_reloads = 5
     train_a_step(trainer, seed=2)
     with pytest.raises(WeightSyncMismatch, match=r"the logprobs of the server at http://b differ"):
-        plugin.weight_sync(trainer=trainer, sampler=sampler, step=2)
+        sync_recorded(plugin, trainer, sampler, step=2)
 
 
 def test_replicas_option_reads_a_comma_separated_list():
@@ -288,3 +290,14 @@ def test_replicas_option_reads_a_comma_separated_list():
 
     plugin = make_plugin("weight_sync.vllm", replicas="http://a:8000,http://b:8000")
     assert plugin.replicas == ["http://a:8000", "http://b:8000"] and VLLMWeightSync().replicas == []
+
+
+RECORDED: list[Metrics] = []
+"""What each ``sync_recorded`` recorded for the step's metrics, the last one last."""
+
+
+def sync_recorded(plugin, trainer, sampler, step):
+    with scope() as recorded:
+        version = plugin.weight_sync(trainer=trainer, sampler=sampler, step=step)
+    RECORDED.append(recorded)
+    return version

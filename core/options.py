@@ -1,0 +1,167 @@
+"""Plugin options: how a plugin declares them, how values given as text become their types,
+which of them are secrets.
+
+Imports nothing of the core, so the config and the plugin catalog can both use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal, Union
+
+import attrs
+
+from grpo_core.errors import PluginError
+
+KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "loss", "logger")
+SECRET_NAME = re.compile(
+    r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
+    r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
+)
+"""Option names that hold secrets even when not declared ``secret=True`` (``max_tokens`` does not match)."""
+REDACTED = "***"
+ENV_PREFIX = "env:"
+
+
+def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = None, **kwargs: Any) -> Any:
+    """A plugin option: an attrs field whose help shows in ``grpo-core plugins``.
+
+    ``secret=True`` keeps the value out of config.json and logs (``***``) and lets the user
+    give it as ``env:NAME`` (read from the environment when the plugin is made). Options
+    named like ``api_key``, ``token``, ``password`` or ``secret`` are secret unless
+    ``secret=False``.
+    """
+    return attrs.field(default=default, metadata={"help": help, "secret": secret}, **kwargs)
+
+
+def is_secret(name: str, field: attrs.Attribute | None = None) -> bool:
+    declared = field.metadata.get("secret") if field is not None else None
+    return bool(SECRET_NAME.match(name)) if declared is None else declared
+
+
+def instantiate(cls: type, label: str, options: dict[str, Any]) -> Any:
+    """``cls(**options)`` with options coerced to their types and ``env:NAME`` secrets read."""
+    kwargs = coerce_options(cls, label, options)
+    fields = option_fields(cls)
+    for key, value in kwargs.items():
+        if is_secret(key, fields[key]) and isinstance(value, str) and value.startswith(ENV_PREFIX):
+            variable = value[len(ENV_PREFIX) :]
+            if variable not in os.environ:
+                raise PluginError(f"option '{key}' of {label} is read from the environment variable {variable}, which is not set")
+            kwargs[key] = _coerce_option(label, key, fields[key], os.environ[variable])
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PluginError(f"{label}: {exc}") from exc
+
+
+def option_fields(cls: type) -> dict[str, attrs.Attribute]:
+    attrs.resolve_types(cls)
+    return {f.name: f for f in attrs.fields(cls) if f.init}
+
+
+def coerce_options(cls: type, label: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Options converted to their declared types (what config.json stores); unknown ones raise.
+
+    A secret given as ``env:NAME`` stays a reference here, so the value itself is only read
+    when the plugin is made.
+    """
+    fields = option_fields(cls)
+    coerced = {}
+    for key, value in options.items():
+        field = fields.get(key)
+        if field is None:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            known = ", ".join(fields) or "none"
+            raise PluginError(f"unknown option '{key}' for {label}{hint} options: {known}")
+        if is_secret(key, field) and isinstance(value, str) and value.startswith(ENV_PREFIX):
+            coerced[key] = value
+        else:
+            coerced[key] = _coerce_option(label, key, field, value)
+    return coerced
+
+
+def _coerce_option(label: str, key: str, field: attrs.Attribute, value: Any) -> Any:
+    try:
+        return coerce(value, field.type)
+    except (TypeError, ValueError) as exc:
+        # The error quotes the value; a secret's value must not reach the terminal or a log.
+        reason = f"not a valid {_type_name(field.type)} (value hidden: secret option)" if is_secret(key, field) else exc
+        raise PluginError(f"option '{key}' of {label}: {reason}") from None
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def coerce(value: Any, annotation: Any) -> Any:
+    """Convert ``value`` to ``annotation`` (CLI strings parse; other mismatches raise)."""
+    if annotation is None or annotation is Any:
+        return value
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg)
+            except (TypeError, ValueError) as exc:
+                errors.append(str(exc))
+        raise ValueError("; ".join(errors))
+    if origin is Literal:
+        for choice in args:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise ValueError(f"expected one of {', '.join(map(repr, args))}, got {value!r}")
+    if origin in (list, tuple, Sequence):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise TypeError(f"expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        return [coerce(v, inner) for v in items]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"expected true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise TypeError(f"expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        raise TypeError(f"expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, bool):
+            raise TypeError(f"expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
+        raise TypeError(f"expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError(f"expected a string, got {value!r}")
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        raise TypeError(f"expected {annotation.__name__}, got {value!r}")
+    return value
