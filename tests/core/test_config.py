@@ -143,7 +143,9 @@ def test_the_settings_resume_may_change_are_those_marked_resumable():
 
 def stored_run(tmp_path, **values):
     """A run directory holding the config.json of a run made with these values."""
-    load(None, values, {}).write(tmp_path / "config.json")
+    from grpo_core.plugins_manager import write_config
+
+    write_config(load(None, values, {}), tmp_path / "config.json")
     return str(tmp_path)
 
 
