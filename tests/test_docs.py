@@ -17,6 +17,7 @@ import pytest
 from grpo_core import hookimpl, option
 from grpo_core.plugins.loggers.console import ConsoleLogger
 from tests.conftest import REPO
+from tests.test_cli import grpo_core_in_process
 
 
 def build(site_dir) -> subprocess.CompletedProcess:
@@ -48,9 +49,7 @@ def test_every_page_of_the_nav_is_built(site):
 
 
 def test_the_plugin_reference_shows_what_grpo_core_plugins_lists(site):
-    listed = json.loads(
-        subprocess.run([sys.executable, "-m", "grpo_core.cli", "plugins", "--json"], capture_output=True, text=True, check=True).stdout
-    )
+    listed = json.loads(grpo_core_in_process("plugins", "--json").stdout)
     built_in = [p for p in listed if p["distribution"] == "grpo-core"]
     page = (site / "reference" / "plugins" / "index.html").read_text()
     assert len(built_in) >= 20
