@@ -205,12 +205,11 @@ def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one
     )
     broken = make_plugin_package(tmp_path, "grpo-broken", "import no_such_module_xyz\n", {"loss.broken": "grpo_broken:Broken"})
     target = tmp_path / "site"
-    for pkg in (good, broken):
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(pkg)],
-            check=True,
-            capture_output=True,
-        )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(good), str(broken)],
+        check=True, capture_output=True,
+    )  # fmt: skip
     env = {"PYTHONPATH": str(target)}
     listing = grpo_core_in_process("plugins", env=env)
     assert listing.returncode == 0, listing.stderr

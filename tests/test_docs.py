@@ -5,11 +5,8 @@ from __future__ import annotations
 import html
 import importlib.util
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import attrs
 import pytest
@@ -20,19 +17,10 @@ from tests.conftest import REPO
 from tests.test_cli import grpo_core_in_process
 
 
-def build(site_dir) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"), "--site-dir", str(site_dir)],
-        check=False, capture_output=True, text=True, cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=300,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     site_dir = tmp_path_factory.mktemp("site")
-    out = build(site_dir)
-    assert out.returncode == 0, out.stderr
-    assert "WARNING" not in out.stderr
+    build_in_process(site_dir)  # strict: any warning aborts the build (test_a_broken_link_fails_the_build)
     return site_dir
 
 
