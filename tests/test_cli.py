@@ -184,6 +184,7 @@ def make_plugin_package(root: Path, name: str, body: str, entry_points: dict[str
     return pkg
 
 
+@pytest.mark.slow
 def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one_is_reported(tiny_model_dir, tiny_dataset, tmp_path):
     good = make_plugin_package(
         tmp_path,
