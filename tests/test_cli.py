@@ -306,7 +306,7 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, 
 
     args = ("--lora-rank", "4", "--max-steps", "4", "--checkpoint-every", "2", "--loss-opt", "kl_beta=0.05", *SIGNAL, *extra)
     whole = tmp_path / "whole"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
     assert out.returncode == 0, out.stderr
     state = torch.load(whole / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)
     assert set(state) == {"adapter", "optimizer", "version"} and all("lora_" in k for k in state["adapter"])
@@ -317,8 +317,8 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, 
     stopped = tmp_path / "stopped"
     first = small_run_args(tiny_model_dir, tiny_dataset, stopped, *args)
     first[first.index("--max-steps", first.index("--lora-rank")) + 1] = "2"
-    assert grpo_core(*first).returncode == 0
-    out = grpo_core("run", "--resume", str(stopped), "--max-steps", "4")
+    assert grpo_core_in_process(*first).returncode == 0
+    out = grpo_core_in_process("run", "--resume", str(stopped), "--max-steps", "4")
     assert out.returncode == 0, out.stderr
     want, got = safetensors_of(whole / "final"), safetensors_of(stopped / "final")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

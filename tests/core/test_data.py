@@ -447,6 +447,7 @@ def test_a_hub_name_loads_through_datasets_with_config_and_split(monkeypatch, gi
     assert skipped == [f"{given}[1]: the prompt (field 'question') is empty"]
 
 
+@pytest.mark.slow
 def test_a_hub_name_fails_clearly_offline(tmp_path):
     from tests.test_cli import grpo_core, small_run_args
 

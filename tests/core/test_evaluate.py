@@ -9,7 +9,7 @@ from grpo_core import PluginError
 from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE, resolve_template, write_prompt_settings
 from grpo_core.evaluate import eval_config, pass_at_k
-from tests.test_cli import TEMPLATE, grpo_core, grpo_core_in_process
+from tests.test_cli import TEMPLATE, grpo_core_in_process
 
 
 @pytest.mark.parametrize(
@@ -180,12 +180,12 @@ def test_eval_refuses_rows_without_the_answer_gsm8k_needs(tiny_model_dir, tmp_pa
 @pytest.mark.slow
 def test_a_trained_default_policy_is_evaluated_as_it_was_trained(tmp_path):
     run_dir = tmp_path / "run"
-    run = grpo_core("run", "--max-steps", "3", "--run-dir", str(run_dir), "--threads", "1")
+    run = grpo_core_in_process("run", "--max-steps", "3", "--run-dir", str(run_dir), "--threads", "1")
     assert run.returncode == 0, run.stderr
     final = run_dir / "final"
     settings = json.loads((final / PROMPT_SETTINGS_FILE).read_text())
     assert (settings["dataset"], settings["prompt_template"], settings["embedded_task"]) == ("default:train", TEMPLATE, True)
-    out = grpo_core("eval", "--model", str(final), "--max-rows", "20", "--threads", "1", "--json")
+    out = grpo_core_in_process("eval", "--model", str(final), "--max-rows", "20", "--threads", "1", "--json")
     assert out.returncode == 0, out.stderr
     assert eval_line(out) == (
         f"eval: {final} on default:test (20 prompts), template 'Question: {{prompt}}\\nAnswer:', "

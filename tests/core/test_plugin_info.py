@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import attrs
+import pytest
 
 from grpo_core import option, plugin_info
 from grpo_core.plugin_info import describe_all, render
@@ -39,6 +40,7 @@ def test_describe_all_flags_problems_and_secret_options(monkeypatch, capsys):
 
 BAD_PLUGINS = '''
 import attrs
+import pytest
 from grpo_core import hookimpl, option
 
 @attrs.define
@@ -76,6 +78,7 @@ class Vault:
 '''
 
 
+@pytest.mark.slow
 def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_loads(tiny_dataset, tmp_path):
     pkg = make_plugin_package(
         tmp_path,

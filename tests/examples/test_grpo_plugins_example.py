@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import grpo_core, grpo_core_in_process, small_run_args
+from tests.test_cli import grpo_core_in_process, small_run_args
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "examples" / "grpo-plugins-example"
@@ -170,7 +170,7 @@ def test_the_readme_commands_work_as_written(tmp_path):
     env = {"PYTHONPATH": str(site)}
 
     shown = re.search(r"lists both.*?```\n(.*?)```", (PACKAGE / "README.md").read_text(), re.DOTALL)[1]
-    out = grpo_core(*shlex.split(listing)[1:], env=env, cwd=REPO)
+    out = grpo_core_in_process(*shlex.split(listing)[1:], env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr
     for line in shown.splitlines():
         assert line in out.stdout
@@ -180,7 +180,7 @@ def test_the_readme_commands_work_as_written(tmp_path):
         args = shlex.split(command)
         assert args[0] == "grpo-core"
         run_dir = tmp_path / f"run{i}"
-        out = grpo_core(*args[1:], "--max-steps", "2", "--run-dir", str(run_dir), env=env, cwd=tmp_path)
+        out = grpo_core_in_process(*args[1:], "--max-steps", "2", "--run-dir", str(run_dir), env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         metrics = metrics_of(run_dir)
         for m in metrics:
