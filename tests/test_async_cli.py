@@ -1,4 +1,4 @@
-"""End-to-end: ``grpo-core run --loop async`` in a subprocess."""
+"""End-to-end: ``grpo-core run --loop async``, in this process or (signals, kills) in a subprocess."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_cli import grpo_core, signal_after_two_steps, small_run_args
+from tests.test_cli import grpo_core, grpo_core_in_process, signal_after_two_steps, small_run_args
 
 
 def metrics_of(run_dir):
@@ -18,7 +18,7 @@ def metrics_of(run_dir):
 
 def test_an_async_run_trains_within_the_bound_and_reports_the_async_metrics(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         *small_run_args(
             tiny_model_dir,
             tiny_dataset,
@@ -57,7 +57,7 @@ def test_an_async_run_trains_within_the_bound_and_reports_the_async_metrics(tiny
 
 
 def test_the_async_flags_have_a_section_in_help():
-    out = grpo_core("run", "--help")
+    out = grpo_core_in_process("run", "--help")
     assert "Asynchronous loop" in out.stdout
     for flag in (
         "--loop",
@@ -80,7 +80,7 @@ def test_the_async_flags_have_a_section_in_help():
     ],
 )
 def test_bad_async_settings_are_one_clear_line(tiny_model_dir, tiny_dataset, tmp_path, extra, message):
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--loop", "async", *extra))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--loop", "async", *extra))
     assert out.returncode in (1, 2), out.stderr
     assert message in out.stderr and "Traceback" not in out.stderr
 
@@ -88,18 +88,21 @@ def test_bad_async_settings_are_one_clear_line(tiny_model_dir, tiny_dataset, tmp
 def test_an_async_run_resumes_and_only_scheduling_settings_may_change(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     assert (
-        grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")).returncode
+        grpo_core_in_process(
+            *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loop", "async", "--no-drop-zero-variance-groups")
+        ).returncode
         == 0
     )
-    refused = grpo_core("run", "--resume", str(run_dir), "--max-head-offpolicy-versions", "3", "--max-steps", "4")
+    refused = grpo_core_in_process("run", "--resume", str(run_dir), "--max-head-offpolicy-versions", "3", "--max-steps", "4")
     assert refused.returncode == 1 and "--max-head-offpolicy-versions" in refused.stderr
-    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "4", "--max-concurrent", "1", "--rollout-retries", "0")
+    out = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "4", "--max-concurrent", "1", "--rollout-retries", "0")
     assert out.returncode == 0, out.stderr
     assert [m["step"] for m in metrics_of(run_dir)] == [1, 2, 3, 4]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["max_concurrent"] == 1 and config["rollout_retries"] == 0 and config["max_head_offpolicy_versions"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_an_async_run_with_a_checkpoint_and_its_async_state(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
     run_dir = tmp_path / "run"
@@ -121,7 +124,7 @@ def test_the_async_preset_in_the_docs_runs_async_with_tis(tiny_model_dir, tiny_d
     preset = docs.split("# async.toml", 1)[1].split("```", 1)[0].split("\n", 1)[1]
     (tmp_path / "async.toml").write_text(preset)
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--config", str(tmp_path / "async.toml"), "--no-drop-zero-variance-groups")
     )
     assert out.returncode == 0, out.stderr
@@ -131,6 +134,7 @@ def test_the_async_preset_in_the_docs_runs_async_with_tis(tiny_model_dir, tiny_d
     assert all("tis/weight_mean" in m and "staleness/max" in m for m in metrics_of(run_dir))
 
 
+@pytest.mark.slow
 def test_an_async_run_killed_mid_run_resumes_and_trains_every_prompt_exactly_once(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     # Three epochs of 36 prompts: every (epoch, prompt) place in the order must be trained once.

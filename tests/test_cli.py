@@ -1,4 +1,4 @@
-"""End-to-end: the real ``grpo-core`` command in a subprocess (its option parsing and --help in-process)."""
+"""End-to-end: the ``grpo-core`` command, in this process or (signals) in a subprocess."""
 
 from __future__ import annotations
 
@@ -25,6 +25,34 @@ def grpo_core(*args: str, env: dict | None = None, cwd: Path | None = None, time
     )
 
 
+def grpo_core_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``grpo_core(...)`` without a new interpreter: the same command line, exit code, stdout and
+    stderr, minus the ~20 s of imports a subprocess pays. ``env`` is set for the call; a
+    ``PYTHONPATH`` in it goes on ``sys.path`` and the plugin catalog is read again, as a new process
+    would. For what needs a real process (signals, kills, import-time settings) use ``grpo_core``."""
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+    from grpo_core.plugins_manager import catalog
+
+    env = dict(env or {})
+    paths = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
+    saved_path, saved_cwd = list(sys.path), os.getcwd()
+    sys.path[:0] = paths
+    catalog.cache_clear()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        result = CliRunner().invoke(main, list(args), env=env, prog_name="grpo-core")
+    finally:
+        os.chdir(saved_cwd)
+        sys.path[:] = saved_path
+        catalog.cache_clear()
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["grpo-core", *args], result.exit_code, result.stdout, result.stderr)
+
+
 def small_run_args(model: Path, dataset: Path, run_dir: Path, *extra: str) -> list[str]:
     return [
         "run", "--model", str(model), "--dataset", str(dataset), "--prompt-template", TEMPLATE,
@@ -34,9 +62,9 @@ def small_run_args(model: Path, dataset: Path, run_dir: Path, *extra: str) -> li
 
 
 def test_version_and_fast_help():
-    out = grpo_core("--version")
+    out = grpo_core_in_process("--version")
     assert out.returncode == 0 and "grpo-core, version 0.1.0" in out.stdout
-    help_out = grpo_core("run", "--help")
+    help_out = grpo_core_in_process("run", "--help")
     assert help_out.returncode == 0 and "--loss-opt" in help_out.stdout and "--prompt-groups-per-step" in help_out.stdout
     # --help must not import the heavy stack.
     probe = subprocess.run(
@@ -54,7 +82,7 @@ def test_version_and_fast_help():
 
 def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss-opt", "kl_beta=0.01"))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss-opt", "kl_beta=0.01"))
     assert out.returncode == 0, out.stderr
     config = json.loads((run_dir / "config.json").read_text())
     assert config["max_steps"] == 2 and config["plugin_options"]["loss"]["grpo"]["kl_beta"] == 0.01
@@ -94,7 +122,7 @@ def test_small_run_writes_config_metrics_and_a_loadable_policy(tiny_model_dir, t
     ],
 )
 def test_bad_plugin_input_is_one_clear_line(tiny_model_dir, tiny_dataset, tmp_path, extra, message):
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", *extra))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", *extra))
     assert out.returncode != 0
     assert message in out.stderr
     assert "Traceback" not in out.stderr
@@ -113,17 +141,17 @@ def test_bad_dataset_is_one_clear_line(tiny_model_dir, tmp_path, lines, message)
     dataset = tmp_path / "data.jsonl"
     if lines is not None:
         dataset.write_text("\n".join(lines) + "\n")
-    out = grpo_core(*small_run_args(tiny_model_dir, dataset, tmp_path / "r"))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, dataset, tmp_path / "r"))
     assert out.returncode != 0 and message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
 
 def test_plugins_lists_builtins_with_options_and_json():
-    out = grpo_core("plugins")
+    out = grpo_core_in_process("plugins")
     assert out.returncode == 0
     assert "loss grpo  (grpo-core 0.1.0)  hooks: loss" in out.stdout
     assert "eps_low=0.2" in out.stdout
-    infos = json.loads(grpo_core("plugins", "--json").stdout)
+    infos = json.loads(grpo_core_in_process("plugins", "--json").stdout)
     grpo = next(i for i in infos if (i["kind"], i["name"]) == ("loss", "grpo"))
     assert grpo["distribution"] == "grpo-core" and grpo["hooks"] == ["loss"]
     options = {o["name"]: o for o in grpo["options"]}
@@ -156,6 +184,7 @@ def make_plugin_package(root: Path, name: str, body: str, entry_points: dict[str
     return pkg
 
 
+@pytest.mark.slow
 def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one_is_reported(tiny_model_dir, tiny_dataset, tmp_path):
     good = make_plugin_package(
         tmp_path,
@@ -177,14 +206,13 @@ def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one
     )
     broken = make_plugin_package(tmp_path, "grpo-broken", "import no_such_module_xyz\n", {"loss.broken": "grpo_broken:Broken"})
     target = tmp_path / "site"
-    for pkg in (good, broken):
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(pkg)],
-            check=True,
-            capture_output=True,
-        )
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(good), str(broken)],
+        check=True, capture_output=True,
+    )  # fmt: skip
     env = {"PYTHONPATH": str(target)}
-    listing = grpo_core("plugins", env=env)
+    listing = grpo_core_in_process("plugins", env=env)
     assert listing.returncode == 0, listing.stderr
     assert "reward length  (grpo-reward-length 1.2.3)  hooks: reward" in listing.stdout
     assert "loss broken  (grpo-broken 1.2.3)  BROKEN" in listing.stdout
@@ -192,12 +220,14 @@ def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one
     assert "loss grpo  (grpo-core 0.1.0)" in listing.stdout
 
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "length", "--reward-opt", "scale=0.5"), env=env)
+    out = grpo_core_in_process(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "length", "--reward-opt", "scale=0.5"), env=env
+    )
     assert out.returncode == 0, out.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["reward/total"] > 0 for m in metrics)
 
-    failed = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r2", "--loss", "broken"), env=env)
+    failed = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r2", "--loss", "broken"), env=env)
     assert failed.returncode != 0
     assert "loss plugin 'broken' from grpo-broken 1.2.3 failed to import" in failed.stderr
 
@@ -210,7 +240,7 @@ def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, lo
     run_dir = tmp_path / "run"
     args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--loss", loss, "--loss", "tis", "--loss-opt", "tis.cap=1.5")
     args += ["--no-drop-zero-variance-groups", "--reward", "gsm8k:1", "--reward-opt", "gsm8k.format_penalty=0.5"]
-    out = grpo_core(*args)
+    out = grpo_core_in_process(*args)
     assert out.returncode == 0, out.stderr
     config = json.loads((run_dir / "config.json").read_text())
     # config.json may store the option as typed (1.5) or as given on the command line ("1.5").
@@ -241,6 +271,7 @@ def signal_after_two_steps(args: list[str], run_dir: Path, signum: str, code: in
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
     run_dir = tmp_path / "run"
@@ -275,7 +306,7 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, 
 
     args = ("--lora-rank", "4", "--max-steps", "4", "--checkpoint-every", "2", "--loss-opt", "kl_beta=0.05", *SIGNAL, *extra)
     whole = tmp_path / "whole"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
     assert out.returncode == 0, out.stderr
     state = torch.load(whole / "checkpoints" / "step-000004" / "trainer.pt", weights_only=True)
     assert set(state) == {"adapter", "optimizer", "version"} and all("lora_" in k for k in state["adapter"])
@@ -286,8 +317,8 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, 
     stopped = tmp_path / "stopped"
     first = small_run_args(tiny_model_dir, tiny_dataset, stopped, *args)
     first[first.index("--max-steps", first.index("--lora-rank")) + 1] = "2"
-    assert grpo_core(*first).returncode == 0
-    out = grpo_core("run", "--resume", str(stopped), "--max-steps", "4")
+    assert grpo_core_in_process(*first).returncode == 0
+    out = grpo_core_in_process("run", "--resume", str(stopped), "--max-steps", "4")
     assert out.returncode == 0, out.stderr
     want, got = safetensors_of(whole / "final"), safetensors_of(stopped / "final")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -301,13 +332,15 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
 
     run_dir = tmp_path / "run"
     assert (
-        grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--lora-rank", "4", "--checkpoint-every", "1", *SIGNAL)).returncode
+        grpo_core_in_process(
+            *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--lora-rank", "4", "--checkpoint-every", "1", *SIGNAL)
+        ).returncode
         == 0
     )
-    out = grpo_core("export", str(run_dir), str(tmp_path / "final"))
+    out = grpo_core_in_process("export", str(run_dir), str(tmp_path / "final"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"exported {run_dir / 'final'} to {tmp_path / 'final'}"
-    out = grpo_core("export", str(run_dir), "--step", "1", str(tmp_path / "one"))
+    out = grpo_core_in_process("export", str(run_dir), "--step", "1", str(tmp_path / "one"))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"exported {run_dir / 'checkpoints' / 'step-000001'} to {tmp_path / 'one'}"
     ids = torch.tensor([[5, 6, 7, 8, 9]])
@@ -317,7 +350,9 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
     assert (tmp_path / "one" / "tokenizer.json").is_file() and (tmp_path / "one" / "grpo_core_prompt.json").is_file()
 
     # The exported policy is prompted as it was trained.
-    out = grpo_core("eval", "--model", str(tmp_path / "one"), "--dataset", str(tiny_dataset), "--max-rows", "2", "--reward", "format")
+    out = grpo_core_in_process(
+        "eval", "--model", str(tmp_path / "one"), "--dataset", str(tiny_dataset), "--max-rows", "2", "--reward", "format"
+    )
     assert out.returncode == 0, out.stderr
     assert f"prompt settings from {tmp_path / 'one'}/grpo_core_prompt.json" in out.stderr + out.stdout
 
@@ -332,7 +367,7 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
             f"error: {tmp_path / 'nothing'}: not a grpo-core run directory (no config.json there)",
         ),
     ]:
-        out = grpo_core("export", *args)
+        out = grpo_core_in_process("export", *args)
         assert out.returncode == 1 and out.stderr.strip() == message, out.stderr
     assert not (tmp_path / "x").exists()
 

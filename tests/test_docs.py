@@ -5,11 +5,8 @@ from __future__ import annotations
 import html
 import importlib.util
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import attrs
 import pytest
@@ -17,21 +14,13 @@ import pytest
 from grpo_core import hookimpl, option
 from grpo_core.plugins.loggers.console import ConsoleLogger
 from tests.conftest import REPO
-
-
-def build(site_dir) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(REPO / "mkdocs.yml"), "--site-dir", str(site_dir)],
-        check=False, capture_output=True, text=True, cwd=REPO, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, timeout=300,
-    )  # fmt: skip
+from tests.test_cli import grpo_core_in_process
 
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     site_dir = tmp_path_factory.mktemp("site")
-    out = build(site_dir)
-    assert out.returncode == 0, out.stderr
-    assert "WARNING" not in out.stderr
+    build_in_process(site_dir)  # strict: any warning aborts the build (test_a_broken_link_fails_the_build)
     return site_dir
 
 
@@ -48,9 +37,7 @@ def test_every_page_of_the_nav_is_built(site):
 
 
 def test_the_plugin_reference_shows_what_grpo_core_plugins_lists(site):
-    listed = json.loads(
-        subprocess.run([sys.executable, "-m", "grpo_core.cli", "plugins", "--json"], capture_output=True, text=True, check=True).stdout
-    )
+    listed = json.loads(grpo_core_in_process("plugins", "--json").stdout)
     built_in = [p for p in listed if p["distribution"] == "grpo-core"]
     page = (site / "reference" / "plugins" / "index.html").read_text()
     assert len(built_in) >= 20

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.test_cli import grpo_core, make_plugin_package, small_run_args
+from tests.test_cli import grpo_core, grpo_core_in_process, make_plugin_package, small_run_args
 
 PLUGINS = '''
 import os
@@ -75,16 +75,18 @@ def run_args(tiny_model_dir, tiny_dataset, run_dir, *extra):
 
 def test_a_secret_option_is_never_written_and_must_be_given_again_to_resume(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "r"
-    out = grpo_core(*run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=sk-test-123"), env=plugin_site)
+    out = grpo_core_in_process(*run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=sk-test-123"), env=plugin_site)
     assert out.returncode == 0, out.stderr
     written = "".join(p.read_text(errors="replace") for p in run_dir.rglob("*") if p.is_file() and p.suffix in (".json", ".jsonl", ".txt"))
     assert "sk-test-123" not in written + out.stdout + out.stderr
     assert json.loads((run_dir / "config.json").read_text())["plugin_options"]["reward"]["keyed"]["api_key"] == "***"
 
-    more = grpo_core("run", "--resume", str(run_dir), "--max-steps", "5", env=plugin_site)
+    more = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "5", env=plugin_site)
     assert more.returncode == 1
     assert "secret options were not saved; give them again (reward.keyed.api_key)" in more.stderr
-    more = grpo_core("run", "--resume", str(run_dir), "--max-steps", "5", "--reward-opt", "keyed.api_key=env:SAFETY_KEY", env=plugin_site)
+    more = grpo_core_in_process(
+        "run", "--resume", str(run_dir), "--max-steps", "5", "--reward-opt", "keyed.api_key=env:SAFETY_KEY", env=plugin_site
+    )
     assert more.returncode == 0, more.stderr
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
@@ -92,14 +94,16 @@ def test_a_secret_option_is_never_written_and_must_be_given_again_to_resume(plug
 def test_a_setting_that_changes_the_run_cannot_change_on_resume(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "r"
     assert (
-        grpo_core(*run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY"), env=plugin_site).returncode
+        grpo_core_in_process(
+            *run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY"), env=plugin_site
+        ).returncode
         == 0
     )
-    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "6", "--learning-rate", "0.5", env=plugin_site)
+    out = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "6", "--learning-rate", "0.5", env=plugin_site)
     assert out.returncode == 1
     assert "--learning-rate cannot change" in out.stderr and "allowed: --max-steps" in out.stderr
     assert "Traceback" not in out.stderr
-    same = grpo_core("run", "--resume", str(run_dir), "--max-steps", "6", "--prompt-groups-per-step", "2", env=plugin_site)
+    same = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "6", "--prompt-groups-per-step", "2", env=plugin_site)
     assert same.returncode == 0, same.stderr  # repeating a stored value is no change
 
 
@@ -111,14 +115,14 @@ def test_an_error_after_training_started_keeps_the_trained_steps_and_says_how_to
     args = run_args(
         tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY", "--reward-opt", "wrong_count_at_call=5"
     )
-    out = grpo_core(*args, env=plugin_site)
+    out = grpo_core_in_process(*args, env=plugin_site)
     assert out.returncode == 1
     assert out.stderr.splitlines()[-2:] == [
         "error: reward 'keyed' returned 3 scores for 4 samples",
         f"  steps 1-2 are saved in {run_dir}/checkpoints/step-000002; continue with: grpo-core run --resume {run_dir}",
     ]
     assert "Traceback" not in out.stderr
-    resumed = grpo_core("run", "--resume", str(run_dir), env=plugin_site)
+    resumed = grpo_core_in_process("run", "--resume", str(run_dir), env=plugin_site)
     assert resumed.returncode == 0, resumed.stderr
     assert (run_dir / "final" / "model.safetensors").is_file()
 
@@ -128,14 +132,14 @@ def test_an_unexpected_error_is_called_internal_with_its_traceback_in_the_run_di
 ):
     run_dir = tmp_path / "r"
     args = run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=env:SAFETY_KEY", "--loss", "buggy")
-    out = grpo_core(*args, env=plugin_site)
+    out = grpo_core_in_process(*args, env=plugin_site)
     assert out.returncode == 3
     assert "internal error: TypeError: unsupported operand type(s) for +: 'Tensor' and 'NoneType'" in out.stderr
     assert f"the traceback is in {run_dir}/traceback.txt" in out.stderr
     assert "Traceback" not in out.stderr
     assert 'raise TypeError("unsupported operand' in (run_dir / "traceback.txt").read_text()
     assert "steps 1-2 are saved" in out.stderr
-    debug = grpo_core(*args, "--overwrite", "--debug", env=plugin_site)
+    debug = grpo_core_in_process(*args, "--overwrite", "--debug", env=plugin_site)
     assert debug.returncode == 3 and "Traceback (most recent call last)" in debug.stderr
 
 
@@ -152,18 +156,19 @@ def test_an_unexpected_error_is_called_internal_with_its_traceback_in_the_run_di
 )
 def test_bad_optimizer_and_group_settings_are_refused_before_anything_runs(tiny_model_dir, tiny_dataset, tmp_path, flags, message):
     run_dir = tmp_path / "r"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *flags))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *flags))
     assert out.returncode == 1
     assert message in out.stderr and "Traceback" not in out.stderr
     assert not run_dir.exists()
 
 
 def test_a_zero_learning_rate_warns(tiny_model_dir, tiny_dataset, tmp_path):
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--learning-rate", "0", "--max-steps", "1"))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--learning-rate", "0", "--max-steps", "1"))
     assert out.returncode == 0, out.stderr
     assert "warning: --learning-rate is 0: the policy will not change" in out.stderr
 
 
+@pytest.mark.slow
 def test_an_unreachable_hub_name_fails_at_once_and_leaves_no_run_directory(tmp_path):
     out = grpo_core("run", "--model", "no-such-org/no-such-model", "--dataset", "default", "--run-dir", str(tmp_path / "r"),
                     env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}, timeout=60)  # fmt: skip

@@ -542,7 +542,13 @@ def test_a_group_that_would_break_the_bound_is_sampled_again_and_then_waited_for
 
 @pytest.mark.parametrize(
     ("rollout", "max_concurrent", "expected"),
-    [("scripted", 3, 3), ("scripted", None, 2 * (4 + 1)), ("scripted_trajectory", 3, 3), ("scripted_trajectory", None, 2 * (4 + 1) * 4)],
+    [
+        ("scripted", 3, 3),
+        ("scripted", None, 2 * (4 + 1)),
+        # 16 groups of 4 trajectories of 0.3 s, 3 at a time: over 6 s of waiting
+        pytest.param("scripted_trajectory", 3, 3, marks=pytest.mark.slow),
+        ("scripted_trajectory", None, 2 * (4 + 1) * 4),
+    ],
 )
 def test_max_concurrent_bounds_the_rollouts_in_flight(
     tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, rollout, max_concurrent, expected

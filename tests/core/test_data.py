@@ -309,7 +309,7 @@ def test_prompt_settings_round_trip(tmp_path):
 
 
 def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(tiny_model_dir, tiny_dataset, tmp_path):
-    from tests.test_cli import grpo_core, small_run_args
+    from tests.test_cli import grpo_core_in_process, small_run_args
 
     good = tiny_dataset.read_bytes()
     for bad_row, message in [
@@ -319,10 +319,10 @@ def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(t
         data = tmp_path / "data.jsonl"
         data.write_bytes(good[: good.index(b"\n") + 1] + bad_row + good[good.index(b"\n") + 1 :])
         # A model that does not exist: the data must be refused before anything tries to load it.
-        out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+        out = grpo_core_in_process(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
         assert out.returncode == 1 and out.stderr.strip() == f"error: {data}:2: {message}"
         assert not (tmp_path / "r").exists()
-        skipped = grpo_core(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--max-steps", "1", "--skip-bad-rows"))
+        skipped = grpo_core_in_process(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--max-steps", "1", "--skip-bad-rows"))
         assert skipped.returncode == 0, skipped.stderr
         assert f"skipped 1 bad rows of {data}" in skipped.stderr and f"{data}:2: {message}" in skipped.stderr
         shutil.rmtree(tmp_path / "r")
@@ -446,6 +446,7 @@ def test_a_hub_name_loads_through_datasets_with_config_and_split(monkeypatch, gi
     assert skipped == [f"{given}[1]: the prompt (field 'question') is empty"]
 
 
+@pytest.mark.slow
 def test_a_hub_name_fails_clearly_offline(tmp_path):
     from tests.test_cli import grpo_core, small_run_args
 
@@ -488,10 +489,10 @@ def test_without_the_datasets_extra_the_message_names_it(tmp_path, monkeypatch, 
 
 
 def test_a_run_stops_on_a_bad_parquet_row_before_the_model_loads(tmp_path):
-    from tests.test_cli import grpo_core, small_run_args
+    from tests.test_cli import grpo_core_in_process, small_run_args
 
     data = write_parquet(
         tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}]
     )
-    out = grpo_core(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+    out = grpo_core_in_process(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
     assert out.returncode == 1 and out.stderr.strip() == f"error: {data}[1]: the prompt (field 'question') is empty"

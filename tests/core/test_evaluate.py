@@ -9,7 +9,7 @@ from grpo_core import PluginError
 from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE, resolve_template, write_prompt_settings
 from grpo_core.evaluate import eval_config, pass_at_k
-from tests.test_cli import TEMPLATE, grpo_core
+from tests.test_cli import TEMPLATE, grpo_core_in_process
 
 
 @pytest.mark.parametrize(
@@ -35,24 +35,24 @@ def test_greedy_sampling_is_a_point_mass(tiny_model_dir):
 def test_eval_cli_reports_reward_and_pass_at_k(tiny_model_dir, tiny_dataset, tmp_path):
     args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
             "--max-completion-tokens", "3", "--max-rows", "5", "--reward", "format", "--json"]  # fmt: skip
-    always = grpo_core(*args, "--reward-opt", r"pattern=[\s\S]*")
+    always = grpo_core_in_process(*args, "--reward-opt", r"pattern=[\s\S]*")
     assert always.returncode == 0, always.stderr
     assert json.loads(always.stdout.strip().splitlines()[-1]) == {
         "prompts": 5.0, "samples_per_prompt": 1.0, "reward/mean": 1.0, "reward/failed": 0.0,
         "data/skipped_bad_rows": 0.0, "data/skipped_long_prompts": 0.0, "pass@1": 1.0,
     }  # fmt: skip
-    never = grpo_core(*args, "--reward-opt", "pattern=(?!)", "-n", "3")
+    never = grpo_core_in_process(*args, "--reward-opt", "pattern=(?!)", "-n", "3")
     assert json.loads(never.stdout.strip().splitlines()[-1]) == {
         "prompts": 5.0, "samples_per_prompt": 3.0, "reward/mean": 0.0, "reward/failed": 0.0,
         "data/skipped_bad_rows": 0.0, "data/skipped_long_prompts": 0.0, "pass@1": 0.0, "pass@3": 0.0,
     }  # fmt: skip
     # A rollout that takes an environment and tools is called with them (none selected here).
-    multi_turn = grpo_core(*args, "--reward-opt", r"pattern=[\s\S]*", "--rollout", "multi_turn")
+    multi_turn = grpo_core_in_process(*args, "--reward-opt", r"pattern=[\s\S]*", "--rollout", "multi_turn")
     assert multi_turn.returncode == 0, multi_turn.stderr
     assert json.loads(multi_turn.stdout.strip().splitlines()[-1])["pass@1"] == 1.0
     assert eval_line(always).endswith("max 3 tokens, greedy; prompt settings: flags and defaults (none saved with the model)")
     assert ", temperature 1, 3 samples per prompt; " in eval_line(never)
-    bad = grpo_core("eval", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "none.jsonl"))
+    bad = grpo_core_in_process("eval", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "none.jsonl"))
     assert bad.returncode != 0 and "dataset file not found" in bad.stderr
 
 
@@ -154,7 +154,9 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
     policy = tmp_path / "policy"
     shutil.copytree(tiny_model_dir, policy)
     write_prompt_settings(policy, load(None, {"dataset": str(tiny_dataset), "prompt_template": TEMPLATE, "max_completion_tokens": 5}, {}))
-    out = grpo_core("eval", "--model", str(policy), "--dataset", str(tiny_dataset), "--max-rows", "4", "--reward", "format", "--json")
+    out = grpo_core_in_process(
+        "eval", "--model", str(policy), "--dataset", str(tiny_dataset), "--max-rows", "4", "--reward", "format", "--json"
+    )
     assert out.returncode == 0, out.stderr
     assert eval_line(out) == (
         f"eval: {policy} on {tiny_dataset} (4 prompts), template 'Question: {{prompt}}\\nAnswer:', "
@@ -162,11 +164,11 @@ def test_eval_cli_says_what_it_evaluates_with_the_saved_settings(tiny_model_dir,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1])["prompts"] == 4.0
     # A template typed in a shell: backslash-n is a line break, as in the README.
-    typed = grpo_core("eval", "--model", str(policy), "--dataset", str(tiny_dataset), "--max-rows", "1", "--reward", "format",
+    typed = grpo_core_in_process("eval", "--model", str(policy), "--dataset", str(tiny_dataset), "--max-rows", "1", "--reward", "format",
                       "--prompt-template", r"Q: {prompt}\nA:")  # fmt: skip
     assert typed.returncode == 0, typed.stderr
     assert "template 'Q: {prompt}\\nA:'" in eval_line(typed) and eval_line(typed).endswith("(flags win: --prompt-template)")
-    missing = grpo_core("eval", "--model", str(policy))
+    missing = grpo_core_in_process("eval", "--model", str(policy))
     assert missing.returncode == 1 and f"error: {policy} was trained on {tiny_dataset}; pass --dataset" in missing.stderr
 
 
@@ -176,21 +178,21 @@ def test_eval_cli_reports_bad_rows_clearly_or_counts_them(tiny_model_dir, tmp_pa
         b'{"question": "what is 1 plus 2?"}\n{"question": "\xff"}\n{"question": " "}\n{"question": "' + b"zq!~" * 100 + b'"}\n'
     )
     args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward", "format", "--max-completion-tokens", "4", "--json"]
-    bad = grpo_core(*args)
+    bad = grpo_core_in_process(*args)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == f"error: {data}:2: not valid UTF-8 (byte 0xff at column 15)"
-    debug = grpo_core(*args, "--debug")
+    debug = grpo_core_in_process(*args, "--debug")
     assert (
         debug.returncode == 1 and "Traceback" in debug.stderr and debug.stderr.strip().endswith("not valid UTF-8 (byte 0xff at column 15)")
     )
-    skipped = grpo_core(*args, "--skip-bad-rows")
+    skipped = grpo_core_in_process(*args, "--skip-bad-rows")
     assert skipped.returncode == 1
     assert (
         skipped.stderr.strip().splitlines()[-1].startswith(f"error: {data}:4: ")
         and "+ 4 completion tokens > 256, the model's context" in skipped.stderr
     )
     assert f"skipped 2 bad rows of {data} (--skip-bad-rows); first: {data}:2: not valid UTF-8" in skipped.stderr
-    counted = grpo_core(*args, "--skip-bad-rows", "--rollout-opt", "long_prompts=skip")
+    counted = grpo_core_in_process(*args, "--skip-bad-rows", "--rollout-opt", "long_prompts=skip")
     assert counted.returncode == 0, counted.stderr
     result = json.loads(counted.stdout.strip().splitlines()[-1])
     assert (result["prompts"], result["data/skipped_bad_rows"], result["data/skipped_long_prompts"]) == (1.0, 2.0, 1.0)
@@ -200,27 +202,27 @@ def test_eval_refuses_rows_without_the_answer_gsm8k_needs(tiny_model_dir, tmp_pa
     data = tmp_path / "data.jsonl"
     data.write_text('{"question": "what is 1 plus 2?", "answer": "#### 3"}\n{"question": "what is 2 plus 2?"}\n')
     args = ["eval", "--model", str(tiny_model_dir), "--dataset", str(data), "--reward", "gsm8k", "--max-completion-tokens", "2", "--json"]
-    bad = grpo_core(*args)
+    bad = grpo_core_in_process(*args)
     assert bad.returncode == 1
     assert bad.stderr.strip() == (
         f"error: {data}:2: the answer field 'answer' is missing (fields: question); the gsm8k reward needs it (set --answer-field)"
     )
-    counted = grpo_core(*args, "--skip-bad-rows")
+    counted = grpo_core_in_process(*args, "--skip-bad-rows")
     assert counted.returncode == 0, counted.stderr
     assert json.loads(counted.stdout.strip().splitlines()[-1])["data/skipped_bad_rows"] == 1.0
     # A reward that reads no answer does not need one.
-    assert grpo_core(*args[:5], "--reward", "format", "--max-completion-tokens", "2").returncode == 0
+    assert grpo_core_in_process(*args[:5], "--reward", "format", "--max-completion-tokens", "2").returncode == 0
 
 
 @pytest.mark.slow
 def test_a_trained_default_policy_is_evaluated_as_it_was_trained(tmp_path):
     run_dir = tmp_path / "run"
-    run = grpo_core("run", "--max-steps", "3", "--run-dir", str(run_dir), "--threads", "1")
+    run = grpo_core_in_process("run", "--max-steps", "3", "--run-dir", str(run_dir), "--threads", "1")
     assert run.returncode == 0, run.stderr
     final = run_dir / "final"
     settings = json.loads((final / PROMPT_SETTINGS_FILE).read_text())
     assert (settings["dataset"], settings["prompt_template"], settings["embedded_task"]) == ("default:train", TEMPLATE, True)
-    out = grpo_core("eval", "--model", str(final), "--max-rows", "20", "--threads", "1", "--json")
+    out = grpo_core_in_process("eval", "--model", str(final), "--max-rows", "20", "--threads", "1", "--json")
     assert out.returncode == 0, out.stderr
     assert eval_line(out) == (
         f"eval: {final} on default:test (20 prompts), template 'Question: {{prompt}}\\nAnswer:', "

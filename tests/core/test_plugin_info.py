@@ -5,11 +5,12 @@ import subprocess
 import sys
 
 import attrs
+import pytest
 
 from grpo_core import option, plugin_info
 from grpo_core.plugin_info import describe_all, render
 from grpo_core.plugins_manager import PluginEntry
-from tests.test_cli import grpo_core, make_plugin_package, small_run_args
+from tests.test_cli import grpo_core_in_process, make_plugin_package, small_run_args
 
 
 @attrs.define
@@ -39,6 +40,7 @@ def test_describe_all_flags_problems_and_secret_options(monkeypatch, capsys):
 
 BAD_PLUGINS = '''
 import attrs
+import pytest
 from grpo_core import hookimpl, option
 
 @attrs.define
@@ -76,6 +78,7 @@ class Vault:
 '''
 
 
+@pytest.mark.slow
 def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_loads(tiny_dataset, tmp_path):
     pkg = make_plugin_package(
         tmp_path,
@@ -95,7 +98,7 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
         capture_output=True,
     )
     env = {"PYTHONPATH": str(target)}
-    listing = grpo_core("plugins", env=env)
+    listing = grpo_core_in_process("plugins", env=env)
     assert listing.returncode == 0, listing.stderr
     assert "reward misspelled  (grpo-bad-plugins 1.2.3)  hooks: rewards  INVALID" in listing.stdout
     assert "!!  method 'rewards' is marked @hookimpl but no hook has that name (did you mean 'reward'?)" in listing.stdout
@@ -103,7 +106,7 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
     assert "loss hookless  (grpo-bad-plugins 1.2.3)  hooks: none  INVALID" in listing.stdout
     assert "reward vault  (grpo-bad-plugins 1.2.3)  hooks: reward\n" in listing.stdout
     assert "loss grpo  (grpo-core 0.1.0)  hooks: loss\n" in listing.stdout
-    infos = {(i["kind"], i["name"]): i for i in json.loads(grpo_core("plugins", "--json", env=env).stdout)}
+    infos = {(i["kind"], i["name"]): i for i in json.loads(grpo_core_in_process("plugins", "--json", env=env).stdout)}
     assert infos[("reward", "wrongarg")]["problems"] == [
         "hookimpl definition: reward(self, prompt, sample); "
         "Argument(s) {'sample'} are declared in the hookimpl but can not be found in the hookspec"
@@ -132,7 +135,7 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
         ),
     ]:
         run_dir = tmp_path / "r"
-        out = grpo_core(*small_run_args(missing_model, tiny_dataset, run_dir, *extra), env=env)
+        out = grpo_core_in_process(*small_run_args(missing_model, tiny_dataset, run_dir, *extra), env=env)
         assert out.returncode == 1, out.stderr
         assert message in out.stderr
         assert "Traceback" not in out.stderr and "cannot load model" not in out.stderr

@@ -9,7 +9,7 @@ from grpo_core import PluginError, hookimpl, plugins_manager
 from grpo_core.config import load
 from grpo_core.plugins_manager import PluginEntry, catalog
 from grpo_core.selection import select_plugins
-from tests.test_cli import grpo_core, small_run_args
+from tests.test_cli import grpo_core_in_process, small_run_args
 
 
 def test_options_are_stored_typed_whether_from_flags_or_toml(tmp_path):
@@ -32,7 +32,7 @@ def test_options_are_stored_typed_whether_from_flags_or_toml(tmp_path):
 
 def test_config_json_of_a_run_holds_typed_options(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", "--loss-opt", "kl_beta=0.01"))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", "--loss-opt", "kl_beta=0.01"))
     assert out.returncode == 0, out.stderr
     assert json.loads((run_dir / "config.json").read_text())["plugin_options"] == {"loss": {"grpo": {"kl_beta": 0.01}}}
 

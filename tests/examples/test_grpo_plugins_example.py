@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import grpo_core, small_run_args
+from tests.test_cli import grpo_core_in_process, small_run_args
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "examples" / "grpo-plugins-example"
@@ -46,6 +46,7 @@ def metrics_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_its_own_test_suite_passes_installed(example_site):
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PACKAGE / "tests")],
@@ -62,7 +63,7 @@ def test_its_own_test_suite_passes_installed(example_site):
 
 
 def test_both_plugins_are_listed_with_the_distribution(example_site):
-    infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(example_site)}).stdout)
+    infos = json.loads(grpo_core_in_process("plugins", "--json", env={"PYTHONPATH": str(example_site)}).stdout)
     by_name = {(i["kind"], i["name"]): i for i in infos}
     brevity, w_reinforce = by_name[("reward", "brevity")], by_name[("loss", "w_reinforce")]
     for info, hook, target in ((brevity, "reward", "grpo_plugins_example.brevity:BrevityReward"),
@@ -75,6 +76,7 @@ def test_both_plugins_are_listed_with_the_distribution(example_site):
     }  # fmt: skip
 
 
+@pytest.mark.slow
 def test_two_loose_modules_package_once_named_as_contributing_says(tmp_path):
     """The packaging trap of issue 10: two plugin modules beside pyproject.toml. Unnamed, setuptools
     refuses them; named with py-modules, they install and both plugins are found."""
@@ -94,7 +96,7 @@ def test_two_loose_modules_package_once_named_as_contributing_says(tmp_path):
     named = unnamed.replace("[tool.setuptools]\n", '[tool.setuptools]\npy-modules = ["brevity", "w_reinforce"]\n')
     (project / "pyproject.toml").write_text(named)
     pip_install_target(tmp_path / "site", str(project))
-    infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(tmp_path / "site")}).stdout)
+    infos = json.loads(grpo_core_in_process("plugins", "--json", env={"PYTHONPATH": str(tmp_path / "site")}).stdout)
     found = {(i["kind"], i["name"]): i["target"] for i in infos if i["distribution"] == "grpo-plugins-example"}
     assert found == {("reward", "brevity"): "brevity:BrevityReward", ("loss", "w_reinforce"): "w_reinforce:WReinforceLoss"}
     assert all("error" not in i for i in infos if i["distribution"] == "grpo-plugins-example")
@@ -108,7 +110,7 @@ TINY_RUN = ("--reward", "brevity", "--reward-opt", "limit=8", "--stop", " ")
 def test_run_with_its_reward_and_its_loss(example_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
     args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, *TINY_RUN, "--loss", "w_reinforce")
-    out = grpo_core(*args, env={"PYTHONPATH": str(example_site)})
+    out = grpo_core_in_process(*args, env={"PYTHONPATH": str(example_site)})
     assert out.returncode == 0, out.stderr
     metrics = metrics_of(run_dir)
     assert len(metrics) == 2
@@ -136,7 +138,7 @@ def test_positive_weight_one_trains_exactly_like_importance_sampling(example_sit
     }
     metrics = {}
     for name, loss_args in runs.items():
-        out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / name, *TINY_RUN, *loss_args), env=env)
+        out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / name, *TINY_RUN, *loss_args), env=env)
         assert out.returncode == 0, out.stderr
         metrics[name] = metrics_of(tmp_path / name)
     for step_is, step_w1 in zip(metrics["is"], metrics["w1"]):
@@ -168,7 +170,7 @@ def test_the_readme_commands_work_as_written(tmp_path):
     env = {"PYTHONPATH": str(site)}
 
     shown = re.search(r"lists both.*?```\n(.*?)```", (PACKAGE / "README.md").read_text(), re.DOTALL)[1]
-    out = grpo_core(*shlex.split(listing)[1:], env=env, cwd=REPO)
+    out = grpo_core_in_process(*shlex.split(listing)[1:], env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr
     for line in shown.splitlines():
         assert line in out.stdout
@@ -178,7 +180,7 @@ def test_the_readme_commands_work_as_written(tmp_path):
         args = shlex.split(command)
         assert args[0] == "grpo-core"
         run_dir = tmp_path / f"run{i}"
-        out = grpo_core(*args[1:], "--max-steps", "2", "--run-dir", str(run_dir), env=env, cwd=tmp_path)
+        out = grpo_core_in_process(*args[1:], "--max-steps", "2", "--run-dir", str(run_dir), env=env, cwd=tmp_path)
         assert out.returncode == 0, out.stderr
         metrics = metrics_of(run_dir)
         for m in metrics:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import grpo_core, small_run_args
+from tests.test_cli import grpo_core_in_process, small_run_args
 
 PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "grpo-reward-sympy"
 
@@ -29,6 +29,7 @@ def sympy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.mark.slow
 def test_its_own_test_suite_passes_installed(sympy_site):
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(PACKAGE / "tests")],
@@ -43,7 +44,7 @@ def test_its_own_test_suite_passes_installed(sympy_site):
 
 
 def test_listed_with_its_distribution(sympy_site):
-    infos = json.loads(grpo_core("plugins", "--json", env={"PYTHONPATH": str(sympy_site)}).stdout)
+    infos = json.loads(grpo_core_in_process("plugins", "--json", env={"PYTHONPATH": str(sympy_site)}).stdout)
     sympy = next(i for i in infos if (i["kind"], i["name"]) == ("reward", "sympy"))
     assert (sympy["distribution"], sympy["version"]) == ("grpo-reward-sympy", "0.1.0")
     assert sympy["hooks"] == ["on_run_end", "reward"] and "error" not in sympy
@@ -61,7 +62,9 @@ def test_declares_that_it_needs_the_reference_answer(sympy_site):
 
 def test_run_with_reward_sympy(sympy_site, tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)})
+    out = grpo_core_in_process(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)}
+    )
     assert out.returncode == 0, out.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(m["reward/failed"] == 0 for m in metrics)
@@ -86,7 +89,9 @@ def test_readme_installs_from_paths_in_the_repository():
 def test_a_row_without_answer_is_refused_up_front(sympy_site, tiny_model_dir, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
-    out = grpo_core(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)})
+    out = grpo_core_in_process(
+        *small_run_args(tiny_model_dir, data, tmp_path / "r", "--reward", "sympy"), env={"PYTHONPATH": str(sympy_site)}
+    )
     assert out.returncode == 1
     assert "rows.jsonl:2: the answer field 'answer' is missing (fields: question); the sympy reward needs it" in out.stderr
     assert not (tmp_path / "r").exists()

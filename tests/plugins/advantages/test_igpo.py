@@ -282,12 +282,12 @@ def test_options_reach_the_plugin_by_name():
 def test_a_run_through_the_cli_scores_turns_and_trains(tiny_model_dir, tmp_path):
     import json
 
-    from tests.test_cli import grpo_core
+    from tests.test_cli import grpo_core_in_process
 
     dataset = tmp_path / "games.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in (3, 11, 7, 16)))
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         "run", "--model", str(tiny_model_dir), "--dataset", str(dataset), "--rollout", "multi_turn", "--rollout-opt", "max_turns=3",
         "--env", "guess_number", "--advantage", "igpo", "--advantage-opt", "answer_template=It is {answer}.",
         "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "3", "--max-completion-tokens", "4",

@@ -103,10 +103,10 @@ def test_without_the_extra_the_message_names_it(monkeypatch):
 
 
 def test_a_run_with_logger_tensorboard_logs_what_metrics_jsonl_holds(tiny_model_dir, tiny_dataset, tmp_path):
-    from tests.test_cli import grpo_core, small_run_args
+    from tests.test_cli import grpo_core_in_process, small_run_args
 
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3"),
         "--logger",
         "jsonl",

@@ -176,15 +176,16 @@ def test_without_the_extra_the_message_names_it(monkeypatch):
 
 
 def test_a_run_with_logger_wandb_offline_writes_a_run_folder(tiny_model_dir, tiny_dataset, tmp_path):
-    from tests.test_cli import grpo_core, small_run_args
+    from tests.test_cli import grpo_core_in_process, small_run_args
 
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3"),
         "--logger", "jsonl", "--logger", "wandb", "--logger-opt", "jsonl.samples_every=2", "--logger-opt", "wandb.samples_every=2",
         "--logger-opt", "wandb.project=tiny",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    wandb.teardown()  # what the end of a grpo-core process does: the W&B service writes the log out
     (folder,) = run_folders(run_dir)
     records = read_records(folder)
     run = run_record(records)

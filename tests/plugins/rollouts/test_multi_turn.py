@@ -14,7 +14,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
-from tests.test_cli import grpo_core, small_run_args
+from tests.test_cli import grpo_core, grpo_core_in_process, small_run_args
 
 QWEN_TEMPLATE = """
 {%- if tools %}
@@ -568,7 +568,7 @@ def test_sampler_logprobs_line_up_with_the_trainer_on_a_real_model(tiny_model_di
 def test_a_small_run_through_the_cli_reports_the_conversations(tiny_model_dir, tiny_dataset, tmp_path, loop):
     run_dir = tmp_path / "run"
     args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--rollout", "multi_turn", "--env", "retry_math", "--loop", loop)
-    out = grpo_core(*args, "--env-opt", "max_turns=2", "--max-completion-tokens", "4", "--no-drop-zero-variance-groups")
+    out = grpo_core_in_process(*args, "--env-opt", "max_turns=2", "--max-completion-tokens", "4", "--no-drop-zero-variance-groups")
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["reward"] == {"env": 1.0} and config["plugin_options"] == {"env": {"retry_math": {"max_turns": 2}}}
