@@ -295,16 +295,24 @@ class FastDecoder:
             self._rope_cos_T_D, self._rope_sin_T_D = cos[0].clone(), sin[0].clone()
         return self._rope_cos_T_D[position_ids_B_S], self._rope_sin_T_D[position_ids_B_S]
 
-    def __call__(
+    def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
+        """Logits of the last ``logits_to_keep`` positions (0 = all)."""
+        return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
+
+    def head(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        """Logits from final hidden states (the model's lm_head)."""
+        return self.model.lm_head(hidden_N_E)
+
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
-        logits_to_keep: int = 0,
+        keep: int = 0,
         weights: list[LayerWeights] | None = None,
     ) -> torch.Tensor:
-        """Logits of the last ``logits_to_keep`` positions (0 = all).
+        """The final hidden states (after the last norm) of the last ``keep`` positions (0 = all).
 
         ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
         new tokens also see themselves, so a padded position never attends to nothing.
@@ -337,9 +345,8 @@ class FastDecoder:
             x = RMSNorm.apply(hidden_B_S_E, w.post_attention_norm, self.eps)
             gate, up = _linear(x, w.gate_up, w.gate_up_bias, w.gate_up_lora).chunk(2, dim=-1)
             hidden_B_S_E = hidden_B_S_E + _linear(F.silu(gate) * up, w.down, w.down_bias, w.down_lora)
-        kept = hidden_B_S_E[:, -logits_to_keep:] if logits_to_keep else hidden_B_S_E
-        norm = self.model.model.norm
-        return self.model.lm_head(RMSNorm.apply(kept, norm.weight, self.eps))
+        kept = hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
+        return RMSNorm.apply(kept, self.model.model.norm.weight, self.eps)
 
     def _attention(
         self, q_B_H_S_D: torch.Tensor, k_B_K_T_D: torch.Tensor, v_B_K_T_D: torch.Tensor, mask: torch.Tensor | None, is_causal: bool

@@ -1,9 +1,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import attrs
 import tinker
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
@@ -232,10 +234,18 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
 
 class TransformersForward:
     """The model's own forward, behind the same call as :class:`FastDecoder`, for the models
-    the fast path does not cover."""
+    the fast path does not cover.
+
+    Hidden states come from the model's base (``model.base_model``) and logits from its output
+    layer, so a caller that wants logprobs never receives logits for every position at once; the
+    head's equivalence with the model's own logits is checked once at construction.
+    """
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        # transformers 5.x renames the cache argument (``past_key_values`` is removed in 5.40).
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+        self._check_head()
 
     def new_cache(self, capacity: int | None = None) -> Any:
         from transformers import DynamicCache
@@ -245,23 +255,44 @@ class TransformersForward:
     def layer_weights(self) -> None:
         return None
 
-    def __call__(
+    def head(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(hidden_N_E)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
-        logits_to_keep: int = 0,
+        keep: int = 0,
         weights: None = None,
     ) -> torch.Tensor:
-        return self.model(
+        out = self.model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=past_key_values is not None,
-            logits_to_keep=logits_to_keep,
-        ).logits
+            **{self.cache_argument: past_key_values},
+        )
+        hidden_B_S_E = out.last_hidden_state
+        return hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
+
+    def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
+        return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
+
+    @torch.no_grad()
+    def _check_head(self) -> None:
+        ids_1_T = torch.tensor([[0, 1, 2]], device=self.model.device)
+        positions_1_T = torch.arange(3, device=self.model.device).unsqueeze(0)
+        own = self.model(input_ids=ids_1_T, position_ids=positions_1_T).logits.float()
+        ours = self(ids_1_T, positions_1_T).float()
+        if not torch.allclose(own, ours, rtol=1e-3, atol=1e-3):
+            raise PluginError(
+                f"model type '{self.model.config.model_type}' computes its logits in a way grpo-core does not know "
+                "(not the output layer over the base model's hidden states, with optional softcapping)"
+            )
 
 
 ModelForward = FastDecoder | TransformersForward
@@ -323,8 +354,36 @@ def _positions(mask_B_T: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
     return (mask_B_T.cumsum(-1) - 1).clamp(min=0)
 
 
-def _gather_logprobs(logits_B_K_V: torch.Tensor, targets_B_K: torch.Tensor) -> torch.Tensor:
-    return torch.gather(logits_B_K_V.float().log_softmax(-1), -1, targets_B_K.unsqueeze(-1)).squeeze(-1)
+LOGITS_CHUNK_BYTES = 1 << 26
+"""Full-vocabulary float32 logits computed at once: 64 MiB, 110 positions of a 151,936-token vocabulary."""
+
+
+def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """log softmax(head(hidden))[target] per position, in float32, over chunks of positions.
+
+    Only one chunk's logits exist at a time: with grad enabled each chunk runs under activation
+    checkpointing, so backward recomputes its logits instead of keeping [N, V] float32 tensors.
+    """
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * forward.model.config.get_text_config().vocab_size))
+    checkpointed = torch.is_grad_enabled() and hidden_N_E.requires_grad
+    parts = []
+    for start in range(0, hidden_N_E.shape[0], rows):
+        args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows])
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
+    return torch.cat(parts) if parts else hidden_N_E.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+    return head(hidden_C_E).float().log_softmax(-1).gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+
+
+def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K: torch.Tensor, lengths_B: Sequence[int]) -> torch.Tensor:
+    """[B, K] target logprobs, 0.0 past each row's length (padding: never sent through the head)."""
+    B, K = targets_B_K.shape
+    real_B_K = torch.arange(K) < torch.tensor(lengths_B).unsqueeze(-1)
+    real_dev = real_B_K.to(hidden_B_K_E.device)
+    logprobs_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev])
+    return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
 
 
 def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
@@ -333,13 +392,13 @@ def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start
     B, T = input_ids_B_T.shape
     start = min(start, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
-    logits = forward(
+    hidden_B_K_E = forward.hidden_states(
         input_ids=input_ids_B_T.to(device),
         position_ids=torch.arange(T).expand(B, T).to(device),
         attention_mask=None if attention_B_T is None else attention_B_T.to(device),
-        logits_to_keep=T - start,
+        keep=T - start,
     )
-    logprobs_B_K = _gather_logprobs(logits, targets_B_T[:, start:].to(device))
+    logprobs_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs])
     logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
     return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
 
@@ -356,12 +415,12 @@ def _logprobs_shared_prefix(
     prefix_ids_U_P, prefix_mask_U_P = _pad(distinct, left=True)
     U, P = prefix_ids_U_P.shape
     cache = forward.new_cache()
-    forward(
+    forward.hidden_states(
         input_ids=prefix_ids_U_P.to(device),
         position_ids=_positions(prefix_mask_U_P, U, P).to(device),
         attention_mask=None if prefix_mask_U_P is None else prefix_mask_U_P.to(device),
         past_key_values=cache,
-        logits_to_keep=1,
+        keep=1,
     )
     slot = {p: i for i, p in enumerate(distinct)}
     row_to_prefix = torch.tensor([slot[p] for p in prefixes])
@@ -375,13 +434,13 @@ def _logprobs_shared_prefix(
         prefix_part = torch.ones(B, P, dtype=torch.long) if prefix_mask_U_P is None else prefix_mask_U_P[row_to_prefix]
         suffix_part = torch.ones(B, S, dtype=torch.long) if suffix_mask_B_S is None else suffix_mask_B_S
         attention_B_K = torch.cat([prefix_part, suffix_part], dim=1).to(device)
-    logits = forward(
+    hidden_B_S_E = forward.hidden_states(
         input_ids=suffix_ids_B_S.to(device),
         position_ids=(torch.tensor(starts).unsqueeze(-1) + torch.arange(S)).to(device),
         attention_mask=attention_B_K,
         past_key_values=cache,
     )
-    logprobs_B_S = _gather_logprobs(logits, suffix_targets_B_S.to(device))
+    logprobs_B_S = _logprobs_at(forward, hidden_B_S_E, suffix_targets_B_S, [len(x) - s for x, s in zip(inputs, starts)])
     return [torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
 

@@ -133,10 +133,10 @@ def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tin
         def __getattr__(self, name):
             return getattr(forward, name)
 
-        def __call__(self, input_ids, attention_mask=None, **kwargs):
+        def hidden_states(self, input_ids, attention_mask=None, **kwargs):
             new = input_ids.shape[1]
             processed.append(input_ids.numel() if attention_mask is None else int(attention_mask[:, -new:].sum()))
-            return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            return forward.hidden_states(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     trainer.forward_fn = CountingForward()
     out = trainer.forward_backward_custom(datums, loss_fn)
@@ -348,3 +348,57 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, f
     total.backward()
     for name, p in trainer.model.named_parameters():
         assert torch.allclose(got[name], p.grad, atol=1e-5, rtol=1e-4), name
+
+
+# --- chunked token logprobs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
+def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, fast_forward, chunk_rows, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir, fast_forward)
+    vocab = trainer.model.config.vocab_size
+    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    heads = []
+    original_chunk = local._chunk_logprobs
+    monkeypatch.setattr(local, "_chunk_logprobs", lambda head, h, t: heads.append(h.shape[0]) or original_chunk(head, h, t))
+    torch.manual_seed(0)
+    hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
+    targets_N = torch.randint(vocab, (7,))
+
+    got = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
+    assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
+    got.sum().backward()
+    got_grads = [hidden_N_E.grad.clone(), trainer.model.lm_head.weight.grad.clone()]
+    hidden_N_E.grad, trainer.model.lm_head.weight.grad = None, None
+
+    want = trainer.model.lm_head(hidden_N_E).float().log_softmax(-1).gather(-1, targets_N[:, None])[:, 0]
+    want.sum().backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(got_grads[0], hidden_N_E.grad, atol=1e-6)
+    assert torch.allclose(got_grads[1], trainer.model.lm_head.weight.grad, atol=1e-6)
+
+
+def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model_dir, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir)
+    vocab = trainer.model.config.vocab_size
+    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * 2)
+    saved = []
+    hidden_N_E = torch.randn(16, trainer.model.config.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)))
+    assert saved, "nothing saved for backward: the test sees no graph"
+    assert all(vocab not in shape for shape in saved), saved
+
+
+def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir)
+    got = local.token_logprobs(trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long))
+    assert got.shape == (0,) and got.dtype == torch.float32
