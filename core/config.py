@@ -184,7 +184,12 @@ class RunConfig:
 
     # Machine and bookkeeping.
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU")
-    dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = _field(
+        "auto", "auto = bfloat16 on CUDA, float32 on CPU; bfloat16 = bf16 weights and reference, fp32 Adam moments"
+    )
+    gradient_checkpointing: bool = _field(
+        False, "local trainer: recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more compute)"
+    )
     threads: int | None = _field(
         None, "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)", validator=_positive
     )

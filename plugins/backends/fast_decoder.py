@@ -8,7 +8,8 @@ rotary embeddings applied to q and k together, a preallocated KV cache for sampl
 built only where padding needs them. Gradients reach the model's parameters as usual.
 
 It is used where :func:`unsupported_reason` finds nothing in the way (fp32, a supported
-architecture); the local backend falls back to the transformers forward otherwise. Its logits
+architecture: in bf16 transformers' norms upcast to fp32 where this forward would not); the
+local backend falls back to the transformers forward otherwise. Its logits
 match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
 
 LoRA adapters (peft) on the projections take part as low-rank terms next to each fused
@@ -35,11 +36,9 @@ SMALL_ATTENTION_SCORES = 1 << 20
 larger blocks use scaled_dot_product_attention, which never holds all the scores at once."""
 
 
-def unsupported_reason(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
+def unsupported_reason(model: Any) -> str | None:
     """Why the fast forward cannot stand in for ``model``'s own, or None when it can."""
     config = model.config
-    if autocast_dtype is not None:
-        return "autocast (bf16) runs the transformers forward"
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type '{config.model_type}' (the fast path knows {', '.join(SUPPORTED_MODEL_TYPES)})"
     if getattr(config, "hidden_act", "silu") != "silu":

@@ -4,6 +4,7 @@ import copy
 import inspect
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -19,6 +20,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.data import ASSETS
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 from grpo_core.plugins_manager import PluginError
 
 
@@ -29,8 +31,11 @@ class LocalBackend:
     The trainer implements the Tinker training contract over a transformers causal LM; the
     sampler generates all completions of a step in one batched, KV-cached loop and reports the
     logprob of every sampled token. With weight_sync_interval=1 both share one set of weights,
-    so weight sync is free. CUDA is used when present (bf16 autocast over fp32 weights), the
-    CPU otherwise (fp32).
+    so weight sync is free. CUDA is used when present, the CPU otherwise. Precision (--dtype):
+    float32 is exact (a resumed run is bitwise the uninterrupted one); bfloat16 holds weights,
+    gradients and the KL reference in bf16 with float32 AdamW moments and stochastic rounding
+    (12 bytes per trained parameter instead of 16); auto is bfloat16 on CUDA and float32 on a
+    CPU, so a CPU run's result does not depend on which CPU it lands on.
 
     With --lora-rank R > 0 only LoRA adapters (peft) on --lora-target-modules train: checkpoints
     hold the adapters and their optimizer state, the KL reference is the same model with its
@@ -61,40 +66,49 @@ class LocalBackend:
 
     @hookimpl
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
-        device, autocast_dtype = resolve_device(config.device, config.dtype)
-        model, tokenizer = load_model(config.model, device, self.attn_implementation)
+        device, dtype, why = resolve_precision(config.device, config.dtype)
+        print(f"precision: {why}", file=sys.stderr)
+        model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        if config.gradient_checkpointing:
+            enable_activation_checkpointing(model)
         return LocalTrainer(
             model=model,
             tokenizer=tokenizer,
             device=device,
-            autocast_dtype=autocast_dtype,
             fast_forward=self.fast_forward,
+            seed=config.seed,
+            activation_checkpointing=config.gradient_checkpointing,
         )
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
-            return LocalReference(trainer.model, trainer.device, trainer.autocast_dtype, self.fast_forward, adapters_off=True)
-        return LocalReference(
-            frozen_copy(trainer.model),
-            trainer.device,
-            trainer.autocast_dtype,
-            self.fast_forward,
-        )
+            return LocalReference(trainer.model, trainer.device, self.fast_forward, adapters_off=True)
+        # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
+        return LocalReference(frozen_copy(trainer.model), trainer.device, self.fast_forward)
 
 
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
-    """The device, and the autocast dtype (None = plain fp32; these CPUs have no bf16 units)."""
+PRECISION_NOTES = {
+    "float32": "float32 (exact: a resumed run repeats the uninterrupted one bit for bit)",
+    "bfloat16": "bfloat16 weights, gradients and reference; float32 AdamW moments, stochastic rounding",
+}
+
+
+def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, str]:
+    """The device, the dtype the model is held in, and one line saying which and why."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise PluginError("--device cuda was asked for, but no CUDA device is available")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
+        why = "--dtype auto on CUDA" if device == "cuda" else "--dtype auto on CPU: a CPU run's result must not depend on which CPU"
+    else:
+        why = f"--dtype {dtype}"
+    return torch.device(device), getattr(torch, dtype), f"{PRECISION_NOTES[dtype]} ({why}, {device})"
 
 
 def model_path(name: str) -> str:
@@ -123,7 +137,7 @@ def model_path(name: str) -> str:
     return name
 
 
-def load_model(name: str, device: torch.device, attn_implementation: str) -> tuple[Any, Any]:
+def load_model(name: str, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -132,14 +146,50 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
     path = model_path(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        # Straight into the run's dtype and onto its device: no float32 host copy on the way.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attn_implementation
+        )
     except (OSError, ValueError) as exc:
         raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # Dropout off: the sampler's and the trainer's logprobs must describe the same policy.
-    model.to(device).eval()
-    return model, tokenizer
+    disable_dropout(model)
+    return model.eval(), tokenizer
+
+
+def disable_dropout(model: Any) -> None:
+    """Dropout off even in train mode (which activation checkpointing needs): the sampler's and
+    the trainer's logprobs must describe the same policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        # transformers' attention modules read their dropout probability from a float attribute.
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """transformers' per-layer checkpointing (non-reentrant: gradients reach LoRA adapters and
+    frozen inputs alike); it acts only while the model is in train mode, see :func:`train_mode`."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise PluginError(f"--gradient-checkpointing: transformers does not checkpoint model type '{model.config.model_type}'")
+    # transformers 5.x renamed gradient_checkpointing_enable (removed in 6).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextmanager
+def train_mode(model: Any) -> Iterator[None]:
+    """``model`` in train mode for one call (dropout is off: only checkpointing changes)."""
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()
 
 
 def frozen_copy(model: Any) -> Any:
@@ -228,10 +278,6 @@ def adapters_disabled(model: Any) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-
-
 class TransformersForward:
     """The model's own forward, behind the same call as :class:`FastDecoder`, for the models
     the fast path does not cover.
@@ -298,8 +344,8 @@ class TransformersForward:
 ModelForward = FastDecoder | TransformersForward
 
 
-def model_forward(model: Any, autocast_dtype: torch.dtype | None, fast: bool) -> ModelForward:
-    if fast and unsupported_reason(model, autocast_dtype) is None:
+def model_forward(model: Any, fast: bool) -> ModelForward:
+    if fast and unsupported_reason(model) is None:
         return FastDecoder(model)
     return TransformersForward(model)
 
@@ -308,26 +354,23 @@ def target_logprobs(
     forward: ModelForward,
     datums: Sequence[tinker.Datum],
     device: torch.device,
-    autocast_dtype: torch.dtype | None,
+    one_pass: bool = False,
 ) -> list[torch.Tensor]:
     """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it.
+    back through it (unless ``one_pass``: every row whole, in one forward).
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [_first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
     distinct = list(dict.fromkeys(prefixes))
-    with autocast(device, autocast_dtype):
-        if len(distinct) < len(prefixes) and all(distinct):
-            logprobs = _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
-        else:
-            logprobs = _logprobs_one_pass(forward, inputs, targets, min(starts), device)
-    return logprobs
+    if not one_pass and len(distinct) < len(prefixes) and all(distinct):
+        return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
+    return _logprobs_one_pass(forward, inputs, targets, min(starts), device)
 
 
 def _first_trained(weights: Sequence[float]) -> int:
@@ -450,7 +493,6 @@ class LocalReference:
 
     model: Any
     device: torch.device
-    autocast_dtype: torch.dtype | None
     fast_forward: bool = True
     adapters_off: bool = False
     """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
@@ -458,23 +500,34 @@ class LocalReference:
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
+        self.forward_fn = model_forward(self.model, self.fast_forward)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
-            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
+            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device)]
 
 
 @attrs.define(eq=False, kw_only=True)
 class LocalTrainer(LocalReference):
     tokenizer: Any
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward (transformers' checkpointing, so the
+    trainer's forward is transformers' own and runs in one pass: a cached prefix would be
+    dropped by the checkpointed layers)."""
+    seed: int = 0
+    """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     version: int = 0
-    optimizer: torch.optim.AdamW | None = None
+    optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
+    def __attrs_post_init__(self) -> None:
+        # Checkpointing lives in transformers' layers: the fused decoder would bypass it.
+        self.forward_fn = model_forward(self.model, self.fast_forward and not self.activation_checkpointing)
+
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
+        with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+            logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
         loss, metrics = loss_fn(datums, logprobs)
         if torch.isfinite(loss):
             loss.backward()
@@ -525,10 +578,12 @@ class LocalTrainer(LocalReference):
         if not self.weights_finite():
             raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
-    def _make_optimizer(self) -> torch.optim.AdamW:
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in params):
+            return StochasticRoundingAdamW(params, seed=self.seed)
         # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
-        fused = self.device.type in ("cpu", "cuda")
-        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], fused=fused)
+        return torch.optim.AdamW(params, fused=self.device.type in ("cpu", "cuda"))
 
     def save_state(self, path: str) -> None:
         self._refuse_nonfinite(path)

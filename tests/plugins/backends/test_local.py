@@ -402,3 +402,107 @@ def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
     _, _, trainer, _ = make(tiny_model_dir)
     got = local.token_logprobs(trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long))
     assert got.shape == (0,) and got.dtype == torch.float32
+
+
+# --- precision ----------------------------------------------------------------------------------
+
+
+def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
+    from grpo_core.plugins.backends.local import resolve_precision
+
+    device, dtype, why = resolve_precision("cpu", "auto")
+    assert (device.type, dtype) == ("cpu", torch.float32)
+    assert "exact" in why and "must not depend on which CPU" in why
+    assert resolve_precision("cpu", "bfloat16")[1] == torch.bfloat16
+    assert "stochastic rounding" in resolve_precision("cpu", "bfloat16")[2]
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="no CUDA device"):
+            resolve_precision("cuda", "auto")
+
+
+def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_model_dir, capsys):
+    from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+
+    cfg, backend, trainer, sampler = make(tiny_model_dir, dtype="bfloat16")
+    assert "precision: bfloat16 weights" in capsys.readouterr().err
+    reference = backend.make_reference(config=cfg, trainer=trainer)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}
+    assert type(trainer.forward_fn) is TransformersForward  # the fused decoder is float32-only
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6, temperature=1.0)))
+    datums = [sample_to_datum(s) for s in samples]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))
+    for s, returned in zip(samples, out.loss_fn_outputs):
+        n_prompt = len(s.tokens) - s.num_completion_tokens
+        got = returned["logprobs"].to_torch()[n_prompt - 1 :]
+        assert got.dtype == torch.float32
+        # Sampler and trainer run the same bf16 forward: they agree to bf16 rounding.
+        assert torch.allclose(got, torch.tensor(s.sampling_logprobs[n_prompt:]), atol=0.1)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    assert isinstance(trainer.optimizer, StochasticRoundingAdamW)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(torch.equal(before[n], p) for n, p in reference.model.named_parameters())
+
+
+def test_float32_keeps_torchs_fused_adamw(tiny_model_dir):
+    _, _, trainer, _ = make(tiny_model_dir, dtype="float32")
+    trainer.model.lm_head.weight.grad = torch.zeros_like(trainer.model.lm_head.weight)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    assert type(trainer.optimizer) is torch.optim.AdamW and trainer.optimizer.defaults["fused"]
+
+
+# --- activation checkpointing -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_with_dropout_dir(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("dropout_model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def test_gradient_checkpointing_recomputes_layers_with_equal_gradients_and_no_dropout(model_with_dropout_dir):
+    _, _, plain, sampler = make(model_with_dropout_dir, fast_forward=False)
+    _, _, checkpointed, _ = make(model_with_dropout_dir, gradient_checkpointing=True)
+    assert not plain.model.is_activation_checkpointing
+    assert checkpointed.model.is_activation_checkpointing
+    assert type(checkpointed.forward_fn) is TransformersForward  # fast_forward is overruled
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in checkpointed.model.model.layers)
+    prompts = prompts_of(plain.tokenizer)
+    datums = [sample_to_datum(s) for s in to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))]
+    layer_calls = []
+    for label, trainer in enumerate((plain, checkpointed)):
+        mlp = trainer.model.model.layers[0].mlp
+        mlp.forward = lambda *a, _f=mlp.forward, _label=label, **k: layer_calls.append(_label) or _f(*a, **k)
+
+    def loss_fn(ds, lps):
+        return sum((i + 1) * (lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum() for i, (d, lp) in enumerate(zip(ds, lps))), {}
+
+    outs = [t.forward_backward_custom(datums, loss_fn) for t in (plain, checkpointed)]
+    # The checkpointed layer runs again in backward (one pass + recompute); the plain one once for
+    # the shared prefix and once for the suffixes.
+    assert layer_calls.count(1) == 2 and layer_calls.count(0) == 2
+    for d, a, b in zip(datums, *[o.loss_fn_outputs for o in outs]):
+        trained = torch.tensor(d.loss_fn_inputs["weights"].data) > 0
+        assert torch.allclose(a["logprobs"].to_torch()[trained], b["logprobs"].to_torch()[trained], atol=1e-5)
+    for (name, p), q in zip(plain.model.named_parameters(), checkpointed.model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    assert not checkpointed.model.training  # train mode only inside the call
+    again = checkpointed.forward_backward_custom(datums, loss_fn)
+    for a, b in zip(outs[1].loss_fn_outputs, again.loss_fn_outputs):
+        assert torch.equal(a["logprobs"].to_torch(), b["logprobs"].to_torch())  # no dropout in train mode
+
+
+def test_gradient_checkpointing_is_refused_by_the_tinker_trainer():
+    from grpo_core.plugins.backends.tinker import TinkerBackend
+    from grpo_core.plugins_manager import PluginError
+
+    with pytest.raises(PluginError, match="--gradient-checkpointing applies to the local trainer only"):
+        TinkerBackend().make_trainer(config=RunConfig(gradient_checkpointing=True))
