@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 import os
 import sys
@@ -231,6 +232,44 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
     return model.eval()
 
 
+SHARD_SIZE = "2GB"
+"""Largest safetensors file written (the sampler's policy, checkpoints' weights)."""
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What :meth:`LocalTrainer.save_state` wrote: ``{"model" or "adapter": tensors by name
+    (a tied weight under one of its names), "optimizer": state dict or None, "version": int}``."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    info = json.loads((folder / TRAINER_FILE).read_text())
+    kind = info["weights"]
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob(f"{kind}*.safetensors")):
+        weights.update(load_file(shard, device=str(device)))
+    optimizer = folder / OPTIMIZER_FILE
+    return {
+        kind: weights,
+        "optimizer": torch.load(optimizer, map_location=device, weights_only=True) if optimizer.is_file() else None,
+        "version": info["version"],
+    }
+
+
+def tied_aliases(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Entries for the names ``state`` left out because they share storage with a saved one
+    (tied embeddings): safetensors keeps one name per storage."""
+    by_storage: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+    aliases = {}
+    for names in by_storage.values():
+        present = [n for n in names if n in state]
+        aliases.update({n: state[present[0]] for n in names if present and n not in state})
+    return aliases
+
+
 def has_adapters(model: Any) -> bool:
     return any(hasattr(m, "lora_A") for m in model.modules())
 
@@ -261,7 +300,9 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
         if hasattr(module, "lora_A") and not module.merged:
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
-                    state[f"{name}.weight"] = state[f"{name}.weight"] + module.get_delta_weight(adapter)
+                    base = state[f"{name}.weight"]
+                    # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
+                    state[f"{name}.weight"] = (base + module.get_delta_weight(adapter)).to(base.dtype)
     return state
 
 
@@ -572,7 +613,10 @@ class LocalTrainer(LocalReference):
 
     def weights_finite(self) -> bool:
         # Frozen weights (a LoRA run's base model) were finite when loaded and never change.
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
+        params = [p.detach() for p in self.model.parameters() if p.requires_grad]
+        # One check for all tensors (one device sync): the largest magnitude is NaN or inf exactly
+        # when some weight is.
+        return not params or bool(torch.stack([n.float() for n in torch._foreach_norm(params, math.inf)]).isfinite().all())
 
     def _refuse_nonfinite(self, what: str) -> None:
         if not self.weights_finite():
@@ -586,24 +630,29 @@ class LocalTrainer(LocalReference):
         return torch.optim.AdamW(params, fused=self.device.type in ("cpu", "cuda"))
 
     def save_state(self, path: str) -> None:
+        """A folder: the trained weights in their own dtype as sharded safetensors, the optimizer
+        state in its own file, the version in trainer.json (see :func:`read_trainer_state`)."""
+        from huggingface_hub import save_torch_state_dict
+
         self._refuse_nonfinite(path)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
         # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
-        torch.save(
-            {
-                "adapter" if has_adapters(self.model) else "model": trained_state_dict(self.model),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "version": self.version,
-            },
-            path,
+        kind = "adapter" if has_adapters(self.model) else "model"
+        save_torch_state_dict(
+            trained_state_dict(self.model), folder, filename_pattern=kind + "{suffix}.safetensors", max_shard_size=SHARD_SIZE
         )
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        (folder / TRAINER_FILE).write_text(json.dumps({"weights": kind, "version": self.version}) + "\n")
 
     def load_state(self, path: str) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = read_trainer_state(path, self.device)
         if has_adapters(self.model) != ("adapter" in state):
             saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
             raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
-        load_trained_state_dict(self.model, state["adapter" if "adapter" in state else "model"])
+        weights = state["adapter" if "adapter" in state else "model"]
+        load_trained_state_dict(self.model, {**tied_aliases(self.model, weights), **weights})
         if state["optimizer"] is not None:
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
@@ -614,6 +663,6 @@ class LocalTrainer(LocalReference):
         """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
         self._refuse_nonfinite(path)
         state = merged_state_dict(self.model) if has_adapters(self.model) else None
-        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        self.model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
         return path

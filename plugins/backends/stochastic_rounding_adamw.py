@@ -47,6 +47,16 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        # torch casts loaded moments to their parameter's dtype; these stay float32, as saved.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            for key in ("exp_avg", "exp_avg_sq"):
+                if saved_id in state_dict["state"]:
+                    self.state[p][key] = state_dict["state"][saved_id][key].to(device=p.device, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         index = 0

@@ -506,3 +506,71 @@ def test_gradient_checkpointing_is_refused_by_the_tinker_trainer():
 
     with pytest.raises(PluginError, match="--gradient-checkpointing applies to the local trainer only"):
         TinkerBackend().make_trainer(config=RunConfig(gradient_checkpointing=True))
+
+
+# --- what is written: weights in the model's dtype, sharded; optimizer state apart ---------------
+
+
+def train_one_step(trainer, sampler):
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6, temperature=1.0)))
+    datums = [sample_to_datum(s) for s in samples]
+    trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    return datums
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(tiny_model_dir, tmp_path, dtype, monkeypatch):
+    from safetensors import safe_open
+
+    from grpo_core.plugins.backends import local
+
+    monkeypatch.setattr(local, "SHARD_SIZE", "40KB")
+    _, _, trainer, sampler = make(tiny_model_dir, dtype=dtype)
+    datums = train_one_step(trainer, sampler)
+    trainer.save_state(str(tmp_path / "trainer"))
+    files = sorted(p.name for p in (tmp_path / "trainer").iterdir())
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    assert {"trainer.json", "optimizer.pt"} <= set(files)
+    for shard in shards:
+        with safe_open(tmp_path / "trainer" / shard, "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16" if dtype == "bfloat16" else "F32"}
+    saved = local.read_trainer_state(tmp_path / "trainer")
+    assert saved["version"] == 1
+    assert ("lm_head.weight" in saved["model"]) != ("model.embed_tokens.weight" in saved["model"])  # tied: stored once
+
+    def loss(d, lps):
+        return -sum(lp.sum() for lp in lps), {}
+
+    trainer.forward_backward_custom(datums, loss)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    _, _, resumed, _ = make(tiny_model_dir, dtype=dtype, seed=0)
+    resumed.load_state(str(tmp_path / "trainer"))
+    assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+    resumed.forward_backward_custom(datums, loss)
+    resumed.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    # Bitwise in both: bf16's stochastic rounding is seeded by (seed, step, parameter).
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_policy_for_the_sampler_is_written_in_bf16_for_a_bf16_model(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    _, _, trainer, _ = make(tiny_model_dir, dtype="bfloat16")
+    trainer.save_weights_for_sampler(str(tmp_path / "policy"))
+    weights = {k: v for f in (tmp_path / "policy").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert weights and {v.dtype for v in weights.values()} == {torch.bfloat16}
+
+
+def test_one_finiteness_check_finds_a_single_bad_weight(tiny_model_dir):
+    _, _, trainer, _ = make(tiny_model_dir)
+    assert trainer.weights_finite()
+    with torch.no_grad():
+        trainer.model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    assert not trainer.weights_finite()
+    with torch.no_grad():
+        trainer.model.model.layers[1].mlp.down_proj.weight[3, 5] = float("-inf")
+    assert not trainer.weights_finite()

@@ -10,7 +10,7 @@ from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
-from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model
+from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model, read_trainer_state
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
 from grpo_core.plugins_manager import PluginError
@@ -225,8 +225,8 @@ def test_checkpoint_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_m
     _, trainer = make_trainer(tiny_model_dir)
     datums = datums_of(trainer.tokenizer)
     step(trainer, datums)
-    trainer.save_state(str(tmp_path / "trainer.pt"))
-    saved = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    trainer.save_state(str(tmp_path / "trainer"))
+    saved = read_trainer_state(tmp_path / "trainer")
     adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert set(saved) == {"adapter", "optimizer", "version"} and saved["version"] == 1
     assert set(saved["adapter"]) == set(adapters)
@@ -240,7 +240,7 @@ def test_checkpoint_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_m
     # Another trainer (other random A's) resumes from the checkpoint and takes the same step.
     _, resumed = make_trainer(tiny_model_dir, seed=7)
     assert not all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
-    resumed.load_state(str(tmp_path / "trainer.pt"))
+    resumed.load_state(str(tmp_path / "trainer"))
     assert resumed.version == 1
     step(resumed, datums)
     assert all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
