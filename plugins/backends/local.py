@@ -74,6 +74,7 @@ class LocalBackend:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(model)
+        print(f"trainer forward: {forward_path(model, self.fast_forward, config.gradient_checkpointing)}", file=sys.stderr)
         return LocalTrainer(
             model=model,
             tokenizer=tokenizer,
@@ -389,6 +390,18 @@ def model_forward(model: Any, fast: bool) -> ModelForward:
     if fast and unsupported_reason(model) is None:
         return FastDecoder(model)
     return TransformersForward(model)
+
+
+def forward_path(model: Any, fast: bool, checkpointing: bool = False) -> str:
+    """Which forward :func:`model_forward` gives ``model``, and why (for the run's first lines)."""
+    if checkpointing:
+        return "transformers (--gradient-checkpointing checkpoints transformers' layers)"
+    if not fast:
+        return "transformers (--backend-opt fast_forward=false)"
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"
+    return f"transformers (the fused decoder does not run {reason})"
 
 
 def target_logprobs(

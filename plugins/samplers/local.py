@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from grpo_core.plugins.backends.local import (
     ModelForward,
     _pad,
     _positions,
+    forward_path,
     frozen_copy,
     load_trained_state_dict,
     model_forward,
@@ -42,6 +44,7 @@ class LocalSamplerPlugin:
             raise PluginError(
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
             )
+        print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
         # Sampling may only run ahead of training on its own copy of the weights.
         own_weights = config.weight_sync_interval > 1 or config.loop == "async"
         return LocalSampler(

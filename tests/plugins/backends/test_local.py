@@ -574,3 +574,32 @@ def test_one_finiteness_check_finds_a_single_bad_weight(tiny_model_dir):
     with torch.no_grad():
         trainer.model.model.layers[1].mlp.down_proj.weight[3, 5] = float("-inf")
     assert not trainer.weights_finite()
+
+
+# --- the forward path ---------------------------------------------------------------------------
+
+
+def test_the_transformers_forward_passes_no_deprecated_argument(tiny_model_dir, recwarn):
+    import warnings
+
+    _, _, trainer, sampler = make(tiny_model_dir, fast_forward=False)
+    prompts = prompts_of(trainer.tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        # Sampling and the shared-prefix scoring both hand transformers a cache.
+        samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=4)))
+        trainer.forward([sample_to_datum(s) for s in samples])
+
+
+def test_the_forward_path_and_its_reason_are_said_at_start(tiny_model_dir, capsys):
+    make(tiny_model_dir)
+    err = capsys.readouterr().err
+    assert "trainer forward: fused decoder" in err and "sampler forward: fused decoder" in err
+    make(tiny_model_dir, fast_forward=False)
+    assert "trainer forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
+    make(tiny_model_dir, dtype="bfloat16")
+    assert "trainer forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err
+    make(tiny_model_dir, gradient_checkpointing=True)
+    err = capsys.readouterr().err
+    assert "trainer forward: transformers (--gradient-checkpointing" in err and "sampler forward: fused decoder" in err
