@@ -240,8 +240,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """What :meth:`LocalTrainer.save_state` wrote: ``{"model" or "adapter": tensors by name
-    (a tied weight under one of its names), "optimizer": state dict or None, "version": int}``."""
+    """What :meth:`LocalTrainer.save_state` wrote: ``{"model" or "adapter": tensors by name,
+    "optimizer": state dict or None, "version": int}``."""
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -250,6 +250,7 @@ def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> 
     weights: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob(f"{kind}*.safetensors")):
         weights.update(load_file(shard, device=str(device)))
+    weights.update({name: weights[kept] for name, kept in info["aliases"].items()})
     optimizer = folder / OPTIMIZER_FILE
     return {
         kind: weights,
@@ -258,16 +259,17 @@ def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> 
     }
 
 
-def tied_aliases(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Entries for the names ``state`` left out because they share storage with a saved one
-    (tied embeddings): safetensors keeps one name per storage."""
-    by_storage: dict[int, list[str]] = {}
-    for name, tensor in model.state_dict().items():
-        by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(name)
+def shared_storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name: the first name with the same storage} for the tensors of ``state`` that share one
+    (tied embeddings): safetensors stores each storage once."""
+    first: dict[tuple[int, int], str] = {}
     aliases = {}
-    for names in by_storage.values():
-        present = [n for n in names if n in state]
-        aliases.update({n: state[present[0]] for n in names if present and n not in state})
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
     return aliases
 
 
@@ -652,12 +654,19 @@ class LocalTrainer(LocalReference):
         folder.mkdir(parents=True, exist_ok=True)
         # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
         kind = "adapter" if has_adapters(self.model) else "model"
+        state = trained_state_dict(self.model)
+        aliases = shared_storage_aliases(state)
         save_torch_state_dict(
-            trained_state_dict(self.model), folder, filename_pattern=kind + "{suffix}.safetensors", max_shard_size=SHARD_SIZE
+            state,
+            folder,
+            filename_pattern=kind + "{suffix}.safetensors",
+            max_shard_size=SHARD_SIZE,
+            shared_tensors_to_discard=list(aliases),
         )
         if self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
-        (folder / TRAINER_FILE).write_text(json.dumps({"weights": kind, "version": self.version}) + "\n")
+        info = {"weights": kind, "version": self.version, "aliases": aliases}
+        (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
     def load_state(self, path: str) -> None:
         state = read_trainer_state(path, self.device)
@@ -665,7 +674,7 @@ class LocalTrainer(LocalReference):
             saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
             raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
         weights = state["adapter" if "adapter" in state else "model"]
-        load_trained_state_dict(self.model, {**tied_aliases(self.model, weights), **weights})
+        load_trained_state_dict(self.model, weights)
         if state["optimizer"] is not None:
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
