@@ -114,15 +114,25 @@ def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
     return LowRank(a=torch.cat(a_parts), bs=b_parts)
 
 
-def _folded(weight: torch.Tensor, low_rank: LowRank | None, fold: bool) -> tuple[torch.Tensor, LowRank | None]:
+def _folded(
+    weight: torch.Tensor | list[torch.Tensor], low_rank: LowRank | None, fold: bool
+) -> tuple[torch.Tensor | list[torch.Tensor], LowRank | None]:
     """(W with the low-rank term added in, None) when folding, else (W, the term to run beside W)."""
     if low_rank is None or not fold:
         return weight, low_rank
     return low_rank.fold_into(weight), None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
-    out = F.linear(x, weight, bias)
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, low_rank: LowRank | None
+) -> torch.Tensor:
+    """``x·Wᵀ + b`` (+ the LoRA term); ``weight`` as a list: a fused projection's parts, run one
+    by one and their outputs concatenated."""
+    if isinstance(weight, list):
+        out = torch.cat([F.linear(x, part) for part in weight], -1)
+        out = out if bias is None else out + bias
+    else:
+        out = F.linear(x, weight, bias)
     return out if low_rank is None else out + low_rank(x)
 
 
@@ -130,12 +140,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
 class LayerWeights:
     """One decoder layer's parameters, the q/k/v and gate/up projections concatenated."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | list[torch.Tensor]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm's weight per query head, then k_norm's
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | list[torch.Tensor]
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
@@ -241,12 +251,20 @@ class FastDecoder:
         return KVCache(capacity)
 
     def layer_weights(self) -> list[LayerWeights]:
-        """The fused weights; built from the parameters, so differentiable when grad is on.
+        """The layers' weights, the q/k/v and gate/up projections fused.
 
-        Without grad (sampling, scoring) LoRA terms are folded into the fused weights once, so
-        each decoded token costs what it costs without adapters."""
+        Without grad (sampling, scoring) the fused weights are concatenated copies with any LoRA
+        terms folded in, built once per call of this method (the sampler: once per generation),
+        so each decoded token costs one matmul per fused projection. With grad the parts stay
+        the parameters themselves, run one by one: concatenating them would copy every weight,
+        and its gradient, on each training forward (at the Qwen3-0.6B shape, 6.4 more bytes per
+        parameter at the step's peak and no faster, docs/performance.md)."""
         H, Hkv = self.num_heads, self.num_kv_heads
         fold = not torch.is_grad_enabled()
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+            return torch.cat(parts) if fold else parts
+
         fused = []
         for layer in self.model.model.layers:
             attn = layer.self_attn
@@ -254,9 +272,9 @@ class FastDecoder:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = map(
                 _weight_and_bias, (q, k, v, o, gate, up, down)
             )
-            qkv, qkv_lora = _folded(torch.cat([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
+            qkv, qkv_lora = _folded(joined([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
             o_w, o_lora = _folded(o_w, _fused_low_rank((o,)), fold)
-            gate_up, gate_up_lora = _folded(torch.cat([g_w, u_w]), _fused_low_rank((gate, up)), fold)
+            gate_up, gate_up_lora = _folded(joined([g_w, u_w]), _fused_low_rank((gate, up)), fold)
             d_w, down_lora = _folded(d_w, _fused_low_rank((down,)), fold)
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             fused.append(
