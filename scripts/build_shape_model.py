@@ -1,13 +1,15 @@
 """Build a random-weight Qwen3 with a real model's shape, for memory and speed measurements.
 
-    python scripts/build_shape_model.py OUT [--shape qwen3-0.6b|default] [--layers 28] [--vocab embedded|qwen] [--seed 0]
+    python scripts/build_shape_model.py OUT [--shape qwen3-0.6b|default] [--layers 28] [--vocab embedded|qwen]
+                                            [--dtype float32|bfloat16] [--seed 0]
 
 ``--shape qwen3-0.6b`` (the default) is Qwen3-0.6B's (hidden 1024, 16 query / 8 key-value heads
 of 128, MLP 3072, tied embeddings; 28 layers); ``--shape default`` is the embedded model's
 (hidden 128, 4 / 2 heads of 32, MLP 384); ``--layers`` sets the depth. The tokenizer is the embedded default
 model's, so the folder runs with the default task; ``--vocab qwen`` gives the model Qwen's
 151,936-row vocabulary anyway (the tokenizer's ids are the first rows), so that logits cost
-what they cost on the real model. Weights are float32, drawn from one seed.
+what they cost on the real model. Weights are drawn from one seed and stored in ``--dtype``
+(bfloat16 is how real checkpoints ship: a bf16 run then loads without a float32 file to read).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ SHAPES = {
 }
 
 
-def build(out: Path, shape: str, layers: int, vocab: str, seed: int) -> Path:
+def build(out: Path, shape: str, layers: int, vocab: str, seed: int, dtype: str = "float32") -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -40,6 +42,7 @@ def build(out: Path, shape: str, layers: int, vocab: str, seed: int) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
+    torch.set_default_dtype(getattr(torch, dtype))
     Qwen3ForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     shutil.copy2(ASSETS / "generation_config.json", out / "generation_config.json")
@@ -52,9 +55,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--vocab", choices=["embedded", "qwen"], default="embedded")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(build(args.out, args.shape, args.layers, args.vocab, args.seed))
+    print(build(args.out, args.shape, args.layers, args.vocab, args.seed, args.dtype))
 
 
 if __name__ == "__main__":
