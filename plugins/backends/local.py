@@ -47,7 +47,7 @@ class LocalBackend:
     attn_implementation: str = option("sdpa", help="transformers attention implementation")
     fast_forward: bool = option(
         True,
-        help="run Llama/Qwen2/Qwen3 models (fp32) through grpo-core's lean forward; off = transformers' own",
+        help="sample Llama/Qwen2/Qwen3 models (fp32) with grpo-core's fused decoder; off = transformers' own",
     )
 
     default_sampler = "local"
@@ -74,7 +74,7 @@ class LocalBackend:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        print(f"trainer forward: {forward_path(model, self.fast_forward, config.gradient_checkpointing)}", file=sys.stderr)
+        print(f"trainer forward: {TRAINER_FORWARD}", file=sys.stderr)
         return LocalTrainer(
             model=model,
             tokenizer=tokenizer,
@@ -88,9 +88,9 @@ class LocalBackend:
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
-            return LocalReference(trainer.model, trainer.device, self.fast_forward, adapters_off=True)
+            return LocalReference(trainer.model, trainer.device, adapters_off=True)
         # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
-        return LocalReference(frozen_copy(trainer.model), trainer.device, self.fast_forward)
+        return LocalReference(frozen_copy(trainer.model), trainer.device)
 
 
 PRECISION_NOTES = {
@@ -394,10 +394,12 @@ def model_forward(model: Any, fast: bool) -> ModelForward:
     return TransformersForward(model)
 
 
-def forward_path(model: Any, fast: bool, checkpointing: bool = False) -> str:
+TRAINER_FORWARD = "transformers (faster than the fused decoder with gradients, docs/performance.md)"
+"""The trainer's and the reference's forward, and why (for the run's first lines)."""
+
+
+def forward_path(model: Any, fast: bool) -> str:
     """Which forward :func:`model_forward` gives ``model``, and why (for the run's first lines)."""
-    if checkpointing:
-        return "transformers (--gradient-checkpointing checkpoints transformers' layers)"
     if not fast:
         return "transformers (--backend-opt fast_forward=false)"
     reason = unsupported_reason(model)
@@ -549,14 +551,15 @@ class LocalReference:
 
     model: Any
     device: torch.device
-    fast_forward: bool = True
     adapters_off: bool = False
     """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
     Only the main thread runs the trainer's model, so switching them off for a call is safe."""
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.forward_fn = model_forward(self.model, self.fast_forward)
+        # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
+        # faster one; the fused decoder wins in sampling only (docs/performance.md).
+        self.forward_fn = TransformersForward(self.model)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
@@ -566,20 +569,17 @@ class LocalReference:
 @attrs.define(eq=False, kw_only=True)
 class LocalTrainer(LocalReference):
     tokenizer: Any
+    fast_forward: bool = True
+    """Whether the local sampler uses the fused decoder (where it runs the model)."""
     activation_checkpointing: bool = False
-    """Recompute each layer's activations in backward (transformers' checkpointing, so the
-    trainer's forward is transformers' own and runs in one pass: a cached prefix would be
-    dropped by the checkpointed layers)."""
+    """Recompute each layer's activations in backward (transformers' checkpointing; the forward
+    then runs in one pass: a cached prefix would be dropped by the checkpointed layers)."""
     seed: int = 0
     """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
-
-    def __attrs_post_init__(self) -> None:
-        # Checkpointing lives in transformers' layers: the fused decoder would bypass it.
-        self.forward_fn = model_forward(self.model, self.fast_forward and not self.activation_checkpointing)
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         with train_mode(self.model) if self.activation_checkpointing else nullcontext():

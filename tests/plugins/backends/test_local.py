@@ -115,7 +115,9 @@ def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
 @pytest.mark.parametrize("fast_forward", [True, False])
 def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir, fast_forward):
     _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
-    assert type(trainer.forward_fn) is (FastDecoder if fast_forward else TransformersForward)
+    assert type(trainer.forward_fn) is TransformersForward
+    if fast_forward:
+        trainer.forward_fn = FastDecoder(trainer.model)  # the differentiable fused path, still exact
     prompts = prompts_of(trainer.tokenizer)
     samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))
     datums = [sample_to_datum(s) for s in samples]
@@ -324,6 +326,8 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, f
         original = getattr(local, name)
         monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
     _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
+    if fast_forward:
+        trainer.forward_fn = FastDecoder(trainer.model)
     tok = trainer.tokenizer
     prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
     samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=6)))  # G = 1: no shared prefix
@@ -368,7 +372,8 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
     hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
     targets_N = torch.randint(vocab, (7,))
 
-    got = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
+    forward = FastDecoder(trainer.model) if fast_forward else TransformersForward(trainer.model)
+    got = local.token_logprobs(forward, hidden_N_E, targets_N)
     assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
     got.sum().backward()
     got_grads = [hidden_N_E.grad.clone(), trainer.model.lm_head.weight.grad.clone()]
@@ -473,7 +478,6 @@ def test_gradient_checkpointing_recomputes_layers_with_equal_gradients_and_no_dr
     _, _, checkpointed, _ = make(model_with_dropout_dir, gradient_checkpointing=True)
     assert not plain.model.is_activation_checkpointing
     assert checkpointed.model.is_activation_checkpointing
-    assert type(checkpointed.forward_fn) is TransformersForward  # fast_forward is overruled
     assert all(layer.self_attn.attention_dropout == 0.0 for layer in checkpointed.model.model.layers)
     prompts = prompts_of(plain.tokenizer)
     datums = [sample_to_datum(s) for s in to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))]
@@ -597,11 +601,9 @@ def test_the_transformers_forward_passes_no_deprecated_argument(tiny_model_dir, 
 def test_the_forward_path_and_its_reason_are_said_at_start(tiny_model_dir, capsys):
     make(tiny_model_dir)
     err = capsys.readouterr().err
-    assert "trainer forward: fused decoder" in err and "sampler forward: fused decoder" in err
+    assert "trainer forward: transformers (faster than the fused decoder with gradients" in err
+    assert "sampler forward: fused decoder" in err
     make(tiny_model_dir, fast_forward=False)
-    assert "trainer forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
+    assert "sampler forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
     make(tiny_model_dir, dtype="bfloat16")
-    assert "trainer forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err
-    make(tiny_model_dir, gradient_checkpointing=True)
-    err = capsys.readouterr().err
-    assert "trainer forward: transformers (--gradient-checkpointing" in err and "sampler forward: fused decoder" in err
+    assert "sampler forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err

@@ -135,9 +135,10 @@ def test_rank_0_is_full_fine_tuning(tiny_model_dir):
 
 @pytest.mark.parametrize("targets", [ALL_PROJECTIONS, ["k_proj", "up_proj"]], ids=["all", "some_parts_of_fused"])
 def test_fast_forward_with_adapters_matches_peft_logits_and_gradients(tiny_model_dir, targets):
-    _, fast = make_trainer(tiny_model_dir, fast_forward=True, lora_target_modules=targets)
-    _, slow = make_trainer(tiny_model_dir, fast_forward=False, lora_target_modules=targets)
-    assert type(fast.forward_fn) is FastDecoder and type(slow.forward_fn) is TransformersForward
+    _, fast = make_trainer(tiny_model_dir, lora_target_modules=targets)
+    _, slow = make_trainer(tiny_model_dir, lora_target_modules=targets)
+    fast.forward_fn = FastDecoder(fast.model)  # the trainer's own is transformers'
+    assert type(slow.forward_fn) is TransformersForward
     randomize_adapters(fast.model)
     slow.model.load_state_dict(fast.model.state_dict())
     datums = datums_of(fast.tokenizer)
@@ -167,8 +168,8 @@ def test_fast_forward_falls_back_for_adapters_it_does_not_run(tiny_model_dir, tm
     config = AutoConfig.from_pretrained(untied)
     config.tie_word_embeddings = False
     config.save_pretrained(untied)
-    _, trainer = make_trainer(untied, lora_target_modules=["q_proj", "lm_head"])
-    assert type(trainer.forward_fn) is TransformersForward
+    cfg, trainer = make_trainer(untied, lora_target_modules=["q_proj", "lm_head"])
+    assert type(LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer).forward_fn) is TransformersForward
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
@@ -201,7 +202,7 @@ def test_kl_against_disabled_adapters_equals_kl_against_a_copy_of_the_base_model
     for _ in range(3):
         step(trainer, datums, lr=3e-2)
     base_model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
-    base_copy = LocalReference(base_model.requires_grad_(False), torch.device("cpu"), None, fast_forward)
+    base_copy = LocalReference(base_model.requires_grad_(False), torch.device("cpu"))
 
     policy = trainer.forward(datums)
     against_adapters_off = reference.forward(datums)
