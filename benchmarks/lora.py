@@ -59,6 +59,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     import torch
 
     from grpo_core.loop import run
+    from grpo_core.plugins.backends.local import read_trainer_state
 
     started, started_cpu = time.perf_counter(), time.process_time()
     config = run_grpo_core.make_config(
@@ -71,7 +72,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     )
     run(config, overwrite=True)
     (checkpoint,) = (Path(config.run_dir) / "checkpoints").iterdir()
-    state = torch.load(checkpoint / "trainer.pt", weights_only=True)
+    state = read_trainer_state(checkpoint / "trainer")
     moments = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
     steps = run_grpo_core.step_records(bench_plugins.STEPS, started, started_cpu)
     write_result(
@@ -83,7 +84,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
             # One first moment per trained tensor (the tied embedding counted once).
             "trained_params": sum(t.numel() for s in state["optimizer"]["state"].values() for k, t in s.items() if k == "exp_avg"),
             "optimizer_state_mb": sum(t.numel() * t.element_size() for t in moments) / 2**20,
-            "checkpoint_mb": (checkpoint / "trainer.pt").stat().st_size / 2**20,
+            "checkpoint_mb": sum(f.stat().st_size for f in (checkpoint / "trainer").iterdir()) / 2**20,
             "versions": {"torch": torch.__version__},
         },
     )

@@ -25,6 +25,8 @@ from grpo_core.types import LoopState
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
+TRAINER_STATE = "trainer"
+"""What ``trainer.save_state`` writes in a checkpoint (the local trainer: a folder of weights and optimizer state)."""
 TMP_PREFIX = ".tmp-"
 
 
@@ -90,7 +92,7 @@ def save_checkpoint(
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        trainer.save_state(str(tmp / "trainer.pt"))
+        trainer.save_state(str(tmp / TRAINER_STATE))
         torch.save(rng, tmp / "rng.pt")
         write_extra(tmp)
         # state.json last: its presence inside a step-* folder marks a whole checkpoint.
@@ -117,7 +119,7 @@ def load_checkpoint(path: Path, trainer: Any, sampler: Any) -> LoopState:
 
     try:
         loop = LoopState(**json.loads((path / STATE_FILE).read_text()))
-        trainer.load_state(str(path / "trainer.pt"))
+        trainer.load_state(str(path / TRAINER_STATE))
         restore_rng(torch.load(path / "rng.pt", weights_only=False), sampler)
     except Exception as exc:
         raise CheckpointError(f"cannot resume from {path}: {type(exc).__name__}: {exc}") from exc

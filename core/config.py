@@ -323,7 +323,14 @@ class RunConfig:
     keep_checkpoints: int = _field(2, "keep the newest K checkpoints", RUN_DIRECTORY, resumable=True, validator=_positive)
 
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU", MACHINE)
-    dtype: Literal["auto", "float32", "bfloat16"] = _field("auto", "auto = bfloat16 on CUDA, float32 on CPU", MACHINE)
+    dtype: Literal["auto", "float32", "bfloat16"] = _field(
+        "auto", "auto = bfloat16 on CUDA, float32 on CPU; bfloat16 = bf16 weights and reference, fp32 Adam moments", MACHINE
+    )
+    gradient_checkpointing: bool = _field(
+        False,
+        "local trainer: recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more compute)",
+        MACHINE,
+    )
     threads: int | None = _field(
         None,
         "CPU threads for torch (default: OMP_NUM_THREADS, else half the CPUs, at least 1)",

@@ -8,7 +8,8 @@ rotary embeddings applied to q and k together, a preallocated KV cache for sampl
 built only where padding needs them. Gradients reach the model's parameters as usual.
 
 It is used where :func:`unsupported_reason` finds nothing in the way (fp32, a supported
-architecture); the local backend falls back to the transformers forward otherwise. Its logits
+architecture: in bf16 transformers' norms upcast to fp32 where this forward would not); the
+local backend falls back to the transformers forward otherwise. Its logits
 match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
 
 LoRA adapters (peft) on the projections take part as low-rank terms next to each fused
@@ -35,11 +36,9 @@ SMALL_ATTENTION_SCORES = 1 << 20
 larger blocks use scaled_dot_product_attention, which never holds all the scores at once."""
 
 
-def unsupported_reason(model: Any, autocast_dtype: torch.dtype | None) -> str | None:
+def unsupported_reason(model: Any) -> str | None:
     """Why the fast forward cannot stand in for ``model``'s own, or None when it can."""
     config = model.config
-    if autocast_dtype is not None:
-        return "autocast (bf16) runs the transformers forward"
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return f"model type '{config.model_type}' (the fast path knows {', '.join(SUPPORTED_MODEL_TYPES)})"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -115,15 +114,25 @@ def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
     return LowRank(a=torch.cat(a_parts), bs=b_parts)
 
 
-def _folded(weight: torch.Tensor, low_rank: LowRank | None, fold: bool) -> tuple[torch.Tensor, LowRank | None]:
+def _folded(
+    weight: torch.Tensor | list[torch.Tensor], low_rank: LowRank | None, fold: bool
+) -> tuple[torch.Tensor | list[torch.Tensor], LowRank | None]:
     """(W with the low-rank term added in, None) when folding, else (W, the term to run beside W)."""
     if low_rank is None or not fold:
         return weight, low_rank
     return low_rank.fold_into(weight), None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_rank: LowRank | None) -> torch.Tensor:
-    out = F.linear(x, weight, bias)
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, low_rank: LowRank | None
+) -> torch.Tensor:
+    """``x·Wᵀ + b`` (+ the LoRA term); ``weight`` as a list: a fused projection's parts, run one
+    by one and their outputs concatenated."""
+    if isinstance(weight, list):
+        out = torch.cat([F.linear(x, part) for part in weight], -1)
+        out = out if bias is None else out + bias
+    else:
+        out = F.linear(x, weight, bias)
     return out if low_rank is None else out + low_rank(x)
 
 
@@ -131,12 +140,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lo
 class LayerWeights:
     """One decoder layer's parameters, the q/k/v and gate/up projections concatenated."""
 
-    qkv: torch.Tensor
+    qkv: torch.Tensor | list[torch.Tensor]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm's weight per query head, then k_norm's
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | list[torch.Tensor]
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
@@ -242,12 +251,20 @@ class FastDecoder:
         return KVCache(capacity)
 
     def layer_weights(self) -> list[LayerWeights]:
-        """The fused weights; built from the parameters, so differentiable when grad is on.
+        """The layers' weights, the q/k/v and gate/up projections fused.
 
-        Without grad (sampling, scoring) LoRA terms are folded into the fused weights once, so
-        each decoded token costs what it costs without adapters."""
+        Without grad (sampling, scoring) the fused weights are concatenated copies with any LoRA
+        terms folded in, built once per call of this method (the sampler: once per generation),
+        so each decoded token costs one matmul per fused projection. With grad the parts stay
+        the parameters themselves, run one by one: concatenating them would copy every weight,
+        and its gradient, on each training forward (at the Qwen3-0.6B shape, 6.4 more bytes per
+        parameter at the step's peak and no faster, docs/performance.md)."""
         H, Hkv = self.num_heads, self.num_kv_heads
         fold = not torch.is_grad_enabled()
+
+        def joined(parts: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+            return torch.cat(parts) if fold else parts
+
         fused = []
         for layer in self.model.model.layers:
             attn = layer.self_attn
@@ -255,9 +272,9 @@ class FastDecoder:
             (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = map(
                 _weight_and_bias, (q, k, v, o, gate, up, down)
             )
-            qkv, qkv_lora = _folded(torch.cat([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
+            qkv, qkv_lora = _folded(joined([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
             o_w, o_lora = _folded(o_w, _fused_low_rank((o,)), fold)
-            gate_up, gate_up_lora = _folded(torch.cat([g_w, u_w]), _fused_low_rank((gate, up)), fold)
+            gate_up, gate_up_lora = _folded(joined([g_w, u_w]), _fused_low_rank((gate, up)), fold)
             d_w, down_lora = _folded(d_w, _fused_low_rank((down,)), fold)
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             fused.append(
@@ -295,16 +312,24 @@ class FastDecoder:
             self._rope_cos_T_D, self._rope_sin_T_D = cos[0].clone(), sin[0].clone()
         return self._rope_cos_T_D[position_ids_B_S], self._rope_sin_T_D[position_ids_B_S]
 
-    def __call__(
+    def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
+        """Logits of the last ``logits_to_keep`` positions (0 = all)."""
+        return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
+
+    def head(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        """Logits from final hidden states (the model's lm_head)."""
+        return self.model.lm_head(hidden_N_E)
+
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: KVCache | None = None,
-        logits_to_keep: int = 0,
+        keep: int = 0,
         weights: list[LayerWeights] | None = None,
     ) -> torch.Tensor:
-        """Logits of the last ``logits_to_keep`` positions (0 = all).
+        """The final hidden states (after the last norm) of the last ``keep`` positions (0 = all).
 
         ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
         new tokens also see themselves, so a padded position never attends to nothing.
@@ -337,9 +362,8 @@ class FastDecoder:
             x = RMSNorm.apply(hidden_B_S_E, w.post_attention_norm, self.eps)
             gate, up = _linear(x, w.gate_up, w.gate_up_bias, w.gate_up_lora).chunk(2, dim=-1)
             hidden_B_S_E = hidden_B_S_E + _linear(F.silu(gate) * up, w.down, w.down_bias, w.down_lora)
-        kept = hidden_B_S_E[:, -logits_to_keep:] if logits_to_keep else hidden_B_S_E
-        norm = self.model.model.norm
-        return self.model.lm_head(RMSNorm.apply(kept, norm.weight, self.eps))
+        kept = hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
+        return RMSNorm.apply(kept, self.model.model.norm.weight, self.eps)
 
     def _attention(
         self, q_B_H_S_D: torch.Tensor, k_B_K_T_D: torch.Tensor, v_B_K_T_D: torch.Tensor, mask: torch.Tensor | None, is_causal: bool

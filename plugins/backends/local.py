@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import copy
+import inspect
+import json
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 import attrs
 import tinker
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
@@ -20,6 +24,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 
 
 @attrs.define
@@ -29,8 +34,11 @@ class LocalBackend:
     The trainer implements the Tinker training contract over a transformers causal LM; the
     sampler generates all completions of a step in one batched, KV-cached loop and reports the
     logprob of every sampled token. With weight_sync_interval=1 both share one set of weights,
-    so weight sync is free. CUDA is used when present (bf16 autocast over fp32 weights), the
-    CPU otherwise (fp32).
+    so weight sync is free. CUDA is used when present, the CPU otherwise. Precision (--dtype):
+    float32 is exact (a resumed run is bitwise the uninterrupted one); bfloat16 holds weights,
+    gradients and the KL reference in bf16 with float32 AdamW moments and stochastic rounding
+    (12 bytes per trained parameter instead of 16); auto is bfloat16 on CUDA and float32 on a
+    CPU, so a CPU run's result does not depend on which CPU it lands on.
 
     With --lora-rank R > 0 only LoRA adapters (peft) on --lora-target-modules train: checkpoints
     hold the adapters and their optimizer state, the KL reference is the same model with its
@@ -47,7 +55,7 @@ class LocalBackend:
     )
     fast_forward: bool = option(
         True,
-        help="run Llama/Qwen2/Qwen3 models (fp32) through grpo-core's lean forward; off = transformers' own",
+        help="sample Llama/Qwen2/Qwen3 models (fp32) with grpo-core's fused decoder; off = transformers' own",
     )
 
     default_sampler = "local"
@@ -67,40 +75,50 @@ class LocalBackend:
 
     @hookimpl
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
-        device, autocast_dtype = resolve_device(config.device, config.dtype)
-        model, tokenizer = load_model(config.model, device, self.attn_implementation)
+        device, dtype, why = resolve_precision(config.device, config.dtype)
+        print(f"precision: {why}", file=sys.stderr)
+        model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+        if config.gradient_checkpointing:
+            enable_activation_checkpointing(model)
+        print(f"trainer forward: {TRAINER_FORWARD}", file=sys.stderr)
         return LocalTrainer(
             model=model,
             tokenizer=tokenizer,
             device=device,
-            autocast_dtype=autocast_dtype,
             fast_forward=self.fast_forward,
+            seed=config.seed,
+            activation_checkpointing=config.gradient_checkpointing,
         )
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
-            return LocalReference(trainer.model, trainer.device, trainer.autocast_dtype, self.fast_forward, adapters_off=True)
-        return LocalReference(
-            frozen_copy(trainer.model),
-            trainer.device,
-            trainer.autocast_dtype,
-            self.fast_forward,
-        )
+            return LocalReference(trainer.model, trainer.device, adapters_off=True)
+        # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
+        return LocalReference(frozen_copy(trainer.model), trainer.device)
 
 
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype | None]:
-    """The device, and the autocast dtype (None = plain fp32; these CPUs have no bf16 units)."""
+PRECISION_NOTES = {
+    "float32": "float32 (exact: a resumed run repeats the uninterrupted one bit for bit)",
+    "bfloat16": "bfloat16 weights, gradients and reference; float32 AdamW moments, stochastic rounding",
+}
+
+
+def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, str]:
+    """The device, the dtype the model is held in, and one line saying which and why."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise PluginError("--device cuda was asked for, but no CUDA device is available")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-    return torch.device(device), (torch.bfloat16 if dtype == "bfloat16" else None)
+        why = "--dtype auto on CUDA" if device == "cuda" else "--dtype auto on CPU: a CPU run's result must not depend on which CPU"
+    else:
+        why = f"--dtype {dtype}"
+    return torch.device(device), getattr(torch, dtype), f"{PRECISION_NOTES[dtype]} ({why}, {device})"
 
 
 def model_path(name: str) -> str:
@@ -129,7 +147,7 @@ def model_path(name: str) -> str:
     return name
 
 
-def load_model(name: str, device: torch.device, attn_implementation: str) -> tuple[Any, Any]:
+def load_model(name: str, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -139,7 +157,10 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         attention = attention_implementation(attn_implementation, path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
+        # Straight into the run's dtype and onto its device: no float32 host copy on the way.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+        )
     except (OSError, ValueError) as exc:
         raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
@@ -147,9 +168,42 @@ def load_model(name: str, device: torch.device, attn_implementation: str) -> tup
     # Written into every config.json saved from this model, so that a saved policy loads with the
     # attention it was trained with (grpo-core eval, export, from_pretrained).
     model.config.attn_implementation = model.config._attn_implementation
-    # Dropout off: the sampler's and the trainer's logprobs must describe the same policy.
-    model.to(device).eval()
-    return model, tokenizer
+    disable_dropout(model)
+    return model.eval(), tokenizer
+
+
+def disable_dropout(model: Any) -> None:
+    """Dropout off even in train mode (which activation checkpointing needs): the sampler's and
+    the trainer's logprobs must describe the same policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        # transformers' attention modules read their dropout probability from a float attribute.
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """transformers' per-layer checkpointing (non-reentrant: gradients reach LoRA adapters and
+    frozen inputs alike); it acts only while the model is in train mode, see :func:`train_mode`."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise PluginError(f"--gradient-checkpointing: transformers does not checkpoint model type '{model.config.model_type}'")
+    # transformers 5.x renamed gradient_checkpointing_enable (removed in 6).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextmanager
+def train_mode(model: Any) -> Iterator[None]:
+    """``model`` in train mode for one call (dropout is off: only checkpointing changes)."""
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()
 
 
 def frozen_copy(model: Any) -> Any:
@@ -193,6 +247,46 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
     return model.eval()
 
 
+SHARD_SIZE = "2GB"
+"""Largest safetensors file written (the sampler's policy, checkpoints' weights)."""
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What :meth:`LocalTrainer.save_state` wrote: ``{"model" or "adapter": tensors by name,
+    "optimizer": state dict or None, "version": int}``."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    info = json.loads((folder / TRAINER_FILE).read_text())
+    kind = info["weights"]
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob(f"{kind}*.safetensors")):
+        weights.update(load_file(shard, device=str(device)))
+    weights.update({name: weights[kept] for name, kept in info["aliases"].items()})
+    optimizer = folder / OPTIMIZER_FILE
+    return {
+        kind: weights,
+        "optimizer": torch.load(optimizer, map_location=device, weights_only=True) if optimizer.is_file() else None,
+        "version": info["version"],
+    }
+
+
+def shared_storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name: the first name with the same storage} for the tensors of ``state`` that share one
+    (tied embeddings): safetensors stores each storage once."""
+    first: dict[tuple[int, int], str] = {}
+    aliases = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def has_adapters(model: Any) -> bool:
     return any(hasattr(m, "lora_A") for m in model.modules())
 
@@ -225,7 +319,9 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
             key = f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}"
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
-                    state[key] = state[key] + module.get_delta_weight(adapter)
+                    base = state[key]
+                    # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
+                    state[key] = (base + module.get_delta_weight(adapter)).to(base.dtype)
     return state
 
 
@@ -248,16 +344,20 @@ def adapters_disabled(model: Any) -> Iterator[None]:
             layer.enable_adapters(True)
 
 
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else nullcontext()
-
-
 class TransformersForward:
     """The model's own forward, behind the same call as :class:`FastDecoder`, for the models
-    the fast path does not cover."""
+    the fast path does not cover.
+
+    Hidden states come from the model's base (``model.base_model``) and logits from its output
+    layer, so a caller that wants logprobs never receives logits for every position at once; the
+    head's equivalence with the model's own logits is checked once at construction.
+    """
 
     def __init__(self, model: Any) -> None:
         self.model = model
+        # transformers 5.x renames the cache argument (``past_key_values`` is removed in 5.40).
+        self.cache_argument = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+        self._check_head()
 
     def new_cache(self, capacity: int | None = None) -> Any:
         from transformers import DynamicCache
@@ -267,58 +367,90 @@ class TransformersForward:
     def layer_weights(self) -> None:
         return None
 
-    def __call__(
+    def head(self, hidden_N_E: torch.Tensor) -> torch.Tensor:
+        logits = self.model.get_output_embeddings()(hidden_N_E)
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def hidden_states(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
-        logits_to_keep: int = 0,
+        keep: int = 0,
         weights: None = None,
     ) -> torch.Tensor:
-        return self.model(
+        out = self.model.base_model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=past_key_values is not None,
-            logits_to_keep=logits_to_keep,
-        ).logits
+            **{self.cache_argument: past_key_values},
+        )
+        hidden_B_S_E = out.last_hidden_state
+        return hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
+
+    def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
+        return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
+
+    @torch.no_grad()
+    def _check_head(self) -> None:
+        ids_1_T = torch.tensor([[0, 1, 2]], device=self.model.device)
+        positions_1_T = torch.arange(3, device=self.model.device).unsqueeze(0)
+        own = self.model(input_ids=ids_1_T, position_ids=positions_1_T).logits.float()
+        ours = self(ids_1_T, positions_1_T).float()
+        if not torch.allclose(own, ours, rtol=1e-3, atol=1e-3):
+            raise PluginError(
+                f"model type '{self.model.config.model_type}' computes its logits in a way grpo-core does not know "
+                "(not the output layer over the base model's hidden states, with optional softcapping)"
+            )
 
 
 ModelForward = FastDecoder | TransformersForward
 
 
-def model_forward(model: Any, autocast_dtype: torch.dtype | None, fast: bool) -> ModelForward:
-    if fast and unsupported_reason(model, autocast_dtype) is None:
+def model_forward(model: Any, fast: bool) -> ModelForward:
+    if fast and unsupported_reason(model) is None:
         return FastDecoder(model)
     return TransformersForward(model)
+
+
+TRAINER_FORWARD = "transformers (faster than the fused decoder with gradients, docs/performance.md)"
+"""The trainer's and the reference's forward, and why (for the run's first lines)."""
+
+
+def forward_path(model: Any, fast: bool) -> str:
+    """Which forward :func:`model_forward` gives ``model``, and why (for the run's first lines)."""
+    if not fast:
+        return "transformers (--backend-opt fast_forward=false)"
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"
+    return f"transformers (the fused decoder does not run {reason})"
 
 
 def target_logprobs(
     forward: ModelForward,
     datums: Sequence[tinker.Datum],
     device: torch.device,
-    autocast_dtype: torch.dtype | None,
+    one_pass: bool = False,
 ) -> list[torch.Tensor]:
     """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it.
+    back through it (unless ``one_pass``: every row whole, in one forward).
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [_first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
     distinct = list(dict.fromkeys(prefixes))
-    with autocast(device, autocast_dtype):
-        if len(distinct) < len(prefixes) and all(distinct):
-            logprobs = _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
-        else:
-            logprobs = _logprobs_one_pass(forward, inputs, targets, min(starts), device)
-    return logprobs
+    if not one_pass and len(distinct) < len(prefixes) and all(distinct):
+        return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
+    return _logprobs_one_pass(forward, inputs, targets, min(starts), device)
 
 
 def _first_trained(weights: Sequence[float]) -> int:
@@ -345,8 +477,36 @@ def _positions(mask_B_T: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
     return (mask_B_T.cumsum(-1) - 1).clamp(min=0)
 
 
-def _gather_logprobs(logits_B_K_V: torch.Tensor, targets_B_K: torch.Tensor) -> torch.Tensor:
-    return torch.gather(logits_B_K_V.float().log_softmax(-1), -1, targets_B_K.unsqueeze(-1)).squeeze(-1)
+LOGITS_CHUNK_BYTES = 1 << 26
+"""Full-vocabulary float32 logits computed at once: 64 MiB, 110 positions of a 151,936-token vocabulary."""
+
+
+def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """log softmax(head(hidden))[target] per position, in float32, over chunks of positions.
+
+    Only one chunk's logits exist at a time: with grad enabled each chunk runs under activation
+    checkpointing, so backward recomputes its logits instead of keeping [N, V] float32 tensors.
+    """
+    rows = max(1, LOGITS_CHUNK_BYTES // (4 * forward.model.config.get_text_config().vocab_size))
+    checkpointed = torch.is_grad_enabled() and hidden_N_E.requires_grad
+    parts = []
+    for start in range(0, hidden_N_E.shape[0], rows):
+        args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows])
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
+    return torch.cat(parts) if parts else hidden_N_E.new_zeros(0, dtype=torch.float32)
+
+
+def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+    return head(hidden_C_E).float().log_softmax(-1).gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+
+
+def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K: torch.Tensor, lengths_B: Sequence[int]) -> torch.Tensor:
+    """[B, K] target logprobs, 0.0 past each row's length (padding: never sent through the head)."""
+    B, K = targets_B_K.shape
+    real_B_K = torch.arange(K) < torch.tensor(lengths_B).unsqueeze(-1)
+    real_dev = real_B_K.to(hidden_B_K_E.device)
+    logprobs_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev])
+    return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
 
 
 def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
@@ -355,13 +515,13 @@ def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start
     B, T = input_ids_B_T.shape
     start = min(start, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
-    logits = forward(
+    hidden_B_K_E = forward.hidden_states(
         input_ids=input_ids_B_T.to(device),
         position_ids=torch.arange(T).expand(B, T).to(device),
         attention_mask=None if attention_B_T is None else attention_B_T.to(device),
-        logits_to_keep=T - start,
+        keep=T - start,
     )
-    logprobs_B_K = _gather_logprobs(logits, targets_B_T[:, start:].to(device))
+    logprobs_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs])
     logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
     return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
 
@@ -378,12 +538,12 @@ def _logprobs_shared_prefix(
     prefix_ids_U_P, prefix_mask_U_P = _pad(distinct, left=True)
     U, P = prefix_ids_U_P.shape
     cache = forward.new_cache()
-    forward(
+    forward.hidden_states(
         input_ids=prefix_ids_U_P.to(device),
         position_ids=_positions(prefix_mask_U_P, U, P).to(device),
         attention_mask=None if prefix_mask_U_P is None else prefix_mask_U_P.to(device),
         past_key_values=cache,
-        logits_to_keep=1,
+        keep=1,
     )
     slot = {p: i for i, p in enumerate(distinct)}
     row_to_prefix = torch.tensor([slot[p] for p in prefixes])
@@ -397,13 +557,13 @@ def _logprobs_shared_prefix(
         prefix_part = torch.ones(B, P, dtype=torch.long) if prefix_mask_U_P is None else prefix_mask_U_P[row_to_prefix]
         suffix_part = torch.ones(B, S, dtype=torch.long) if suffix_mask_B_S is None else suffix_mask_B_S
         attention_B_K = torch.cat([prefix_part, suffix_part], dim=1).to(device)
-    logits = forward(
+    hidden_B_S_E = forward.hidden_states(
         input_ids=suffix_ids_B_S.to(device),
         position_ids=(torch.tensor(starts).unsqueeze(-1) + torch.arange(S)).to(device),
         attention_mask=attention_B_K,
         past_key_values=cache,
     )
-    logprobs_B_S = _gather_logprobs(logits, suffix_targets_B_S.to(device))
+    logprobs_B_S = _logprobs_at(forward, hidden_B_S_E, suffix_targets_B_S, [len(x) - s for x, s in zip(inputs, starts)])
     return [torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
 
@@ -413,31 +573,39 @@ class LocalReference:
 
     model: Any
     device: torch.device
-    autocast_dtype: torch.dtype | None
-    fast_forward: bool = True
     adapters_off: bool = False
     """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
     Only the main thread runs the trainer's model, so switching them off for a call is safe."""
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
+        # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
+        # faster one; the fused decoder wins in sampling only (docs/performance.md).
+        self.forward_fn = TransformersForward(self.model)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
-            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
+            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device)]
 
 
 @attrs.define(eq=False, kw_only=True)
 class LocalTrainer(LocalReference):
     tokenizer: Any
+    fast_forward: bool = True
+    """Whether the local sampler uses the fused decoder (where it runs the model)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward (transformers' checkpointing; the forward
+    then runs in one pass: a cached prefix would be dropped by the checkpointed layers)."""
+    seed: int = 0
+    """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     version: int = 0
-    optimizer: torch.optim.AdamW | None = None
+    optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.autocast_dtype)]
+        with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+            logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
         loss, metrics = loss_fn(datums, logprobs)
         if torch.isfinite(loss):
             loss.backward()
@@ -482,36 +650,53 @@ class LocalTrainer(LocalReference):
 
     def weights_finite(self) -> bool:
         # Frozen weights (a LoRA run's base model) were finite when loaded and never change.
-        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
+        params = [p.detach() for p in self.model.parameters() if p.requires_grad]
+        # One check for all tensors (one device sync): the largest magnitude is NaN or inf exactly
+        # when some weight is.
+        return not params or bool(torch.stack([n.float() for n in torch._foreach_norm(params, math.inf)]).isfinite().all())
 
     def _refuse_nonfinite(self, what: str) -> None:
         if not self.weights_finite():
             raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
-    def _make_optimizer(self) -> torch.optim.AdamW:
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in params):
+            return StochasticRoundingAdamW(params, seed=self.seed)
         # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
-        fused = self.device.type in ("cpu", "cuda")
-        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], fused=fused)
+        return torch.optim.AdamW(params, fused=self.device.type in ("cpu", "cuda"))
 
     def save_state(self, path: str) -> None:
+        """A folder: the trained weights in their own dtype as sharded safetensors, the optimizer
+        state in its own file, the version in trainer.json (see :func:`read_trainer_state`)."""
+        from huggingface_hub import save_torch_state_dict
+
         self._refuse_nonfinite(path)
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
         # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
-        torch.save(
-            {
-                "adapter" if has_adapters(self.model) else "model": trained_state_dict(self.model),
-                "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-                "version": self.version,
-            },
-            path,
+        kind = "adapter" if has_adapters(self.model) else "model"
+        state = trained_state_dict(self.model)
+        aliases = shared_storage_aliases(state)
+        save_torch_state_dict(
+            state,
+            folder,
+            filename_pattern=kind + "{suffix}.safetensors",
+            max_shard_size=SHARD_SIZE,
+            shared_tensors_to_discard=list(aliases),
         )
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        info = {"weights": kind, "version": self.version, "aliases": aliases}
+        (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
     def load_state(self, path: str) -> None:
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = read_trainer_state(path, self.device)
         if has_adapters(self.model) != ("adapter" in state):
             saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
             raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
-        load_trained_state_dict(self.model, state["adapter" if "adapter" in state else "model"])
+        weights = state["adapter" if "adapter" in state else "model"]
+        load_trained_state_dict(self.model, weights)
         if state["optimizer"] is not None:
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
@@ -522,6 +707,6 @@ class LocalTrainer(LocalReference):
         """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
         self._refuse_nonfinite(path)
         state = merged_state_dict(self.model) if has_adapters(self.model) else None
-        self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        self.model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
         return path

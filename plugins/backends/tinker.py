@@ -86,6 +86,8 @@ class TinkerBackend:
     def make_trainer(self, config: RunConfig) -> TinkerTrainer:
         from transformers import AutoTokenizer
 
+        if config.gradient_checkpointing:
+            raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
         rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from grpo_core.plugins.backends.local import (
     ModelForward,
     _pad,
     _positions,
-    autocast,
+    forward_path,
     frozen_copy,
     load_trained_state_dict,
     model_forward,
@@ -43,13 +44,13 @@ class LocalSamplerPlugin:
             raise PluginError(
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
             )
+        print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
         # Sampling may only run ahead of training on its own copy of the weights.
         own_weights = config.weight_sync_interval > 1 or config.loop == "async"
         return LocalSampler(
             model=frozen_copy(trainer.model) if own_weights else trainer.model,
             tokenizer=trainer.tokenizer,
             device=trainer.device,
-            autocast_dtype=trainer.autocast_dtype,
             seed=config.seed,
             fast_forward=trainer.fast_forward,
             batch_size=self.batch_size,
@@ -63,7 +64,6 @@ class LocalSampler:
     model: Any
     tokenizer: Any
     device: torch.device
-    autocast_dtype: torch.dtype | None
     seed: int
     fast_forward: bool = True
     batch_size: int = 0
@@ -75,7 +75,7 @@ class LocalSampler:
 
     def __attrs_post_init__(self) -> None:
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
-        self.forward_fn = model_forward(self.model, self.autocast_dtype, self.fast_forward)
+        self.forward_fn = model_forward(self.model, self.fast_forward)
 
     @property
     def max_context(self) -> int | None:
@@ -141,11 +141,10 @@ class LocalSampler:
         # Fused once per call: in-process weight sync means the weights may have changed since.
         weights = self.forward_fn.layer_weights()
         cache = self.forward_fn.new_cache(capacity=P + params.max_tokens)
-        with autocast(self.device, self.autocast_dtype):
-            logits = self.forward_fn(
-                input_ids=input_ids.to(self.device), position_ids=position_ids, attention_mask=attention,
-                past_key_values=cache, logits_to_keep=1, weights=weights,
-            )[:, -1, :].float()  # fmt: skip
+        logits = self.forward_fn(
+            input_ids=input_ids.to(self.device), position_ids=position_ids, attention_mask=attention,
+            past_key_values=cache, logits_to_keep=1, weights=weights,
+        )[:, -1, :].float()  # fmt: skip
         cache.batch_repeat_interleave(G)
         attention = None if attention is None else attention.repeat_interleave(G, dim=0)
         position_ids = position_ids[:, -1:].repeat_interleave(G, dim=0)
@@ -182,11 +181,10 @@ class LocalSampler:
             if attention is not None:
                 attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
             position_ids = position_ids + 1
-            with autocast(self.device, self.autocast_dtype):
-                logits = self.forward_fn(
-                    input_ids=token_A.unsqueeze(-1), position_ids=position_ids, attention_mask=attention,
-                    past_key_values=cache, logits_to_keep=1, weights=weights,
-                )[:, -1, :].float()  # fmt: skip
+            logits = self.forward_fn(
+                input_ids=token_A.unsqueeze(-1), position_ids=position_ids, attention_mask=attention,
+                past_key_values=cache, logits_to_keep=1, weights=weights,
+            )[:, -1, :].float()  # fmt: skip
         completions = [
             Completion(
                 tokens=tokens_B_L[i, :n].tolist(),

@@ -73,16 +73,16 @@ def test_a_checkpoint_restores_weights_counters_and_every_rng(tmp_path):
     assert torch.equal(trainer.weights, torch.full((3,), 4.0))
     got = (random.random(), torch.rand(2), torch.rand(2, generator=sampler.generator))
     assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
-    assert sorted(p.name for p in path.iterdir()) == ["extra.json", "rng.pt", "state.json", "trainer.pt"]
+    assert sorted(p.name for p in path.iterdir()) == ["extra.json", "rng.pt", "state.json", "trainer"]
 
 
 def test_only_the_newest_k_are_kept_and_a_step_saved_twice_is_written_once(tmp_path):
     for step in (2, 4, 6):
         save(tmp_path, step, keep=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000004", "step-000006"]
-    before = (tmp_path / "checkpoints" / "step-000006" / "trainer.pt").stat().st_mtime_ns
+    before = (tmp_path / "checkpoints" / "step-000006" / "trainer").stat().st_mtime_ns
     save(tmp_path, 6, trainer=FakeTrainer(123.0), keep=2)
-    assert (tmp_path / "checkpoints" / "step-000006" / "trainer.pt").stat().st_mtime_ns == before
+    assert (tmp_path / "checkpoints" / "step-000006" / "trainer").stat().st_mtime_ns == before
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_valid_and_says_so(tmp_path, monkeypatch):
@@ -106,7 +106,7 @@ def test_a_folder_killed_mid_write_is_never_taken_for_a_checkpoint(tmp_path):
     save(tmp_path, 2)
     partial = tmp_path / "checkpoints" / ".tmp-step-000004-123"
     partial.mkdir()
-    (partial / "trainer.pt").write_bytes(b"half")
+    (partial / "trainer").write_bytes(b"half")
     unnamed = tmp_path / "checkpoints" / "step-000006"  # a name without its state.json
     unnamed.mkdir()
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002"]

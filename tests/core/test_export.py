@@ -13,7 +13,7 @@ from grpo_core.data import PROMPT_SETTINGS_FILE
 from grpo_core.errors import PluginError
 from grpo_core.export import export_policy, read_run_config
 from grpo_core.loop import run
-from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins.backends.local import LocalBackend, read_trainer_state
 
 TEMPLATE = "Question: {prompt}\nAnswer:"
 PROBE = "Question: what is 3 plus 4?\nAnswer: 3 + 4 = 7\n#### 7"
@@ -57,7 +57,7 @@ def trainer_logprobs(run_dir, step, tokens):
 
     config = read_run_config(run_dir)
     trainer = LocalBackend().make_trainer(config=config)
-    trainer.load_state(str(checkpoint_dir(run_dir, step) / "trainer.pt"))
+    trainer.load_state(str(checkpoint_dir(run_dir, step) / "trainer"))
     sample = Sample(prompt=None, tokens=tokens, sampling_logprobs=[0.0] * len(tokens), loss_mask=[1.0] * len(tokens),
                     text="", finish_reason="stop", policy_version=0)  # fmt: skip
     return trainer.forward([sample_to_datum(sample)])[0], trainer
@@ -103,7 +103,7 @@ def test_step_chooses_the_checkpoint(trained_run, tmp_path):
 
 def test_lora_checkpoint_holds_adapters_only(trained_run):
     run_dir, lora_rank = trained_run
-    state = torch.load(checkpoint_dir(run_dir, 2) / "trainer.pt", weights_only=True)
+    state = read_trainer_state(checkpoint_dir(run_dir, 2) / "trainer")
     if lora_rank:
         assert "model" not in state and state["adapter"] and all("lora_" in k for k in state["adapter"])
     else:

@@ -14,6 +14,7 @@ from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig
 from grpo_core.lifecycle import NonFiniteSteps, RunFailed
 from grpo_core.loop import run
+from grpo_core.plugins.backends.local import read_trainer_state
 from grpo_core.plugins_manager import PluginEntry
 
 BROKEN_AT_STEP: dict[str, int] = {}
@@ -188,7 +189,7 @@ def test_a_nan_gradient_skips_the_step_and_stops_the_run_after_k_in_a_row(tiny_m
     assert [m["policy/version"] for m in records] == [0, 0]
     assert all(m["optim/grad_norm"] is None for m in records)  # NaN, written as null
     # The weights were never touched: the checkpoint holds the initial model exactly.
-    state = torch.load(complete_checkpoints(run_dir)[-1] / "trainer.pt", weights_only=True)
+    state = read_trainer_state(complete_checkpoints(run_dir)[-1] / "trainer")
     initial = load_file(tiny_model_dir / "model.safetensors")
     assert all(torch.equal(state["model"][k], initial[k]) for k in initial)
 

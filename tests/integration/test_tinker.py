@@ -157,7 +157,7 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     assert summary["reward_last"] > summary["reward_first"]
     assert all(m["policy/version"] == i + 1 for i, m in enumerate(metrics))
     assert any(m.get("kl/mean", 0) > 0 for m in metrics)  # the reference (base model on the service) scored the samples
-    state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer.pt").read_text())
+    state = json.loads((run_dir / "checkpoints" / "step-000006" / "trainer").read_text())
     assert state["tinker_path"].startswith("tinker://") and state["version"] == 6
     assert json.loads((run_dir / "final" / "tinker_weights.json").read_text())["tinker_path"].startswith("tinker://")
     assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "config.json").exists()

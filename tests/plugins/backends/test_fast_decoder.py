@@ -73,7 +73,7 @@ def build(make_model):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    assert unsupported_reason(model, None) is None
+    assert unsupported_reason(model) is None
     return model
 
 
@@ -166,9 +166,10 @@ def test_unsupported_models_are_named_with_the_reason():
     from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
     model = build(qwen3)
-    assert "autocast" in unsupported_reason(model, torch.bfloat16)
+    assert unsupported_reason(model) is None
+    assert unsupported_reason(build(qwen3).to(torch.bfloat16)) == "weights that are not float32"
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
-    assert "model type 'gpt2'" in unsupported_reason(gpt2, None)
+    assert "model type 'gpt2'" in unsupported_reason(gpt2)
     windowed = Qwen3ForCausalLM(
         Qwen3Config(
             vocab_size=VOCAB,
@@ -182,8 +183,8 @@ def test_unsupported_models_are_named_with_the_reason():
             sliding_window=4,
         )
     )
-    assert unsupported_reason(windowed, None) == "sliding-window attention"
-    assert unsupported_reason(model.to(torch.float64), None) == "weights that are not float32"
+    assert unsupported_reason(windowed) == "sliding-window attention"
+    assert unsupported_reason(model.to(torch.float64)) == "weights that are not float32"
 
 
 @pytest.mark.parametrize("weight_shape", [(6,), (3, 6)])

@@ -115,7 +115,9 @@ def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
 @pytest.mark.parametrize("fast_forward", [True, False])
 def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir, fast_forward):
     _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
-    assert type(trainer.forward_fn) is (FastDecoder if fast_forward else TransformersForward)
+    assert type(trainer.forward_fn) is TransformersForward
+    if fast_forward:
+        trainer.forward_fn = FastDecoder(trainer.model)  # the differentiable fused path, still exact
     prompts = prompts_of(trainer.tokenizer)
     samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))
     datums = [sample_to_datum(s) for s in samples]
@@ -133,10 +135,10 @@ def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tin
         def __getattr__(self, name):
             return getattr(forward, name)
 
-        def __call__(self, input_ids, attention_mask=None, **kwargs):
+        def hidden_states(self, input_ids, attention_mask=None, **kwargs):
             new = input_ids.shape[1]
             processed.append(input_ids.numel() if attention_mask is None else int(attention_mask[:, -new:].sum()))
-            return forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            return forward.hidden_states(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     trainer.forward_fn = CountingForward()
     out = trainer.forward_backward_custom(datums, loss_fn)
@@ -324,6 +326,8 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, f
         original = getattr(local, name)
         monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
     _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
+    if fast_forward:
+        trainer.forward_fn = FastDecoder(trainer.model)
     tok = trainer.tokenizer
     prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
     samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=6)))  # G = 1: no shared prefix
@@ -348,3 +352,258 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, f
     total.backward()
     for name, p in trainer.model.named_parameters():
         assert torch.allclose(got[name], p.grad, atol=1e-5, rtol=1e-4), name
+
+
+# --- chunked token logprobs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fast_forward", [True, False])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
+def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, fast_forward, chunk_rows, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir, fast_forward)
+    vocab = trainer.model.config.vocab_size
+    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    heads = []
+    original_chunk = local._chunk_logprobs
+    monkeypatch.setattr(local, "_chunk_logprobs", lambda head, h, t: heads.append(h.shape[0]) or original_chunk(head, h, t))
+    torch.manual_seed(0)
+    hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
+    targets_N = torch.randint(vocab, (7,))
+
+    forward = FastDecoder(trainer.model) if fast_forward else TransformersForward(trainer.model)
+    got = local.token_logprobs(forward, hidden_N_E, targets_N)
+    assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
+    got.sum().backward()
+    got_grads = [hidden_N_E.grad.clone(), trainer.model.lm_head.weight.grad.clone()]
+    hidden_N_E.grad, trainer.model.lm_head.weight.grad = None, None
+
+    want = trainer.model.lm_head(hidden_N_E).float().log_softmax(-1).gather(-1, targets_N[:, None])[:, 0]
+    want.sum().backward()
+    assert got.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+    assert torch.allclose(got_grads[0], hidden_N_E.grad, atol=1e-6)
+    assert torch.allclose(got_grads[1], trainer.model.lm_head.weight.grad, atol=1e-6)
+
+
+def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model_dir, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir)
+    vocab = trainer.model.config.vocab_size
+    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * 2)
+    saved = []
+    hidden_N_E = torch.randn(16, trainer.model.config.hidden_size, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)))
+    assert saved, "nothing saved for backward: the test sees no graph"
+    assert all(vocab not in shape for shape in saved), saved
+
+
+def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir)
+    got = local.token_logprobs(trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long))
+    assert got.shape == (0,) and got.dtype == torch.float32
+
+
+# --- precision ----------------------------------------------------------------------------------
+
+
+def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
+    from grpo_core.plugins.backends.local import resolve_precision
+
+    device, dtype, why = resolve_precision("cpu", "auto")
+    assert (device.type, dtype) == ("cpu", torch.float32)
+    assert "exact" in why and "must not depend on which CPU" in why
+    assert resolve_precision("cpu", "bfloat16")[1] == torch.bfloat16
+    assert "stochastic rounding" in resolve_precision("cpu", "bfloat16")[2]
+    if not torch.cuda.is_available():
+        with pytest.raises(Exception, match="no CUDA device"):
+            resolve_precision("cuda", "auto")
+
+
+def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_model_dir, capsys):
+    from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+
+    cfg, backend, trainer, sampler = make(tiny_model_dir, dtype="bfloat16")
+    assert "precision: bfloat16 weights" in capsys.readouterr().err
+    reference = backend.make_reference(config=cfg, trainer=trainer)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}
+    assert type(trainer.forward_fn) is TransformersForward  # the fused decoder is float32-only
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6, temperature=1.0)))
+    datums = [sample_to_datum(s) for s in samples]
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    out = trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))
+    for s, returned in zip(samples, out.loss_fn_outputs):
+        n_prompt = len(s.tokens) - s.num_completion_tokens
+        got = returned["logprobs"].to_torch()[n_prompt - 1 :]
+        assert got.dtype == torch.float32
+        # Sampler and trainer run the same bf16 forward: they agree to bf16 rounding.
+        assert torch.allclose(got, torch.tensor(s.sampling_logprobs[n_prompt:]), atol=0.1)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    assert isinstance(trainer.optimizer, StochasticRoundingAdamW)
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(torch.equal(before[n], p) for n, p in reference.model.named_parameters())
+
+
+def test_float32_keeps_torchs_fused_adamw(tiny_model_dir):
+    _, _, trainer, _ = make(tiny_model_dir, dtype="float32")
+    trainer.model.lm_head.weight.grad = torch.zeros_like(trainer.model.lm_head.weight)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    assert type(trainer.optimizer) is torch.optim.AdamW and trainer.optimizer.defaults["fused"]
+
+
+# --- activation checkpointing -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_with_dropout_dir(tiny_model_dir, tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path_factory.mktemp("dropout_model")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.5)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return path
+
+
+def test_gradient_checkpointing_recomputes_layers_with_equal_gradients_and_no_dropout(model_with_dropout_dir):
+    _, _, plain, sampler = make(model_with_dropout_dir, fast_forward=False)
+    _, _, checkpointed, _ = make(model_with_dropout_dir, gradient_checkpointing=True)
+    assert not plain.model.is_activation_checkpointing
+    assert checkpointed.model.is_activation_checkpointing
+    assert all(layer.self_attn.attention_dropout == 0.0 for layer in checkpointed.model.model.layers)
+    prompts = prompts_of(plain.tokenizer)
+    datums = [sample_to_datum(s) for s in to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))]
+    layer_calls = []
+    for label, trainer in enumerate((plain, checkpointed)):
+        mlp = trainer.model.model.layers[0].mlp
+        mlp.forward = lambda *a, _f=mlp.forward, _label=label, **k: layer_calls.append(_label) or _f(*a, **k)
+
+    def loss_fn(ds, lps):
+        return sum((i + 1) * (lp * torch.tensor(d.loss_fn_inputs["weights"].data)).sum() for i, (d, lp) in enumerate(zip(ds, lps))), {}
+
+    outs = [t.forward_backward_custom(datums, loss_fn) for t in (plain, checkpointed)]
+    # The checkpointed layer runs again in backward (one pass + recompute); the plain one once for
+    # the shared prefix and once for the suffixes.
+    assert layer_calls.count(1) == 2 and layer_calls.count(0) == 2
+    for d, a, b in zip(datums, *[o.loss_fn_outputs for o in outs]):
+        trained = torch.tensor(d.loss_fn_inputs["weights"].data) > 0
+        assert torch.allclose(a["logprobs"].to_torch()[trained], b["logprobs"].to_torch()[trained], atol=1e-5)
+    for (name, p), q in zip(plain.model.named_parameters(), checkpointed.model.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    assert not checkpointed.model.training  # train mode only inside the call
+    again = checkpointed.forward_backward_custom(datums, loss_fn)
+    for a, b in zip(outs[1].loss_fn_outputs, again.loss_fn_outputs):
+        assert torch.equal(a["logprobs"].to_torch(), b["logprobs"].to_torch())  # no dropout in train mode
+
+
+def test_gradient_checkpointing_is_refused_by_the_tinker_trainer():
+    from grpo_core.plugins.backends.tinker import TinkerBackend
+    from grpo_core.errors import PluginError
+
+    with pytest.raises(PluginError, match="--gradient-checkpointing applies to the local trainer only"):
+        TinkerBackend().make_trainer(config=RunConfig(gradient_checkpointing=True))
+
+
+# --- what is written: weights in the model's dtype, sharded; optimizer state apart ---------------
+
+
+def train_one_step(trainer, sampler):
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6, temperature=1.0)))
+    datums = [sample_to_datum(s) for s in samples]
+    trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    return datums
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(tiny_model_dir, tmp_path, dtype, monkeypatch):
+    from safetensors import safe_open
+
+    from grpo_core.plugins.backends import local
+
+    monkeypatch.setattr(local, "SHARD_SIZE", "40KB")
+    _, _, trainer, sampler = make(tiny_model_dir, dtype=dtype)
+    datums = train_one_step(trainer, sampler)
+    trainer.save_state(str(tmp_path / "trainer"))
+    files = sorted(p.name for p in (tmp_path / "trainer").iterdir())
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in files
+    assert {"trainer.json", "optimizer.pt"} <= set(files)
+    for shard in shards:
+        with safe_open(tmp_path / "trainer" / shard, "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16" if dtype == "bfloat16" else "F32"}
+    saved = local.read_trainer_state(tmp_path / "trainer")
+    assert saved["version"] == 1
+    assert torch.equal(saved["model"]["lm_head.weight"], saved["model"]["model.embed_tokens.weight"])
+    stored = [k for shard in shards for k in safe_open(tmp_path / "trainer" / shard, "pt").keys()]
+    assert "model.embed_tokens.weight" in stored and "lm_head.weight" not in stored  # tied: stored once
+
+    def loss(d, lps):
+        return -sum(lp.sum() for lp in lps), {}
+
+    trainer.forward_backward_custom(datums, loss)
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    _, _, resumed, _ = make(tiny_model_dir, dtype=dtype, seed=0)
+    resumed.load_state(str(tmp_path / "trainer"))
+    assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
+    resumed.forward_backward_custom(datums, loss)
+    resumed.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    # Bitwise in both: bf16's stochastic rounding is seeded by (seed, step, parameter).
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_policy_for_the_sampler_is_written_in_bf16_for_a_bf16_model(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    _, _, trainer, _ = make(tiny_model_dir, dtype="bfloat16")
+    trainer.save_weights_for_sampler(str(tmp_path / "policy"))
+    weights = {k: v for f in (tmp_path / "policy").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert weights and {v.dtype for v in weights.values()} == {torch.bfloat16}
+
+
+def test_one_finiteness_check_finds_a_single_bad_weight(tiny_model_dir):
+    _, _, trainer, _ = make(tiny_model_dir)
+    assert trainer.weights_finite()
+    with torch.no_grad():
+        trainer.model.model.layers[1].mlp.down_proj.weight[3, 5] = float("nan")
+    assert not trainer.weights_finite()
+    with torch.no_grad():
+        trainer.model.model.layers[1].mlp.down_proj.weight[3, 5] = float("-inf")
+    assert not trainer.weights_finite()
+
+
+# --- the forward path ---------------------------------------------------------------------------
+
+
+def test_the_transformers_forward_passes_no_deprecated_argument(tiny_model_dir, recwarn):
+    import warnings
+
+    _, _, trainer, sampler = make(tiny_model_dir, fast_forward=False)
+    prompts = prompts_of(trainer.tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        # Sampling and the shared-prefix scoring both hand transformers a cache.
+        samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=4)))
+        trainer.forward([sample_to_datum(s) for s in samples])
+
+
+def test_the_forward_path_and_its_reason_are_said_at_start(tiny_model_dir, capsys):
+    make(tiny_model_dir)
+    err = capsys.readouterr().err
+    assert "trainer forward: transformers (faster than the fused decoder with gradients" in err
+    assert "sampler forward: fused decoder" in err
+    make(tiny_model_dir, fast_forward=False)
+    assert "sampler forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
+    make(tiny_model_dir, dtype="bfloat16")
+    assert "sampler forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err

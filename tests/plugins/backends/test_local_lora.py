@@ -12,7 +12,7 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
-from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model
+from grpo_core.plugins.backends.local import LocalBackend, LocalReference, TransformersForward, load_model, read_trainer_state
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
 
@@ -139,9 +139,10 @@ def test_rank_0_is_full_fine_tuning(tiny_model_dir):
 
 @pytest.mark.parametrize("targets", [ALL_PROJECTIONS, ["k_proj", "up_proj"]], ids=["all", "some_parts_of_fused"])
 def test_fast_forward_with_adapters_matches_peft_logits_and_gradients(tiny_model_dir, targets):
-    _, fast = make_trainer(tiny_model_dir, fast_forward=True, lora_target_modules=targets)
-    _, slow = make_trainer(tiny_model_dir, fast_forward=False, lora_target_modules=targets)
-    assert type(fast.forward_fn) is FastDecoder and type(slow.forward_fn) is TransformersForward
+    _, fast = make_trainer(tiny_model_dir, lora_target_modules=targets)
+    _, slow = make_trainer(tiny_model_dir, lora_target_modules=targets)
+    fast.forward_fn = FastDecoder(fast.model)  # the trainer's own is transformers'
+    assert type(slow.forward_fn) is TransformersForward
     randomize_adapters(fast.model)
     slow.model.load_state_dict(fast.model.state_dict())
     datums = datums_of(fast.tokenizer)
@@ -171,8 +172,8 @@ def test_fast_forward_falls_back_for_adapters_it_does_not_run(tiny_model_dir, tm
     config = AutoConfig.from_pretrained(untied)
     config.tie_word_embeddings = False
     config.save_pretrained(untied)
-    _, trainer = make_trainer(untied, lora_target_modules=["q_proj", "lm_head"])
-    assert type(trainer.forward_fn) is TransformersForward
+    cfg, trainer = make_trainer(untied, lora_target_modules=["q_proj", "lm_head"])
+    assert type(LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer).forward_fn) is TransformersForward
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
@@ -205,7 +206,7 @@ def test_kl_against_disabled_adapters_equals_kl_against_a_copy_of_the_base_model
     for _ in range(3):
         step(trainer, datums, lr=3e-2)
     base_model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
-    base_copy = LocalReference(base_model.requires_grad_(False), torch.device("cpu"), None, fast_forward)
+    base_copy = LocalReference(base_model.requires_grad_(False), torch.device("cpu"))
 
     policy = trainer.forward(datums)
     against_adapters_off = reference.forward(datums)
@@ -229,8 +230,8 @@ def test_checkpoint_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_m
     _, trainer = make_trainer(tiny_model_dir)
     datums = datums_of(trainer.tokenizer)
     step(trainer, datums)
-    trainer.save_state(str(tmp_path / "trainer.pt"))
-    saved = torch.load(tmp_path / "trainer.pt", weights_only=True)
+    trainer.save_state(str(tmp_path / "trainer"))
+    saved = read_trainer_state(tmp_path / "trainer")
     adapters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert set(saved) == {"adapter", "optimizer", "version"} and saved["version"] == 1
     assert set(saved["adapter"]) == set(adapters)
@@ -244,7 +245,7 @@ def test_checkpoint_holds_adapters_and_optimizer_only_and_resumes_exactly(tiny_m
     # Another trainer (other random A's) resumes from the checkpoint and takes the same step.
     _, resumed = make_trainer(tiny_model_dir, seed=7)
     assert not all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
-    resumed.load_state(str(tmp_path / "trainer.pt"))
+    resumed.load_state(str(tmp_path / "trainer"))
     assert resumed.version == 1
     step(resumed, datums)
     assert all(torch.equal(continued[n], p) for n, p in resumed.model.named_parameters())
