@@ -295,9 +295,10 @@ def format_side_by_side(name: str, results: dict[str, list[dict[str, Any]]], row
     by = {r["contender"]: r for r in rows}
     lines = [
         f"== {name}, side by side: step s = the median timed step; peak RSS = the worker's maximum resident memory "
-        "(steps: at the end of its last step, before any final save); x TRL = this row / the TRL row named",
-        f"{'contender':<20} {'step s':>7} {'min-max':>11} {'sample s':>8} {'train s':>7} {'peak RSS':>9} {'(steps)':>8}"
-        f"   {'beside':<12} {'step x TRL':>10} {'speed x TRL':>11} {'RSS x TRL':>9}",
+        "(steps: at the end of its last step, before any final save); cpu s = the median step's process CPU time "
+        "(what a loaded machine disturbs least); x TRL = this row / the TRL row named",
+        f"{'contender':<20} {'step s':>7} {'min-max':>11} {'cpu s':>6} {'sample s':>8} {'train s':>7} {'peak RSS':>9} {'(steps)':>8}"
+        f"   {'beside':<12} {'step x TRL':>10} {'speed x TRL':>11} {'cpu x TRL':>9} {'RSS x TRL':>9}",
     ]
     for contender, runs in results.items():
         skipped = next((r["skipped"] for r in runs if r.get("skipped")), None)
@@ -306,14 +307,15 @@ def format_side_by_side(name: str, results: dict[str, list[dict[str, Any]]], row
             continue
         r = by[contender]
         line = (
-            f"{contender:<20} {r['step_s']:>7.2f} {r['step_s_min']:>5.1f}-{r['step_s_max']:<5.1f} {r['sample_s']:>8.2f} "
+            f"{contender:<20} {r['step_s']:>7.2f} {r['step_s_min']:>5.1f}-{r['step_s_max']:<5.1f} {r['step_cpu_s']:>6.2f} "
+            f"{r['sample_s']:>8.2f} "
             f"{r['train_s']:>7.2f} {r['peak_rss_mb'] / 1024:>7.2f}GB {r['steps_peak_rss_mb'] / 1024:>6.2f}GB"
         )
         trl = by.get(COUNTERPART.get(contender, ""))
         if trl is not None:
             line += (
                 f"   {trl['contender']:<12} {r['step_s'] / trl['step_s']:>9.2f}x {trl['step_s'] / r['step_s']:>10.2f}x "
-                f"{r['peak_rss_mb'] / trl['peak_rss_mb']:>8.2f}x"
+                f"{r['step_cpu_s'] / trl['step_cpu_s']:>8.2f}x {r['peak_rss_mb'] / trl['peak_rss_mb']:>8.2f}x"
             )
         lines.append(line)
     return "\n".join(lines)
@@ -355,7 +357,17 @@ def main(argv: list[str] | None = None) -> int:
         "(the lock flock(1) takes: big jobs sharing a machine take turns)",
     )
     parser.add_argument("--nice", type=int, default=0, help="run every worker under this niceness increment")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: print the tables of runs saved with --json again (several: their contenders merged)",
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        return merged_report(args.report)
     chosen = args.contenders or DEFAULT_CONTENDERS.get(args.config, "grpo-core,TRL,naive")
     contenders = [c.strip() for c in chosen.split(",") if c.strip()]
     unknown = set(contenders) - set(WORKERS)
@@ -394,15 +406,42 @@ def main(argv: list[str] | None = None) -> int:
                 check_lengths(result, spec)
                 log(f"{name}: {contender} run {repeat + 1}/{args.repeats} done in {time.perf_counter() - t:.0f}s")
         probes.append(matmul_peak())
-    peak = max(p["peak_flops"] for p in probes)
+    summary = report(raw, probes, args.repeats)
+    if args.json:
+        peak = max(p["peak_flops"] for p in probes)
+        args.json.write_text(json.dumps({"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw}, indent=2))
+    return 0
 
+
+def merged_report(paths: list[Path]) -> int:
+    """Print the tables of runs saved with ``--json`` again, their contenders merged per configuration.
+
+    Each ratio still compares contenders of one run only if every run holds both sides of it.
+    """
+    raw: dict[str, Any] = {}
+    probes: list[dict[str, float]] = []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        probes += saved["probes"]
+        for name, part in saved["raw"].items():
+            into = raw.setdefault(name, {"spec": part["spec"], "results": {}})
+            into["results"].update(part["results"])
+    repeats = max(len(runs) for part in raw.values() for runs in part["results"].values())
+    report(raw, probes, repeats)
+    return 0
+
+
+def report(raw: dict[str, Any], probes: list[dict[str, float]], repeats: int) -> dict[str, Any]:
+    """Print the tables and ratios of ``raw`` (per configuration: the spec and each contender's results); return the rows."""
+    peak = max(p["peak_flops"] for p in probes)
     tables, ratios, summary = [], [], {}
-    for name in names:
+    for name in raw:
         spec = raw[name]["spec"]
         results = raw[name]["results"]
+        contenders = list(results)
         rows = [summarize(results[c], spec, peak) for c in contenders if not any(r.get("skipped") for r in results[c])]
         summary[name] = rows
-        tables.append(format_table(name, spec, rows, peak, args.repeats))
+        tables.append(format_table(name, spec, rows, peak, repeats))
         if any(c in COUNTERPART for c in contenders) and any(c.startswith("TRL") for c in contenders):
             tables.append(format_side_by_side(name, results, rows))
         by = {r["contender"]: r for r in rows}
@@ -433,9 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in ratios:
         print(line)
-    if args.json:
-        args.json.write_text(json.dumps({"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw}, indent=2))
-    return 0
+    return summary
 
 
 if __name__ == "__main__":
