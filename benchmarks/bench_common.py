@@ -99,7 +99,14 @@ def build_model(path: Path, name: str, seed: int = SEED) -> Path:
     ``<|endoftext|>`` at id V; the model's vocabulary is V, so eos is a real token that the
     tokenizer and every trainer know about but the model can never sample. Beyond the VOCAB
     trained tokens, the ids up to V are filler tokens (see ``_pad_vocab``).
+
+    A model built earlier from the same configuration and seed is reused (``built.json`` records
+    them): the real-size model is 2.4 GB, and another benchmark may be reading it.
     """
+    recipe = {"config": CONFIGS[name], "vocab": VOCAB, "seed": seed}
+    marker = path / "built.json"
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return path
     import torch
     from tokenizers import (
         AddedToken,
@@ -143,8 +150,10 @@ def build_model(path: Path, name: str, seed: int = SEED) -> Path:
         **CONFIGS[name]["model"],
     )
     path.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
     Qwen3ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+    marker.write_text(json.dumps(recipe))
     return path
 
 
