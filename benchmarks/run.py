@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.perf_counter()
                 result = run_worker(contender, spec, pythons[contender], args.threads, args.lock, args.nice)
                 raw[name]["results"][contender].append(result)
+                if args.json:  # so far: an interrupted run can still be reported (--report)
+                    args.json.write_text(json.dumps({"probes": probes, "raw": raw, "complete": False}, indent=2))
                 if result.get("skipped"):
                     log(f"{name}: {contender} skipped: not available in this grpo-core ({result['skipped']})")
                     continue
@@ -409,23 +411,27 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(raw, probes, args.repeats)
     if args.json:
         peak = max(p["peak_flops"] for p in probes)
-        args.json.write_text(json.dumps({"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw}, indent=2))
+        saved = {"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw, "complete": True}
+        args.json.write_text(json.dumps(saved, indent=2))
     return 0
 
 
 def merged_report(paths: list[Path]) -> int:
     """Print the tables of runs saved with ``--json`` again, their contenders merged per configuration.
 
-    Each ratio still compares contenders of one run only if every run holds both sides of it.
+    A ratio compares two contenders of the same run only where one file holds both. An
+    interrupted run's file holds the contenders that finished.
     """
     raw: dict[str, Any] = {}
     probes: list[dict[str, float]] = []
     for path in paths:
         saved = json.loads(path.read_text())
+        if not saved["complete"]:
+            log(f"{path}: an interrupted run (the runs that finished)")
         probes += saved["probes"]
         for name, part in saved["raw"].items():
             into = raw.setdefault(name, {"spec": part["spec"], "results": {}})
-            into["results"].update(part["results"])
+            into["results"].update({c: runs for c, runs in part["results"].items() if runs})
     repeats = max(len(runs) for part in raw.values() for runs in part["results"].values())
     report(raw, probes, repeats)
     return 0
