@@ -335,7 +335,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute / 3 real)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...); default 3, real 1",
+    )
     parser.add_argument(
         "--contenders",
         default=None,
@@ -392,11 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         with exclusive(args.lock):
             spec = prepare(name, args.steps or CONFIGS[name]["timed_steps"], CACHE / "work" / stamp / name)
         raw[name] = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "results": {c: [] for c in contenders}}
-        for repeat in range(args.repeats):
+        repeats = args.repeats or CONFIGS[name].get("repeats", 3)
+        for repeat in range(repeats):
             for contender in contenders:
                 if any(r.get("skipped") for r in raw[name]["results"][contender]):
                     continue
-                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} ...")
+                log(f"{name}: {contender} run {repeat + 1}/{repeats} ...")
                 t = time.perf_counter()
                 result = run_worker(contender, spec, pythons[contender], args.threads, args.lock, args.nice)
                 raw[name]["results"][contender].append(result)
@@ -406,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{name}: {contender} skipped: not available in this grpo-core ({result['skipped']})")
                     continue
                 check_lengths(result, spec)
-                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} done in {time.perf_counter() - t:.0f}s")
+                log(f"{name}: {contender} run {repeat + 1}/{repeats} done in {time.perf_counter() - t:.0f}s")
         probes.append(matmul_peak())
-    summary = report(raw, probes, args.repeats)
+    summary = report(raw, probes)
     if args.json:
         peak = max(p["peak_flops"] for p in probes)
         saved = {"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw, "complete": True}
@@ -432,12 +438,11 @@ def merged_report(paths: list[Path]) -> int:
         for name, part in saved["raw"].items():
             into = raw.setdefault(name, {"spec": part["spec"], "results": {}})
             into["results"].update({c: runs for c, runs in part["results"].items() if runs})
-    repeats = max(len(runs) for part in raw.values() for runs in part["results"].values())
-    report(raw, probes, repeats)
+    report(raw, probes)
     return 0
 
 
-def report(raw: dict[str, Any], probes: list[dict[str, float]], repeats: int) -> dict[str, Any]:
+def report(raw: dict[str, Any], probes: list[dict[str, float]]) -> dict[str, Any]:
     """Print the tables and ratios of ``raw`` (per configuration: the spec and each contender's results); return the rows."""
     peak = max(p["peak_flops"] for p in probes)
     tables, ratios, summary = [], [], {}
@@ -447,6 +452,7 @@ def report(raw: dict[str, Any], probes: list[dict[str, float]], repeats: int) ->
         contenders = list(results)
         rows = [summarize(results[c], spec, peak) for c in contenders if not any(r.get("skipped") for r in results[c])]
         summary[name] = rows
+        repeats = max(len(runs) for runs in results.values())
         tables.append(format_table(name, spec, rows, peak, repeats))
         if any(c in COUNTERPART for c in contenders) and any(c.startswith("TRL") for c in contenders):
             tables.append(format_side_by_side(name, results, rows))
