@@ -281,7 +281,7 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
     lines = [head, cols]
     for r in rows:
         lines.append(
-            f"{r['contender']:<20} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} "
+            f"{r['contender']:<20} {r['completions_per_s']:>8.3g} {r['completions_per_s_best']:>6.3g} "
             f"{r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
             f"{r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {r['mfu']:>6.1%} {r['mfu_all']:>7.1%} "
             f"{r['sample_s']:>8.3f} {r['reward_s']:>8.3f} {r['train_s']:>7.3f} {r['other_s']:>7.3f} "
