@@ -200,6 +200,7 @@ def run_worker(
         raise RuntimeError(f"{contender} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
     result = json.loads(result_path.read_text())
     result["contender"] = contender
+    result["timed_steps"] = spec["steps"]
     return result
 
 
@@ -213,8 +214,9 @@ def check_lengths(result: dict[str, Any], spec: dict[str, Any]) -> None:
     """Every completion of every step (warmup included) has exactly the forced length."""
     B = spec["prompts_per_step"] * spec["group_size"]
     L = spec["completion_tokens"]
-    if len(result["steps"]) != spec["steps"] + 1:
-        raise RuntimeError(f"{result['contender']}: {len(result['steps'])} steps, expected {spec['steps'] + 1}")
+    expected = result.get("timed_steps", spec["steps"]) + 1
+    if len(result["steps"]) != expected:
+        raise RuntimeError(f"{result['contender']}: {len(result['steps'])} steps, expected {expected}")
     for i, step in enumerate(result["steps"], start=1):
         lengths = step["completion_lengths"]
         if len(lengths) != B or set(lengths) != {L}:
@@ -265,14 +267,14 @@ def summarize(results: list[dict[str, Any]], spec: dict[str, Any], peak: float) 
     }
 
 
-def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float, repeats: int) -> str:
+def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float, runs: str) -> str:
     B = spec["prompts_per_step"] * spec["group_size"]
     n = spec["params"]
     head = (
         f"== {name}: Qwen3 {n['all'] / 1e6:.2f}M params ({n['non_embedding'] / 1e6:.2f}M non-embedding), "
         f"{spec['prompts_per_step']} prompts x G={spec['group_size']} = {B} completions/step, "
         f"prompt {spec['prompt_tokens']} + forced {spec['completion_tokens']} completion tokens; "
-        f"{repeats} run(s) x {spec['steps']} timed steps after 1 warmup step each"
+        f"{runs} run(s) x timed steps after 1 warmup step each"
     )
     cols = (
         f"{'contender':<20} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
@@ -437,7 +439,11 @@ def merged_report(paths: list[Path]) -> int:
         probes += saved["probes"]
         for name, part in saved["raw"].items():
             into = raw.setdefault(name, {"spec": part["spec"], "results": {}})
-            into["results"].update({c: runs for c, runs in part["results"].items() if runs})
+            for contender, runs in part["results"].items():
+                for result in runs:
+                    result.setdefault("timed_steps", part["spec"]["steps"])
+                if runs:
+                    into["results"][contender] = runs
     report(raw, probes)
     return 0
 
@@ -452,8 +458,8 @@ def report(raw: dict[str, Any], probes: list[dict[str, float]]) -> dict[str, Any
         contenders = list(results)
         rows = [summarize(results[c], spec, peak) for c in contenders if not any(r.get("skipped") for r in results[c])]
         summary[name] = rows
-        repeats = max(len(runs) for runs in results.values())
-        tables.append(format_table(name, spec, rows, peak, repeats))
+        shapes = sorted({f"{len(runs)} x {runs[0].get('timed_steps', spec['steps'])}" for runs in results.values()})
+        tables.append(format_table(name, spec, rows, peak, " or ".join(shapes)))
         if any(c in COUNTERPART for c in contenders) and any(c.startswith("TRL") for c in contenders):
             tables.append(format_side_by_side(name, results, rows))
         by = {r["contender"]: r for r in rows}
