@@ -311,7 +311,7 @@ def format_side_by_side(name: str, results: dict[str, list[dict[str, Any]]], row
         line = (
             f"{contender:<20} {r['step_s']:>7.2f} {r['step_s_min']:>5.1f}-{r['step_s_max']:<5.1f} {r['step_cpu_s']:>6.2f} "
             f"{r['sample_s']:>8.2f} "
-            f"{r['train_s']:>7.2f} {r['peak_rss_mb'] / 1024:>7.2f}GB {r['steps_peak_rss_mb'] / 1024:>6.2f}GB"
+            f"{r['train_s']:>7.2f} {r['peak_rss_mb'] / 1024:>6.2f}GiB {r['steps_peak_rss_mb'] / 1024:>5.2f}GiB"
         )
         trl = by.get(COUNTERPART.get(contender, ""))
         if trl is not None:
