@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import attrs
-from bench_common import current_rss_mb, reward_of_text
+from bench_common import current_rss_mb, peak_rss_mb, reward_of_text
 
 from grpo_core import hookimpl
 
@@ -45,7 +45,8 @@ class StepTimer:
     @hookimpl
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         t = time.perf_counter()
-        STEPS.append({"t": t, "cpu": time.process_time(), "step": step, "completion_lengths": list(_lengths), **metrics})
+        record = {"t": t, "cpu": time.process_time(), "peak_rss_mb": peak_rss_mb(), "step": step}
+        STEPS.append({**record, "completion_lengths": list(_lengths), **metrics})
         _lengths.clear()
         for callback in ON_STEP:
             callback(step)

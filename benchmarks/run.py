@@ -1,16 +1,22 @@
 """grpo-core against TRL, a hand-written PyTorch loop and this machine's matmul peak.
 
-    python benchmarks/run.py [--config overhead|compute|all] [--steps N]
+    python benchmarks/run.py [--config overhead|compute|all|real] [--steps N]
 
 See benchmarks/README.md for what is measured and how. Each contender runs in its own
 subprocess (so its peak RSS is its own) on the same locally built model, prompts, group size,
 forced completion length and number of steps; the first step of each is a warmup and is not
 timed. TRL is installed on first use into benchmarks/.venv-trl (git-ignored).
+
+``--config real`` is the Qwen3-0.6B shape with its 151,936-row vocabulary: ~8-12 GB per
+contender, so on a shared machine run it with ``--lock FILE`` (workers take turns with other
+jobs that lock the same file) and ``--nice``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -31,14 +37,47 @@ from bench_common import (
     make_prompts,
     matmul_peak,
     model_flops,
-    param_counts,
+    param_counts_of,
     write_dataset,
 )
 
 TRL_VERSION = "1.16.0"
 TRL_VENV = HERE / ".venv-trl"
-WORKERS = {"grpo-core": "run_grpo_core.py", "grpo-core-hf": "run_grpo_core.py", "TRL": "run_trl.py", "naive": "run_naive.py"}
-WORKER_ARGS = {"grpo-core-hf": ["--transformers-forward"]}
+WORKERS = {
+    "grpo-core": "run_grpo_core.py",
+    "grpo-core-hf": "run_grpo_core.py",
+    "grpo-core-bf16": "run_grpo_core.py",
+    "grpo-core-bf16-gc": "run_grpo_core.py",
+    "grpo-core-lora-bf16": "run_grpo_core.py",
+    "TRL": "run_trl.py",
+    "TRL-bf16": "run_trl.py",
+    "TRL-bf16-gc": "run_trl.py",
+    "naive": "run_naive.py",
+    "naive-bf16": "run_naive.py",
+}
+WORKER_ARGS = {
+    "grpo-core-hf": ["--transformers-forward"],
+    "grpo-core-bf16": ["--dtype", "bfloat16"],
+    "grpo-core-bf16-gc": ["--dtype", "bfloat16", "--gradient-checkpointing"],
+    "grpo-core-lora-bf16": ["--dtype", "bfloat16", "--lora-rank", "8"],
+    "TRL-bf16": ["--bf16"],
+    "TRL-bf16-gc": ["--bf16", "--gradient-checkpointing"],
+    "naive-bf16": ["--bf16"],
+}
+COUNTERPART = {
+    "grpo-core": "TRL",
+    "grpo-core-hf": "TRL",
+    "grpo-core-bf16": "TRL-bf16",
+    "grpo-core-bf16-gc": "TRL-bf16-gc",
+    "grpo-core-lora-bf16": "TRL-bf16",
+    "naive": "TRL",
+    "naive-bf16": "TRL-bf16",
+}
+"""The TRL run each contender is compared with: the same precision and checkpointing settings
+(TRL has no LoRA here, so the LoRA row stands beside TRL's full bf16 fine-tune)."""
+DEFAULT_CONTENDERS = {
+    "real": "grpo-core,grpo-core-bf16,grpo-core-bf16-gc,grpo-core-lora-bf16,TRL,TRL-bf16,TRL-bf16-gc,naive,naive-bf16",
+}
 WORKER_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -87,14 +126,14 @@ _BUILT: dict[str, Path] = {}
 
 def prepare(name: str, steps: int, work: Path, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Build the configuration's model (once per process), prompts and dataset; return the spec the workers read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     cfg = {**CONFIGS[name], **(overrides or {})}
     if name not in _BUILT:
         _BUILT[name] = build_model(CACHE / "models" / name, name)
     model_dir = _BUILT[name]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    counts = param_counts(AutoModelForCausalLM.from_pretrained(model_dir))
+    counts = param_counts_of(model_dir)
     prompts = make_prompts(tokenizer, cfg["prompt_tokens"], (steps + 1) * cfg["prompts_per_step"])
     work.mkdir(parents=True, exist_ok=True)
     spec = {
@@ -123,20 +162,46 @@ def thread_env(threads: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def run_worker(contender: str, spec: dict[str, Any], python: str, threads: int = 0) -> dict[str, Any]:
+@contextlib.contextmanager
+def exclusive(lock: Path | None):
+    """Hold an flock(2) on ``lock`` (None: nothing), the lock flock(1) takes, so big runs never overlap."""
+    if lock is None:
+        yield
+        return
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_worker(
+    contender: str, spec: dict[str, Any], python: str, threads: int = 0, lock: Path | None = None, nice: int = 0
+) -> dict[str, Any]:
+    """Run one contender's worker; its result, with ``skipped`` (a reason) when it cannot run that variant."""
     work = Path(spec["work_dir"])
     result_path = work / f"result-{contender}.json"
     log_path = work / f"log-{contender}.txt"
     result_path.unlink(missing_ok=True)
     cmd = [python, str(HERE / WORKERS[contender]), str(work / "spec.json"), str(result_path), *WORKER_ARGS.get(contender, [])]
-    with log_path.open("w") as logf:
+    with log_path.open("w") as logf, exclusive(lock):
         proc = subprocess.run(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, check=False, env={**os.environ, **WORKER_ENV, **thread_env(threads)}, cwd=work
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            check=False,
+            env={**os.environ, **WORKER_ENV, **thread_env(threads)},
+            cwd=work,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
     if proc.returncode != 0 or not result_path.exists():
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
         raise RuntimeError(f"{contender} failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return json.loads(result_path.read_text())
+    result = json.loads(result_path.read_text())
+    result["contender"] = contender
+    result["timed_steps"] = spec["steps"]
+    return result
 
 
 def median(values: list[float]) -> float:
@@ -149,8 +214,9 @@ def check_lengths(result: dict[str, Any], spec: dict[str, Any]) -> None:
     """Every completion of every step (warmup included) has exactly the forced length."""
     B = spec["prompts_per_step"] * spec["group_size"]
     L = spec["completion_tokens"]
-    if len(result["steps"]) != spec["steps"] + 1:
-        raise RuntimeError(f"{result['contender']}: {len(result['steps'])} steps, expected {spec['steps'] + 1}")
+    expected = result.get("timed_steps", spec["steps"]) + 1
+    if len(result["steps"]) != expected:
+        raise RuntimeError(f"{result['contender']}: {len(result['steps'])} steps, expected {expected}")
     for i, step in enumerate(result["steps"], start=1):
         lengths = step["completion_lengths"]
         if len(lengths) != B or set(lengths) != {L}:
@@ -195,28 +261,29 @@ def summarize(results: list[dict[str, Any]], spec: dict[str, Any], peak: float) 
         "train_s": mid["train"],
         "other_s": step - mid["sample"] - mid["reward"] - mid["train"],
         "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+        "steps_peak_rss_mb": max(r["steps"][-1].get("peak_rss_mb") or 0.0 for r in results),
         "rss_start_mb": max(r.get("rss_start_mb") or 0.0 for r in results),
         "versions": results[0]["versions"],
     }
 
 
-def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float, repeats: int) -> str:
+def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], peak: float, runs: str) -> str:
     B = spec["prompts_per_step"] * spec["group_size"]
     n = spec["params"]
     head = (
         f"== {name}: Qwen3 {n['all'] / 1e6:.2f}M params ({n['non_embedding'] / 1e6:.2f}M non-embedding), "
         f"{spec['prompts_per_step']} prompts x G={spec['group_size']} = {B} completions/step, "
         f"prompt {spec['prompt_tokens']} + forced {spec['completion_tokens']} completion tokens; "
-        f"{repeats} run(s) x {spec['steps']} timed steps after 1 warmup step each"
+        f"{runs} run(s) x timed steps after 1 warmup step each"
     )
     cols = (
-        f"{'contender':<12} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
+        f"{'contender':<20} {'compl/s':>8} {'(best)':>6} {'tok/s':>7} {'step s':>7} {'min-max':>11} {'MFU':>6} {'MFU all':>7} "
         f"{'sample s':>8} {'reward s':>8} {'train s':>7} {'other s':>7} {'smpl MFU':>8} {'trn MFU':>7} {'peak RSS':>9}"
     )
     lines = [head, cols]
     for r in rows:
         lines.append(
-            f"{r['contender']:<12} {r['completions_per_s']:>8.1f} {r['completions_per_s_best']:>6.1f} "
+            f"{r['contender']:<20} {r['completions_per_s']:>8.3g} {r['completions_per_s_best']:>6.3g} "
             f"{r['tokens_per_s']:>7.0f} {r['step_s']:>7.3f} "
             f"{r['step_s_min']:>5.2f}-{r['step_s_max']:<5.2f} {r['mfu']:>6.1%} {r['mfu_all']:>7.1%} "
             f"{r['sample_s']:>8.3f} {r['reward_s']:>8.3f} {r['train_s']:>7.3f} {r['other_s']:>7.3f} "
@@ -225,20 +292,62 @@ def format_table(name: str, spec: dict[str, Any], rows: list[dict[str, Any]], pe
     return "\n".join(lines)
 
 
+def format_side_by_side(name: str, results: dict[str, list[dict[str, Any]]], rows: list[dict[str, Any]]) -> str:
+    """Every contender beside the TRL run with its precision and checkpointing (``COUNTERPART``)."""
+    by = {r["contender"]: r for r in rows}
+    lines = [
+        f"== {name}, side by side: step s = the median timed step; peak RSS = the worker's maximum resident memory "
+        "(steps: at the end of its last step, before any final save); cpu s = the median step's process CPU time "
+        "(what a loaded machine disturbs least); x TRL = this row / the TRL row named",
+        f"{'contender':<20} {'step s':>7} {'min-max':>11} {'cpu s':>6} {'sample s':>8} {'train s':>7} {'peak RSS':>9} {'(steps)':>8}"
+        f"   {'beside':<12} {'step x TRL':>10} {'speed x TRL':>11} {'cpu x TRL':>9} {'RSS x TRL':>9}",
+    ]
+    for contender, runs in results.items():
+        skipped = next((r["skipped"] for r in runs if r.get("skipped")), None)
+        if skipped:
+            lines.append(f"{contender:<20} not available in this grpo-core ({skipped})")
+            continue
+        r = by[contender]
+        line = (
+            f"{contender:<20} {r['step_s']:>7.2f} {r['step_s_min']:>5.1f}-{r['step_s_max']:<5.1f} {r['step_cpu_s']:>6.2f} "
+            f"{r['sample_s']:>8.2f} "
+            f"{r['train_s']:>7.2f} {r['peak_rss_mb'] / 1024:>6.2f}GiB {r['steps_peak_rss_mb'] / 1024:>5.2f}GiB"
+        )
+        trl = by.get(COUNTERPART.get(contender, ""))
+        if trl is not None:
+            line += (
+                f"   {trl['contender']:<12} {r['step_s'] / trl['step_s']:>9.2f}x {trl['step_s'] / r['step_s']:>10.2f}x "
+                f"{r['step_cpu_s'] / trl['step_cpu_s']:>8.2f}x {r['peak_rss_mb'] / trl['peak_rss_mb']:>8.2f}x"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", choices=["overhead", "compute", "all"], default="all")
+    parser.add_argument(
+        "--config",
+        choices=["overhead", "compute", "all", "real"],
+        default="all",
+        help="all = overhead + compute; real = the Qwen3-0.6B shape, 151,936-row vocabulary (~8-12 GB per contender)",
+    )
     parser.add_argument(
         "--steps",
         type=int,
         default=None,
-        help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute)",
+        help="timed steps per run, after one warmup step (default: the configuration's, 20 overhead / 5 compute / 3 real)",
     )
-    parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="runs per contender, interleaved (grpo-core, TRL, naive, grpo-core, ...); default 3, real 1",
+    )
     parser.add_argument(
         "--contenders",
-        default="grpo-core,TRL,naive",
-        help="comma-separated subset of grpo-core,TRL,naive,grpo-core-hf (grpo-core on transformers' own forward)",
+        default=None,
+        help=f"comma-separated subset of {','.join(WORKERS)} (grpo-core-hf: grpo-core on transformers' own forward); "
+        f"default grpo-core,TRL,naive, on real {DEFAULT_CONTENDERS['real']}",
     )
     parser.add_argument(
         "--threads",
@@ -247,16 +356,36 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads for every contender and the matmul probe (default 1: the machine is shared; 0 = torch's default, all cores)",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this file")
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="hold an exclusive flock on this file while a model is built and while each worker runs "
+        "(the lock flock(1) takes: big jobs sharing a machine take turns)",
+    )
+    parser.add_argument("--nice", type=int, default=0, help="run every worker under this niceness increment")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: print the tables of runs saved with --json again (several: their contenders merged)",
+    )
     args = parser.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    if args.report:
+        return merged_report(args.report)
+    chosen = args.contenders or DEFAULT_CONTENDERS.get(args.config, "grpo-core,TRL,naive")
+    contenders = [c.strip() for c in chosen.split(",") if c.strip()]
     unknown = set(contenders) - set(WORKERS)
     if unknown:
         parser.error(f"unknown contenders {sorted(unknown)}; choose from {list(WORKERS)}")
     names = ["overhead", "compute"] if args.config == "all" else [args.config]
 
     pythons = {c: sys.executable for c in contenders}
-    if "TRL" in contenders:
-        pythons["TRL"] = str(ensure_trl_venv())
+    if any(WORKERS[c] == "run_trl.py" for c in contenders):
+        trl_python = str(ensure_trl_venv())
+        pythons.update({c: trl_python for c in contenders if WORKERS[c] == "run_trl.py"})
 
     if args.threads > 0:
         import torch
@@ -267,25 +396,72 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     raw: dict[str, Any] = {}
     for name in names:
-        spec = prepare(name, args.steps or CONFIGS[name]["timed_steps"], CACHE / "work" / stamp / name)
+        with exclusive(args.lock):
+            spec = prepare(name, args.steps or CONFIGS[name]["timed_steps"], CACHE / "work" / stamp / name)
         raw[name] = {"spec": {k: v for k, v in spec.items() if k != "prompts"}, "results": {c: [] for c in contenders}}
-        for repeat in range(args.repeats):
+        repeats = args.repeats or CONFIGS[name].get("repeats", 3)
+        for repeat in range(repeats):
             for contender in contenders:
-                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} ...")
+                if any(r.get("skipped") for r in raw[name]["results"][contender]):
+                    continue
+                log(f"{name}: {contender} run {repeat + 1}/{repeats} ...")
                 t = time.perf_counter()
-                result = run_worker(contender, spec, pythons[contender], args.threads)
-                check_lengths(result, spec)
+                result = run_worker(contender, spec, pythons[contender], args.threads, args.lock, args.nice)
                 raw[name]["results"][contender].append(result)
-                log(f"{name}: {contender} run {repeat + 1}/{args.repeats} done in {time.perf_counter() - t:.0f}s")
+                if args.json:  # so far: an interrupted run can still be reported (--report)
+                    args.json.write_text(json.dumps({"probes": probes, "raw": raw, "complete": False}, indent=2))
+                if result.get("skipped"):
+                    log(f"{name}: {contender} skipped: not available in this grpo-core ({result['skipped']})")
+                    continue
+                check_lengths(result, spec)
+                log(f"{name}: {contender} run {repeat + 1}/{repeats} done in {time.perf_counter() - t:.0f}s")
         probes.append(matmul_peak())
-    peak = max(p["peak_flops"] for p in probes)
+    summary = report(raw, probes)
+    if args.json:
+        peak = max(p["peak_flops"] for p in probes)
+        saved = {"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw, "complete": True}
+        args.json.write_text(json.dumps(saved, indent=2))
+    return 0
 
+
+def merged_report(paths: list[Path]) -> int:
+    """Print the tables of runs saved with ``--json`` again, their contenders merged per configuration.
+
+    A ratio compares two contenders of the same run only where one file holds both. An
+    interrupted run's file holds the contenders that finished.
+    """
+    raw: dict[str, Any] = {}
+    probes: list[dict[str, float]] = []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        if not saved["complete"]:
+            log(f"{path}: an interrupted run (the runs that finished)")
+        probes += saved["probes"]
+        for name, part in saved["raw"].items():
+            into = raw.setdefault(name, {"spec": part["spec"], "results": {}})
+            for contender, runs in part["results"].items():
+                for result in runs:
+                    result.setdefault("timed_steps", part["spec"]["steps"])
+                if runs:
+                    into["results"][contender] = runs
+    report(raw, probes)
+    return 0
+
+
+def report(raw: dict[str, Any], probes: list[dict[str, float]]) -> dict[str, Any]:
+    """Print the tables and ratios of ``raw`` (per configuration: the spec and each contender's results); return the rows."""
+    peak = max(p["peak_flops"] for p in probes)
     tables, ratios, summary = [], [], {}
-    for name in names:
+    for name in raw:
         spec = raw[name]["spec"]
-        rows = [summarize(raw[name]["results"][c], spec, peak) for c in contenders]
+        results = raw[name]["results"]
+        contenders = list(results)
+        rows = [summarize(results[c], spec, peak) for c in contenders if not any(r.get("skipped") for r in results[c])]
         summary[name] = rows
-        tables.append(format_table(name, spec, rows, peak, args.repeats))
+        shapes = sorted({f"{len(runs)} x {runs[0].get('timed_steps', spec['steps'])}" for runs in results.values()})
+        tables.append(format_table(name, spec, rows, peak, " or ".join(shapes)))
+        if any(c in COUNTERPART for c in contenders) and any(c.startswith("TRL") for c in contenders):
+            tables.append(format_side_by_side(name, results, rows))
         by = {r["contender"]: r for r in rows}
         if "grpo-core" in by:
             for other in ("TRL", "naive", "grpo-core-hf"):
@@ -314,9 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in ratios:
         print(line)
-    if args.json:
-        args.json.write_text(json.dumps({"peak_flops": peak, "probes": probes, "summary": summary, "raw": raw}, indent=2))
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,34 +1,40 @@
 """Benchmark worker: the same GRPO step in plain PyTorch + transformers, no framework.
 
-``python run_naive.py SPEC.json RESULT.json``. Per step: ``model.generate`` (KV cache,
+``python run_naive.py SPEC.json RESULT.json [--bf16]``. Per step: ``model.generate`` (KV cache,
 temperature 1, no top-k/top-p) for every prompt G times in one batch, decode, reward,
 group-normalized advantages, one forward over prompt+completion keeping only the completion
 logits, the clipped GRPO surrogate (on-policy: ratio = exp(logp - logp.detach())), backward,
 gradient clipping at 1.0, AdamW. What a person would write by hand: the floor a framework adds
-its overhead to.
+its overhead to. ``--bf16``: generate and the training forward under bf16 autocast, the weights
+and AdamW state in fp32 (what TRL's ``bf16=True`` does).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import current_rss_mb, load_spec, reward_of_text, write_result
+from bench_common import current_rss_mb, load_spec, peak_rss_mb, reward_of_text, write_result
 
 
-def main(spec_path: str, result_path: str) -> None:
+def main(spec_path: str, result_path: str, *flags: str) -> None:
     import torch
     import transformers
 
+    unknown = set(flags) - {"--bf16"}
+    if unknown:
+        raise SystemExit(f"run_naive.py: unknown flags {sorted(unknown)}")
     info: dict = {}
-    steps = naive_loop(load_spec(spec_path), info=info)
+    steps = naive_loop(load_spec(spec_path), info=info, bf16="--bf16" in flags)
     write_result(
         result_path,
         {
             "contender": "naive",
+            "flags": list(flags),
             "rss_start_mb": info.get("rss_start_mb"),
             "steps": steps,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -41,8 +47,10 @@ def main(spec_path: str, result_path: str) -> None:
     )
 
 
-def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]:
-    """Run warmup + spec["steps"] steps; ``on_step(step)`` is called after each (step 1 = warmup)."""
+def naive_loop(spec: dict, on_step=None, info: dict | None = None, bf16: bool = False) -> list[dict]:
+    """Run warmup + spec["steps"] steps; ``on_step(step)`` is called after each (step 1 = warmup).
+
+    ``bf16``: the model runs under CPU bf16 autocast (weights and optimizer state stay fp32)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -54,6 +62,7 @@ def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]
     P, L, G, B = spec["prompt_tokens"], spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
     prompts = spec["prompts"]
     eps = 0.2
+    precision = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else nullcontext
     if info is not None:
         info["rss_start_mb"] = current_rss_mb()
     steps = []
@@ -62,7 +71,7 @@ def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]
         batch = prompts[step * B : (step + 1) * B]
         t0 = time.perf_counter()
         input_ids = torch.tensor([tokenizer(p)["input_ids"] for p in batch]).repeat_interleave(G, dim=0)
-        with torch.no_grad():
+        with torch.no_grad(), precision():
             out = model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
@@ -80,7 +89,8 @@ def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]
         rewards = torch.tensor([reward_of_text(t) for t in texts]).view(B, G)
         advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-8)).view(-1, 1)
         t2 = time.perf_counter()
-        logits = model(input_ids=out[:, :-1], logits_to_keep=L, use_cache=False).logits
+        with precision():
+            logits = model(input_ids=out[:, :-1], logits_to_keep=L, use_cache=False).logits
         logprobs = torch.gather(logits.float().log_softmax(-1), -1, completion.unsqueeze(-1)).squeeze(-1)
         ratio = torch.exp(logprobs - logprobs.detach())
         surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - eps, 1 + eps) * advantages)
@@ -98,6 +108,7 @@ def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]
                 "reward": t2 - t1,
                 "train": t3 - t2,
                 "completion_lengths": [int(completion.shape[1])] * completion.shape[0],
+                "peak_rss_mb": peak_rss_mb(),
             }
         )
         prev, prev_cpu = t3, cpu
@@ -107,4 +118,4 @@ def naive_loop(spec: dict, on_step=None, info: dict | None = None) -> list[dict]
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])

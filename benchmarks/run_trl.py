@@ -1,15 +1,20 @@
 """Benchmark worker: TRL's GRPOTrainer (run in benchmarks/.venv-trl, which run.py sets up).
 
-``.venv-trl/bin/python run_trl.py SPEC.json RESULT.json``. Configured to do the same work as
+``.venv-trl/bin/python run_trl.py SPEC.json RESULT.json [--bf16] [--gradient-checkpointing]``.
+Configured to do the same work as
 grpo-core: G completions for each of the step's prompts generated in one batch with
 transformers ``generate`` (no vLLM), one optimizer step per generation batch (no gradient
 accumulation, num_iterations=1, so no extra old-logprob forward), beta=0 (no reference model),
 loss_type="grpo", temperature 1, no top-k/top-p, fp32 on the CPU, and gradient checkpointing
-off (TRL turns it on by default; grpo-core does not recompute activations).
+off (TRL turns it on by default; grpo-core did not recompute activations). ``--bf16`` is
+GRPOConfig's ``bf16=True`` (the Trainer's bf16 autocast over the fp32 model and optimizer state),
+``--gradient-checkpointing`` its ``gradient_checkpointing=True`` with TRL's own checkpointing
+arguments.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -17,14 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import current_rss_mb, load_spec, reward_of_text, write_result
+from bench_common import current_rss_mb, load_spec, peak_rss_mb, reward_of_text, write_result
 
 
 def bench_reward(completions, **kwargs):
     return [reward_of_text(c) for c in completions]
 
 
-def main(spec_path: str, result_path: str) -> None:
+def main(spec_path: str, result_path: str, *flags: str) -> None:
     import datasets
     import torch
     import transformers
@@ -32,9 +37,13 @@ def main(spec_path: str, result_path: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    parser = argparse.ArgumentParser(prog="run_trl.py SPEC RESULT")
+    parser.add_argument("--bf16", action="store_true", help="GRPOConfig bf16=True")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="GRPOConfig gradient_checkpointing=True")
+    settings = parser.parse_args(list(flags))
     spec = load_spec(spec_path)
     L, G, B = spec["completion_tokens"], spec["group_size"], spec["prompts_per_step"]
-    record: dict[str, list] = {"ends": [], "cpu_ends": [], "generate": [], "gen_and_score": [], "lengths": []}
+    record: dict[str, list] = {"ends": [], "cpu_ends": [], "peaks": [], "generate": [], "gen_and_score": [], "lengths": []}
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _generate(self, prompts):
@@ -57,6 +66,7 @@ def main(spec_path: str, result_path: str) -> None:
         def on_step_end(self, args, state, control, **kwargs):
             record["ends"].append(time.perf_counter())
             record["cpu_ends"].append(time.process_time())
+            record["peaks"].append(peak_rss_mb())
 
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
@@ -65,8 +75,8 @@ def main(spec_path: str, result_path: str) -> None:
     args = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
         use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
+        bf16=settings.bf16,
+        gradient_checkpointing=settings.gradient_checkpointing,
         per_device_train_batch_size=B * G,
         gradient_accumulation_steps=1,
         num_generations=G,
@@ -110,6 +120,7 @@ def main(spec_path: str, result_path: str) -> None:
                 "reward": gen_score - record["generate"][i],
                 "train": period - gen_score,
                 "completion_lengths": record["lengths"][i],
+                "peak_rss_mb": record["peaks"][i],
             }
         )
         prev, prev_cpu = end, record["cpu_ends"][i]
@@ -117,6 +128,7 @@ def main(spec_path: str, result_path: str) -> None:
         result_path,
         {
             "contender": "TRL",
+            "flags": list(flags),
             "rss_start_mb": record.get("rss_start_mb"),
             "steps": out_steps,
             "versions": {"trl": trl.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
@@ -130,4 +142,4 @@ def main(spec_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])
