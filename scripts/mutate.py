@@ -43,7 +43,13 @@ TESTS: dict[str, list[str]] = {
     "core/data.py": ["tests/core/test_data.py", "tests/core/test_data_*.py"],
     "core/loop.py": ["tests/core/test_config.py::test_learning_rate_warmup_then_decay", "tests/core/test_lr_schedule.py"],
     "core/plugins_manager.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
-    "plugins/samplers/local.py": ["tests/plugins/samplers/test_local.py", "tests/plugins/samplers/test_local_*.py"],
+    # The sampling rules (temperature, top-k, top-p, stop tokens and strings) are tested through the backend.
+    "plugins/samplers/local.py": [
+        "tests/plugins/backends/test_local.py::test_sampler_logprobs_follow_temperature_and_top_k",
+        "tests/plugins/backends/test_local.py::test_finish_reason_is_stop_at_a_stop_token_and_length_at_max_tokens",
+        "tests/plugins/backends/test_local.py::test_stop_strings_end_completions_and_are_reported_as_stop",
+        "tests/plugins/samplers/test_local_*.py",
+    ],
 }
 # plugins/<kind>/<name>.py -> tests/plugins/<kind>/test_<name>*.py, then the kind's shared files.
 SHARED_TESTS = {
