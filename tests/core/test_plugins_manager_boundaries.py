@@ -38,3 +38,15 @@ def test_list_items_are_coerced_to_the_item_type_and_an_untyped_list_keeps_them(
     assert coerce("1,2", list[int]) == [1, 2]
     assert coerce(["0.5", 2], list[float]) == [0.5, 2.0]
     assert coerce("a,1", typing.List) == ["a", "1"]  # noqa: UP006 (the unsubscripted form has no item type)
+
+
+@pytest.mark.parametrize(("value", "annotation", "expected"), [(True, bool, True), (False, bool, False), (7, int, 7), (0, int, 0)])
+def test_a_value_already_of_the_declared_type_is_kept(value, annotation, expected):
+    result = coerce(value, annotation)
+    assert result == expected and type(result) is annotation
+
+
+def test_a_non_string_for_a_string_option_is_named_as_such():
+    with pytest.raises(TypeError, match="^expected a string, got 3$"):
+        coerce(3, str)
+    assert coerce("3", str) == "3"
