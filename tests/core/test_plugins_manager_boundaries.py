@@ -50,3 +50,14 @@ def test_a_non_string_for_a_string_option_is_named_as_such():
     with pytest.raises(TypeError, match="^expected a string, got 3$"):
         coerce(3, str)
     assert coerce("3", str) == "3"
+
+
+class Endpoint:
+    """An option type that is neither a builtin nor a typing construct."""
+
+
+def test_an_option_of_a_class_type_takes_an_instance_and_refuses_anything_else():
+    endpoint = Endpoint()
+    assert coerce(endpoint, Endpoint) is endpoint
+    with pytest.raises(TypeError, match="^expected Endpoint, got 'http://x'$"):
+        coerce("http://x", Endpoint)
