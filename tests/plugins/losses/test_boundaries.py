@@ -63,3 +63,18 @@ def test_dapo_a_term_exactly_at_the_dual_clip_cap_is_not_counted_as_capped():
     out = call_loss([make_plugin("dapo", eps_low=0.2, eps_high=2.0, dual_clip=2.0, agg="token-sum")], inputs)
     assert out.metrics["loss/clip_frac_dual"] == 0.0
     assert out.loss.item() == 2.0
+
+
+def test_tis_multiplies_weights_the_caller_already_set():
+    # π_old/π_s = 1.5 (under the cap of 2) on top of a weight of 0.5 already in the inputs: w = 0.75.
+    inputs = LossInputs(
+        logprobs=[torch.tensor([-1.0], dtype=torch.float64, requires_grad=True)],
+        old_logprobs=[torch.tensor([-1.0], dtype=torch.float64)],
+        sampling_logprobs=[torch.tensor([-1.0 - math.log(1.5)], dtype=torch.float64)],
+        mask=[torch.ones(1, dtype=torch.float64)],
+        advantages=[torch.ones(1, dtype=torch.float64)],
+        tis_weights=[torch.tensor([0.5], dtype=torch.float64)],
+    )
+    out = call_loss([make_plugin("tis"), make_plugin("loss.reinforce", agg="token-sum")], inputs)
+    assert out.loss.item() == pytest.approx(0.75)  # −A·w·log π = −1 · 0.75 · (−1)
+    assert inputs.tis_weights[0].item() == 0.5
