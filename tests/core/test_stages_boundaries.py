@@ -10,7 +10,8 @@ from grpo_core import hookimpl
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
-from grpo_core.stages import compute_advantages, score_groups
+from grpo_core.stages import compute_advantages, score_groups, turn_contexts
+from grpo_core.types import Turn
 from tests.core.test_stages import group, selection_of
 
 
@@ -45,3 +46,10 @@ def test_an_empty_group_is_counted_as_skipped_not_failed():
     kept, metrics = compute_advantages(build_manager([GRPOAdvantage()]), [[], scored, []], drop_zero_variance=True)
     assert len(kept) == 1
     assert metrics["groups/skipped"] == 2.0 and metrics["groups/dropped_failed"] == 0.0 and metrics["groups/kept"] == 1.0
+
+
+def test_two_turns_have_two_contexts_to_score():
+    sample = group(["x"])[0]
+    sample.tokens = list(range(12))
+    sample.turns = [Turn(3, 6, 9), Turn(9, 12, 12)]
+    assert turn_contexts(sample) == [3, 9]

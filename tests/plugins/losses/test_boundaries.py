@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo_core import LossInputs, call_loss, make_plugin
+from grpo_core.loss import aggregate
 
 
 def one_sequence(logprobs, old, adv, mask=None):
@@ -78,3 +79,11 @@ def test_tis_multiplies_weights_the_caller_already_set():
     out = call_loss([make_plugin("tis"), make_plugin("loss.reinforce", agg="token-sum")], inputs)
     assert out.loss.item() == pytest.approx(0.75)  # −A·w·log π = −1 · 0.75 · (−1)
     assert inputs.tis_weights[0].item() == 0.5
+
+
+def test_token_mean_of_a_single_trained_token_is_that_tokens_term():
+    # num_tokens = 1: the normalizer's floor of 1 token does not bind, the mean is the term itself.
+    inputs = one_sequence([-3.0, -1.0], [-3.0, -1.0], [1.0, 1.0], mask=[0.0, 1.0])
+    padded = inputs.padded()
+    assert padded.num_tokens == 1.0
+    assert aggregate(padded.logprobs_B_T, padded, "token-mean").item() == -1.0
