@@ -39,7 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # Source file -> its tests, the most specific first (``-x`` stops at the first failure).
 TESTS: dict[str, list[str]] = {
     "core/loss.py": ["tests/core/test_loss.py", "tests/plugins/losses/test_grpo.py", "tests/plugins/losses/test_boundaries.py"],
-    "core/stages.py": ["tests/core/test_stages.py", "tests/core/test_reward_timeout.py", "tests/core/test_stages_*.py"],
+    "core/stages.py": [
+        "tests/core/test_stages.py",
+        "tests/core/test_reward_timeout.py",
+        "tests/core/test_train_step.py::test_greedy_chunks",
+        "tests/core/test_stages_*.py",
+    ],
     "core/data.py": ["tests/core/test_data.py", "tests/core/test_data_*.py"],
     "core/loop.py": ["tests/core/test_config.py::test_learning_rate_warmup_then_decay", "tests/core/test_lr_schedule.py"],
     "core/plugins_manager.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
