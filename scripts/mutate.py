@@ -318,15 +318,17 @@ def restore_leftovers(paths: list[str]) -> None:
             print(f"restored {path} from a backup a killed run left", file=sys.stderr)
 
 
-def earlier_kills(report: str | None) -> set[tuple]:
-    """Mutants an earlier report has killed: tests are only ever added, so they stay killed."""
+def earlier_verdicts(report: str | None) -> dict[tuple, str]:
+    """Each mutant's verdict in an earlier report: tests are only ever added, so a kill stays a kill."""
     if report is None:
-        return set()
+        return {}
     records = [json.loads(line) for line in Path(report).read_text().splitlines() if line.strip()]
-    return {(r["path"], r["line"], r["col"], r["mutation"], r["code"]) for r in records if r["verdict"] != "survived"}
+    return {(r["path"], r["line"], r["col"], r["mutation"], r["code"]): r["verdict"] for r in records}
 
 
-def mutate_file(path: str, only: set[str], report: Any, timeout_factor: float, killed_before: set[tuple]) -> dict[str, int]:
+def mutate_file(
+    path: str, only: set[str], report: Any, timeout_factor: float, before: dict[tuple, str], reported_only: bool
+) -> dict[str, int]:
     target = ROOT / path
     backup = ROOT / (path + ".mutate-backup")
     tests = tests_for(path)
@@ -334,8 +336,10 @@ def mutate_file(path: str, only: set[str], report: Any, timeout_factor: float, k
     lines = original.decode().splitlines()
     todo = mutants(path, only)
     keys = {m: (path, m.line, m.col, m.what, lines[m.line - 1].strip()) for m in todo}
+    if reported_only:
+        todo = [m for m in todo if keys[m] in before]
     timeout = 0.0
-    if any(key not in killed_before for key in keys.values()):
+    if any(before.get(keys[m], "survived") == "survived" for m in todo):
         started = time.monotonic()
         if run_tests(tests, 1800) != "survived":
             raise SystemExit(f"{path}: its tests {tests} fail on the unmutated file; fix them first")
@@ -346,8 +350,8 @@ def mutate_file(path: str, only: set[str], report: Any, timeout_factor: float, k
     try:
         for mutant in todo:
             line = keys[mutant][4]
-            if keys[mutant] in killed_before:
-                verdict = "killed"
+            if before.get(keys[mutant], "survived") != "survived":
+                verdict = before[keys[mutant]]
             else:
                 target.write_text(mutant.source)
                 verdict = run_tests(tests, timeout)
@@ -370,6 +374,7 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the mutants and stop")
     parser.add_argument("--report", default="mutation-report.jsonl", help="one JSON line per mutant (appended)")
     parser.add_argument("--rerun", metavar="REPORT", help="run only the mutants that REPORT (an earlier run) did not kill")
+    parser.add_argument("--reported-only", action="store_true", help="with --rerun: leave out the mutants REPORT does not list")
     parser.add_argument("--timeout-factor", type=float, default=4.0, help="timeout = this x the clean run's time")
     args = parser.parse_args()
     targets = [(t.split(":")[0], set(filter(None, t.split(":")[1].split(","))) if ":" in t else set()) for t in args.targets]
@@ -387,11 +392,11 @@ def main() -> None:
     import transformers  # noqa: F401
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks that restore files
-    killed_before = earlier_kills(args.rerun)
+    before = earlier_verdicts(args.rerun)
     totals = {"killed": 0, "survived": 0, "timeout": 0}
     with open(args.report, "a") as report:
         for path, only in targets:
-            counts = mutate_file(path, only, report, args.timeout_factor, killed_before)
+            counts = mutate_file(path, only, report, args.timeout_factor, before, args.reported_only)
             n = sum(counts.values())
             score = 100.0 * (counts["killed"] + counts["timeout"]) / n if n else 100.0
             print(
