@@ -338,7 +338,7 @@ def mutate_file(
     keys = {m: (path, m.line, m.col, m.what, lines[m.line - 1].strip()) for m in todo}
     if reported_only:
         todo = [m for m in todo if keys[m] in before]
-    timeout = 0.0
+    timeout = 0.0  # no clean run when every mutant is already decided (or there is none)
     if any(before.get(keys[m], "survived") == "survived" for m in todo):
         started = time.monotonic()
         if run_tests(tests, 1800) != "survived":
