@@ -162,3 +162,9 @@ def test_a_step_with_no_samples_is_skipped_without_an_optimizer_step():
     trainer = FakeTrainer()
     metrics = train_on_groups(build_manager([InputsSpy()]), trainer, None, [[], []], RunConfig(), 0.01)
     assert metrics == {"train/skipped": 1.0} and trainer.optim_calls == []
+
+
+def test_a_step_of_one_trained_token_reports_its_means_unscaled():
+    samples = step_samples()[1:2]  # one trained token
+    _, metrics, _ = train(samples)
+    assert metrics["loss/mean_seen"] == 1.0 and metrics["loss/policy"] == 1.0
