@@ -87,3 +87,13 @@ def test_token_mean_of_a_single_trained_token_is_that_tokens_term():
     padded = inputs.padded()
     assert padded.num_tokens == 1.0
     assert aggregate(padded.logprobs_B_T, padded, "token-mean").item() == -1.0
+
+
+def test_seq_mean_token_sum_norm_refuses_a_max_tokens_of_zero():
+    inputs = one_sequence([-1.0], [-1.0], [1.0])
+    inputs.max_tokens = 0
+    padded = inputs.padded()
+    with pytest.raises(ValueError, match="needs LossInputs.max_tokens"):
+        aggregate(padded.logprobs_B_T, padded, "seq-mean-token-sum-norm")
+    padded.max_tokens = 1
+    assert aggregate(padded.logprobs_B_T, padded, "seq-mean-token-sum-norm").item() == -1.0
