@@ -14,7 +14,7 @@ from grpo_core.config import RunConfig
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
-from grpo_core.stages import compute_advantages, score_groups, train_on_groups, turn_contexts
+from grpo_core.stages import compute_advantages, fwd_bwd_chunks, score_groups, train_on_groups, turn_contexts
 from grpo_core.types import Turn
 from tests.core.test_stages import group, selection_of
 
@@ -168,3 +168,8 @@ def test_a_step_of_one_trained_token_reports_its_means_unscaled():
     samples = step_samples()[1:2]  # one trained token
     _, metrics, _ = train(samples)
     assert metrics["loss/mean_seen"] == 1.0 and metrics["loss/policy"] == 1.0
+
+
+def test_a_short_tail_joins_the_last_call_of_many():
+    assert fwd_bwd_chunks(13, 3, 4) == [range(0, 4), range(4, 8), range(8, 13)]
+    assert fwd_bwd_chunks(11, 3, 4) == [range(0, 4), range(4, 8), range(8, 11)]  # a tail of min_size stays
