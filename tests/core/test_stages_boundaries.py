@@ -16,7 +16,7 @@ from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
 from grpo_core.stages import compute_advantages, fwd_bwd_chunks, score_groups, train_on_groups, turn_contexts
 from grpo_core.types import Turn
-from tests.core.test_stages import group, selection_of
+from tests.core.test_stages import TableReward, group, selection_of
 
 
 @attrs.define
@@ -173,3 +173,11 @@ def test_a_step_of_one_trained_token_reports_its_means_unscaled():
 def test_a_short_tail_joins_the_last_call_of_many():
     assert fwd_bwd_chunks(13, 3, 4) == [range(0, 4), range(4, 8), range(8, 13)]
     assert fwd_bwd_chunks(11, 3, 4) == [range(0, 4), range(4, 8), range(8, 11)]  # a tail of min_size stays
+
+
+def test_reward_std_of_one_and_of_two_samples():
+    table = TableReward({"x": 1.0, "y": 0.0})
+    one = score_groups(selection_of(WeightedReward("r", 1.0, table)), [group(["x"])], max_failures_in_a_row=10)
+    assert one["reward/std"] == 0.0
+    two = score_groups(selection_of(WeightedReward("r", 1.0, table)), [group(["x", "y"])], max_failures_in_a_row=10)
+    assert two["reward/std"] == 0.5 and two["reward/total"] == 0.5
