@@ -178,6 +178,6 @@ def test_a_short_tail_joins_the_last_call_of_many():
 def test_reward_std_of_one_and_of_two_samples():
     table = TableReward({"x": 1.0, "y": 0.0})
     one = score_groups(selection_of(WeightedReward("r", 1.0, table)), [group(["x"])], max_failures_in_a_row=10)
-    assert one["reward/std"] == 0.0
+    assert one["reward/std"] == 0.0 and one["reward/total"] == 1.0 and one["reward/failed"] == 0.0
     two = score_groups(selection_of(WeightedReward("r", 1.0, table)), [group(["x", "y"])], max_failures_in_a_row=10)
     assert two["reward/std"] == 0.5 and two["reward/total"] == 0.5
