@@ -173,6 +173,7 @@ def test_a_step_of_one_trained_token_reports_its_means_unscaled():
 def test_a_short_tail_joins_the_last_call_of_many():
     assert fwd_bwd_chunks(13, 3, 4) == [range(0, 4), range(4, 8), range(8, 13)]
     assert fwd_bwd_chunks(11, 3, 4) == [range(0, 4), range(4, 8), range(8, 11)]  # a tail of min_size stays
+    assert fwd_bwd_chunks(5, 3, 4) == [range(0, 5)]  # two calls become one
 
 
 def test_reward_std_of_one_and_of_two_samples():
