@@ -10,7 +10,7 @@ were wrong. The file is restored after each mutant and on any exit (Ctrl-C, SIGT
 Heavy imports (torch, transformers, pytest) are done once; each mutant's tests run in a
 forked child, so a mutant costs its tests, not the interpreter start.
 
-    python scripts/mutate.py plugins/losses/grpo.py core/loop.py:learning_rate
+    python scripts/mutate.py plugins/losses/grpo.py core/stages.py:learning_rate
     python scripts/mutate.py --list plugins/samplers/local.py:_draw
 
 ``path:name,name`` limits a file to the functions (or classes) of those names. Not run in CI:
@@ -44,10 +44,12 @@ TESTS: dict[str, list[str]] = {
         "tests/core/test_reward_timeout.py",
         "tests/core/test_train_step.py::test_greedy_chunks",
         "tests/core/test_stages_*.py",
+        "tests/core/test_config.py::test_learning_rate_warmup_then_decay",
+        "tests/core/test_lr_schedule.py",
     ],
     "core/data.py": ["tests/core/test_data.py", "tests/core/test_data_*.py"],
-    "core/loop.py": ["tests/core/test_config.py::test_learning_rate_warmup_then_decay", "tests/core/test_lr_schedule.py"],
-    "core/plugins_manager.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
+    "core/options.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
+    "plugins/advantages/igpo.py": ["tests/plugins/advantages/test_igpo.py", "tests/core/test_stages_boundaries.py"],
     # The sampling rules (temperature, top-k, top-p, stop tokens and strings) are tested through the backend.
     "plugins/samplers/local.py": [
         "tests/plugins/backends/test_local.py::test_sampler_logprobs_follow_temperature_and_top_k",

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from grpo_core.config import RunConfig
-from grpo_core.loop import learning_rate
+from grpo_core.stages import learning_rate
 
 
 def schedule(total_steps, steps=None, **options):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 import pytest
 
 from grpo_core import PluginError, make_plugin
-from grpo_core.plugins_manager import coerce
+from grpo_core.options import coerce
 
 
 def test_an_unknown_option_lists_the_plugins_options():

@@ -12,9 +12,10 @@ import torch
 from grpo_core import LossInputs, LossOutput, hookimpl
 from grpo_core.config import RunConfig
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
+from grpo_core.plugins.advantages.igpo import turn_contexts
 from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
-from grpo_core.stages import compute_advantages, fwd_bwd_chunks, score_groups, train_on_groups, turn_contexts
+from grpo_core.stages import compute_advantages, fwd_bwd_chunks, score_groups, train_on_groups
 from grpo_core.types import Turn
 from tests.core.test_stages import TableReward, group, selection_of
 
@@ -161,7 +162,7 @@ def test_a_split_step_sums_step_totals_and_weighs_means_by_trained_tokens():
 def test_a_step_with_no_samples_is_skipped_without_an_optimizer_step():
     trainer = FakeTrainer()
     metrics = train_on_groups(build_manager([InputsSpy()]), trainer, None, [[], []], RunConfig(), 0.01)
-    assert metrics == {"train/skipped": 1.0} and trainer.optim_calls == []
+    assert dict(metrics) == {"train/skipped": 1.0, "optim/updates": 0.0} and trainer.optim_calls == []
 
 
 def test_a_step_of_one_trained_token_reports_its_means_unscaled():

@@ -505,8 +505,8 @@ def test_gradient_checkpointing_recomputes_layers_with_equal_gradients_and_no_dr
 
 
 def test_gradient_checkpointing_is_refused_by_the_tinker_trainer():
-    from grpo_core.plugins.backends.tinker import TinkerBackend
     from grpo_core.errors import PluginError
+    from grpo_core.plugins.backends.tinker import TinkerBackend
 
     with pytest.raises(PluginError, match="--gradient-checkpointing applies to the local trainer only"):
         TinkerBackend().make_trainer(config=RunConfig(gradient_checkpointing=True))
