@@ -222,6 +222,12 @@ class RunConfig:
         resumable=True,
         validator=_non_negative,
     )
+    minibatches_per_step: int = _field(
+        1,
+        "optimizer steps per step, each on a share of its groups and against the same pi_old (both loops)",
+        GRPO_STEP,
+        validator=_positive,
+    )
     max_samples_per_fwd_bwd: int | None = _field(
         None, "split a step into forward/backward calls of at most this many samples", GRPO_STEP, validator=_positive
     )
@@ -282,9 +288,6 @@ class RunConfig:
     )
     synchronous_training: bool = _field(
         False, "async: drain every rollout before each step (the on-policy baseline; same results as --loop sync)", ASYNC
-    )
-    minibatches_per_step: int = _field(
-        1, "optimizer steps per batch, each on a share of its groups and against the same pi_old", ASYNC, validator=_positive
     )
     rollout_retries: int = _field(
         3,
