@@ -1,23 +1,23 @@
-"""The local backend's fast path: a lean forward for Llama-family decoders (Llama, Qwen2, Qwen3).
+"""The local sampler's fast path: a lean, inference-only forward for Llama-family decoders
+(Llama, Qwen2, Qwen3).
 
-transformers' eager modules spend most of a small model's step outside the matmuls: a module
-call, a mask builder and a cache object per layer, three projections where one would do, a
-growing ``torch.cat`` per decoded token. This forward runs the same math over the model's own
+transformers' eager modules spend most of a small model's decoding step outside the matmuls: a
+module call, a mask builder and a cache object per layer, three projections where one would do,
+a growing ``torch.cat`` per decoded token. This forward runs the same math over the model's own
 parameters with the q/k/v and gate/up projections fused into one matmul each, the q/k norms and
-rotary embeddings applied to q and k together, a preallocated KV cache for sampling, and masks
-built only where padding needs them. Gradients reach the model's parameters as usual.
+rotary embeddings applied to q and k together, a preallocated KV cache, and masks built only
+where padding needs them.
 
-It is used where :func:`unsupported_reason` finds nothing in the way (fp32, a supported
-architecture: in bf16 transformers' norms upcast to fp32 where this forward would not); the
-local backend falls back to the transformers forward otherwise. Its logits
-match transformers' to float32 rounding (tests/plugins/backends/test_fast_decoder.py).
+It has no backward: the trainer and the KL reference run transformers' forward, faster with
+gradients (docs/performance.md), so a call with grad enabled is refused. The local sampler uses
+it where :func:`unsupported_reason` finds nothing in the way (fp32, a supported architecture:
+in bf16 transformers' norms upcast to fp32 where this forward would not) and transformers'
+forward otherwise. Its logits match transformers' to float32 rounding
+(tests/plugins/backends/test_fast_decoder.py).
 
-LoRA adapters (peft) on the projections take part as low-rank terms next to each fused
-projection: ``x·Wᵀ + (x·Aᵀ)·(s·B)ᵀ``, one matmul for the stacked A's of a fused projection's
-parts and one per part's B. The frozen base weight then gets no gradient, so training costs the
-LoRA's matmuls instead of a full weight gradient; without grad (sampling, scoring) the terms are
-folded into the fused weights once per call. Adapters that are disabled (peft's
-``disable_adapter``, the KL reference) or merged are left out, as peft's own forward does.
+LoRA adapters (peft) on the projections are folded into the fused weights (``W + s·B·A``) once
+per :meth:`FastDecoder.layer_weights` call. Adapters that are disabled (peft's
+``disable_adapter``) or merged are left out, as peft's own forward does.
 """
 
 from __future__ import annotations
@@ -64,26 +64,6 @@ def _projections(layer: Any) -> tuple[Any, ...]:
     return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
-@attrs.define(eq=False)
-class LowRank:
-    """The LoRA term of a projection, fused or not: ``h = x·aᵀ`` with the parts' A's stacked,
-    then each part's slice of ``h`` times its own B (the scaling folded in), the parts' outputs
-    side by side; a part without an adapter has a B of width 0 and adds zeros."""
-
-    a: torch.Tensor  # [sum of the parts' ranks, in]
-    bs: list[torch.Tensor]  # per part: [out_i, rank_i]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.a)
-        if len(self.bs) == 1:
-            return F.linear(h, self.bs[0])
-        return torch.cat([F.linear(h_i, b) for h_i, b in zip(h.split([b.shape[1] for b in self.bs], -1), self.bs)], -1)
-
-    def fold_into(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` + the term as a matrix (the parts' B's on a block diagonal)."""
-        return torch.addmm(weight, torch.block_diag(*self.bs), self.a)
-
-
 def _weight_and_bias(module: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     base = module.get_base_layer() if hasattr(module, "lora_A") else module
     return base.weight, base.bias
@@ -103,80 +83,40 @@ def _low_rank_parts(module: Any) -> tuple[torch.Tensor | None, torch.Tensor | No
     return a, b
 
 
-def _fused_low_rank(modules: tuple[Any, ...]) -> LowRank | None:
-    """The adapters of the projections fused into one matmul (one module: its own)."""
+def _fused_weight(modules: tuple[Any, ...]) -> torch.Tensor:
+    """The projections' weights stacked into one (one module: its own), each with its adapters'
+    ``s·B·A`` added: the parts' B's on a block diagonal over their stacked A's; a part without
+    an adapter has a B of width 0 and adds zeros."""
+    weights = [_weight_and_bias(m)[0] for m in modules]
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     parts = [_low_rank_parts(m) for m in modules]
     if all(a is None for a, _ in parts):
-        return None
-    like = next(a for a, _ in parts if a is not None)
-    a_parts = [a for a, _ in parts if a is not None]
-    b_parts = [b if b is not None else like.new_zeros(_weight_and_bias(m)[0].shape[0], 0) for m, (_, b) in zip(modules, parts)]
-    return LowRank(a=torch.cat(a_parts), bs=b_parts)
-
-
-def _folded(
-    weight: torch.Tensor | list[torch.Tensor], low_rank: LowRank | None, fold: bool
-) -> tuple[torch.Tensor | list[torch.Tensor], LowRank | None]:
-    """(W with the low-rank term added in, None) when folding, else (W, the term to run beside W)."""
-    if low_rank is None or not fold:
-        return weight, low_rank
-    return low_rank.fold_into(weight), None
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor | list[torch.Tensor], bias: torch.Tensor | None, low_rank: LowRank | None
-) -> torch.Tensor:
-    """``x·Wᵀ + b`` (+ the LoRA term); ``weight`` as a list: a fused projection's parts, run one
-    by one and their outputs concatenated."""
-    if isinstance(weight, list):
-        out = torch.cat([F.linear(x, part) for part in weight], -1)
-        out = out if bias is None else out + bias
-    else:
-        out = F.linear(x, weight, bias)
-    return out if low_rank is None else out + low_rank(x)
+        return weight
+    a = torch.cat([a for a, _ in parts if a is not None])
+    bs = [b if b is not None else a.new_zeros(w.shape[0], 0) for w, (_, b) in zip(weights, parts)]
+    return torch.addmm(weight, torch.block_diag(*bs), a)
 
 
 @attrs.define(eq=False)
 class LayerWeights:
     """One decoder layer's parameters, the q/k/v and gate/up projections concatenated."""
 
-    qkv: torch.Tensor | list[torch.Tensor]
+    qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm's weight per query head, then k_norm's
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor | list[torch.Tensor]
+    gate_up: torch.Tensor
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    qkv_lora: LowRank | None = None
-    o_lora: LowRank | None = None
-    gate_up_lora: LowRank | None = None
-    down_lora: LowRank | None = None
 
 
-class RMSNorm(torch.autograd.Function):
-    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim, with a hand-written backward
-    that saves only ``x`` and the inverse norm: on CPU it takes half the time of autograd's
-    trace through the composite, and less memory."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        inv_norm = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, weight, inv_norm)
-        return x * inv_norm * weight
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        x, weight, inv_norm = ctx.saved_tensors
-        x_hat = x * inv_norm
-        grad_x_hat = grad_out * weight
-        grad_weight = (grad_out * x_hat).sum_to_size(weight.shape) if ctx.needs_input_grad[1] else None
-        # d/dx of x * inv_norm: the norm's own dependence on x removes the component along x_hat.
-        grad_x = (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True)).mul_(inv_norm)
-        return grad_x, grad_weight, None
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim (transformers' order of operations)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)) * weight
 
 
 def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -184,10 +124,10 @@ def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class KVCache:
-    """Keys and values per layer. With a ``capacity`` they live in preallocated buffers (for
-    sampling, no autograd); without, they are concatenated (differentiable, for training)."""
+    """Keys and values per layer in preallocated buffers of ``capacity`` positions (or the first
+    block's length, if longer), written in place."""
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -199,26 +139,18 @@ class KVCache:
     def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = k_B_H_S_D.shape[2]
         if layer == len(self.keys):
-            if self.capacity is None:
-                self.keys.append(k_B_H_S_D)
-                self.values.append(v_B_H_S_D)
-            else:
-                B, H, _, D = k_B_H_S_D.shape
-                self.keys.append(k_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
-                self.values.append(v_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
-                self.keys[layer][:, :, :S] = k_B_H_S_D
-                self.values[layer][:, :, :S] = v_B_H_S_D
+            B, H, _, D = k_B_H_S_D.shape
+            self.keys.append(k_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+            self.values.append(v_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+            self.keys[layer][:, :, :S] = k_B_H_S_D
+            self.values[layer][:, :, :S] = v_B_H_S_D
             self.lengths.append(S)
         else:
             start = self.lengths[layer]
-            if self.capacity is None:
-                self.keys[layer] = torch.cat([self.keys[layer], k_B_H_S_D], dim=2)
-                self.values[layer] = torch.cat([self.values[layer], v_B_H_S_D], dim=2)
-            else:
-                if start + S > self.keys[layer].shape[2]:
-                    raise ValueError(f"the KV cache holds {self.keys[layer].shape[2]} positions; {start + S} asked for")
-                self.keys[layer][:, :, start : start + S] = k_B_H_S_D
-                self.values[layer][:, :, start : start + S] = v_B_H_S_D
+            if start + S > self.keys[layer].shape[2]:
+                raise ValueError(f"the KV cache holds {self.keys[layer].shape[2]} positions; {start + S} asked for")
+            self.keys[layer][:, :, start : start + S] = k_B_H_S_D
+            self.values[layer][:, :, start : start + S] = v_B_H_S_D
             self.lengths[layer] = start + S
         end = self.lengths[layer]
         return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
@@ -232,9 +164,16 @@ class KVCache:
         self.values = [v[rows] for v in self.values]
 
 
+def _refuse_grad() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "the fused decoder is inference-only (it has no backward): call it under torch.no_grad() or torch.inference_mode()"
+        )
+
+
 class FastDecoder:
     """Callable like the model (``input_ids``, ``attention_mask``, ``position_ids``,
-    ``past_key_values``, ``logits_to_keep``); returns the logits tensor."""
+    ``past_key_values``, ``logits_to_keep``) with grad disabled; returns the logits tensor."""
 
     def __init__(self, model: Any) -> None:
         config = model.config
@@ -247,53 +186,35 @@ class FastDecoder:
         self._rope_cos_T_D: torch.Tensor | None = None
         self._rope_sin_T_D: torch.Tensor | None = None
 
-    def new_cache(self, capacity: int | None = None) -> KVCache:
+    def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
 
     def layer_weights(self) -> list[LayerWeights]:
-        """The layers' weights, the q/k/v and gate/up projections fused.
-
-        Without grad (sampling, scoring) the fused weights are concatenated copies with any LoRA
-        terms folded in, built once per call of this method (the sampler: once per generation),
-        so each decoded token costs one matmul per fused projection. With grad the parts stay
-        the parameters themselves, run one by one: concatenating them would copy every weight,
-        and its gradient, on each training forward (at the Qwen3-0.6B shape, 6.4 more bytes per
-        parameter at the step's peak and no faster, docs/performance.md)."""
+        """The layers' weights, the q/k/v and gate/up projections fused: concatenated copies with
+        any LoRA terms folded in, built once per call of this method (the sampler: once per
+        generation, as weight sync may have changed the weights since), so each decoded token
+        costs one matmul per fused projection."""
+        _refuse_grad()
         H, Hkv = self.num_heads, self.num_kv_heads
-        fold = not torch.is_grad_enabled()
-
-        def joined(parts: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-            return torch.cat(parts) if fold else parts
-
         fused = []
         for layer in self.model.model.layers:
             attn = layer.self_attn
             q, k, v, o, gate, up, down = _projections(layer)
-            (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b), (g_w, g_b), (u_w, u_b), (d_w, d_b) = map(
-                _weight_and_bias, (q, k, v, o, gate, up, down)
-            )
-            qkv, qkv_lora = _folded(joined([q_w, k_w, v_w]), _fused_low_rank((q, k, v)), fold)
-            o_w, o_lora = _folded(o_w, _fused_low_rank((o,)), fold)
-            gate_up, gate_up_lora = _folded(joined([g_w, u_w]), _fused_low_rank((gate, up)), fold)
-            d_w, down_lora = _folded(d_w, _fused_low_rank((down,)), fold)
+            q_b, k_b, v_b, o_b, g_b, u_b, d_b = (_weight_and_bias(m)[1] for m in (q, k, v, o, gate, up, down))
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             fused.append(
                 LayerWeights(
-                    qkv=qkv,
+                    qkv=_fused_weight((q, k, v)),
                     qkv_bias=_cat_or_none([q_b, k_b, v_b]),
                     qk_norm=None if q_norm is None else torch.cat([q_norm.weight.expand(H, -1), k_norm.weight.expand(Hkv, -1)]),
-                    o=o_w,
+                    o=_fused_weight((o,)),
                     o_bias=o_b,
-                    gate_up=gate_up,
+                    gate_up=_fused_weight((gate, up)),
                     gate_up_bias=_cat_or_none([g_b, u_b]),
-                    down=d_w,
+                    down=_fused_weight((down,)),
                     down_bias=d_b,
                     input_norm=layer.input_layernorm.weight,
                     post_attention_norm=layer.post_attention_layernorm.weight,
-                    qkv_lora=qkv_lora,
-                    o_lora=o_lora,
-                    gate_up_lora=gate_up_lora,
-                    down_lora=down_lora,
                 )
             )
         return fused
@@ -334,6 +255,7 @@ class FastDecoder:
         ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
         new tokens also see themselves, so a padded position never attends to nothing.
         """
+        _refuse_grad()
         weights = self.layer_weights() if weights is None else weights
         B, S = input_ids.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -343,11 +265,11 @@ class FastDecoder:
         cos_B_S_1_D, sin_B_S_1_D = cos_B_S_D.unsqueeze(2), sin_B_S_D.unsqueeze(2)
         mask, is_causal = self._attention_mask(attention_mask, B, S, past, input_ids.device)
         for i, w in enumerate(weights):
-            x = RMSNorm.apply(hidden_B_S_E, w.input_norm, self.eps)
-            qkv = _linear(x, w.qkv, w.qkv_bias, w.qkv_lora).view(B, S, H + 2 * Hkv, D)
+            x = _rms_norm(hidden_B_S_E, w.input_norm, self.eps)
+            qkv = F.linear(x, w.qkv, w.qkv_bias).view(B, S, H + 2 * Hkv, D)
             qk_B_S_N_D, v_B_S_K_D = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv :]
             if w.qk_norm is not None:
-                qk_B_S_N_D = RMSNorm.apply(qk_B_S_N_D, w.qk_norm, self.eps)
+                qk_B_S_N_D = _rms_norm(qk_B_S_N_D, w.qk_norm, self.eps)
             half = D // 2
             rotated = torch.cat([-qk_B_S_N_D[..., half:], qk_B_S_N_D[..., :half]], dim=-1)
             qk_B_S_N_D = qk_B_S_N_D * cos_B_S_1_D + rotated * sin_B_S_1_D
@@ -358,12 +280,12 @@ class FastDecoder:
                 k, v = past_key_values.update(i, k, v)
             attn_B_H_S_D = self._attention(q, k, v, mask, is_causal)
             attn_B_S_HD = attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D)
-            hidden_B_S_E = hidden_B_S_E + _linear(attn_B_S_HD, w.o, w.o_bias, w.o_lora)
-            x = RMSNorm.apply(hidden_B_S_E, w.post_attention_norm, self.eps)
-            gate, up = _linear(x, w.gate_up, w.gate_up_bias, w.gate_up_lora).chunk(2, dim=-1)
-            hidden_B_S_E = hidden_B_S_E + _linear(F.silu(gate) * up, w.down, w.down_bias, w.down_lora)
+            hidden_B_S_E = hidden_B_S_E + F.linear(attn_B_S_HD, w.o, w.o_bias)
+            x = _rms_norm(hidden_B_S_E, w.post_attention_norm, self.eps)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            hidden_B_S_E = hidden_B_S_E + F.linear(F.silu(gate) * up, w.down, w.down_bias)
         kept = hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
-        return RMSNorm.apply(kept, self.model.model.norm.weight, self.eps)
+        return _rms_norm(kept, self.model.model.norm.weight, self.eps)
 
     def _attention(
         self, q_B_H_S_D: torch.Tensor, k_B_K_T_D: torch.Tensor, v_B_K_T_D: torch.Tensor, mask: torch.Tensor | None, is_causal: bool

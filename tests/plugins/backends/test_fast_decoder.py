@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_core.plugins.backends import fast_decoder
-from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, RMSNorm, unsupported_reason
+from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, unsupported_reason
 
 VOCAB = 97
 
@@ -87,30 +87,40 @@ def left_padded(lengths, T, seed=1):
 
 
 @pytest.mark.parametrize("make_model", MODELS)
-def test_logits_and_gradients_equal_transformers_with_left_padding(make_model, attention_path):
+def test_logits_equal_transformers_with_left_padding(make_model, attention_path):
     model = build(make_model)
     ids, mask, positions = left_padded([7, 4, 1], 7)
-    want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-    want_loss = want[mask.bool()].log_softmax(-1)[:, 3].sum()
-    want_grads = torch.autograd.grad(want_loss, list(model.parameters()))
-
-    got = FastDecoder(model)(ids, positions, mask)
-    got_loss = got[mask.bool()].log_softmax(-1)[:, 3].sum()
-    got_grads = torch.autograd.grad(got_loss, list(model.parameters()))
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    with torch.inference_mode():
+        got = FastDecoder(model)(ids, positions, mask)
 
     valid = mask.bool()
     assert torch.allclose(got[valid], want[valid], atol=1e-5)
     # Padded positions are garbage but finite, so they cannot poison real ones through a cache.
     assert torch.isfinite(got).all()
-    for g, w in zip(got_grads, want_grads):
-        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_a_call_with_grad_enabled_is_refused():
+    model = build(qwen3)
+    decoder = FastDecoder(model)
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(5))
+    positions = torch.arange(5).expand(2, 5)
+    for call in (lambda: decoder(ids, positions), decoder.layer_weights):
+        with pytest.raises(RuntimeError, match="the fused decoder is inference-only"):
+            call()
+    with torch.no_grad():
+        weights = decoder.layer_weights()
+    # Weights built without grad do not let a grad-enabled call through either.
+    with pytest.raises(RuntimeError, match="the fused decoder is inference-only"):
+        decoder(ids, positions, weights=weights)
 
 
 @pytest.mark.parametrize("make_model", MODELS)
-@pytest.mark.parametrize("capacity", [None, 12])
+@pytest.mark.parametrize("capacity", [9, 12])
 def test_cached_decoding_equals_one_full_forward(make_model, capacity, attention_path):
     """Prefill, repeat each row's cache, drop a row, decode token by token: the logits are those
-    of one forward over the whole sequences."""
+    of one forward over the whole sequences (capacity 9: the cache exactly full at the end)."""
     model = build(make_model)
     decoder = FastDecoder(model)
     prompt_ids, prompt_mask, prompt_positions = left_padded([5, 3], 5)
@@ -185,12 +195,3 @@ def test_unsupported_models_are_named_with_the_reason():
     )
     assert unsupported_reason(windowed) == "sliding-window attention"
     assert unsupported_reason(model.to(torch.float64)) == "weights that are not float32"
-
-
-@pytest.mark.parametrize("weight_shape", [(6,), (3, 6)])
-def test_rms_norm_backward_matches_numerical_gradients(weight_shape):
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 4, 3, 6, dtype=torch.float64, generator=g, requires_grad=True)
-    weight = torch.randn(*weight_shape, dtype=torch.float64, generator=g, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda x, w: RMSNorm.apply(x, w, 1e-6), (x, weight))
-    assert torch.allclose(RMSNorm.apply(x, weight, 1e-6), torch.nn.functional.rms_norm(x, (6,), None, 1e-6) * weight)

@@ -7,7 +7,6 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
-from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
@@ -112,12 +111,9 @@ def test_stop_token_ends_the_completion_and_is_kept(tiny_model_dir):
     assert all(len(c.tokens) == 1 and c.finish_reason == "stop" for g in groups for c in g)
 
 
-@pytest.mark.parametrize("fast_forward", [True, False])
-def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir, fast_forward):
-    _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
-    assert type(trainer.forward_fn) is TransformersForward
-    if fast_forward:
-        trainer.forward_fn = FastDecoder(trainer.model)  # the differentiable fused path, still exact
+def test_forward_backward_custom_matches_direct_autograd_in_one_forward_pass(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    assert type(trainer.forward_fn) is TransformersForward  # the fused decoder only samples
     prompts = prompts_of(trainer.tokenizer)
     samples = to_samples(prompts, sampler.sample(prompts, 2, SamplingParams(max_tokens=6)))
     datums = [sample_to_datum(s) for s in samples]
@@ -317,17 +313,14 @@ def test_grad_clip_norm_rescales_the_gradient_to_the_limit(tiny_model_dir, clip_
 # --- the one-pass forward (distinct prompts, G = 1) against direct autograd ----------------------
 
 
-@pytest.mark.parametrize("fast_forward", [True, False])
-def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, fast_forward, monkeypatch):
+def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, monkeypatch):
     from grpo_core.plugins.backends import local
 
     paths = []
     for name in ("_logprobs_one_pass", "_logprobs_shared_prefix"):
         original = getattr(local, name)
         monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
-    _, _, trainer, sampler = make(tiny_model_dir, fast_forward)
-    if fast_forward:
-        trainer.forward_fn = FastDecoder(trainer.model)
+    _, _, trainer, sampler = make(tiny_model_dir)
     tok = trainer.tokenizer
     prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
     samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=6)))  # G = 1: no shared prefix
@@ -357,12 +350,11 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, f
 # --- chunked token logprobs ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fast_forward", [True, False])
 @pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
-def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, fast_forward, chunk_rows, monkeypatch):
+def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, chunk_rows, monkeypatch):
     from grpo_core.plugins.backends import local
 
-    _, _, trainer, _ = make(tiny_model_dir, fast_forward)
+    _, _, trainer, _ = make(tiny_model_dir)
     vocab = trainer.model.config.vocab_size
     monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * chunk_rows)
     heads = []
@@ -372,8 +364,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
     hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
     targets_N = torch.randint(vocab, (7,))
 
-    forward = FastDecoder(trainer.model) if fast_forward else TransformersForward(trainer.model)
-    got = local.token_logprobs(forward, hidden_N_E, targets_N)
+    got = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
     assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
     got.sum().backward()
     got_grads = [hidden_N_E.grad.clone(), trainer.model.lm_head.weight.grad.clone()]
