@@ -1,6 +1,6 @@
-"""Interleaved A/B, in one process, of the local backend's two forwards: the fused decoder
-(``fast_forward=true``) against transformers' own, for training (forward + backward of one
-step's batch) and for sampling.
+"""Interleaved A/B, in one process, of the local sampler's two forwards: the fused decoder
+(``fast_forward=true``) against transformers' own. Sampling only: the fused decoder has no
+backward, and the trainer runs transformers' forward either way.
 
     python scripts/ab_forward_path.py MODEL [--rounds 5] [--prompts 2] [--group 4] [--tokens 32] [--dtype float32]
 
@@ -28,8 +28,7 @@ def main() -> None:
 
     import torch
 
-    from grpo_core import Sample, SamplingParams
-    from grpo_core.backend import sample_to_datum
+    from grpo_core import SamplingParams
     from grpo_core.config import RunConfig
     from grpo_core.plugins.backends.local import LocalBackend
     from grpo_core.plugins.samplers.local import LocalSamplerPlugin
@@ -44,33 +43,20 @@ def main() -> None:
     tok = trainer.tokenizer
     prompts = [tok(f"Question: Tom has {i + 3} apples and buys {i + 5} more. How many?\nAnswer:")["input_ids"] for i in range(args.prompts)]
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, stop_token_ids=[])
-    groups = sampler.sample(prompts, args.group, params)
-    samples = [
-        Sample(prompt=None, tokens=p + c.tokens, sampling_logprobs=[0.0] * len(p) + c.logprobs,
-               loss_mask=[0.0] * len(p) + [1.0] * len(c.tokens), text="", finish_reason=c.finish_reason, policy_version=0)
-        for p, g in zip(prompts, groups) for c in g
-    ]  # fmt: skip
-    datums = [sample_to_datum(s) for s in samples]
+    for _, warm_up in contenders.values():
+        warm_up.sample(prompts, args.group, params)
 
-    def loss_fn(_datums, logprobs):
-        return -sum(lp.sum() for lp in logprobs) / len(logprobs), {}
-
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[str, list[float]] = {}
     for round_index in range(args.rounds):
         order = list(contenders.items())
-        for name, (trainer, sampler) in order if round_index % 2 == 0 else order[::-1]:
+        for name, (_, sampler) in order if round_index % 2 == 0 else order[::-1]:
             started = time.perf_counter()
-            trainer.forward_backward_custom(datums, loss_fn)
-            times.setdefault(("train", name), []).append(time.perf_counter() - started)
-            trainer.model.zero_grad(set_to_none=True)
-            started = time.perf_counter()
-            with torch.no_grad():
-                sampler.sample(prompts, args.group, params)
-            times.setdefault(("sample", name), []).append(time.perf_counter() - started)
-    print(f"model {args.model}, {args.dtype}, {len(datums)} sequences, {args.tokens} tokens, {torch.get_num_threads()} threads")
-    for phase in ("train", "sample"):
-        fused, plain = (statistics.median(times[(phase, n)]) for n in ("fused", "transformers"))
-        print(f"{phase:6s} fused {fused:7.3f} s  transformers {plain:7.3f} s  transformers/fused {plain / fused:5.2f}")
+            sampler.sample(prompts, args.group, params)
+            times.setdefault(name, []).append(time.perf_counter() - started)
+    sequences = len(prompts) * args.group
+    print(f"model {args.model}, {args.dtype}, {sequences} sequences, {args.tokens} tokens, {torch.get_num_threads()} threads")
+    fused, plain = (statistics.median(times[n]) for n in ("fused", "transformers"))
+    print(f"sample fused {fused:7.3f} s  transformers {plain:7.3f} s  transformers/fused {plain / fused:5.2f}")
 
 
 if __name__ == "__main__":
