@@ -115,10 +115,10 @@ def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtyp
         raise PluginError("--device cuda was asked for, but no CUDA device is available")
     if dtype == "auto":
         dtype = "bfloat16" if device == "cuda" else "float32"
-        why = "--dtype auto on CUDA" if device == "cuda" else "--dtype auto on CPU: a CPU run's result must not depend on which CPU"
+        why = "--dtype auto on cuda" if device == "cuda" else "--dtype auto on cpu, so that a result does not depend on which CPU ran it"
     else:
-        why = f"--dtype {dtype}"
-    return torch.device(device), getattr(torch, dtype), f"{PRECISION_NOTES[dtype]} ({why}, {device})"
+        why = f"--dtype {dtype} on {device}"
+    return torch.device(device), getattr(torch, dtype), f"{PRECISION_NOTES[dtype]}; {why}"
 
 
 def model_path(name: str) -> str:

@@ -408,7 +408,11 @@ def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
 
     device, dtype, why = resolve_precision("cpu", "auto")
     assert (device.type, dtype) == ("cpu", torch.float32)
-    assert "exact" in why and "must not depend on which CPU" in why
+    assert why == (
+        "float32 (exact: a resumed run repeats the uninterrupted one bit for bit); "
+        "--dtype auto on cpu, so that a result does not depend on which CPU ran it"
+    )
+    assert resolve_precision("cpu", "float32")[2].endswith("; --dtype float32 on cpu")
     assert resolve_precision("cpu", "bfloat16")[1] == torch.bfloat16
     assert "stochastic rounding" in resolve_precision("cpu", "bfloat16")[2]
     if not torch.cuda.is_available():
