@@ -38,7 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Source file -> its tests, the most specific first (``-x`` stops at the first failure).
 TESTS: dict[str, list[str]] = {
-    "core/loss.py": ["tests/core/test_loss.py", "tests/plugins/losses/test_grpo.py", "tests/plugins/losses/test_boundaries.py"],
+    "core/loss.py": [
+        "tests/core/test_loss.py",
+        "tests/plugins/losses/test_grpo.py",
+        "tests/plugins/losses/test_boundaries.py",
+        "tests/core/test_loss_boundaries.py",
+    ],
     "core/stages.py": [
         "tests/core/test_stages.py",
         "tests/core/test_reward_timeout.py",
@@ -49,7 +54,11 @@ TESTS: dict[str, list[str]] = {
     ],
     "core/data.py": ["tests/core/test_data.py", "tests/core/test_data_*.py"],
     "core/options.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
-    "plugins/advantages/igpo.py": ["tests/plugins/advantages/test_igpo.py", "tests/core/test_stages_boundaries.py"],
+    "plugins/advantages/igpo.py": [
+        "tests/plugins/advantages/test_igpo.py",
+        "tests/core/test_stages_boundaries.py",
+        "tests/plugins/advantages/test_boundaries.py",
+    ],
     # The sampling rules (temperature, top-k, top-p, stop tokens and strings) are tested through the backend.
     "plugins/samplers/local.py": [
         "tests/plugins/backends/test_local.py::test_sampler_logprobs_follow_temperature_and_top_k",
