@@ -306,19 +306,23 @@ def run_tests(tests: list[str], timeout: float) -> str:
             code = 3
         os._exit(int(code))
     deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            return "survived" if code in (0, 5) else "killed"
-        if time.monotonic() > deadline:
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                pid = 0
+                code = os.waitstatus_to_exitcode(status)
+                return "survived" if code in (0, 5) else "killed"
+            if time.monotonic() > deadline:
+                return "timeout"
+            time.sleep(0.05)
+    finally:  # a timeout, Ctrl-C or SIGTERM: the child's tests must not run on past the restore
+        if pid:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             os.waitpid(pid, 0)
-            return "timeout"
-        time.sleep(0.05)
 
 
 def restore_leftovers(paths: list[str]) -> None:
