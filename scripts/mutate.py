@@ -38,7 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Source file -> its tests, the most specific first (``-x`` stops at the first failure).
 TESTS: dict[str, list[str]] = {
-    "core/loss.py": ["tests/core/test_loss.py", "tests/plugins/losses/test_grpo.py", "tests/plugins/losses/test_boundaries.py"],
+    "core/loss.py": [
+        "tests/core/test_loss.py",
+        "tests/plugins/losses/test_grpo.py",
+        "tests/plugins/losses/test_boundaries.py",
+        "tests/core/test_loss_boundaries.py",
+    ],
     "core/stages.py": [
         "tests/core/test_stages.py",
         "tests/core/test_reward_timeout.py",
@@ -49,7 +54,11 @@ TESTS: dict[str, list[str]] = {
     ],
     "core/data.py": ["tests/core/test_data.py", "tests/core/test_data_*.py"],
     "core/options.py": ["tests/core/test_plugins_manager.py", "tests/core/test_plugins_manager_*.py"],
-    "plugins/advantages/igpo.py": ["tests/plugins/advantages/test_igpo.py", "tests/core/test_stages_boundaries.py"],
+    "plugins/advantages/igpo.py": [
+        "tests/plugins/advantages/test_igpo.py",
+        "tests/core/test_stages_boundaries.py",
+        "tests/plugins/advantages/test_boundaries.py",
+    ],
     # The sampling rules (temperature, top-k, top-p, stop tokens and strings) are tested through the backend.
     "plugins/samplers/local.py": [
         "tests/plugins/backends/test_local.py::test_sampler_logprobs_follow_temperature_and_top_k",
@@ -297,19 +306,23 @@ def run_tests(tests: list[str], timeout: float) -> str:
             code = 3
         os._exit(int(code))
     deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            code = os.waitstatus_to_exitcode(status)
-            return "survived" if code in (0, 5) else "killed"
-        if time.monotonic() > deadline:
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                pid = 0
+                code = os.waitstatus_to_exitcode(status)
+                return "survived" if code in (0, 5) else "killed"
+            if time.monotonic() > deadline:
+                return "timeout"
+            time.sleep(0.05)
+    finally:  # a timeout, Ctrl-C or SIGTERM: the child's tests must not run on past the restore
+        if pid:
             try:
                 os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             os.waitpid(pid, 0)
-            return "timeout"
-        time.sleep(0.05)
 
 
 def restore_leftovers(paths: list[str]) -> None:

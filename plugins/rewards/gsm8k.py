@@ -131,7 +131,7 @@ def _last_number(text: str) -> tuple[str, Fraction] | None:
             return found
     if last < _FALLBACK_WINDOW:
         return None
-    for m in reversed(_NUM_RE.findall(text, 0, last - _FALLBACK_WINDOW + 1)):
+    for m in reversed(_NUM_RE.findall(text)):  # the whole text: a number running into the window is read whole
         found = _canonical(m)
         if found is not None:
             return found
