@@ -137,27 +137,9 @@ def coerce(value: Any, annotation: Any) -> Any:
             return value.lower() in ("true", "1", "yes", "on")
         raise ValueError(f"expected true or false, got {value!r}")
     if annotation is int:
-        if isinstance(value, bool):
-            raise TypeError(f"expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"expected an integer, got {value!r}") from None
-        raise TypeError(f"expected an integer, got {value!r}")
+        return _number(value, int, "an integer")
     if annotation is float:
-        if isinstance(value, bool):
-            raise TypeError(f"expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ValueError(f"expected a number, got {value!r}") from None
-        raise TypeError(f"expected a number, got {value!r}")
+        return _number(value, float, "a number")
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -165,3 +147,17 @@ def coerce(value: Any, annotation: Any) -> Any:
     if isinstance(annotation, type) and not isinstance(value, annotation):
         raise TypeError(f"expected {annotation.__name__}, got {value!r}")
     return value
+
+
+def _number(value: Any, kind: type, expected: str) -> Any:
+    """``value`` as an int or float; a bool is refused (True is no count), text is parsed."""
+    if isinstance(value, bool):
+        raise TypeError(f"expected {expected}, got {value!r}")
+    if isinstance(value, int) or (kind is float and isinstance(value, float)):
+        return kind(value)
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"expected {expected}, got {value!r}") from None
+    raise TypeError(f"expected {expected}, got {value!r}")

@@ -93,21 +93,15 @@ class SamplerTrainerGap:
         return (yield)
 
 
-@attrs.define
-class LengthReward:
-    """Longer completions score higher: a learning signal for a random model."""
-
-    @hookimpl
-    def reward(self, prompt, samples):
-        return [len(s.text) / 10 for s in samples]
-
-
 @pytest.fixture(autouse=True)
 def test_plugins(monkeypatch):
     original = selection.find
     entries = {
-        (kind, name): PluginEntry(kind=kind, name=name, target=f"{__name__}:{cls}", distribution="tests", version="0")
-        for kind, name, cls in (("reward", "length", "LengthReward"), ("loss", "gap", "SamplerTrainerGap"))
+        (kind, name): PluginEntry(kind=kind, name=name, target=target, distribution="tests", version="0")
+        for kind, name, target in (
+            ("reward", "length", "tests.core.test_loop:LengthReward"),
+            ("loss", "gap", f"{__name__}:SamplerTrainerGap"),
+        )
     }
     monkeypatch.setattr(selection, "find", lambda name, kind=None: entries.get((kind, name)) or original(name, kind))
     SAMPLER_TRAINER_GAPS.clear()
