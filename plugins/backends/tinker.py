@@ -88,6 +88,8 @@ class TinkerBackend:
 
         if config.gradient_checkpointing:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
+        if config.dtype != "auto":
+            raise PluginError(f"--dtype {config.dtype} applies to the local trainer only: a Tinker service chooses its own precision")
         rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))

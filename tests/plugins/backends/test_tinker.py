@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import attrs
@@ -699,3 +700,20 @@ def test_an_export_naming_a_file_outside_its_folder_is_refused_and_deleted(tmp_p
         tinker_sdk.download_weights(service, training, "e", "tinker://m/sampler_weights/s", tmp_path / "dl")
     assert rest.calls[-1] == ("delete", "tinker://m/external_weights/e")
     assert not (tmp_path / "escape.txt").exists()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"gradient_checkpointing": True}, "--gradient-checkpointing applies to the local trainer only"),
+        ({"dtype": "bfloat16"}, "--dtype bfloat16 applies to the local trainer only"),
+        ({"dtype": "float32"}, "--dtype float32 applies to the local trainer only"),
+    ],
+)
+def test_settings_of_the_local_trainer_are_refused_before_the_service_is_opened(setting, message):
+    from grpo_core.config import RunConfig
+    from grpo_core.errors import PluginError
+    from grpo_core.plugins.backends.tinker import TinkerBackend
+
+    with pytest.raises(PluginError, match=re.escape(message)):
+        TinkerBackend(base_url="http://127.0.0.1:9").make_trainer(config=RunConfig(**setting))
