@@ -28,6 +28,9 @@ STATE_FILE = "state.json"
 TRAINER_STATE = "trainer"
 """What ``trainer.save_state`` writes in a checkpoint (the local trainer: a folder of weights and optimizer state)."""
 TMP_PREFIX = ".tmp-"
+UNOBSERVED_FILE = "unobserved.json"
+"""In a checkpoint of a step that was counted but not observed (a plugin's ``on_step`` or the
+weight sync failed): the step's metrics, which the resumed run gives its plugins first."""
 
 
 class CheckpointError(PluginError):
@@ -127,10 +130,30 @@ def load_checkpoint(path: Path, trainer: Any, sampler: Any) -> LoopState:
 
 
 def remove_partial(run_dir: Path) -> None:
-    """Temporary folders left by a run killed while writing (never valid checkpoints)."""
-    folder = run_dir / CHECKPOINTS
-    for p in folder.glob(f"{TMP_PREFIX}*") if folder.is_dir() else []:
-        shutil.rmtree(p, ignore_errors=True)
+    """Temporary folders and files left by a run killed while writing a checkpoint or ``final/``
+    (never valid). Only called while the run folder is held: no live process is writing them."""
+    for folder in (run_dir, run_dir / CHECKPOINTS):
+        for p in folder.glob(f"{TMP_PREFIX}*") if folder.is_dir() else []:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def write_unobserved(folder: Path, metrics: dict[str, float] | None) -> None:
+    if metrics is not None:
+        (folder / UNOBSERVED_FILE).write_text(json.dumps(metrics) + "\n")
+
+
+def read_unobserved(checkpoint: Path) -> dict[str, float] | None:
+    """The metrics of the checkpoint's step when no plugin observed that step, else None."""
+    path = checkpoint / UNOBSERVED_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot resume from {checkpoint}: {UNOBSERVED_FILE} is unreadable ({exc})") from None
 
 
 def save_policy(path: Path, write: Any) -> str:

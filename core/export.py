@@ -19,6 +19,7 @@ from grpo_core.checkpoint import STATE_FILE, TRAINER_STATE, checkpoint_dir, comp
 from grpo_core.data import PROMPT_SETTINGS_FILE, write_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.options import REDACTED, coerce
+from grpo_core.run_dir import not_running
 
 
 def export_policy(run_dir: str | Path, out_dir: str | Path, step: int | None = None) -> tuple[Path, str]:
@@ -27,7 +28,11 @@ def export_policy(run_dir: str | Path, out_dir: str | Path, step: int | None = N
     run = Path(run_dir)
     if not (run / "config.json").is_file():
         raise PluginError(f"{run}: not a grpo-core run directory (no config.json there)")
-    out = Path(out_dir)
+    with not_running(run):
+        return _export(run, Path(out_dir), step)
+
+
+def _export(run: Path, out: Path, step: int | None) -> tuple[Path, str]:
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise PluginError(f"{out} already exists and is not an empty folder; choose another OUT_DIR")
     if step is None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import math
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -25,13 +24,16 @@ from typing import Any
 import attrs
 
 from grpo_core.checkpoint import (
+    STATE_FILE,
     CheckpointError,
     capture_rng,
     complete_checkpoints,
     load_checkpoint,
+    read_unobserved,
     remove_partial,
     save_checkpoint,
     save_policy,
+    write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
@@ -39,8 +41,9 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
+from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, locked
 from grpo_core.selection import select_plugins
-from grpo_core.types import LoopState, RunState, SamplingParams
+from grpo_core.types import RunState, SamplingParams
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -77,8 +80,14 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     state = r.state
     if keeps_no_state(r.sampler) and state.loop.policy_version != r.trainer.version:
         sync_weights(r, state.step)  # a server goes on serving the final policy
-    checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
-    final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+    # Under the same signal rule as a step: a signal lets final/ be written whole, a second one
+    # stops at once (the checkpoint is written first: --resume then writes final/ only).
+    restore_signals = stop_on_signals(state)
+    try:
+        checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
+        final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+    finally:
+        restore_signals()
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
@@ -99,9 +108,22 @@ class Run:
     params: SamplingParams
 
 
+@contextlib.contextmanager
+def own_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Iterator[None]:
+    """Hold the run folder for the run's whole lifetime (see ``grpo_core.run_dir``); from here on
+    ``config.run_dir`` names it. A new run's folder is checked here: empty, or a run to overwrite."""
+    path = choose_run_dir(config.run_dir)
+    config.run_dir = str(path)
+    with locked(path):
+        if not resume:
+            check_new_run_dir(path, overwrite)
+        yield
+
+
 def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     """Check every input before anything heavy loads, then build the models and, when resuming,
-    restore the newest checkpoint. The loop has checked its settings (``check_settings``)."""
+    restore the newest checkpoint. The loop has checked its settings (``check_settings``) and
+    holds the run folder (``own_run_dir``); nothing in it changes before every check passed."""
     seed_everything(config.seed, config.threads)
     selection = select_plugins(config)
     pm = selection.manager
@@ -109,21 +131,32 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
-    run_dir = check_run_dir(config.run_dir, resume, overwrite)
+    run_dir = Path(str(config.run_dir))
+    newest = resume_point(run_dir, total_steps) if resume else None
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
-    make_run_dir(run_dir, resume)
-    write_config(config, run_dir / "config.json")
+    if newest is not None:
+        remove_partial(run_dir)
+    elif overwrite:
+        clear_run_dir(run_dir)  # only now that the new run has loaded: a failed start keeps the old run
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
-    if resume:
-        state.loop = resume_from(run_dir, trainer, sampler, total_steps)
+    unobserved = None
+    if newest is not None:
+        state.loop = load_checkpoint(newest, trainer, sampler)
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
+        unobserved = read_unobserved(newest)
+    write_config(config, run_dir / "config.json")
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
-    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=state.step)
+    observed = state.step - 1 if unobserved is not None else state.step
+    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
+    if unobserved is not None:
+        # The stopped run counted this step but failed before every plugin observed it: they do now
+        # (its metrics as recorded; its samples are not kept), so each step is recorded once.
+        pm.hook.on_step(step=state.step, metrics=unobserved, state=state, groups=[])
     if keeps_no_state(sampler):
         # A sampler that keeps no state of its own (a server) gets the weights it must sample
         # from, checked, before the first step: the resumed policy, or the one it may not have.
@@ -173,6 +206,7 @@ def end_step(
         metrics.update({k: float(v) for k, v in state.data.items()})
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, r.selection, metrics, config.max_nonfinite_steps_in_a_row)
+        state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
         try:
             if step % config.weight_sync_interval == 0:
                 synced.merge(sync_weights(r, step))
@@ -182,6 +216,7 @@ def end_step(
     if counted is not None:
         counted()
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
+    state.unobserved = None
     if config.checkpoint_every and step % config.checkpoint_every == 0:
         write_checkpoint(state, config, r.trainer)
     if state.interrupted:
@@ -195,7 +230,7 @@ def write_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> Path:
         state.loop,
         trainer,
         state.rng or {},
-        lambda folder: write_prompt_settings(folder, config),
+        lambda folder: (write_prompt_settings(folder, config), write_unobserved(folder, state.unobserved)),
         config.keep_checkpoints,
     )
 
@@ -284,44 +319,19 @@ def plan_steps(config: RunConfig, num_prompts: int) -> int:
     return min(total, config.max_steps) if config.max_steps is not None else total
 
 
-def check_run_dir(requested: str | None, resume: bool, overwrite: bool) -> Path:
-    """The run directory, refused when it holds another run (unless resuming or overwriting)."""
-    if requested is None:
-        base = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        path, n = base, 1
-        while path.exists():
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
-        return path
-    path = Path(requested)
-    if path.exists() and not path.is_dir():
-        raise PluginError(f"run directory {path} is a file")
-    if not resume and not overwrite and path.is_dir() and any(path.iterdir()):
-        raise PluginError(
-            f"run directory {path} is not empty: continue that run with --resume {path}, "
-            "start over with --overwrite, or choose another --run-dir"
-        )
-    return path
-
-
-def make_run_dir(path: Path, resume: bool) -> None:
-    if not resume and path.is_dir():
-        shutil.rmtree(path)  # --overwrite, checked by check_run_dir
-    path.mkdir(parents=True, exist_ok=True)
-
-
-def resume_from(run_dir: Path, trainer: Any, sampler: Any, total_steps: int) -> LoopState:
-    remove_partial(run_dir)
+def resume_point(run_dir: Path, total_steps: int) -> Path:
+    """The checkpoint a resumed run continues from, checked before anything loads or is written."""
     found = complete_checkpoints(run_dir)
     if not found:
         raise CheckpointError(f"--resume {run_dir}: no complete checkpoint there; start again with --overwrite")
-    loop = load_checkpoint(found[-1], trainer, sampler)
+    try:
+        step = json.loads((found[-1] / STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot resume from {found[-1]}: its {STATE_FILE} is unreadable ({type(exc).__name__}: {exc})") from None
     # A run killed after its last checkpoint but before final/ only has final/ left to write.
-    if loop.step >= total_steps and (run_dir / "final").is_dir():
-        raise PluginError(
-            f"the run in {run_dir} is complete at step {loop.step} of {total_steps}; pass --max-steps > {loop.step} to train further"
-        )
-    return loop
+    if step >= total_steps and (run_dir / "final").is_dir():
+        raise PluginError(f"the run in {run_dir} is complete at step {step} of {total_steps}; pass --max-steps > {step} to train further")
+    return found[-1]
 
 
 def save_for_sampler(trainer: Any, config: RunConfig, path: str) -> None:

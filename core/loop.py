@@ -12,16 +12,22 @@ import time
 from typing import Any
 
 from grpo_core.config import RunConfig
-from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, own_run_dir, start_run
 from grpo_core.metrics import scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
 
 
 def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    if config.loop == "async":
-        from grpo_core.async_loop import run_async
+    """Train; the run folder is held, locked, from the first check to the summary (both loops)."""
+    with own_run_dir(config, resume, overwrite):
+        if config.loop == "async":
+            from grpo_core.async_loop import run_async
 
-        return run_async(config, resume, overwrite)
+            return run_async(config, resume, overwrite)
+        return run_sync(config, resume, overwrite)
+
+
+def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]:
     started = time.perf_counter()
     check_settings(config)
     r = start_run(config, resume, overwrite)

@@ -162,6 +162,9 @@ class RunState:
     """Every RNG as it was when the last step completed: what a checkpoint of that step holds."""
     data: dict[str, int] = attrs.field(factory=dict)
     """Prompts used and rows skipped (``data/...``), reported in the summary and step 1's metrics."""
+    unobserved: dict[str, float] | None = None
+    """The metrics of the step counted last while not every plugin has observed it yet (a
+    checkpoint written meanwhile keeps them, for the resumed run to record)."""
 
     @property
     def step(self) -> int:

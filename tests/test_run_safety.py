@@ -4,8 +4,10 @@ and never writes a secret."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -177,3 +179,79 @@ def test_an_unreachable_hub_name_fails_at_once_and_leaves_no_run_directory(tmp_p
     assert len(lines) == 1 and lines[0].startswith("error: cannot load model 'no-such-org/no-such-model': it is not a local folder")
     assert "http://127.0.0.1:9 cannot be reached" in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_overwrite_never_empties_the_working_directory_or_a_folder_that_holds_no_run(tiny_model_dir, tiny_dataset, tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.txt").write_text("mine")
+    (project / "model").mkdir()
+    (project / "model" / "config.json").write_text('{"model_type": "qwen3"}')  # a model folder's config.json
+    before = sorted(str(p.relative_to(project)) for p in project.rglob("*"))
+    above = "--overwrite never empties the working directory or a folder above it ({}); choose another --run-dir"
+    no_run = "--overwrite only replaces a grpo-core run, and {} holds no run's config.json (it holds {}); choose another --run-dir"
+    cases = [
+        (".", project, above.format(".")),
+        ("..", project / "src", above.format("..")),
+        ("model", project, no_run.format("model", "config.json")),
+        (str(project), tmp_path, no_run.format(project, "model, notes.txt, src")),
+    ]
+    for run_dir, cwd, message in cases:
+        out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--overwrite"), cwd=cwd)
+        assert (out.returncode, out.stderr.strip().splitlines()) == (1, [f"error: {message}"])
+        assert sorted(str(p.relative_to(project)) for p in project.rglob("*")) == before
+    refused = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, project / "model"))
+    assert "is not empty: choose another --run-dir" in refused.stderr  # no advice to overwrite what is no run
+
+
+def test_a_refused_resume_changes_no_file(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "r"
+    assert grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "3")).returncode == 0
+
+    def files():  # the lock file is the lock's bookkeeping: taken and given back, it holds no PID
+        return {p: (p.read_bytes(), p.stat().st_mtime_ns if p.name != ".lock" else 0) for p in run_dir.rglob("*") if p.is_file()}
+
+    before = files()
+    for extra in (["--max-steps", "2"], ["--max-steps", "3"]):
+        out = grpo_core_in_process("run", "--resume", str(run_dir), *extra)
+        assert out.returncode == 1 and out.stderr.splitlines()[-1].startswith(f"error: the run in {run_dir} is complete at step 3 of")
+        assert files() == before
+
+
+def wait_for_steps(run_dir, proc, steps, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {steps}: {proc.poll()}")
+
+
+@pytest.mark.slow
+def test_a_running_run_holds_its_folder_and_a_killed_one_leaves_a_lock_that_is_taken_over(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "r"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "200", "--epochs", "20", "--checkpoint-every", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_steps(run_dir, proc, 2)
+        assert (run_dir / ".lock").read_text() == f"{proc.pid}\n"
+        in_use = f"error: run directory {run_dir} is in use by process {proc.pid} (a grpo-core run holds its lock)"
+        second = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--seed", "2", "--overwrite"))
+        resumed = grpo_core_in_process("run", "--resume", str(run_dir))
+        exported = grpo_core_in_process("export", str(run_dir), str(tmp_path / "out"), "--step", "1")
+        for out in (second, resumed, exported):
+            assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith(in_use), out.stderr
+        assert not (tmp_path / "out").exists()
+        assert json.loads((run_dir / "config.json").read_text())["seed"] == 0
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    resumed = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", str(steps_in(run_dir) + 1))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"note: {run_dir} was held by process {proc.pid}, which was stopped without ending; taking it over" in resumed.stderr
+    assert (run_dir / ".lock").read_text() == ""  # a run that ends clears its PID
+
+
+def steps_in(run_dir):
+    return max(json.loads((c / "state.json").read_text())["step"] for c in (run_dir / "checkpoints").glob("step-*"))
