@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 import tempfile
 import traceback
@@ -174,7 +175,12 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
 
 
 def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
-    """One clear message and a non-zero exit; an unexpected error also leaves its traceback in a file."""
+    """One clear message and a non-zero exit; an unexpected error also leaves its traceback in a file.
+
+    An unexpected error raised in a plugin's code names the plugin and its distribution: one of
+    another distribution is that plugin's bug (exit 1, report it there), one of grpo-core's own
+    is grpo-core's (exit 3, like an error in the core).
+    """
     from grpo_core.lifecycle import RunFailed
 
     saved = exc.saved if isinstance(exc, RunFailed) else None
@@ -182,15 +188,39 @@ def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
     if debug:
         traceback.print_exception(cause)
     expected = isinstance(cause, (PluginError, OSError))
+    plugin = None if expected else _raised_in_plugin(cause)
+    ours = not expected and (plugin is None or plugin.distribution == "grpo-core")
     message = str(cause) if isinstance(cause, PluginError) else f"{type(cause).__name__}: {cause}"
-    click.echo(f"error: {message}" if expected else f"internal error: {message}", err=True)
+    if plugin is not None:
+        message = f"{plugin.label} raised {message}"
+    click.echo(f"internal error: {message}" if ours else f"error: {message}", err=True)
     if not expected:
         where = Path(run_dir) if run_dir and Path(run_dir).is_dir() else Path(tempfile.mkdtemp(prefix="grpo-core-"))
         (where / "traceback.txt").write_text("".join(traceback.format_exception(cause)))
-        click.echo(f"  the traceback is in {where / 'traceback.txt'} (--debug shows it); please report it", err=True)
+        report = "please report it" if ours else f"a bug of {plugin.distribution}: report it to its authors"  # type: ignore[union-attr]
+        click.echo(f"  the traceback is in {where / 'traceback.txt'} (--debug shows it); {report}", err=True)
     if saved:
         click.echo(f"  {saved}", err=True)
-    sys.exit(EXIT_ERROR if expected else EXIT_INTERNAL)
+    sys.exit(EXIT_INTERNAL if ours else EXIT_ERROR)
+
+
+def _raised_in_plugin(exc: BaseException) -> Any:
+    """The installed plugin (a catalog entry) whose method raised ``exc``: the deepest frame of its
+    traceback in a plugin class's code; None when it was raised elsewhere."""
+    from grpo_core.plugins_manager import catalog
+
+    classes: dict[tuple[str, str], Any] = {}
+    for entry in catalog():
+        module_name, _, class_name = entry.target.partition(":")
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, "__file__", None):
+            classes[(os.path.realpath(module.__file__), class_name)] = entry
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        code = frame.f_code
+        entry = classes.get((os.path.realpath(code.co_filename), code.co_qualname.partition(".")[0]))
+        if entry is not None:
+            return entry
+    return None
 
 
 EVAL_FIELDS = (
