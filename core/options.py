@@ -7,6 +7,7 @@ Imports nothing of the core, so the config and the plugin catalog can both use i
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import types
@@ -150,14 +151,19 @@ def coerce(value: Any, annotation: Any) -> Any:
 
 
 def _number(value: Any, kind: type, expected: str) -> Any:
-    """``value`` as an int or float; a bool is refused (True is no count), text is parsed."""
+    """``value`` as an int or float; a bool is refused (True is no count), text is parsed, NaN and inf are refused."""
     if isinstance(value, bool):
         raise TypeError(f"expected {expected}, got {value!r}")
     if isinstance(value, int) or (kind is float and isinstance(value, float)):
-        return kind(value)
-    if isinstance(value, str):
+        number = kind(value)
+    elif isinstance(value, str):
         try:
-            return kind(value)
+            number = kind(value)
         except ValueError:
             raise ValueError(f"expected {expected}, got {value!r}") from None
-    raise TypeError(f"expected {expected}, got {value!r}")
+    else:
+        raise TypeError(f"expected {expected}, got {value!r}")
+    if not math.isfinite(number):
+        # No setting means anything by NaN or inf: `--grad-clip-norm nan` would silently not clip.
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number

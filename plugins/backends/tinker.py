@@ -19,7 +19,7 @@ from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
-from grpo_core.loss import LossInputs, aggregate
+from grpo_core.loss import LossInputs, aggregate, validate_positive
 from grpo_core.plugins.backends import tinker_sdk as sdk
 from grpo_core.plugins.backends.local import model_path
 from grpo_core.plugins_manager import make_plugin
@@ -63,6 +63,9 @@ class TinkerBackend:
     rank: int = option(
         0, help=f"LoRA rank of the trained adapter (0 = --lora-rank when given, else {DEFAULT_RANK})", validator=_validate_rank
     )
+    connect_deadline: float = option(
+        30.0, help="seconds opening the training client on the service may take before the run stops", validator=validate_positive
+    )
     builtin_losses: bool = option(
         True, help="run a loss on the service when it has the same built-in (one forward/backward instead of two)"
     )
@@ -96,7 +99,11 @@ class TinkerBackend:
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         key = sdk.api_key_from(self.api_key, self.api_key_env)
-        service, training = sdk.training_client(self.base_url, key, base_model, rank, config.seed)
+        service, training = sdk.call_within(
+            self.connect_deadline,
+            f"the Tinker service at {self.base_url or 'the SDK default (TINKER_BASE_URL, else the hosted service)'}",
+            lambda: sdk.training_client(self.base_url, key, base_model, rank, config.seed),
+        )
         builtin = builtin_loss(config) if self.builtin_losses else None
         return TinkerTrainer(
             service=service,

@@ -15,16 +15,18 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import threading
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import version as distribution_version
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tinker
 
 from grpo_core.errors import PluginError
 
+T = TypeVar("T")
 SDK_VERSION = tuple(int(part) for part in distribution_version("tinker").split(".")[:2])
 MIN_SDK = (0, 24)
 
@@ -51,6 +53,31 @@ def training_client(base_url: str, api_key: str, base_model: str, rank: int, see
     except tinker.TinkerError as exc:
         # The SDK's messages name the problem (a key without the tml- prefix), never the key itself.
         raise PluginError(f"cannot open a training client on the Tinker service at {base_url or 'the SDK default'}: {exc}") from None
+
+
+def call_within(seconds: float, what: str, call: Callable[[], T]) -> T:
+    """``call()``, given up after ``seconds``: the SDK's client creation has no deadline of its own
+    (at a closed port, or at the hosted service without DNS, it waits on, silently). It runs in a
+    daemon thread, which a process that gives up leaves behind."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="grpo-core-tinker-connect", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise PluginError(
+            f"{what} did not answer within {seconds:g}s (--trainer-opt connect_deadline); check that the service is running, "
+            "that base_url (or TINKER_BASE_URL) is its address, and the network (DNS, proxy) for the hosted one"
+        )
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def resolved(value: Any) -> Any:

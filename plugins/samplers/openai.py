@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import math
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -26,6 +28,8 @@ KEEPALIVE_EXPIRY = 4.0
 """Seconds an idle connection is kept: under vLLM's (uvicorn's) 5 s keep-alive timeout, so the
 client drops it first. A request sent on a connection the server is closing fails like a server
 that went away: a retry, and a weight resync before it."""
+PROGRESS_EVERY = 30.0
+"""Seconds between two progress lines while a call to the server waits (a slow answer, retries)."""
 PROMPTS_PER_REQUEST = 8
 """Several prompts per request: one request per prompt reaches the server as a trickle over
 connections kept open, and an idle engine starts on the first arrivals alone (on a CPU shared with
@@ -34,6 +38,10 @@ the server, that made a step 2-4x slower; docs/performance.md, "Sampling through
 
 class ServerUnavailable(PluginError):
     """The server did not answer within the retry deadline."""
+
+    def __init__(self, message: str, last_error: str = "") -> None:
+        super().__init__(message)
+        self.last_error = last_error
 
 
 class ServerResponseError(PluginError):
@@ -64,13 +72,16 @@ class OpenAISampler:
         PROMPTS_PER_REQUEST, help="prompts sent in one request (each with n completions); fewer requests reach the server's engine together"
     )
     retry_deadline: float = option(600.0, help="seconds a failing request is retried before the run stops")
+    connect_deadline: float = option(
+        30.0, help="seconds the first contact with the server (GET /v1/models at start, retries included) may take before the run stops"
+    )
     check_tokenizer: bool = option(True, help="compare the server's tokenizer with the trainer's at start")
 
     default_weight_sync = "vllm"
 
     def __attrs_post_init__(self) -> None:
-        for name in ("timeout", "retry_deadline"):
-            if getattr(self, name) <= 0:
+        for name in ("timeout", "retry_deadline", "connect_deadline"):
+            if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("concurrency", "prompts_per_request"):
             if getattr(self, name) < 1:
@@ -86,15 +97,16 @@ class OpenAISampler:
             retry_deadline=self.retry_deadline,
         )
         try:
+            cards = client.first_contact(min(self.connect_deadline, self.retry_deadline))
             sampler = ServerSampler(
                 client=client,
                 tokenizer=trainer.tokenizer,
-                model=self.model or client.only_model(),
+                model=self.model or client.only_model(cards),
                 version=trainer.version,
                 prompts_per_request=self.prompts_per_request,
                 concurrent_samples=self.concurrency,
             )
-            sampler.max_context = client.max_model_len(sampler.model)
+            sampler.max_context = client.max_model_len(cards, sampler.model)
             if self.check_tokenizer:
                 sampler.check_tokenizer()
         except BaseException:
@@ -130,6 +142,7 @@ class ServerClient:
         retry_deadline: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
         backoff: tuple[float, float] = (0.5, 10.0),
+        progress_every: float = PROGRESS_EVERY,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
@@ -138,6 +151,8 @@ class ServerClient:
         self.backoff_first, self.backoff_max = backoff
         self.on_reconnect: Callable[[], None] | None = None
         self.counts = {"requests": 0, "retries": 0, "reconnects": 0}
+        self.progress_every = progress_every
+        self._last_progress = 0.0
         self._epoch = 0
         """Counts dropped connections handled; a request that saw a drop at epoch e resyncs unless
         another request already did so since."""
@@ -165,7 +180,37 @@ class ServerClient:
         requests, retries and reconnects made for it alone, whatever else runs at the same time."""
         if counts is not None:
             coroutine = _counted(coroutine, counts)
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        started = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=self.progress_every)
+            except concurrent.futures.TimeoutError:
+                self.progress(f"waiting for an answer for {time.monotonic() - started:.0f}s")
+
+    def progress(self, what: str) -> None:
+        """One line on stderr about a long wait, at most every ``progress_every`` seconds (all callers together)."""
+        now = time.monotonic()
+        if now - self._last_progress >= self.progress_every:
+            self._last_progress = now
+            print(
+                f"sampler server {self.base_url}: {what} ({self.counts['requests']} requests, {self.counts['retries']} retries so far)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def first_contact(self, deadline: float) -> list[dict[str, Any]]:
+        """The cards of the models served (GET /v1/models) within ``deadline`` seconds in all, each
+        attempt's wait included; else one line saying what to check: a server that is down or
+        never answers stops the run at once."""
+        try:
+            return (self.call(self.request("GET", "/v1/models", None, deadline=deadline)) or {}).get("data", [])
+        except ServerUnavailable as exc:
+            raise ServerUnavailable(
+                f"the sampler server at {self.base_url} did not answer GET /v1/models within {deadline:g}s "
+                f"(--sampler-opt connect_deadline): {exc.last_error}; check that the server is running and ready, "
+                "and that base_url is its address and port"
+            ) from None
 
     def _count(self, key: str) -> None:
         self.counts[key] += 1
@@ -187,8 +232,14 @@ class ServerClient:
     def post(self, path: str, body: dict[str, Any], resync: bool = True) -> Any:
         return self.call(self.request("POST", path, body, resync))
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None, resync: bool = True) -> Any:
-        """The decoded JSON answer; retried until the deadline, then :class:`ServerUnavailable`."""
+    async def request(self, method: str, path: str, body: dict[str, Any] | None, resync: bool = True, deadline: float | None = None) -> Any:
+        """The decoded JSON answer; retried until the deadline, then :class:`ServerUnavailable`.
+
+        ``deadline``: seconds from the first attempt the request may take in all, each attempt's
+        wait for an answer included (the first contact's bound); else each attempt may take
+        ``timeout`` and failures are retried for ``retry_deadline``."""
+        started = time.monotonic()
+        limit = self.retry_deadline if deadline is None else deadline
         first_failure: float | None = None
         dropped_at: int | None = None
         attempt = 0
@@ -199,7 +250,8 @@ class ServerClient:
             self._count("requests")
             retry_after = None
             try:
-                response = await self._http.request(method, path, json=body)
+                timeout = self.timeout if deadline is None else max(0.01, min(self.timeout, started + deadline - time.monotonic()))
+                response = await self._http.request(method, path, json=body, timeout=timeout)
             except httpx.TransportError as exc:
                 if isinstance(exc, DROPPED):
                     dropped_at = self._epoch
@@ -222,18 +274,22 @@ class ServerClient:
                 retry_after = _retry_after(response)
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
-            if now - first_failure >= self.retry_deadline:
+            give_up_at = first_failure + limit if deadline is None else started + limit
+            if now >= give_up_at:
                 raise ServerUnavailable(
                     f"{method} {self.base_url}{path} kept failing for {now - first_failure:.0f}s "
-                    f"({attempt + 1} attempts, retry deadline {self.retry_deadline:g}s); last error: {error}"
+                    f"({attempt + 1} attempts, retry deadline {limit:g}s); last error: {error}",
+                    last_error=error,
                 )
             self._count("retries")
+            if now - first_failure >= self.progress_every:
+                self.progress(f"{method} {path} failing for {now - first_failure:.0f}s, retried for up to {limit:g}s: {error}")
             delay = min(self.backoff_max, self.backoff_first * 2**attempt)
             # Equal jitter: clients that failed together do not all come back at the same instant.
             delay = delay / 2 + self._jitter.uniform(0, delay / 2)
             if retry_after is not None:
                 delay = max(delay, min(retry_after, self.backoff_max))
-            await asyncio.sleep(min(delay, max(0.0, first_failure + self.retry_deadline - now)))
+            await asyncio.sleep(min(delay, max(0.0, give_up_at - now)))
             attempt += 1
 
     async def _reconnect(self, dropped_at: int) -> None:
@@ -246,14 +302,14 @@ class ServerClient:
             self._epoch += 1
             self._count("reconnects")
 
-    def only_model(self) -> str:
-        models = [m["id"] for m in self.get("/v1/models").get("data", [])]
+    def only_model(self, cards: list[dict[str, Any]]) -> str:
+        models = [m["id"] for m in cards]
         if len(models) != 1:
             raise PluginError(f"the server at {self.base_url} serves {models or 'no models'}; choose one with --sampler-opt model=NAME")
         return models[0]
 
-    def max_model_len(self, model: str) -> int | None:
-        cards = [m for m in self.get("/v1/models").get("data", []) if m.get("id") == model]
+    def max_model_len(self, cards: list[dict[str, Any]], model: str) -> int | None:
+        cards = [m for m in cards if m.get("id") == model]
         if not cards:
             raise PluginError(f"the server at {self.base_url} does not serve model '{model}'")
         return cards[0].get("max_model_len")

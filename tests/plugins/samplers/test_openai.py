@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -354,7 +355,7 @@ def test_make_sampler_over_http_finds_the_model_checks_the_tokenizer_and_samples
         plugin = OpenAISampler(base_url=server.url + "/v1/", retry_deadline=5.0)
         sampler = plugin.make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer, version=3))
         assert sampler.model == "tiny" and sampler.max_context == 200 and sampler.version == 3
-        assert [p for p, _ in fake.requests] == ["/v1/models", "/v1/models", "/tokenize"]
+        assert [p for p, _ in fake.requests] == ["/v1/models", "/tokenize"]  # the models are read once
         groups = sampler.sample([[7, 8]], 3, SamplingParams(max_tokens=4))
         assert [c.tokens for c in groups[0]] == [expected_tokens(fake, [7, 8], j, 4) for j in range(3)]
         sampler.close()
@@ -409,7 +410,7 @@ def test_a_server_that_never_answers_stops_make_sampler_within_the_deadline(toke
     url = server.url
     server.close()  # nothing listens there any more: every connection is refused
     started = time.monotonic()
-    with pytest.raises(ServerUnavailable, match=r"GET http://127.0.0.1:\d+/v1/models kept failing .*ConnectError"):
+    with pytest.raises(ServerUnavailable, match=r"server at http://127.0.0.1:\d+ did not answer GET /v1/models within 0.5s .*ConnectError"):
         OpenAISampler(base_url=url, retry_deadline=0.5).make_sampler(config=RunConfig(), trainer=FakeTrainer(tokenizer))
     assert time.monotonic() - started < 5.0
 
@@ -525,3 +526,26 @@ def test_a_run_through_the_server_records_its_requests_in_every_step(tiny_model_
     assert [m["sampler/completions"] for m in metrics] == [4.0, 4.0]
     assert [m["sampler/requests"] for m in metrics] == [2.0, 2.0] and len(sent) >= 4
     assert all(m["sampler/retries"] == 0.0 and "sync/logprob_max_abs_diff" in m for m in metrics)
+
+
+def test_a_long_wait_prints_which_server_how_long_and_the_retries_so_far(capsys):
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepts (the kernel does), never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    client = ServerClient(url, timeout=0.4, retry_deadline=3, progress_every=0.3, backoff=(0.05, 0.1))
+    try:
+        with pytest.raises(ServerUnavailable, match=r"kept failing .*retry deadline 3s.*ReadTimeout"):
+            client.get("/v1/models")
+    finally:
+        client.close()
+        listener.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines and all(line.startswith(f"sampler server {url}: ") for line in lines)
+    assert any(re.search(r"waiting for an answer for \d+s \(\d+ requests, \d+ retries so far\)", line) for line in lines)
+    assert any(
+        re.search(r"GET /v1/models failing for \d+s, retried for up to 3s: ReadTimeout \(\d+ requests, [1-9]\d* retries", line)
+        for line in lines
+    )
