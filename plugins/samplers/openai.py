@@ -153,6 +153,8 @@ class ServerClient:
         self.counts = {"requests": 0, "retries": 0, "reconnects": 0}
         self.progress_every = progress_every
         self._last_progress = 0.0
+        self.last_error = ""
+        """The last error a request was retried for (shown in the progress lines)."""
         self._epoch = 0
         """Counts dropped connections handled; a request that saw a drop at epoch e resyncs unless
         another request already did so since."""
@@ -193,8 +195,10 @@ class ServerClient:
         now = time.monotonic()
         if now - self._last_progress >= self.progress_every:
             self._last_progress = now
+            retries = self.counts["retries"]
+            last = f"; last error: {self.last_error}" if retries and self.last_error else ""
             print(
-                f"sampler server {self.base_url}: {what} ({self.counts['requests']} requests, {self.counts['retries']} retries so far)",
+                f"sampler server {self.base_url}: {what} ({self.counts['requests']} requests, {retries} retries so far{last})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -282,8 +286,7 @@ class ServerClient:
                     last_error=error,
                 )
             self._count("retries")
-            if now - first_failure >= self.progress_every:
-                self.progress(f"{method} {path} failing for {now - first_failure:.0f}s, retried for up to {limit:g}s: {error}")
+            self.last_error = error
             delay = min(self.backoff_max, self.backoff_first * 2**attempt)
             # Equal jitter: clients that failed together do not all come back at the same instant.
             delay = delay / 2 + self._jitter.uniform(0, delay / 2)

@@ -544,8 +544,8 @@ def test_a_long_wait_prints_which_server_how_long_and_the_retries_so_far(capsys)
         listener.close()
     lines = capsys.readouterr().err.splitlines()
     assert lines and all(line.startswith(f"sampler server {url}: ") for line in lines)
-    assert any(re.search(r"waiting for an answer for \d+s \(\d+ requests, \d+ retries so far\)", line) for line in lines)
-    assert any(
-        re.search(r"GET /v1/models failing for \d+s, retried for up to 3s: ReadTimeout \(\d+ requests, [1-9]\d* retries", line)
-        for line in lines
+    assert re.fullmatch(r"sampler server \S+: waiting for an answer for 0s \(1 requests, 0 retries so far\)", lines[0])
+    assert re.fullmatch(
+        r"sampler server \S+: waiting for an answer for [1-9]s \(\d+ requests, [1-9]\d* retries so far; last error: ReadTimeout\)",
+        lines[-1],
     )
