@@ -38,6 +38,16 @@ class SectionedOption(click.Option):
 class SectionedCommand(click.Command):
     """``--help`` in the sections of ``config.SECTIONS``, each option with its default."""
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Both spellings of one setting (``--backend local --trainer tinker``) are refused: one would
+        win without a word. One flag repeated is the usual last-wins override."""
+        given = {arg.partition("=")[0] for arg in args[: args.index("--") if "--" in args else len(args)]}
+        for name, alias in FLAG_ALIASES.items():
+            flags = [f"--{name.replace('_', '-')}", f"--{alias.replace('_', '-')}"]
+            if all(flag in given for flag in flags):
+                raise click.UsageError(f"{' and '.join(flags)} name one setting: give one of them", ctx)
+        return super().parse_args(ctx, args)
+
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows: dict[str, list[tuple[str, str]]] = {title: [] for title in SECTIONS}
         for param in self.get_params(ctx):

@@ -77,6 +77,11 @@ def _unit_interval(instance: Any, attribute: attrs.Attribute, value: float) -> N
         raise ValueError(f"{attribute.name} must be in [0, 1), got {value}")
 
 
+def _non_empty_strings(instance: Any, attribute: attrs.Attribute, value: list[str]) -> None:
+    if any(not item for item in value):
+        raise ValueError(f"{attribute.name}: an empty string is no {attribute.name} string (every completion would end at once)")
+
+
 def _at_least_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     if value < 2:
         raise ValueError(f"{attribute.name} must be >= 2: a group of one has no advantage (got {value})")
@@ -204,7 +209,7 @@ class RunConfig:
     temperature: float = _field(1.0, "sampling temperature (0 = greedy, for eval)", GRPO_STEP, validator=_non_negative)
     top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)", GRPO_STEP)
     top_k: int = _field(0, "top-k sampling (0 = off)", GRPO_STEP)
-    stop: list[str] = _field([], "stop string; repeat for several", GRPO_STEP)
+    stop: list[str] = _field([], "stop string; repeat for several", GRPO_STEP, validator=_non_empty_strings)
     drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)", GRPO_STEP)
     weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", GRPO_STEP, validator=_positive)
     anchor: Literal["old_policy", "sampling"] = _field(
@@ -367,6 +372,18 @@ def cli_fields() -> list[attrs.Attribute]:
     return [f for f in attrs.fields(RunConfig) if f.metadata.get("cli", True)]
 
 
+def check_given(config: RunConfig, given: Iterable[str]) -> None:
+    """Settings a user gave that would do nothing with the rest of the config are refused, naming
+    what they belong to: the async loop's settings under ``--loop sync``, LoRA's without a rank."""
+    sections = {f.name: f.metadata["section"] for f in cli_fields()}
+    for key in given:
+        flag = f"--{key.replace('_', '-')}"
+        if sections.get(key) == ASYNC and key != "loop" and config.loop != "async":
+            raise PluginError(f"{flag} belongs to the asynchronous loop (--loop async); under --loop {config.loop} it would do nothing")
+        if sections.get(key) == LORA and key != "lora_rank" and config.lora_rank == 0:
+            raise PluginError(f"{flag} sets LoRA adapters, which only --lora-rank > 0 trains; without it, it would do nothing")
+
+
 def resumable_fields() -> list[str]:
     """Settings a resumed run may change: none of them changes what a step computes."""
     return [f.name for f in cli_fields() if f.metadata["resumable"]]
@@ -456,6 +473,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     except (TypeError, ValueError) as exc:
         raise PluginError(f"{path}: {exc}") from None
     config.plugin_options = options
+    check_given(config, overrides)
     return config
 
 
@@ -513,6 +531,7 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         config = RunConfig(**kwargs)
     except (TypeError, ValueError) as exc:
         raise PluginError(f"config: {exc}") from None
+    check_given(config, kwargs)
     merged: dict[str, dict[str, dict[str, Any]]] = {}
     for kind in KINDS:
         selected = selected_names(config, kind) if hasattr(config, kind) else []

@@ -91,6 +91,11 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    if r.groups_failed and not r.groups_trained:
+        raise PluginError(
+            f"nothing was trained: every group was dropped, {r.groups_failed:g} of them because their "
+            f"reward failed (last: {r.selection.last_reward_error or 'a reward returned None/NaN'}); fix the reward and start again"
+        )
     return summary
 
 
@@ -106,6 +111,9 @@ class Run:
     state: RunState
     batches: Iterator[list[Any]]
     params: SamplingParams
+    groups_trained: float = 0.0
+    groups_failed: float = 0.0
+    """Prompt groups trained on, and dropped because their reward failed, by this process's steps."""
 
 
 @contextlib.contextmanager
@@ -213,6 +221,8 @@ def end_step(
         finally:
             state.rng = capture_rng(sampler)
     metrics.update(synced.as_dict())
+    r.groups_trained += metrics.get("groups/kept", 0.0)
+    r.groups_failed += metrics.get("groups/dropped_failed", 0.0)
     if counted is not None:
         counted()
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)

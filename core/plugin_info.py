@@ -9,14 +9,15 @@ import attrs
 
 from grpo_core.errors import PluginError
 from grpo_core.options import is_secret
-from grpo_core.plugins_manager import catalog, plugin_hooks, plugin_problems
+from grpo_core.plugins_manager import catalog, claims, plugin_hooks, plugin_problems
 
 
 def describe_all() -> list[dict[str, Any]]:
     """One record per installed plugin; a plugin that fails to import carries its error, one
     whose hooks cannot work (see ``plugin_problems``) its ``problems``."""
     infos = []
-    for entry in catalog():
+    entries = catalog()
+    for entry in entries:
         info: dict[str, Any] = {
             "kind": entry.kind,
             "name": entry.name,
@@ -24,6 +25,9 @@ def describe_all() -> list[dict[str, Any]]:
             "version": entry.version,
             "target": entry.target,
         }
+        rivals = [e for e in entries if (e.kind, e.name) == (entry.kind, entry.name) and e != entry]
+        if rivals:
+            info["conflict"] = f"also declared by {claims(rivals)}: grpo-core run refuses '{entry.name}' until one is uninstalled"
         try:
             cls = entry.load()
         except PluginError as exc:
@@ -62,12 +66,14 @@ def render(infos: list[dict[str, Any]]) -> None:
 
     for info in infos:
         head = f"{info['kind']} {info['name']}  ({info['distribution']} {info['version']})"
+        if "conflict" in info:
+            head += "  CONFLICT"
         if "error" in info:
-            click.echo(f"{head}  BROKEN\n    {info['error']}\n")
+            click.echo(f"{head}  BROKEN\n    {info['error']}" + (f"\n    {info['conflict']}" if "conflict" in info else "") + "\n")
             continue
         flag = "  INVALID" if info["problems"] else ""
         click.echo(f"{head}  hooks: {', '.join(info['hooks']) or 'none'}{flag}")
-        for problem in info["problems"]:
+        for problem in [*info["problems"], *([info["conflict"]] if "conflict" in info else [])]:
             click.echo(textwrap.fill(problem, width=100, initial_indent="    !!  ", subsequent_indent="        "))
         for line in info["help"].splitlines():
             click.echo(f"    {line}" if line else "")

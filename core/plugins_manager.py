@@ -96,23 +96,26 @@ class PluginEntry:
 
 @functools.lru_cache(maxsize=1)
 def catalog() -> tuple[PluginEntry, ...]:
-    """Every installed plugin, from entry points, sorted by kind then name.
+    """Every installed plugin, from entry points, sorted by kind then name; a name two
+    distributions declare is there twice (``find`` refuses it, ``grpo-core plugins`` shows both).
 
     Cached: scanning every installed distribution's metadata costs tens of milliseconds.
     """
-    entries: dict[tuple[str, str], PluginEntry] = {}
+    entries: dict[tuple[str, str, str, str], PluginEntry] = {}
     for ep in metadata.entry_points(group=GROUP):
         kind, dot, name = ep.name.partition(".")
         if not dot or kind not in KINDS:
             continue
         dist = ep.dist
-        entries[(kind, name)] = PluginEntry(
+        entry = PluginEntry(
             kind=kind,
             name=name,
             target=ep.value,
             distribution=dist.metadata["Name"] if dist else "?",
             version=dist.version if dist else "?",
         )
+        # One distribution found twice on the path (an editable install and a copy) is one plugin.
+        entries[(kind, name, entry.target, entry.distribution)] = entry
     return tuple(sorted(entries.values(), key=lambda e: (KINDS.index(e.kind), e.name)))
 
 
@@ -126,6 +129,8 @@ def find(name: str, kind: str | None = None) -> PluginEntry:
     matches = [e for e in candidates if e.name == name]
     if len(matches) == 1:
         return matches[0]
+    if len({m.kind for m in matches}) == 1 and matches:
+        raise PluginError(f"{matches[0].kind} '{name}' is declared by several installed plugins: {claims(matches)}; uninstall all but one")
     if len(matches) > 1:
         options = ", ".join(f"'{m.qualified_name}'" for m in matches)
         raise PluginError(f"'{name}' names several plugins ({options}); say which, e.g. make_plugin('{matches[0].qualified_name}')")
@@ -134,6 +139,11 @@ def find(name: str, kind: str | None = None) -> PluginEntry:
     close = difflib.get_close_matches(name, available, n=1)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     raise PluginError(f"unknown {what}'{name}'{hint} available: {', '.join(available) or 'none'}")
+
+
+def claims(entries: Sequence[PluginEntry]) -> str:
+    """``grpo-core 0.1.0 (module:Class), other 1.0 (module:Class)``: who declares a name."""
+    return ", ".join(f"{e.distribution} {e.version} ({e.target})" for e in entries)
 
 
 def make_plugin(name: str, kind: str | None = None, **options: Any) -> Any:
