@@ -20,7 +20,7 @@ import tomllib
 
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
-from grpo_core.options import KINDS, coerce
+from grpo_core.options import KINDS, REDACTED, coerce, is_secret
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
@@ -407,16 +407,18 @@ def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise PluginError(f"--{kind}-opt '{item}': expected key=value")
+            raise PluginError(f"--{kind}-opt: expected key=value, got a value without '=' (not shown: it may be a secret)")
         plugin, dot, option = key.partition(".")
+        # An error quotes what was typed, with a secret's value as *** (config.json's rule).
+        shown = f"{key}={REDACTED if is_secret(option or plugin) else value}"
         if not dot:
             if len(selected) != 1:
                 raise PluginError(
-                    f"--{kind}-opt '{item}': several {kind} plugins are selected ({', '.join(selected)}); write NAME.{key}={value}"
+                    f"--{kind}-opt '{shown}': several {kind} plugins are selected ({', '.join(selected)}); write NAME.{shown}"
                 )
             plugin, option = selected[0], key
         elif plugin not in selected:
-            raise PluginError(f"--{kind}-opt '{item}': {kind} '{plugin}' is not selected ({', '.join(selected)})")
+            raise PluginError(f"--{kind}-opt '{shown}': {kind} '{plugin}' is not selected ({', '.join(selected)})")
         result.setdefault(plugin, {})[option] = value
     return result
 
@@ -431,8 +433,6 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     Flags that would change what a step computes are refused unless they repeat the stored
     value; plugin options may only supply secrets, which config.json never holds.
     """
-    from grpo_core.options import REDACTED
-
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise PluginError(f"--resume {run_dir}: no config.json there; is it a grpo-core run directory?")

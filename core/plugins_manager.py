@@ -185,6 +185,26 @@ def redact_plugin_options(plugin_options: dict[str, dict[str, dict[str, Any]]]) 
     return {kind: {name: redact(kind, name, opts) for name, opts in by_name.items()} for kind, by_name in plugin_options.items()}
 
 
+def secret_values(plugin_options: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The secrets themselves among plugin options (what ``redact_plugin_options`` hides), for
+    scrubbing text that may quote them (a command line)."""
+    redacted = redact_plugin_options(plugin_options)
+    return [
+        str(value)
+        for kind, by_name in plugin_options.items()
+        for name, options in by_name.items()
+        for key, value in options.items()
+        if redacted[kind][name][key] == REDACTED and value not in ("", REDACTED)
+    ]
+
+
+def scrubbed(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each secret shown as ``***``."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 def call_loss(plugins: Sequence[Any], inputs: LossInputs) -> LossOutput:
     """Run the ``loss`` hook of the given plugin instances, exactly as a training run does."""
     out = build_manager(plugins).hook.loss(inputs=inputs)

@@ -258,3 +258,15 @@ def test_a_running_run_holds_its_folder_and_a_killed_one_leaves_a_lock_that_is_t
 
 def steps_in(run_dir):
     return max(json.loads((c / "state.json").read_text())["step"] for c in (run_dir / "checkpoints").glob("step-*"))
+
+
+@pytest.mark.slow
+def test_a_secret_typed_on_the_command_line_is_not_in_what_wandb_records(plugin_site, tiny_model_dir, tiny_dataset, tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = tmp_path / "r"
+    args = run_args(tiny_model_dir, tiny_dataset, run_dir, "--reward-opt", "api_key=sk-test-123", "--logger", "wandb")
+    out = grpo_core(*args, "--max-steps", "1", "--logger-opt", "mode=offline", env={**plugin_site, "WANDB_SILENT": "true"})
+    assert out.returncode == 0, out.stderr
+    recorded = b"".join(p.read_bytes() for p in (run_dir / "wandb").rglob("*") if p.is_file())
+    assert b"api_key=***" in recorded  # W&B keeps the command line: with the secret as config.json shows it
+    assert b"sk-test-123" not in recorded + b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())

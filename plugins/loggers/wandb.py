@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import attrs
 from grpo_core import hookimpl, option
 from grpo_core.data import import_extra
 from grpo_core.plugins.loggers.jsonl import SampleTableOptions, sample_columns, sample_rows
+from grpo_core.plugins_manager import scrubbed, secret_values
 from grpo_core.types import Sample
 
 RUN_ID_FILE = "wandb_run_id"
@@ -56,18 +58,24 @@ class WandbLogger(SampleTableOptions):
 
         id_file = run_dir / RUN_ID_FILE
         config_file = run_dir / "config.json"
-        self._run = wandb.init(
-            project=self.project,
-            entity=self.entity,
-            name=self.run_name or run_dir.name,
-            group=self.group,
-            tags=[t.strip() for t in self.tags.split(",") if t.strip()],
-            mode=self.mode,
-            id=id_file.read_text().strip() if id_file.is_file() else None,
-            resume="allow",
-            dir=os.environ.get("WANDB_DIR") or str(run_dir),
-            config=json.loads(config_file.read_text()) if config_file.is_file() else None,
-        )
+        # W&B records the command line (sys.argv, read by wandb.init) in the run's metadata, which
+        # `wandb sync` uploads: a secret typed there is shown as *** there, as in config.json.
+        argv, sys.argv = sys.argv, [scrubbed(arg, secret_values(config.plugin_options)) for arg in sys.argv]
+        try:
+            self._run = wandb.init(
+                project=self.project,
+                entity=self.entity,
+                name=self.run_name or run_dir.name,
+                group=self.group,
+                tags=[t.strip() for t in self.tags.split(",") if t.strip()],
+                mode=self.mode,
+                id=id_file.read_text().strip() if id_file.is_file() else None,
+                resume="allow",
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
+                config=json.loads(config_file.read_text()) if config_file.is_file() else None,
+            )
+        finally:
+            sys.argv = argv
         id_file.write_text(self._run.id + "\n")
 
     @hookimpl
