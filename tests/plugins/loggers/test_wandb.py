@@ -78,8 +78,9 @@ def run_steps(logger, run_dir, steps, start_step=0, offset=0.0):
     from grpo_core.config import RunConfig
     from grpo_core.plugins_manager import write_config
 
-    write_config(RunConfig(plugin_options={"reward": {"remote": {"api_key": "hunter2", "url": "http://x"}}}), run_dir / "config.json")
-    logger.on_run_start(config=None, run_dir=run_dir, total_steps=max(steps), start_step=start_step)
+    config = RunConfig(plugin_options={"reward": {"remote": {"api_key": "hunter2", "url": "http://x"}}})
+    write_config(config, run_dir / "config.json")
+    logger.on_run_start(config=config, run_dir=run_dir, total_steps=max(steps), start_step=start_step)
     for step in steps:
         logger.on_step(step=step, metrics={"reward/total": step + offset, "loss/total": float("nan")}, state=None, groups=two_groups())
     logger.on_run_end(summary={}, run_dir=run_dir)
