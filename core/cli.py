@@ -197,6 +197,8 @@ def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
     cause = exc.cause if isinstance(exc, RunFailed) else exc
     if debug:
         traceback.print_exception(cause)
+    if out_of_memory(cause):
+        cause = PluginError(f"out of memory ({str(cause).splitlines()[0][:200]}); {MEMORY_ADVICE}")
     expected = isinstance(cause, (PluginError, OSError))
     plugin = None if expected else _raised_in_plugin(cause)
     ours = not expected and (plugin is None or plugin.distribution == "grpo-core")
@@ -212,6 +214,22 @@ def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:
     if saved:
         click.echo(f"  {saved}", err=True)
     sys.exit(EXIT_INTERNAL if ours else EXIT_ERROR)
+
+
+MEMORY_ADVICE = (
+    "make a step smaller (--max-samples-per-fwd-bwd N splits it; fewer --prompt-groups-per-step, --completions-per-prompt "
+    "or --max-completion-tokens), or its memory (--gradient-checkpointing, --lora-rank R, --dtype bfloat16)"
+)
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """A batch too large for the machine: Python's MemoryError, torch's (CUDA) OutOfMemoryError, or
+    torch's CPU allocator failing (a RuntimeError of its own wording)."""
+    return (
+        isinstance(exc, MemoryError)
+        or type(exc).__name__ == "OutOfMemoryError"
+        or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    )
 
 
 def _raised_in_plugin(exc: BaseException) -> Any:

@@ -436,7 +436,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise PluginError(f"--resume {run_dir}: no config.json there; is it a grpo-core run directory?")
-    stored = json.loads(path.read_text())
+    stored = read_stored_config(path)
     fields = {f.name: f for f in cli_fields()}
     refused = []
     resumable = resumable_fields()
@@ -477,6 +477,17 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     return config
 
 
+def read_stored_config(path: Path) -> dict[str, Any]:
+    """A run's ``config.json``; a file cut short or edited into something else is the user's to fix."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PluginError(f"{path} cannot be read ({exc}): it was cut short or edited; restore it from a copy") from None
+    if not isinstance(stored, dict):
+        raise PluginError(f"{path} holds no run configuration (a JSON object); restore it from a copy")
+    return stored
+
+
 def selected_names_from(stored: dict[str, Any], kind: str) -> list[str]:
     value = stored.get(kind)
     if value is None:
@@ -504,6 +515,12 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
             if key in KINDS and isinstance(value, dict):
                 # [loss.cispo] both selects a plugin and sets its options; a reward table may
                 # carry its weight.
+                for name, opts in value.items():
+                    if not isinstance(opts, dict):
+                        raise PluginError(
+                            f"{path}: [{key}] {name} = {opts!r}: a plugin's options go in a table of their own, [{key}.{name}] "
+                            f'(an empty one selects it); or select it with {key} = ["{name}"]'
+                        )
                 table_opts[key] = {name: dict(opts) for name, opts in value.items()}
                 if key == "reward":
                     values[key] = {name: opts.pop("weight", 1.0) for name, opts in table_opts[key].items()}

@@ -190,7 +190,11 @@ def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
     if source.kind == "parquet":
         parquet = import_extra("pyarrow.parquet", "datasets", "a Parquet dataset")
         index = 0
-        for batch in parquet.ParquetFile(source.location).iter_batches(batch_size=1024):
+        try:
+            table = parquet.ParquetFile(source.location)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's errors (ArrowInvalid...): the user needs the file and the reason
+            raise DataError(f"{source.location}: not a readable Parquet file ({exc}); JSONL rows go in a .jsonl file") from None
+        for batch in table.iter_batches(batch_size=1024):
             for row in batch.to_pylist():
                 yield f"[{index}]", row
                 index += 1

@@ -10,7 +10,6 @@ policy for a sampler.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,10 @@ def _saved_steps(run: Path) -> str:
 
 def read_run_config(run: Path) -> Any:
     """The run's config.json as a RunConfig (what ``--resume`` reads, without the changes it allows)."""
-    from grpo_core.config import RunConfig, cli_fields
+    from grpo_core.config import RunConfig, cli_fields, read_stored_config
 
     path = run / "config.json"
-    stored = json.loads(path.read_text())
+    stored = read_stored_config(path)
     fields = {f.name: f for f in cli_fields()}
     try:
         config = RunConfig(**{k: coerce(v, fields[k].type) for k, v in stored.items() if k in fields})

@@ -41,11 +41,13 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
-from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, locked
+from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, is_run_config, locked
 from grpo_core.selection import select_plugins
 from grpo_core.types import RunState, SamplingParams
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A model folder holds at least one of these (what ``save_pretrained`` of a tokenizer writes)."""
 
 
 class NonFiniteSteps(PluginError):
@@ -133,6 +135,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     restore the newest checkpoint. The loop has checked its settings (``check_settings``) and
     holds the run folder (``own_run_dir``); nothing in it changes before every check passed."""
     seed_everything(config.seed, config.threads)
+    check_model_folder(config.model)
     selection = select_plugins(config)
     pm = selection.manager
     dataset = load_dataset(config, selection.rewards_needing_answer)
@@ -312,6 +315,48 @@ def check_settings(config: RunConfig) -> None:
         )
     if config.learning_rate == 0:
         print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
+
+
+def check_model_folder(model: str) -> None:
+    """A local ``--model`` folder that cannot be a model is refused before anything loads it, saying
+    what it is: a run folder, a folder without a tokenizer, weights cut short."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return  # a hub name, or the embedded model
+    if is_run_config(folder / "config.json"):
+        final = folder / "final"
+        raise PluginError(
+            f"--model {model} is a grpo-core run folder, not a model: its trained policy is {final}"
+            + ("" if final.is_dir() else ", once the run has finished (a checkpoint: grpo-core export RUN_DIR OUT_DIR --step N)")
+        )
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise PluginError(
+            f"model folder {model} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): "
+            "save the model's tokenizer beside its weights (tokenizer.save_pretrained(folder))"
+        )
+    for weights in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise PluginError(f"model folder {model}: {weights.name} {problem}; copy or download it again")
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot be whole (empty, cut short, no header), read from its header alone."""
+    size = path.stat().st_size
+    if size == 0:
+        return "is empty"
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + header_size > size:
+            return f"is cut short ({size} bytes, not even its header)"
+        try:
+            header = json.loads(f.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "is not a safetensors file (its header is not JSON)"
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
+    expected = 8 + header_size + max(ends, default=0)
+    return f"is cut short ({size} of {expected} bytes)" if size < expected else None
 
 
 def seed_everything(seed: int, threads: int | None = None) -> None:
