@@ -135,7 +135,7 @@ def reward_weights(value: str | Iterable[str] | Mapping[str, Any]) -> dict[str, 
         pairs = []
         for name, weight in value.items():
             try:
-                pairs.append((name, _weight(name, coerce(weight, float))))
+                pairs.append((name, _weight(name, weight if isinstance(weight, float) else coerce(weight, float))))
             except (TypeError, ValueError):
                 raise PluginError(f"reward '{name}': weight {weight!r} is not a number") from None
     else:
