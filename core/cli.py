@@ -141,7 +141,7 @@ def main() -> None:
     is_flag=True,
     cls=SectionedOption,
     section=RUN_DIRECTORY,
-    help="replace what --run-dir holds (a non-empty run directory is refused otherwise)",
+    help="replace the grpo-core run --run-dir holds (a non-empty run directory is refused otherwise; never a folder of other files)",
 )
 @click.option("--debug", is_flag=True, cls=SectionedOption, section=MACHINE, help="show the traceback of an error")
 def run(config_file: str | None, resume: str | None, overwrite: bool, debug: bool, **values: Any) -> None:
@@ -156,8 +156,16 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
     API key, a token) is never written; give it as env:VARIABLE to read it from the environment.
 
     \b
-    Exit codes: 0 done; 1 an error you can fix (message says what); 2 bad command line;
-    3 internal error (traceback written to the run directory); 130 Ctrl-C; 143 SIGTERM.
+    A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs: a second run,
+    --resume or export of that folder is refused, naming the process; a killed run's lock is taken
+    over. --overwrite only replaces a grpo-core run, never the working directory or a folder of
+    other files. A server's first contact must succeed within its connect_deadline (openai sampler,
+    tinker trainer: 30 s); later long waits print progress.
+
+    \b
+    Exit codes: 0 done; 1 an error you can fix (message says what), or a third-party plugin's bug
+    (named with its distribution); 2 bad command line; 3 internal error of grpo-core (traceback
+    written to the run directory); 130 Ctrl-C; 143 SIGTERM.
     """
     from grpo_core import config as config_module
 

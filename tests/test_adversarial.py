@@ -453,3 +453,12 @@ def test_a_run_folder_held_by_another_process_is_refused_naming_it(world, tmp_pa
     )
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
     assert not (tmp_path / "out").exists()
+
+
+def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
+    from tests.test_cli import grpo_core_in_process
+
+    text = " ".join(grpo_core_in_process("run", "--help").stdout.split())
+    assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
+    assert "A server's first contact must succeed within its connect_deadline (openai sampler, tinker trainer: 30 s)" in text
+    assert "Exit codes: 0 done; 1 an error you can fix" in text and "3 internal error of grpo-core" in text
