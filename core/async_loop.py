@@ -10,7 +10,8 @@ queue (counted). ``synchronous_training`` rolls out a whole step's batch at once
 rollout while a step trains: the synchronous loop, step for step.
 
 Versions are the trainer's optimizer steps (``trainer.version``), the number every sample
-carries in ``policy_version``; a step with ``minibatches_per_step`` K advances it by K.
+carries in ``policy_version``; a step with ``minibatches_per_step`` K and ``ppo_epochs`` E advances
+it by K·E.
 
 The step is the synchronous loop's: the same training (``grpo_core.stages.train_step``) and the
 same end (``grpo_core.lifecycle.end_step``: count, weight sync, observe, checkpoint), with the
@@ -43,7 +44,7 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
+from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step, updates_per_step
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -89,7 +90,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
 def check_async_settings(config: RunConfig) -> None:
     """The settings both loops check, then those of the async loop's own."""
     check_settings(config)
-    behind = config.minibatches_per_step * (config.weight_sync_interval - 1)
+    behind = updates_per_step(config) * (config.weight_sync_interval - 1)
     if not config.synchronous_training and config.max_head_offpolicy_versions < behind:
         raise PluginError(
             f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
@@ -383,7 +384,7 @@ class AsyncLoop:
         self.gate = Gate(
             max_offpolicy=config.max_head_offpolicy_versions,
             groups_per_step=config.prompt_groups_per_step,
-            versions_per_step=config.minibatches_per_step,
+            versions_per_step=updates_per_step(config),
             max_concurrent=1 if drain else concurrent,
             sampler_version=r.sampler.version,
             next_step_version=r.trainer.version,

@@ -234,6 +234,13 @@ class RunConfig:
     min_samples_per_fwd_bwd: int = _field(
         1, "a last forward/backward call with fewer samples joins the one before", GRPO_STEP, validator=_positive
     )
+    # Training-run features (issue 25): PPO epochs, evaluation, dynamic sampling, length control.
+    ppo_epochs: int = _field(
+        1,
+        "passes over a step's groups, each split by --minibatches-per-step, all against the step-start pi_old (both loops)",
+        GRPO_STEP,
+        validator=_positive,
+    )
 
     learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", OPTIMIZER, validator=_non_negative)
     lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup", OPTIMIZER)

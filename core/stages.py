@@ -182,6 +182,12 @@ def _advantages(
     return kept
 
 
+def updates_per_step(config: RunConfig) -> int:
+    """Optimizer steps (policy versions) one step takes: ``ppo_epochs`` passes over its groups,
+    each split into ``minibatches_per_step`` shares."""
+    return config.ppo_epochs * config.minibatches_per_step
+
+
 def train_step(
     pm: pluggy.PluginManager,
     trainer: Trainer,
@@ -190,24 +196,29 @@ def train_step(
     config: RunConfig,
     learning_rate: float,
 ) -> Metrics:
-    """A step's training, the same in both loops: one optimizer step, or ``minibatches_per_step``
-    K of them on shares of the groups, all against π_old of the step's start (so the later ones
+    """A step's training, the same in both loops: ``ppo_epochs`` passes over the step's groups,
+    each split into ``minibatches_per_step`` shares (the same shares, in the same order, at every
+    pass), one optimizer step per share, all against π_old of the step's start (so the later ones
     have a ratio to clip). ``optim/updates`` counts the optimizer steps taken."""
     K = config.minibatches_per_step
     shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
-    if len(shares) <= 1:
+    if len(shares) * config.ppo_epochs <= 1:
         return train_on_groups(pm, trainer, reference, groups, config, learning_rate)
     old = None
     if config.anchor == "old_policy":
         old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
-    offset = 0
+    starts = [sum(len(g) for share in shares[:k] for g in share) for k in range(len(shares))]
     with scope() as metrics:
         record("optim/minibatches", len(shares), "sum")
-        for share in shares:
-            n = sum(len(g) for g in share)
-            view = trainer if old is None else StepStartPolicy(trainer, old[offset : offset + n])
-            metrics.merge(train_on_groups(pm, view, reference, share, config, learning_rate))
-            offset += n
+        record("optim/epochs", config.ppo_epochs, "sum")
+        for epoch in range(config.ppo_epochs):
+            for share, start in zip(shares, starts):
+                n = sum(len(g) for g in share)
+                view = trainer if old is None else StepStartPolicy(trainer, old[start : start + n])
+                trained = train_on_groups(pm, view, reference, share, config, learning_rate)
+                if epoch:
+                    trained.entries.pop("train/samples", None)  # the step's samples, each counted once
+                metrics.merge(trained)
     return metrics
 
 

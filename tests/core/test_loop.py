@@ -175,3 +175,13 @@ def test_a_bfloat16_trainer_disagrees_with_the_sampler_measurably(tiny_model_dir
     run(config(tiny_model_dir, tiny_dataset, r, max_steps=1, dtype="bfloat16"))
     (m,) = metrics_of(r)
     assert m["mismatch/logprob_abs_max"] > 1e-4 and m["mismatch/logprob_abs_mean"] > 0 and m["mismatch/kl_k3"] != 0
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_ppo_epochs_times_minibatches_optimizer_steps_per_step_in_both_loops(tiny_model_dir, tiny_dataset, tmp_path, loop):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, loop=loop, max_steps=2, prompt_groups_per_step=2, ppo_epochs=2, minibatches_per_step=2))
+    metrics = metrics_of(r)
+    assert [m["optim/updates"] for m in metrics] == [4, 4]
+    assert [m["policy/version"] for m in metrics] == [4, 8]
+    assert all(m["optim/epochs"] == 2 and m["optim/minibatches"] == 2 and m["train/samples"] == 8 for m in metrics)
