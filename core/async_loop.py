@@ -41,6 +41,7 @@ import attrs
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
+from grpo_core.evaluate import evaluate_before_training
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.metrics import Metrics, record, scope
@@ -78,6 +79,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     loop = AsyncLoop(config, r)
     with guard_run(state, config, r.trainer):
         try:
+            evaluate_before_training(r)
             loop.train()
         finally:
             loop.close()
@@ -403,6 +405,8 @@ class AsyncLoop:
         self.trainer_lock = threading.Lock()
         """Held while a step changes the trainer's weights; the policy scorer an advantage gets
         (``prepare_advantages``) takes it too, so its scores come from one version."""
+        if r.evaluator is not None:
+            r.evaluator.share(self.sampler, self.score_lock)
         self.threads = [
             threading.Thread(target=self.work, daemon=True, name=f"grpo-core-rollout-{i}") for i in range(self.gate.max_concurrent)
         ]

@@ -36,7 +36,8 @@ LORA = "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; do
 ASYNC = "Asynchronous loop (docs/async.md)"
 RUN_DIRECTORY = "Run directory, checkpoints, resume"
 MACHINE = "Machine"
-SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, RUN_DIRECTORY, MACHINE)
+EVALUATION = "Evaluation during training (docs/training-run.md)"
+SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, EVALUATION, RUN_DIRECTORY, MACHINE)
 """The sections of ``grpo-core run --help``, in order; every setting names one."""
 
 
@@ -241,6 +242,30 @@ class RunConfig:
         GRPO_STEP,
         validator=_positive,
     )
+    eval_every: int = _field(
+        0,
+        "evaluate on held-out prompts at step 0, every N steps and at the last step, logged under eval/ (0 = never)",
+        EVALUATION,
+        resumable=True,
+        validator=_non_negative,
+    )
+    eval_dataset: str | None = _field(
+        None,
+        "the held-out prompts, as --dataset names them (default: default:test when training on the embedded task)",
+        EVALUATION,
+        resumable=True,
+    )
+    eval_prompts: int | None = _field(
+        None, "evaluate on at most this many prompts (default: all)", EVALUATION, resumable=True, validator=_positive
+    )
+    eval_samples: int = _field(
+        4,
+        "samples per prompt at the training temperature: eval/reward_mean and eval/pass@K",
+        EVALUATION,
+        resumable=True,
+        validator=_positive,
+    )
+    eval_pass_threshold: float = _field(1.0, "a sample passes when its total reward reaches this", EVALUATION, resumable=True)
 
     learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", OPTIMIZER, validator=_non_negative)
     lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup", OPTIMIZER)

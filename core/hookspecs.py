@@ -315,7 +315,9 @@ def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None, star
 def on_step(step: int, metrics: dict[str, float], state: RunState, groups: Sequence[Sequence[Sample]]) -> None:
     """Called after each optimizer step on every active plugin (loggers, checkpoints, early stop).
 
-    :param step: the number of optimizer steps taken so far (1 after the first).
+    :param step: the number of optimizer steps taken so far (1 after the first). With
+        ``--eval-every``, a new run first calls it with step 0 and only the ``eval/`` metrics of
+        the initial policy (no groups).
     :param metrics: this step's namespaced metrics (``reward/total``, ``loss/policy``, ...).
     :param state: the run's state; ``state.request_stop(reason)`` ends the run after this step.
     :param groups: the step's scored prompt groups (samples with text, rewards and advantages),

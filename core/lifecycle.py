@@ -97,6 +97,8 @@ class Run:
     state: RunState
     batches: Iterator[list[Any]]
     params: SamplingParams
+    evaluator: Any = None
+    """``--eval-every``: a :class:`grpo_core.evaluate.TrainingEval`, else None."""
 
 
 def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
@@ -109,6 +111,11 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
+    evaluator = None
+    if config.eval_every:
+        from grpo_core.evaluate import training_eval  # it builds on this module
+
+        evaluator = training_eval(config, selection, tokenizer, max_context, total_steps)
     run_dir = check_run_dir(config.run_dir, resume, overwrite)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.
@@ -122,7 +129,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
-    r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
+    r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
+    if evaluator is not None:
+        evaluator.sampler = sampler
     pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=state.step)
     if keeps_no_state(sampler):
         # A sampler that keeps no state of its own (a server) gets the weights it must sample
@@ -181,6 +190,8 @@ def end_step(
     metrics.update(synced.as_dict())
     if counted is not None:
         counted()
+    if r.evaluator is not None and r.evaluator.due(step):
+        metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     if config.checkpoint_every and step % config.checkpoint_every == 0:
         write_checkpoint(state, config, r.trainer)

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from grpo_core.config import RunConfig
+from grpo_core.evaluate import evaluate_before_training
 from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.metrics import scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
@@ -28,6 +29,7 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
     pm, state = r.selection.manager, r.state
 
     with guard_run(state, config, r.trainer):
+        evaluate_before_training(r)
         for step, batch in zip(range(state.step + 1, state.total_steps + 1), r.batches):
             t0 = time.perf_counter()
             with scope() as metrics:  # what the sampler and the rollout record
