@@ -98,6 +98,11 @@ def check_async_settings(config: RunConfig) -> None:
             f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
             f"--max-head-offpolicy-versions must be at least {behind}"
         )
+    if config.dynamic_sampling:
+        raise PluginError(
+            "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
+            "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
+        )
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
 
@@ -509,8 +514,9 @@ class AsyncLoop:
         with self.score_lock:
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(
-                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock
-            )
+                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock,
+                self.r.selection.group_filters,
+            )  # fmt: skip
         metrics.merge(advantage_metrics)
         for part in parts:
             metrics.merge(part.metrics)

@@ -24,7 +24,7 @@ from grpo_core.options import KINDS, coerce
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
-MULTI_KINDS = ("loss", "logger", "tool")
+MULTI_KINDS = ("loss", "logger", "tool", "group_filter")
 """Kinds a TOML file selects as a list; rewards are selected with their weights."""
 
 
@@ -206,7 +206,9 @@ class RunConfig:
     top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)", GRPO_STEP)
     top_k: int = _field(0, "top-k sampling (0 = off)", GRPO_STEP)
     stop: list[str] = _field([], "stop string; repeat for several", GRPO_STEP)
-    drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)", GRPO_STEP)
+    drop_zero_variance_groups: bool = _field(
+        True, "skip groups whose rewards are all equal (no signal): the built-in zero_variance group filter", GRPO_STEP
+    )
     weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", GRPO_STEP, validator=_positive)
     anchor: Literal["old_policy", "sampling"] = _field(
         "old_policy",
@@ -239,6 +241,23 @@ class RunConfig:
     ppo_epochs: int = _field(
         1,
         "passes over a step's groups, each split by --minibatches-per-step, all against the step-start pi_old (both loops)",
+        GRPO_STEP,
+        validator=_positive,
+    )
+    group_filter: list[str] = _field(
+        [],
+        "group filter plugin: a scored group is trained on only if every one keeps it; repeat for several (zero_variance: see above)",
+        PLUGINS,
+    )
+    dynamic_sampling: bool = _field(
+        False,
+        "sync loop: sample more prompts until the step has prompt_groups_per_step groups that pass the filters "
+        "(the async loop always does)",
+        GRPO_STEP,
+    )
+    max_sampling_rounds: int = _field(
+        4,
+        "with --dynamic-sampling: rollout rounds per step at most; then the step trains the groups it has",
         GRPO_STEP,
         validator=_positive,
     )

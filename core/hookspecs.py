@@ -9,7 +9,8 @@ Selection, checked at start-up by ``grpo_core.plugins_manager``:
   implementation; their hooks are ``firstresult``.
 - ``env`` (``--env NAME``) is at most one environment; ``tool`` (``--tool NAME``, repeatable) any
   number of tools, each called by the rollout when the policy names it.
-- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin.
+- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin;
+  ``keep_group`` on every selected group filter, in order, until one drops the group.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
 """
 
@@ -283,6 +284,22 @@ def advantage(rewards_G: Sequence[float], samples: Sequence[Sample]) -> list[flo
     :param samples: the group's samples (for per-token or turn-level advantages).
     :returns: per sample either one float (broadcast over its trained tokens) or a list of
         floats aligned with ``sample.tokens``.
+    """
+
+
+@hookspec
+def keep_group(prompt: Prompt, samples: Sequence[Sample]) -> bool:
+    """Whether a scored group is trained on (kind ``group_filter``, any number selected with
+    ``--group-filter NAME``; each is asked in order and the first that says no drops the group).
+
+    Called after the group's advantages, in both loops; a dropped group's prompt is not sampled
+    again, and with ``--dynamic-sampling`` the step samples more prompts in its place. The
+    built-in ``zero_variance`` filter (``--drop-zero-variance-groups``, on by default) drops a
+    group whose advantages are all 0.
+
+    :param prompt: the prompt the group was sampled for.
+    :param samples: the group's scored samples, with ``reward``, ``rewards`` and ``advantages``.
+    :returns: True to train on the group, False to drop it (counted in ``groups/dropped_<name>``).
     """
 
 

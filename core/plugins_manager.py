@@ -41,6 +41,7 @@ KIND_HOOKS = {
     "tool": ("tool_spec", "tool_call"),
     "reward": ("reward",),
     "advantage": ("advantage", "prepare_advantages"),
+    "group_filter": ("keep_group",),
     "loss": ("loss",),
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }

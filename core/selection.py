@@ -34,6 +34,8 @@ class Selection:
     env_name: str | None = None
     tools: dict[str, Any] = attrs.field(factory=dict)
     """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
+    group_filters: dict[str, Any] = attrs.field(factory=dict)
+    """The selected group filters by name, in the order given (``--group-filter``)."""
     reward_failures_in_a_row: int = 0
     last_reward_error: str | None = None
 
@@ -73,6 +75,7 @@ def select_plugins(config: RunConfig) -> Selection:
         "env": [config.env] if config.env else [],
         "tool": list(config.tool),
         "advantage": [config.advantage],
+        "group_filter": list(config.group_filter),
         "loss": list(config.loss),
         "logger": list(config.logger),
     }
@@ -114,6 +117,7 @@ def select_plugins(config: RunConfig) -> Selection:
         loss=loss,
         env_name=config.env,
         tools=tools_by_name(plugins.get("tool", {})),
+        group_filters=dict(plugins.get("group_filter", {})),
     )
 
 

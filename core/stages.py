@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -125,30 +125,39 @@ def compute_advantages(
     trainer: Trainer | None = None,
     max_samples_per_call: int | None = None,
     trainer_lock: contextlib.AbstractContextManager[Any] | None = None,
+    group_filters: Mapping[str, Any] | None = None,
 ) -> tuple[list[list[Sample]], Metrics]:
-    """Advantages per group; groups without signal (every advantage 0, < 2 scored) are dropped.
+    """Advantages per group, then the group filters: the groups kept for training.
 
-    An advantage plugin that needs the current policy (igpo) gets every group first through the
-    ``prepare_advantages`` hook, with a read-only :class:`grpo_core.backend.PolicyScorer` on
-    ``trainer`` (forwards of at most ``max_samples_per_call`` sequences, under ``trainer_lock``
-    when the trainer trains meanwhile). For it a group whose outcome rewards are all equal may
-    still carry signal: a group is dropped when all its advantages are 0, which for an
-    outcome-only advantage means equal rewards.
+    A group with fewer than 2 scored samples is dropped first. An advantage plugin that needs the
+    current policy (igpo) gets every group first through the ``prepare_advantages`` hook, with a
+    read-only :class:`grpo_core.backend.PolicyScorer` on ``trainer`` (forwards of at most
+    ``max_samples_per_call`` sequences, under ``trainer_lock`` when the trainer trains meanwhile).
+    Then each group with its advantages goes through ``group_filters`` (name -> a ``group_filter``
+    plugin, asked in order; ``groups/dropped_<name>`` counts the groups each one dropped), after
+    the built-in ``zero_variance`` filter when ``drop_zero_variance``: it drops a group whose
+    advantages are all 0 (for an outcome-only advantage: equal rewards; igpo may see signal where
+    the outcome rewards are equal). A dropped group's samples keep no advantages.
     """
+    from grpo_core.plugins.group_filters.zero_variance import ZeroVarianceFilter
+
+    filters = {"zero_variance": ZeroVarianceFilter()} if drop_zero_variance else {}
+    filters.update(group_filters or {})
     with scope() as metrics:
-        kept = _advantages(pm, groups, drop_zero_variance, trainer, max_samples_per_call, trainer_lock)
+        kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
     return kept, metrics
 
 
 def _advantages(
     pm: pluggy.PluginManager,
     groups: Sequence[Sequence[Sample]],
-    drop_zero_variance: bool,
+    filters: Mapping[str, Any],
     trainer: Trainer | None,
     max_samples_per_call: int | None,
     trainer_lock: contextlib.AbstractContextManager[Any] | None,
 ) -> list[list[Sample]]:
-    dropped_zero_variance = dropped_failed = skipped = 0
+    dropped_failed = skipped = 0
+    dropped_by = dict.fromkeys(filters, 0)
     candidates: list[list[Sample]] = []
     for group in groups:
         if not group:
@@ -164,9 +173,6 @@ def _advantages(
     kept: list[list[Sample]] = []
     for scored in candidates:
         advantages = pm.hook.advantage(rewards_G=[s.reward for s in scored], samples=scored)
-        if drop_zero_variance and all(a == 0 for adv in advantages for a in ([adv] if isinstance(adv, (int, float)) else adv)):
-            dropped_zero_variance += 1
-            continue
         for sample, adv in zip(scored, advantages):
             if isinstance(adv, (int, float)):
                 sample.advantages = [float(adv)] * len(sample.tokens)
@@ -174,12 +180,27 @@ def _advantages(
                 sample.advantages = [float(a) for a in adv]
             else:
                 raise ValueError(f"advantage returned {len(adv)} values for a sample of {len(sample.tokens)} tokens")
-        kept.append(scored)
+        dropper = next((name for name, f in filters.items() if not keeps(name, f, scored)), None)
+        if dropper is None:
+            kept.append(scored)
+            continue
+        dropped_by[dropper] += 1
+        for sample in scored:
+            sample.advantages = None
     record("groups/kept", len(kept), "sum")
-    record("groups/dropped_zero_variance", dropped_zero_variance, "sum")
+    for name, count in dropped_by.items():
+        record(f"groups/dropped_{name}", count, "sum")
     record("groups/dropped_failed", dropped_failed, "sum")
     record("groups/skipped", skipped, "sum")
     return kept
+
+
+def keeps(name: str, group_filter: Any, group: Sequence[Sample]) -> bool:
+    """A group filter's ``keep_group`` answer, checked to be a bool."""
+    answer = group_filter.keep_group(prompt=group[0].prompt, samples=group)
+    if not isinstance(answer, bool):
+        raise PluginError(f"group filter '{name}': keep_group must return True or False, got {answer!r}")
+    return answer
 
 
 def updates_per_step(config: RunConfig) -> int:
