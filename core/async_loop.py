@@ -92,6 +92,11 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
 def check_async_settings(config: RunConfig) -> None:
     """The settings both loops check, then those of the async loop's own."""
     check_settings(config)
+    if config.weight_sync_interval == 0:
+        raise PluginError(
+            "--weight-sync-interval 0 never syncs the sampler: the async loop's bound on staleness "
+            "(--max-head-offpolicy-versions) would soon admit no rollout; use --loop sync"
+        )
     behind = updates_per_step(config) * (config.weight_sync_interval - 1)
     if not config.synchronous_training and config.max_head_offpolicy_versions < behind:
         raise PluginError(

@@ -209,7 +209,10 @@ class RunConfig:
     drop_zero_variance_groups: bool = _field(
         True, "skip groups whose rewards are all equal (no signal): the built-in zero_variance group filter", GRPO_STEP
     )
-    weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", GRPO_STEP, validator=_positive)
+    weight_sync_interval: int = _field(
+        1, "sync weights to the sampler every N steps (0 = never: the sampler keeps the initial policy; sync loop)", GRPO_STEP,
+        validator=_non_negative,
+    )
     anchor: Literal["old_policy", "sampling"] = _field(
         "old_policy",
         "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)",

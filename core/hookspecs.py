@@ -165,7 +165,8 @@ def make_reference(config: RunConfig, trainer: Trainer) -> Reference:
 def weight_sync(trainer: Trainer, sampler: Sampler, step: int) -> int:
     """Bring the trainer's current weights to the sampler (first result wins).
 
-    Called after an optimizer step when ``step % weight_sync_interval == 0``.
+    Called after an optimizer step when ``step % weight_sync_interval == 0`` (never with 0, but
+    for a server sampler at the start and at the end of a run).
 
     :param trainer: the policy trainer holding the new weights.
     :param sampler: the sampler to update.

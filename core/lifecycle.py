@@ -166,7 +166,7 @@ def end_step(
     """The end of a step, the same in both loops: count it, sync the weights when due, let every
     plugin observe it, checkpoint it when due. Returns whether the run stops after it.
 
-    The weight sync has this one place (every ``weight_sync_interval`` steps), and one failure
+    The weight sync has this one place (every ``weight_sync_interval`` steps, never with 0), and one failure
     rule: it runs once the step is counted, so a sync that fails stops the run with the
     checkpoint of the whole step (its weights, its RNGs, the sampler as the failed sync left it;
     no plugin observed the step, so its metrics record is not written); a resumed run sends a
@@ -183,7 +183,7 @@ def end_step(
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, r.selection, metrics, config.max_nonfinite_steps_in_a_row)
         try:
-            if step % config.weight_sync_interval == 0:
+            if config.weight_sync_interval and step % config.weight_sync_interval == 0:
                 synced.merge(sync_weights(r, step))
         finally:
             state.rng = capture_rng(sampler)
