@@ -210,7 +210,9 @@ class RunConfig:
         True, "skip groups whose rewards are all equal (no signal): the built-in zero_variance group filter", GRPO_STEP
     )
     weight_sync_interval: int = _field(
-        1, "sync weights to the sampler every N steps (0 = never: the sampler keeps the initial policy; sync loop)", GRPO_STEP,
+        1,
+        "sync weights to the sampler every N steps (0 = never: the sampler keeps the initial policy; sync loop)",
+        GRPO_STEP,
         validator=_non_negative,
     )
     anchor: Literal["old_policy", "sampling"] = _field(
