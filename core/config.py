@@ -249,6 +249,9 @@ class RunConfig:
         GRPO_STEP,
         validator=_positive,
     )
+    mask_truncated: bool = _field(
+        False, "a completion cut at max_completion_tokens gets no gradient (its reward still counts in its group)", GRPO_STEP
+    )
     group_filter: list[str] = _field(
         [],
         "group filter plugin: a scored group is trained on only if every one keeps it; repeat for several (zero_variance: see above)",

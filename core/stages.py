@@ -220,7 +220,36 @@ def train_step(
     """A step's training, the same in both loops: ``ppo_epochs`` passes over the step's groups,
     each split into ``minibatches_per_step`` shares (the same shares, in the same order, at every
     pass), one optimizer step per share, all against π_old of the step's start (so the later ones
-    have a ratio to clip). ``optim/updates`` counts the optimizer steps taken."""
+    have a ratio to clip). ``optim/updates`` counts the optimizer steps taken.
+
+    With ``mask_truncated`` a completion cut at ``max_completion_tokens`` gets no gradient and
+    counts in no normalizer (``completion/masked_truncated``); its reward still counted in its
+    group's advantages.
+    """
+    if config.mask_truncated:
+        groups = [[untrained_if_truncated(s) for s in g] for g in groups]
+    with scope() as metrics:
+        if config.mask_truncated:
+            record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
+        metrics.merge(_train_passes(pm, trainer, reference, groups, config, learning_rate))
+    return metrics
+
+
+def untrained_if_truncated(sample: Sample) -> Sample:
+    """The sample, with no trained token when it was cut at the length limit (a copy)."""
+    if sample.finish_reason != "length":
+        return sample
+    return attrs.evolve(sample, loss_mask=[0.0] * len(sample.loss_mask))
+
+
+def _train_passes(
+    pm: pluggy.PluginManager,
+    trainer: Trainer,
+    reference: Reference | None,
+    groups: Sequence[Sequence[Sample]],
+    config: RunConfig,
+    learning_rate: float,
+) -> Metrics:
     K = config.minibatches_per_step
     shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
     if len(shares) * config.ppo_epochs <= 1:

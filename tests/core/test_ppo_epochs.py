@@ -118,3 +118,26 @@ def test_epochs_times_minibatches_updates_against_the_step_start_policy(epochs, 
 def test_the_hand_computation_tells_epochs_apart():
     assert not torch.allclose(hand_computed_w(2, 2), hand_computed_w(1, 2))
     assert not torch.allclose(hand_computed_w(2, 1), hand_computed_w(1, 2))
+
+
+def truncated(sample):
+    return attrs.evolve(sample, finish_reason="length")
+
+
+def test_mask_truncated_trains_as_if_the_truncated_samples_were_absent():
+    with_cut = [[GROUPS[0][0], truncated(GROUPS[0][1])], [truncated(GROUPS[1][0]), GROUPS[1][1]]]
+    without_cut = [[GROUPS[0][0]], [GROUPS[1][1]]]
+
+    def trained_w(groups, mask_truncated):
+        trainer = ToyTrainer()
+        config = RunConfig(mask_truncated=mask_truncated, ppo_epochs=2, prompt_groups_per_step=2)
+        metrics = train_step(build_manager([RatioLoss()]), trainer, None, groups, config, LR)
+        return trainer.w.detach(), metrics
+
+    masked, metrics = trained_w(with_cut, True)
+    assert metrics["completion/masked_truncated"] == 2
+    assert torch.allclose(masked, trained_w(without_cut, False)[0], atol=1e-12)
+    ignored, metrics = trained_w(with_cut, False)
+    assert not torch.allclose(masked, ignored) and "completion/masked_truncated" not in metrics
+    # The step's samples keep their loss mask (loggers show them as sampled).
+    assert all(any(s.loss_mask) for g in with_cut for s in g)
