@@ -41,9 +41,9 @@ import attrs
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
-from grpo_core.evaluate import evaluate_before_training
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step, updates_per_step
 from grpo_core.types import Prompt

@@ -37,6 +37,7 @@ from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
 from grpo_core.selection import select_plugins
@@ -97,8 +98,8 @@ class Run:
     state: RunState
     batches: Iterator[list[Any]]
     params: SamplingParams
-    evaluator: Any = None
-    """``--eval-every``: a :class:`grpo_core.evaluate.TrainingEval`, else None."""
+    evaluator: TrainingEval | None = None
+    """``--eval-every``: what evaluates the policy between steps."""
 
 
 def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
@@ -113,9 +114,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     total_steps = plan_steps(config, len(dataset.prompts))
     evaluator = None
     if config.eval_every:
-        from grpo_core.evaluate import training_eval  # it builds on this module
-
-        evaluator = training_eval(config, selection, tokenizer, max_context, total_steps)
+        evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = check_run_dir(config.run_dir, resume, overwrite)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.

@@ -13,8 +13,8 @@ from typing import Any
 
 from grpo_core.async_loop import PromptQueue, prompt_stream, run_async
 from grpo_core.config import RunConfig
-from grpo_core.evaluate import evaluate_before_training
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, scope
 from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
 from grpo_core.types import Sample
@@ -89,6 +89,7 @@ def sample_groups(r: Run, queue: PromptQueue | None) -> tuple[list[list[Sample]]
         kept += new_kept
         if len(kept) >= wanted:
             break
-    metrics.add("sampling/rounds", rounds, "sum")
-    metrics.add("sampling/prompts", len(groups), "sum")
+    if queue is not None:
+        metrics.add("sampling/rounds", rounds, "sum")
+        metrics.add("sampling/prompts", len(groups), "sum")
     return groups, kept, metrics, reward_seconds

@@ -9,8 +9,9 @@ import torch
 from grpo_core import PluginError, hookimpl, selection
 from grpo_core.config import RunConfig
 from grpo_core.data import load_dataset
-from grpo_core.evaluate import training_eval
+from grpo_core.lifecycle import sampling_params
 from grpo_core.loop import run
+from grpo_core.measure import training_eval
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.selection import select_plugins
 from tests.core.test_loop import config, metrics_of, weights_of
@@ -143,7 +144,7 @@ def test_the_embedded_task_evaluates_on_its_test_split():
     config = RunConfig(eval_every=4, eval_prompts=5)
     chosen = select_plugins(config)
     tokenizer, max_context = chosen.manager.hook.load_tokenizer(config=config)
-    evaluator = training_eval(config, chosen, tokenizer, max_context, total_steps=10)
+    evaluator = training_eval(config, chosen, tokenizer, max_context, 10, sampling_params(config))
     test_split = load_dataset(RunConfig(dataset="default:test", max_rows=5)).prompts
     assert [p.id for p in evaluator.prompts] == [p.id for p in test_split]
     assert [step for step in range(11) if evaluator.due(step)] == [0, 4, 8, 10]
