@@ -2,7 +2,7 @@
 
     python examples/python-api/train_in_python.py
 
-Runs offline on CPU with the embedded tiny model in about a minute; the run directory holds what
+Runs offline on CPU with the embedded tiny model in under a minute (the reward rises from about 0.25 to 0.32); the run directory holds what
 `grpo-core run` writes (config.json, metrics.jsonl, checkpoints/, final/), and
 `grpo_core.run({"max_steps": 60}, resume=RUN_DIR, reward=[LastNumberReward()])` continues it.
 """
@@ -41,15 +41,22 @@ class KeepUnsolved:
         return not all(s.reward == 1.0 for s in samples)
 
 
-def main(max_steps: int = 30, run_dir: str | None = None) -> dict:
-    rows = [{"question": f"{a} + {b} =", "answer": str(a + b)} for a in range(10) for b in range(10)]
+def main(max_steps: int = 40, run_dir: str | None = None) -> dict:
+    # Word problems shaped as the embedded model's task, with the answer as a bare number.
+    rows = [
+        {"question": f"{name} has {a} apples. She buys {b} more. How many apples does {name} have now?", "answer": str(a + b)}
+        for name in ("Mia", "Ann", "Eve", "Zoe")
+        for a in range(5, 45, 4)
+        for b in range(3, 30, 3)
+    ]
     return grpo_core.run(
         {
             "max_steps": max_steps,
-            "prompt_groups_per_step": 4,
+            "prompt_template": "Question: {prompt}\nAnswer:",
+            "prompt_groups_per_step": 8,
             "completions_per_prompt": 8,
-            "max_completion_tokens": 8,
-            "learning_rate": 1e-4,
+            "max_completion_tokens": 32,
+            "learning_rate": 3e-4,
             "run_dir": run_dir,
         },
         rows=rows,
