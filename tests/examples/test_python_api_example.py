@@ -24,7 +24,7 @@ def test_the_example_trains_with_its_rows_reward_and_filter(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert all("groups/dropped_keep_unsolved" in m for m in metrics)
     rows = (tmp_path / "rows").iterdir()
-    assert sum(1 for line in next(rows).open()) == 100
+    assert sum(1 for line in next(rows).open()) == 4 * 10 * 9
 
 
 def test_the_example_reward_scores_the_last_number():
