@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from grpo_core.checkpoint import restore_rng
 from grpo_core.config import RunConfig
 from grpo_core.data import check_prompt_lengths, load_dataset
 from grpo_core.embedded import embedded_split
@@ -43,9 +45,13 @@ def measure(
     threshold: float,
     reward_timeout: float,
     progress: Any = None,
+    score_lock: Any = None,
 ) -> dict[str, float]:
     """Mean reward, failed scores, pass@1 and pass@num_samples of ``prompts``, rolled out
-    ``batch_size`` prompts at a time; a sample passes when its total reward reaches ``threshold``."""
+    ``batch_size`` prompts at a time; a sample passes when its total reward reaches ``threshold``.
+
+    Scores are taken under ``score_lock`` (the async loop's workers score meanwhile) and never
+    count in the training's count of failed rewards in a row."""
     pm = selection.manager
     rewards: list[float] = []
     passes: dict[int, list[float]] = {1: [], num_samples: []}
@@ -54,7 +60,10 @@ def measure(
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
             groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params, **selection.rollout_args)
-            failed += int(score_groups(selection, groups, math.inf, reward_timeout)["reward/failed"])
+            with score_lock if score_lock is not None else contextlib.nullcontext():
+                failures_in_a_row = selection.reward_failures_in_a_row
+                failed += int(score_groups(selection, groups, math.inf, reward_timeout)["reward/failed"])
+                selection.reward_failures_in_a_row = failures_in_a_row
             for group in groups:
                 scores = [s.reward for s in group if s.reward is not None]
                 rewards.extend(scores)
@@ -92,7 +101,7 @@ class TrainingEval:
     reward_timeout: float
     total_steps: int = 0
     sampler: Any = None
-    score_lock: Any = attrs.field(factory=contextlib.nullcontext)
+    score_lock: Any = None
     between_steps: bool = True
     """No rollout runs meanwhile: the RNGs are put back after the evaluation."""
 
@@ -105,26 +114,14 @@ class TrainingEval:
 
     def __call__(self, rng: dict[str, Any] | None) -> dict[str, float]:
         """The ``eval/`` metrics of the sampler's current policy; ``rng``: the RNGs to put back."""
-        from grpo_core.checkpoint import restore_rng
-
         t0 = time.perf_counter()
-        failures = self.selection.reward_failures_in_a_row  # a training counter: eval's scores are not in it
         greedy_params = attrs.evolve(self.params, temperature=0.0)
-        with self.score_lock:
-            greedy = measure(
-                self.selection, self.sampler, self.prompts, 1, greedy_params, self.batch_size, self.threshold, self.reward_timeout
-            )
-            sampled = measure(
-                self.selection,
-                self.sampler,
-                self.prompts,
-                self.num_samples,
-                self.params,
-                self.batch_size,
-                self.threshold,
-                self.reward_timeout,
-            )
-            self.selection.reward_failures_in_a_row = failures
+        measured = functools.partial(
+            measure, self.selection, self.sampler, self.prompts, batch_size=self.batch_size, threshold=self.threshold,
+            reward_timeout=self.reward_timeout, score_lock=self.score_lock,
+        )  # fmt: skip
+        greedy = measured(1, greedy_params)
+        sampled = measured(self.num_samples, self.params)
         if self.between_steps and rng is not None:
             restore_rng(rng, self.sampler)
         k = self.num_samples

@@ -149,3 +149,29 @@ def test_the_embedded_task_evaluates_on_its_test_split():
     assert [p.id for p in evaluator.prompts] == [p.id for p in test_split]
     assert [step for step in range(11) if evaluator.due(step)] == [0, 4, 8, 10]
     assert evaluator.params.max_tokens == config.max_completion_tokens and evaluator.num_samples == config.eval_samples
+
+
+@attrs.define
+class FailingReward:
+    """Fails every sample (None)."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return [None] * len(samples)
+
+
+def test_eval_scores_never_count_in_the_trainings_failures_in_a_row(tiny_model_dir, tiny_dataset, monkeypatch):
+    from grpo_core.measure import measure
+
+    original = selection.find
+    entry = PluginEntry(kind="reward", name="failing", target=f"{__name__}:FailingReward", distribution="tests", version="0")
+    monkeypatch.setattr(selection, "find", lambda name, kind=None: entry if (kind, name) == ("reward", "failing") else original(name, kind))
+    config = RunConfig(model=str(tiny_model_dir), dataset=str(tiny_dataset), reward={"failing": 1.0}, max_completion_tokens=3)
+    chosen = select_plugins(config)
+    trainer = chosen.manager.hook.make_trainer(config=config)
+    sampler = chosen.manager.hook.make_sampler(config=config, trainer=trainer)
+    chosen.reward_failures_in_a_row = 5
+    prompts = load_dataset(attrs.evolve(config, max_rows=3)).prompts
+    result = measure(chosen, sampler, prompts, 2, sampling_params(config), 2, 1.0, 0.0)
+    assert result["reward/failed"] == 6 and result["pass@1"] == 0.0
+    assert chosen.reward_failures_in_a_row == 5
