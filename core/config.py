@@ -254,7 +254,10 @@ class RunConfig:
     )
     group_filter: list[str] = _field(
         [],
-        "group filter plugin: a scored group is trained on only if every one keeps it; repeat for several (besides the built-in zero_variance, --drop-zero-variance-groups)",
+        (
+            "group filter plugin: a scored group is trained on only if every one keeps it; repeat for several "
+            "(besides the built-in zero_variance, --drop-zero-variance-groups)"
+        ),
         PLUGINS,
     )
     dynamic_sampling: bool = _field(
