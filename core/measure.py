@@ -97,7 +97,9 @@ class TrainingEval:
     num_samples: int
     threshold: float
     params: SamplingParams
-    batch_size: int
+    sequences_per_call: int
+    """Completions per rollout call: the training's (prompt groups × group size), so that an
+    evaluation needs no more memory than a step's rollouts."""
     reward_timeout: float
     total_steps: int = 0
     sampler: Any = None
@@ -117,11 +119,11 @@ class TrainingEval:
         t0 = time.perf_counter()
         greedy_params = attrs.evolve(self.params, temperature=0.0)
         measured = functools.partial(
-            measure, self.selection, self.sampler, self.prompts, batch_size=self.batch_size, threshold=self.threshold,
-            reward_timeout=self.reward_timeout, score_lock=self.score_lock,
+            measure, self.selection, self.sampler, self.prompts, threshold=self.threshold, reward_timeout=self.reward_timeout,
+            score_lock=self.score_lock,
         )  # fmt: skip
-        greedy = measured(1, greedy_params)
-        sampled = measured(self.num_samples, self.params)
+        greedy = measured(1, greedy_params, batch_size=self.sequences_per_call)
+        sampled = measured(self.num_samples, self.params, batch_size=max(1, self.sequences_per_call // self.num_samples))
         if self.between_steps and rng is not None:
             restore_rng(rng, self.sampler)
         k = self.num_samples
@@ -161,7 +163,7 @@ def training_eval(
         num_samples=config.eval_samples,
         threshold=config.eval_pass_threshold,
         params=params,
-        batch_size=config.prompt_groups_per_step,
+        sequences_per_call=config.prompt_groups_per_step * config.completions_per_prompt,
         reward_timeout=config.reward_timeout,
         total_steps=total_steps,
     )
