@@ -45,7 +45,7 @@ from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step, updates_per_step
+from grpo_core.stages import check_sampling_settings, compute_advantages, learning_rate, score_groups, train_step, updates_per_step
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -103,11 +103,7 @@ def check_async_settings(config: RunConfig) -> None:
             f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
             f"--max-head-offpolicy-versions must be at least {behind}"
         )
-    if config.dynamic_sampling:
-        raise PluginError(
-            "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
-            "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
-        )
+    check_sampling_settings(config)
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
 

@@ -112,9 +112,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
-    evaluator = None
-    if config.eval_every:
-        evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
+    evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = check_run_dir(config.run_dir, resume, overwrite)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.

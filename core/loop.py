@@ -16,7 +16,7 @@ from grpo_core.config import RunConfig
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, scope
-from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
+from grpo_core.stages import check_sampling_settings, compute_advantages, learning_rate, score_groups, train_step
 from grpo_core.types import Sample
 
 
@@ -25,6 +25,7 @@ def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dic
         return run_async(config, resume, overwrite)
     started = time.perf_counter()
     check_settings(config)
+    check_sampling_settings(config)
     r = start_run(config, resume, overwrite)
     pm, state = r.selection.manager, r.state
 

@@ -139,11 +139,25 @@ class TrainingEval:
         }
 
 
+EVAL_OPTIONS = ("eval_dataset", "eval_prompts", "eval_samples", "eval_pass_threshold")
+
+
 def training_eval(
     config: RunConfig, selection: Selection, tokenizer: Any, max_context: int | None, total_steps: int, params: SamplingParams
-) -> TrainingEval:
-    """The evaluation of a run with ``--eval-every``: its prompts read and checked before any model
-    loads; ``params``: the training's sampling settings."""
+) -> TrainingEval | None:
+    """The evaluation of a run with ``--eval-every`` (None without): its prompts read and checked
+    before any model loads; ``params``: the training's sampling settings."""
+    if not config.eval_every:
+        defaults = RunConfig()
+        given = [f"--{name.replace('_', '-')}" for name in EVAL_OPTIONS if getattr(config, name) != getattr(defaults, name)]
+        if given:
+            raise PluginError(f"{', '.join(given)} would do nothing: evaluation during training is on with --eval-every N")
+        return None
+    if config.weight_sync_interval != 1:
+        raise PluginError(
+            f"--eval-every measures the policy the sampler holds, which --weight-sync-interval {config.weight_sync_interval} "
+            "leaves behind the trained one: evaluate the checkpoints with grpo-core eval instead"
+        )
     dataset_name = config.eval_dataset
     if dataset_name is None:
         if embedded_split(config.dataset) is None:

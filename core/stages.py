@@ -203,6 +203,17 @@ def keeps(name: str, group_filter: Any, group: Sequence[Sample]) -> bool:
     return answer
 
 
+def check_sampling_settings(config: RunConfig) -> None:
+    """--max-sampling-rounds bounds --dynamic-sampling, which only the sync loop has (both loops)."""
+    if config.dynamic_sampling and config.loop == "async":
+        raise PluginError(
+            "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
+            "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
+        )
+    if not config.dynamic_sampling and config.max_sampling_rounds != RunConfig().max_sampling_rounds:
+        raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
+
+
 def updates_per_step(config: RunConfig) -> int:
     """Optimizer steps (policy versions) one step takes: ``ppo_epochs`` passes over its groups,
     each split into ``minibatches_per_step`` shares."""

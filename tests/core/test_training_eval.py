@@ -175,3 +175,20 @@ def test_eval_scores_never_count_in_the_trainings_failures_in_a_row(tiny_model_d
     result = measure(chosen, sampler, prompts, 2, sampling_params(config), 2, 1.0, 0.0)
     assert result["reward/failed"] == 6 and result["pass@1"] == 0.0
     assert chosen.reward_failures_in_a_row == 5
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(eval_every=0, eval_samples=8), "--eval-samples would do nothing"),
+        (
+            dict(eval_every=0, eval_dataset="default:test", eval_prompts=3),
+            "--eval-dataset, --eval-prompts, --eval-samples would do nothing",
+        ),
+        (dict(weight_sync_interval=2), "--weight-sync-interval 2 leaves behind the trained one"),
+        (dict(weight_sync_interval=0), "--weight-sync-interval 0 leaves behind the trained one"),
+    ],
+)
+def test_settings_an_evaluation_cannot_honour_are_refused(tiny_model_dir, tiny_dataset, tmp_path, kw, message):
+    with pytest.raises(PluginError, match=message):
+        run(eval_config(tiny_model_dir, tiny_dataset, tmp_path / "r", **kw))
