@@ -242,7 +242,7 @@ class RunConfig:
     min_samples_per_fwd_bwd: int = _field(
         1, "a last forward/backward call with fewer samples joins the one before", GRPO_STEP, validator=_positive
     )
-    # Training-run features (issue 25): PPO epochs, evaluation, dynamic sampling, length control.
+    # The training run (docs/training-run.md): PPO epochs, length control, group filters, dynamic sampling, evaluation.
     ppo_epochs: int = _field(
         1,
         "passes over a step's groups, each split by --minibatches-per-step, all against the step-start pi_old (both loops)",
