@@ -1,5 +1,6 @@
 """grpo-core: plugin-based GRPO-family reinforcement learning for language models."""
 
+from grpo_core.api import run
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import hookimpl
 from grpo_core.loss import LossInputs, LossOutput
@@ -24,4 +25,5 @@ __all__ = [
     "hookimpl",
     "make_plugin",
     "option",
+    "run",
 ]

@@ -10,7 +10,8 @@ queue (counted). ``synchronous_training`` rolls out a whole step's batch at once
 rollout while a step trains: the synchronous loop, step for step.
 
 Versions are the trainer's optimizer steps (``trainer.version``), the number every sample
-carries in ``policy_version``; a step with ``minibatches_per_step`` K advances it by K.
+carries in ``policy_version``; a step with ``minibatches_per_step`` K and ``ppo_epochs`` E advances
+it by K·E.
 
 The step is the synchronous loop's: the same training (``grpo_core.stages.train_step``) and the
 same end (``grpo_core.lifecycle.end_step``: count, weight sync, observe, checkpoint), with the
@@ -42,8 +43,9 @@ from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.stages import compute_advantages, learning_rate, score_groups, train_step
+from grpo_core.stages import check_sampling_settings, compute_advantages, learning_rate, score_groups, train_step, updates_per_step
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -77,6 +79,7 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     loop = AsyncLoop(config, r)
     with guard_run(state, config, r.trainer):
         try:
+            evaluate_before_training(r)
             loop.train()
         finally:
             loop.close()
@@ -89,12 +92,18 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
 def check_async_settings(config: RunConfig) -> None:
     """The settings both loops check, then those of the async loop's own."""
     check_settings(config)
-    behind = config.minibatches_per_step * (config.weight_sync_interval - 1)
+    if config.weight_sync_interval == 0:
+        raise PluginError(
+            "--weight-sync-interval 0 never syncs the sampler: the async loop's bound on staleness "
+            "(--max-head-offpolicy-versions) would soon admit no rollout; use --loop sync"
+        )
+    behind = updates_per_step(config) * (config.weight_sync_interval - 1)
     if not config.synchronous_training and config.max_head_offpolicy_versions < behind:
         raise PluginError(
             f"--weight-sync-interval {config.weight_sync_interval} leaves the sampler up to {behind} versions behind the trainer: "
             f"--max-head-offpolicy-versions must be at least {behind}"
         )
+    check_sampling_settings(config)
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
 
@@ -383,7 +392,7 @@ class AsyncLoop:
         self.gate = Gate(
             max_offpolicy=config.max_head_offpolicy_versions,
             groups_per_step=config.prompt_groups_per_step,
-            versions_per_step=config.minibatches_per_step,
+            versions_per_step=updates_per_step(config),
             max_concurrent=1 if drain else concurrent,
             sampler_version=r.sampler.version,
             next_step_version=r.trainer.version,
@@ -402,6 +411,8 @@ class AsyncLoop:
         self.trainer_lock = threading.Lock()
         """Held while a step changes the trainer's weights; the policy scorer an advantage gets
         (``prepare_advantages``) takes it too, so its scores come from one version."""
+        if r.evaluator is not None:
+            r.evaluator.share(self.sampler, self.score_lock)
         self.threads = [
             threading.Thread(target=self.work, daemon=True, name=f"grpo-core-rollout-{i}") for i in range(self.gate.max_concurrent)
         ]
@@ -504,8 +515,9 @@ class AsyncLoop:
         with self.score_lock:
             metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
             kept, advantage_metrics = compute_advantages(
-                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock
-            )
+                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock,
+                self.r.selection.group_filters,
+            )  # fmt: skip
         metrics.merge(advantage_metrics)
         for part in parts:
             metrics.merge(part.metrics)

@@ -24,7 +24,7 @@ from grpo_core.options import KINDS, REDACTED, coerce, is_secret
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
-MULTI_KINDS = ("loss", "logger", "tool")
+MULTI_KINDS = ("loss", "logger", "tool", "group_filter")
 """Kinds a TOML file selects as a list; rewards are selected with their weights."""
 
 
@@ -36,7 +36,8 @@ LORA = "LoRA (local backend; --lora-rank also sets the tinker trainer's rank; do
 ASYNC = "Asynchronous loop (docs/async.md)"
 RUN_DIRECTORY = "Run directory, checkpoints, resume"
 MACHINE = "Machine"
-SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, RUN_DIRECTORY, MACHINE)
+EVALUATION = "Evaluation during training (docs/training-run.md)"
+SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, EVALUATION, RUN_DIRECTORY, MACHINE)
 """The sections of ``grpo-core run --help``, in order; every setting names one."""
 
 
@@ -210,8 +211,15 @@ class RunConfig:
     top_p: float = _field(1.0, "nucleus sampling threshold (1.0 = off)", GRPO_STEP)
     top_k: int = _field(0, "top-k sampling (0 = off)", GRPO_STEP)
     stop: list[str] = _field([], "stop string; repeat for several", GRPO_STEP, validator=_non_empty_strings)
-    drop_zero_variance_groups: bool = _field(True, "skip groups whose rewards are all equal (no signal)", GRPO_STEP)
-    weight_sync_interval: int = _field(1, "sync weights to the sampler every N steps", GRPO_STEP, validator=_positive)
+    drop_zero_variance_groups: bool = _field(
+        True, "skip groups whose rewards are all equal (no signal): the built-in zero_variance group filter", GRPO_STEP
+    )
+    weight_sync_interval: int = _field(
+        1,
+        "sync weights to the sampler every N steps (0 = never: the sampler keeps the initial policy; sync loop)",
+        GRPO_STEP,
+        validator=_non_negative,
+    )
     anchor: Literal["old_policy", "sampling"] = _field(
         "old_policy",
         "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)",
@@ -239,6 +247,60 @@ class RunConfig:
     min_samples_per_fwd_bwd: int = _field(
         1, "a last forward/backward call with fewer samples joins the one before", GRPO_STEP, validator=_positive
     )
+    # The training run (docs/training-run.md): PPO epochs, length control, group filters, dynamic sampling, evaluation.
+    ppo_epochs: int = _field(
+        1,
+        "passes over a step's groups, each split by --minibatches-per-step, all against the step-start pi_old (both loops)",
+        GRPO_STEP,
+        validator=_positive,
+    )
+    mask_truncated: bool = _field(
+        False, "a completion cut at max_completion_tokens gets no gradient (its reward still counts in its group)", GRPO_STEP
+    )
+    group_filter: list[str] = _field(
+        [],
+        (
+            "group filter plugin: a scored group is trained on only if every one keeps it; repeat for several "
+            "(besides the built-in zero_variance, --drop-zero-variance-groups)"
+        ),
+        PLUGINS,
+    )
+    dynamic_sampling: bool = _field(
+        False,
+        "sync loop: sample more prompts until the step has prompt_groups_per_step groups that pass the filters "
+        "(the async loop always does)",
+        GRPO_STEP,
+    )
+    max_sampling_rounds: int = _field(
+        4,
+        "with --dynamic-sampling: rollout rounds per step at most; then the step trains the groups it has",
+        GRPO_STEP,
+        validator=_positive,
+    )
+    eval_every: int = _field(
+        0,
+        "evaluate on held-out prompts at step 0, every N steps and at the last step, logged under eval/ (0 = never)",
+        EVALUATION,
+        resumable=True,
+        validator=_non_negative,
+    )
+    eval_dataset: str | None = _field(
+        None,
+        "the held-out prompts, as --dataset names them (default: default:test when training on the embedded task)",
+        EVALUATION,
+        resumable=True,
+    )
+    eval_prompts: int | None = _field(
+        None, "evaluate on at most this many prompts (default: all)", EVALUATION, resumable=True, validator=_positive
+    )
+    eval_samples: int = _field(
+        4,
+        "samples per prompt at the training temperature: eval/reward_mean and eval/pass@K",
+        EVALUATION,
+        resumable=True,
+        validator=_positive,
+    )
+    eval_pass_threshold: float = _field(1.0, "a sample passes when its total reward reaches this", EVALUATION, resumable=True)
 
     learning_rate: float = _field(1e-5, "peak learning rate (AdamW)", OPTIMIZER, validator=_non_negative)
     lr_schedule: Literal["constant", "linear", "cosine"] = _field("constant", "decay after warmup", OPTIMIZER)

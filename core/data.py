@@ -30,7 +30,7 @@ from grpo_core.embedded import EMBEDDED, embedded_split, split_path
 from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.options import is_secret, option_fields
-from grpo_core.plugins_manager import find
+from grpo_core.plugins_manager import find, provided
 from grpo_core.types import Prompt
 
 if TYPE_CHECKING:
@@ -351,11 +351,12 @@ def _report_skips(reasons: list[str], what: str, why: str) -> None:
 def prompt_settings(config: RunConfig) -> dict[str, Any]:
     """How a run turned rows into prompt tokens, for an eval of its policy to do the same."""
     split = embedded_split(config.dataset)
-    rollout_fields = option_fields(find(config.rollout, "rollout").load())
+    instance = provided("rollout", config.rollout)  # a rollout passed to grpo_core.run: its own values
+    rollout_fields = option_fields(type(instance) if instance is not None else find(config.rollout, "rollout").load())
     rollout_options = {
-        name: field.default
+        name: getattr(instance, name) if instance is not None else field.default
         for name, field in rollout_fields.items()
-        if field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory)  # type: ignore[arg-type]
+        if instance is not None or (field.default is not attrs.NOTHING and not isinstance(field.default, attrs.Factory))  # type: ignore[arg-type]
     }
     rollout_options.update(config.options_for("rollout", config.rollout))
     return {

@@ -7,7 +7,6 @@ otherwise, so a policy is measured on prompts shaped as it was trained on.
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -19,19 +18,10 @@ from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_data
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import sampling_params, seed_everything
+from grpo_core.measure import EVAL_DATASET, measure
 from grpo_core.selection import select_plugins
-from grpo_core.stages import score_groups
 
-EVAL_DATASET = "default:test"
-"""What eval measures without --dataset: the embedded task's held-out split."""
 SAVED_SETTINGS = ("prompt_field", "answer_field", "prompt_template", "stop", "max_completion_tokens")
-
-
-def pass_at_k(n: int, correct: int, k: int) -> float:
-    """Unbiased pass@k of one prompt from n samples of which ``correct`` passed (Chen et al. 2021)."""
-    if n - correct < k:
-        return 1.0
-    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
 
 
 def eval_config(flags: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tuple[RunConfig, str]:
@@ -102,30 +92,15 @@ def evaluate(
         file=sys.stderr,
         flush=True,
     )
-    params = sampling_params(config)
-    rewards: list[float] = []
-    passes: dict[int, list[float]] = {1: [], num_samples: []}
-    failed = 0
-    for start in range(0, len(prompts), batch_size):
-        batch = prompts[start : start + batch_size]
-        groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params, **selection.rollout_args)
-        failed += int(score_groups(selection, groups, math.inf, config.reward_timeout)["reward/failed"])
-        for group in groups:
-            scores = [s.reward for s in group if s.reward is not None]
-            rewards.extend(scores)
-            correct = sum(score >= threshold for score in scores)
-            for k in passes:
-                passes[k].append(pass_at_k(len(group), correct, k) if group else 0.0)
-        if progress is not None:
-            progress(len(batch), len(prompts), sum(rewards) / max(len(rewards), 1))
-    result = {
+    measured = measure(
+        selection, sampler, prompts, num_samples, sampling_params(config), batch_size, threshold, config.reward_timeout, progress
+    )
+    return {
         "prompts": float(len(prompts)),
         "samples_per_prompt": float(num_samples),
-        "reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"),
-        "reward/failed": float(failed),
+        "reward/mean": measured["reward/mean"],
+        "reward/failed": measured["reward/failed"],
         "data/skipped_bad_rows": float(len(dataset.skipped_bad_rows)),
         "data/skipped_long_prompts": float(len(dataset.skipped_long_prompts)),
+        **{k: v for k, v in measured.items() if k.startswith("pass@")},
     }
-    for k, values in sorted(passes.items()):
-        result[f"pass@{k}"] = sum(values) / len(values)
-    return result

@@ -9,7 +9,8 @@ Selection, checked at start-up by ``grpo_core.plugins_manager``:
   implementation; their hooks are ``firstresult``.
 - ``env`` (``--env NAME``) is at most one environment; ``tool`` (``--tool NAME``, repeatable) any
   number of tools, each called by the rollout when the policy names it.
-- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin.
+- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin;
+  ``keep_group`` on every selected group filter, in order, until one drops the group.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
 """
 
@@ -164,7 +165,8 @@ def make_reference(config: RunConfig, trainer: Trainer) -> Reference:
 def weight_sync(trainer: Trainer, sampler: Sampler, step: int) -> int:
     """Bring the trainer's current weights to the sampler (first result wins).
 
-    Called after an optimizer step when ``step % weight_sync_interval == 0``.
+    Called after an optimizer step when ``step % weight_sync_interval == 0`` (never with 0, but
+    for a server sampler at the start and at the end of a run).
 
     :param trainer: the policy trainer holding the new weights.
     :param sampler: the sampler to update.
@@ -286,6 +288,22 @@ def advantage(rewards_G: Sequence[float], samples: Sequence[Sample]) -> list[flo
     """
 
 
+@hookspec
+def keep_group(prompt: Prompt, samples: Sequence[Sample]) -> bool:
+    """Whether a scored group is trained on (kind ``group_filter``, any number selected with
+    ``--group-filter NAME``; each is asked in order and the first that says no drops the group).
+
+    Called after the group's advantages, in both loops; a dropped group's prompt is not sampled
+    again, and with ``--dynamic-sampling`` the step samples more prompts in its place. The
+    built-in ``zero_variance`` filter (``--drop-zero-variance-groups``, on by default) drops a
+    group whose advantages are all 0.
+
+    :param prompt: the prompt the group was sampled for.
+    :param samples: the group's scored samples, with ``reward``, ``rewards`` and ``advantages``.
+    :returns: True to train on the group, False to drop it (counted in ``groups/dropped_<name>``).
+    """
+
+
 @hookspec(firstresult=True)
 def loss(inputs: LossInputs) -> LossOutput:
     """Compute the training loss of one forward/backward batch (kind ``loss``).
@@ -315,7 +333,9 @@ def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None, star
 def on_step(step: int, metrics: dict[str, float], state: RunState, groups: Sequence[Sequence[Sample]]) -> None:
     """Called after each optimizer step on every active plugin (loggers, checkpoints, early stop).
 
-    :param step: the number of optimizer steps taken so far (1 after the first).
+    :param step: the number of optimizer steps taken so far (1 after the first). With
+        ``--eval-every``, a new run first calls it with step 0 and only the ``eval/`` metrics of
+        the initial policy (no groups).
     :param metrics: this step's namespaced metrics (``reward/total``, ``loss/policy``, ...).
     :param state: the run's state; ``state.request_stop(reason)`` ends the run after this step.
     :param groups: the step's scored prompt groups (samples with text, rewards and advantages),

@@ -39,6 +39,7 @@ from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
 from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, is_run_config, locked
@@ -113,6 +114,8 @@ class Run:
     state: RunState
     batches: Iterator[list[Any]]
     params: SamplingParams
+    evaluator: TrainingEval | None = None
+    """``--eval-every``: what evaluates the policy between steps."""
     groups_trained: float = 0.0
     groups_failed: float = 0.0
     """Prompt groups trained on, and dropped because their reward failed, by this process's steps."""
@@ -142,6 +145,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
+    evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = Path(str(config.run_dir))
     newest = resume_point(run_dir, total_steps) if resume else None
     trainer = pm.hook.make_trainer(config=config)
@@ -161,7 +165,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     write_config(config, run_dir / "config.json")
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
-    r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config))
+    r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
+    if evaluator is not None:
+        evaluator.sampler = sampler
     observed = state.step - 1 if unobserved is not None else state.step
     pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
     if unobserved is not None:
@@ -201,7 +207,7 @@ def end_step(
     """The end of a step, the same in both loops: count it, sync the weights when due, let every
     plugin observe it, checkpoint it when due. Returns whether the run stops after it.
 
-    The weight sync has this one place (every ``weight_sync_interval`` steps), and one failure
+    The weight sync has this one place (every ``weight_sync_interval`` steps, never with 0), and one failure
     rule: it runs once the step is counted, so a sync that fails stops the run with the
     checkpoint of the whole step (its weights, its RNGs, the sampler as the failed sync left it;
     no plugin observed the step, so its metrics record is not written); a resumed run sends a
@@ -219,7 +225,7 @@ def end_step(
         count_step(state, r.selection, metrics, config.max_nonfinite_steps_in_a_row)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
         try:
-            if step % config.weight_sync_interval == 0:
+            if config.weight_sync_interval and step % config.weight_sync_interval == 0:
                 synced.merge(sync_weights(r, step))
         finally:
             state.rng = capture_rng(sampler)
@@ -228,6 +234,8 @@ def end_step(
     r.groups_failed += metrics.get("groups/dropped_failed", 0.0)
     if counted is not None:
         counted()
+    if r.evaluator is not None and r.evaluator.due(step):
+        metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
     if config.checkpoint_every and step % config.checkpoint_every == 0:

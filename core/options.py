@@ -19,7 +19,7 @@ import attrs
 
 from grpo_core.errors import PluginError
 
-KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "loss", "logger")
+KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "group_filter", "loss", "logger")
 SECRET_NAME = re.compile(
     r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"

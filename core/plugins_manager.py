@@ -8,12 +8,14 @@ name may serve two kinds (``grpo`` is a loss and an advantage).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import functools
 import importlib
 import inspect
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +43,7 @@ KIND_HOOKS = {
     "tool": ("tool_spec", "tool_call"),
     "reward": ("reward",),
     "advantage": ("advantage", "prepare_advantages"),
+    "group_filter": ("keep_group",),
     "loss": ("loss",),
     "logger": ("on_run_start", "on_step", "on_run_end"),
 }
@@ -144,6 +147,35 @@ def find(name: str, kind: str | None = None) -> PluginEntry:
 def claims(entries: Sequence[PluginEntry]) -> str:
     """``grpo-core 0.1.0 (module:Class), other 1.0 (module:Class)``: who declares a name."""
     return ", ".join(f"{e.distribution} {e.version} ({e.target})" for e in entries)
+
+
+_provided: contextvars.ContextVar[dict[tuple[str, str], Any] | None] = contextvars.ContextVar("grpo_core_provided", default=None)
+
+
+@contextlib.contextmanager
+def provided_plugins(instances: dict[tuple[str, str], Any]) -> Iterator[None]:
+    """Within the block, a config naming ``(kind, name)`` of ``instances`` selects that instance
+    (checked as a plugin class is) instead of a plugin found by name: the Python API's plugins."""
+    for (kind, name), instance in instances.items():
+        problems = plugin_problems(kind, type(instance), name)
+        if problems:
+            raise PluginError(f"{kind} '{name}' ({type(instance).__name__} instance) cannot be used: {'; '.join(problems)}")
+    token = _provided.set({**(_provided.get() or {}), **instances})
+    try:
+        yield
+    finally:
+        _provided.reset(token)
+
+
+def provided(kind: str, name: str) -> Any:
+    """The instance :func:`provided_plugins` gives for ``kind`` ``name``, else None."""
+    return (_provided.get() or {}).get((kind, name))
+
+
+def plugin_class(name: str, kind: str) -> type:
+    """The class of the plugin a config names: a provided instance's, else the catalog's."""
+    instance = provided(kind, name)
+    return type(instance) if instance is not None else find(name, kind).load_valid()
 
 
 def make_plugin(name: str, kind: str | None = None, **options: Any) -> Any:

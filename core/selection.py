@@ -13,7 +13,7 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.options import coerce_options, instantiate
-from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper
+from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper, plugin_class, provided
 
 
 @attrs.define
@@ -34,6 +34,8 @@ class Selection:
     env_name: str | None = None
     tools: dict[str, Any] = attrs.field(factory=dict)
     """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
+    group_filters: dict[str, Any] = attrs.field(factory=dict)
+    """The selected group filters by name, in the order given (``--group-filter``)."""
     reward_failures_in_a_row: int = 0
     last_reward_error: str | None = None
 
@@ -73,12 +75,13 @@ def select_plugins(config: RunConfig) -> Selection:
         "env": [config.env] if config.env else [],
         "tool": list(config.tool),
         "advantage": [config.advantage],
+        "group_filter": list(config.group_filter),
         "loss": list(config.loss),
         "logger": list(config.logger),
     }
-    backend_cls = find(config.backend, "backend").load_valid()
+    backend_cls = plugin_class(config.backend, "backend")
     names["sampler"] = [config.sampler or declared(backend_cls, "backend", "default_sampler")]
-    sampler_cls = find(names["sampler"][0], "sampler").load_valid()
+    sampler_cls = plugin_class(names["sampler"][0], "sampler")
     default_sync = declared(sampler_cls, "sampler", "default_weight_sync") or declared(backend_cls, "backend", "default_weight_sync")
     names["weight_sync"] = [config.weight_sync or default_sync]
     if not config.reward:
@@ -91,6 +94,12 @@ def select_plugins(config: RunConfig) -> Selection:
         if len(set(kind_names)) != len(kind_names):
             raise PluginError(f"{kind} plugins selected twice: {', '.join(kind_names)}")
         for name in kind_names:
+            instance = provided(kind, name)
+            if instance is not None:
+                if config.options_for(kind, name):
+                    raise PluginError(f"{kind} '{name}' is passed as an instance: set its options on the instance, not as plugin options")
+                plugins.setdefault(kind, {})[name] = instance
+                continue
             entry = find(name, kind)
             cls = entry.load_valid()
             options = coerce_options(cls, entry.qualified_name, config.options_for(kind, name))
@@ -114,6 +123,7 @@ def select_plugins(config: RunConfig) -> Selection:
         loss=loss,
         env_name=config.env,
         tools=tools_by_name(plugins.get("tool", {})),
+        group_filters=dict(plugins.get("group_filter", {})),
     )
 
 

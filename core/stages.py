@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -125,30 +125,39 @@ def compute_advantages(
     trainer: Trainer | None = None,
     max_samples_per_call: int | None = None,
     trainer_lock: contextlib.AbstractContextManager[Any] | None = None,
+    group_filters: Mapping[str, Any] | None = None,
 ) -> tuple[list[list[Sample]], Metrics]:
-    """Advantages per group; groups without signal (every advantage 0, < 2 scored) are dropped.
+    """Advantages per group, then the group filters: the groups kept for training.
 
-    An advantage plugin that needs the current policy (igpo) gets every group first through the
-    ``prepare_advantages`` hook, with a read-only :class:`grpo_core.backend.PolicyScorer` on
-    ``trainer`` (forwards of at most ``max_samples_per_call`` sequences, under ``trainer_lock``
-    when the trainer trains meanwhile). For it a group whose outcome rewards are all equal may
-    still carry signal: a group is dropped when all its advantages are 0, which for an
-    outcome-only advantage means equal rewards.
+    A group with fewer than 2 scored samples is dropped first. An advantage plugin that needs the
+    current policy (igpo) gets every group first through the ``prepare_advantages`` hook, with a
+    read-only :class:`grpo_core.backend.PolicyScorer` on ``trainer`` (forwards of at most
+    ``max_samples_per_call`` sequences, under ``trainer_lock`` when the trainer trains meanwhile).
+    Then each group with its advantages goes through ``group_filters`` (name -> a ``group_filter``
+    plugin, asked in order; ``groups/dropped_<name>`` counts the groups each one dropped), after
+    the built-in ``zero_variance`` filter when ``drop_zero_variance``: it drops a group whose
+    advantages are all 0 (for an outcome-only advantage: equal rewards; igpo may see signal where
+    the outcome rewards are equal). A dropped group's samples keep no advantages.
     """
+    from grpo_core.plugins.group_filters.zero_variance import ZeroVarianceFilter
+
+    filters = {"zero_variance": ZeroVarianceFilter()} if drop_zero_variance else {}
+    filters.update(group_filters or {})
     with scope() as metrics:
-        kept = _advantages(pm, groups, drop_zero_variance, trainer, max_samples_per_call, trainer_lock)
+        kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
     return kept, metrics
 
 
 def _advantages(
     pm: pluggy.PluginManager,
     groups: Sequence[Sequence[Sample]],
-    drop_zero_variance: bool,
+    filters: Mapping[str, Any],
     trainer: Trainer | None,
     max_samples_per_call: int | None,
     trainer_lock: contextlib.AbstractContextManager[Any] | None,
 ) -> list[list[Sample]]:
-    dropped_zero_variance = dropped_failed = skipped = 0
+    dropped_failed = skipped = 0
+    dropped_by = dict.fromkeys(filters, 0)
     candidates: list[list[Sample]] = []
     for group in groups:
         if not group:
@@ -164,9 +173,6 @@ def _advantages(
     kept: list[list[Sample]] = []
     for scored in candidates:
         advantages = pm.hook.advantage(rewards_G=[s.reward for s in scored], samples=scored)
-        if drop_zero_variance and all(a == 0 for adv in advantages for a in ([adv] if isinstance(adv, (int, float)) else adv)):
-            dropped_zero_variance += 1
-            continue
         for sample, adv in zip(scored, advantages):
             if isinstance(adv, (int, float)):
                 sample.advantages = [float(adv)] * len(sample.tokens)
@@ -174,12 +180,44 @@ def _advantages(
                 sample.advantages = [float(a) for a in adv]
             else:
                 raise ValueError(f"advantage returned {len(adv)} values for a sample of {len(sample.tokens)} tokens")
-        kept.append(scored)
+        dropper = next((name for name, f in filters.items() if not keeps(name, f, scored)), None)
+        if dropper is None:
+            kept.append(scored)
+            continue
+        dropped_by[dropper] += 1
+        for sample in scored:
+            sample.advantages = None
     record("groups/kept", len(kept), "sum")
-    record("groups/dropped_zero_variance", dropped_zero_variance, "sum")
+    for name, count in dropped_by.items():
+        record(f"groups/dropped_{name}", count, "sum")
     record("groups/dropped_failed", dropped_failed, "sum")
     record("groups/skipped", skipped, "sum")
     return kept
+
+
+def keeps(name: str, group_filter: Any, group: Sequence[Sample]) -> bool:
+    """A group filter's ``keep_group`` answer, checked to be a bool."""
+    answer = group_filter.keep_group(prompt=group[0].prompt, samples=group)
+    if not isinstance(answer, bool):
+        raise PluginError(f"group filter '{name}': keep_group must return True or False, got {answer!r}")
+    return answer
+
+
+def check_sampling_settings(config: RunConfig) -> None:
+    """--max-sampling-rounds bounds --dynamic-sampling, which only the sync loop has (both loops)."""
+    if config.dynamic_sampling and config.loop == "async":
+        raise PluginError(
+            "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
+            "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
+        )
+    if not config.dynamic_sampling and config.max_sampling_rounds != RunConfig().max_sampling_rounds:
+        raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
+
+
+def updates_per_step(config: RunConfig) -> int:
+    """Optimizer steps (policy versions) one step takes: ``ppo_epochs`` passes over its groups,
+    each split into ``minibatches_per_step`` shares."""
+    return config.ppo_epochs * config.minibatches_per_step
 
 
 def train_step(
@@ -190,24 +228,58 @@ def train_step(
     config: RunConfig,
     learning_rate: float,
 ) -> Metrics:
-    """A step's training, the same in both loops: one optimizer step, or ``minibatches_per_step``
-    K of them on shares of the groups, all against π_old of the step's start (so the later ones
-    have a ratio to clip). ``optim/updates`` counts the optimizer steps taken."""
+    """A step's training, the same in both loops: ``ppo_epochs`` passes over the step's groups,
+    each split into ``minibatches_per_step`` shares (the same shares, in the same order, at every
+    pass), one optimizer step per share, all against π_old of the step's start (so the later ones
+    have a ratio to clip). ``optim/updates`` counts the optimizer steps taken.
+
+    With ``mask_truncated`` a completion cut at ``max_completion_tokens`` gets no gradient and
+    counts in no normalizer (``completion/masked_truncated``); its reward still counted in its
+    group's advantages.
+    """
+    if config.mask_truncated:
+        groups = [[untrained_if_truncated(s) for s in g] for g in groups]
+    with scope() as metrics:
+        if config.mask_truncated:
+            record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
+        metrics.merge(_train_passes(pm, trainer, reference, groups, config, learning_rate))
+    return metrics
+
+
+def untrained_if_truncated(sample: Sample) -> Sample:
+    """The sample, with no trained token when it was cut at the length limit (a copy)."""
+    if sample.finish_reason != "length":
+        return sample
+    return attrs.evolve(sample, loss_mask=[0.0] * len(sample.loss_mask))
+
+
+def _train_passes(
+    pm: pluggy.PluginManager,
+    trainer: Trainer,
+    reference: Reference | None,
+    groups: Sequence[Sequence[Sample]],
+    config: RunConfig,
+    learning_rate: float,
+) -> Metrics:
     K = config.minibatches_per_step
     shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
-    if len(shares) <= 1:
+    if len(shares) * config.ppo_epochs <= 1:
         return train_on_groups(pm, trainer, reference, groups, config, learning_rate)
     old = None
     if config.anchor == "old_policy":
         old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
-    offset = 0
+    starts = [sum(len(g) for share in shares[:k] for g in share) for k in range(len(shares))]
     with scope() as metrics:
         record("optim/minibatches", len(shares), "sum")
-        for share in shares:
-            n = sum(len(g) for g in share)
-            view = trainer if old is None else StepStartPolicy(trainer, old[offset : offset + n])
-            metrics.merge(train_on_groups(pm, view, reference, share, config, learning_rate))
-            offset += n
+        record("optim/epochs", config.ppo_epochs, "sum")
+        for epoch in range(config.ppo_epochs):
+            for share, start in zip(shares, starts):
+                n = sum(len(g) for g in share)
+                view = trainer if old is None else StepStartPolicy(trainer, old[start : start + n])
+                trained = train_on_groups(pm, view, reference, share, config, learning_rate)
+                if epoch:
+                    trained.entries.pop("train/samples", None)  # the step's samples, each counted once
+                metrics.merge(trained)
     return metrics
 
 

@@ -146,6 +146,8 @@ class LoopState:
     nonfinite_in_a_row: int = 0
     history: list[float | None] = attrs.field(factory=list)
     """``reward/total`` of every step so far (the summary compares its first and last steps)."""
+    prompts_taken: int = 0
+    """``--dynamic-sampling``: prompts the sync loop took from the run's order (a step may take more than its batch)."""
 
 
 @attrs.define

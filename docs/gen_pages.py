@@ -34,6 +34,7 @@ KIND_TITLES = {
     "tool": "Tools",
     "reward": "Rewards",
     "advantage": "Advantages",
+    "group_filter": "Group filters",
     "loss": "Losses",
     "logger": "Loggers",
 }

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -497,7 +498,31 @@ def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: t
 
 
 def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
-    return head(hidden_C_E).float().log_softmax(-1).gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    logprobs_C_V = head(hidden_C_E).float().log_softmax(-1)
+    if getattr(_entropy_sink, "chunks", None) is not None:
+        detached_C_V = logprobs_C_V.detach()
+        _entropy_sink.chunks.append(-(detached_C_V.exp() * detached_C_V).sum(-1))
+    return logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+
+
+_entropy_sink = threading.local()
+"""While ``LocalTrainer.forward_backward_custom`` computes logprobs: the entropy of every position
+whose logits are computed (``chunks``, in the order of the logprobs) and how many of each row's
+last targets those are (``lengths``). Off otherwise, and during backward's recomputation."""
+
+
+def trained_entropy(datums: Sequence[tinker.Datum], chunks: list[torch.Tensor], lengths: list[int]) -> float:
+    """The mean entropy over the datums' trained targets (NaN when none is trained)."""
+    entropy_N = torch.cat(chunks).cpu() if chunks else torch.zeros(0)
+    total = weight = 0.0
+    offset = 0
+    for datum, n in zip(datums, lengths):
+        weights = datum.loss_fn_inputs["weights"].data
+        weights_n = torch.tensor(weights[len(weights) - n :], dtype=torch.float32)
+        total += float((entropy_N[offset : offset + n] * weights_n).sum())
+        weight += float(weights_n.sum())
+        offset += n
+    return total / weight if weight else math.nan
 
 
 def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K: torch.Tensor, lengths_B: Sequence[int]) -> torch.Tensor:
@@ -506,6 +531,8 @@ def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K:
     real_B_K = torch.arange(K) < torch.tensor(lengths_B).unsqueeze(-1)
     real_dev = real_B_K.to(hidden_B_K_E.device)
     logprobs_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev])
+    if getattr(_entropy_sink, "chunks", None) is not None:
+        _entropy_sink.lengths.extend(lengths_B)
     return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
 
 
@@ -604,9 +631,15 @@ class LocalTrainer(LocalReference):
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        with train_mode(self.model) if self.activation_checkpointing else nullcontext():
-            logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
+        _entropy_sink.chunks, _entropy_sink.lengths = [], []
+        try:
+            with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+                logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
+            entropy = trained_entropy(datums, _entropy_sink.chunks, _entropy_sink.lengths)
+        finally:
+            _entropy_sink.chunks = None
         loss, metrics = loss_fn(datums, logprobs)
+        metrics = {**metrics, "policy/entropy": entropy}
         if torch.isfinite(loss):
             loss.backward()
         else:

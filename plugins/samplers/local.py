@@ -46,7 +46,7 @@ class LocalSamplerPlugin:
             )
         print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
         # Sampling may only run ahead of training on its own copy of the weights.
-        own_weights = config.weight_sync_interval > 1 or config.loop == "async"
+        own_weights = config.weight_sync_interval != 1 or config.loop == "async"
         return LocalSampler(
             model=frozen_copy(trainer.model) if own_weights else trainer.model,
             tokenizer=trainer.tokenizer,

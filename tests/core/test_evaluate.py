@@ -8,7 +8,8 @@ import pytest
 from grpo_core import PluginError
 from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE, resolve_template, write_prompt_settings
-from grpo_core.evaluate import eval_config, pass_at_k
+from grpo_core.evaluate import eval_config
+from grpo_core.measure import pass_at_k
 from tests.test_cli import TEMPLATE, grpo_core_in_process
 
 

@@ -175,3 +175,41 @@ def test_a_bfloat16_trainer_disagrees_with_the_sampler_measurably(tiny_model_dir
     run(config(tiny_model_dir, tiny_dataset, r, max_steps=1, dtype="bfloat16"))
     (m,) = metrics_of(r)
     assert m["mismatch/logprob_abs_max"] > 1e-4 and m["mismatch/logprob_abs_mean"] > 0 and m["mismatch/kl_k3"] != 0
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_ppo_epochs_times_minibatches_optimizer_steps_per_step_in_both_loops(tiny_model_dir, tiny_dataset, tmp_path, loop):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, loop=loop, max_steps=2, prompt_groups_per_step=2, ppo_epochs=2, minibatches_per_step=2))
+    metrics = metrics_of(r)
+    assert [m["optim/updates"] for m in metrics] == [4, 4]
+    assert [m["policy/version"] for m in metrics] == [4, 8]
+    assert all(m["optim/epochs"] == 2 and m["optim/minibatches"] == 2 and m["train/samples"] == 8 for m in metrics)
+
+
+def test_weight_sync_interval_0_never_syncs_and_anchors_every_later_step_on_the_old_policy(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch
+):
+    from grpo_core.plugins.backends import local
+    from grpo_core.plugins.samplers import local as local_sampler
+
+    forwards, syncs = [], []
+    original = local.LocalTrainer.forward
+    monkeypatch.setattr(local.LocalTrainer, "forward", lambda self, datums: forwards.append(len(datums)) or original(self, datums))
+    real_load = local_sampler.LocalSampler.load_weights_from
+    monkeypatch.setattr(
+        local_sampler.LocalSampler, "load_weights_from", lambda self, trainer: syncs.append(trainer.version) or real_load(self, trainer)
+    )
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, max_steps=4, weight_sync_interval=0, loss=["grpo"]))
+    assert syncs == []
+    # Every step after the first trains on samples of the initial policy: pi_old from a forward.
+    assert forwards == [8, 8, 8]
+    metrics = metrics_of(r)
+    assert metrics[0]["mismatch/logprob_abs_max"] < 1e-5 < metrics[3]["mismatch/logprob_abs_max"]
+    assert [m["policy/version"] for m in metrics] == [1, 2, 3, 4]
+
+
+def test_weight_sync_interval_0_is_refused_by_the_async_loop(tiny_model_dir, tiny_dataset, tmp_path):
+    with pytest.raises(PluginError, match="--weight-sync-interval 0 never syncs the sampler"):
+        run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop="async", weight_sync_interval=0))

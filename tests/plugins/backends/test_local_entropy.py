@@ -1,0 +1,71 @@
+"""policy/entropy: the local trainer's training forward also gives the policy's token entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_core import SamplingParams
+from grpo_core.backend import sample_to_datum
+from tests.plugins.backends.test_local import make, prompts_of, to_samples
+
+
+def exact_entropy(trainer, samples) -> float:
+    """−Σ p log p of full logits, each sequence alone, averaged over its trained targets."""
+    total = weight = 0.0
+    with torch.no_grad():
+        for s in samples:
+            logp = trainer.model(input_ids=torch.tensor([s.tokens])).logits[0, :-1].float().log_softmax(-1)
+            entropy_T = -(logp.exp() * logp).sum(-1)
+            mask_T = torch.tensor(s.loss_mask[1:])
+            total += float((entropy_T * mask_T).sum())
+            weight += float(mask_T.sum())
+    return total / weight
+
+
+@pytest.mark.parametrize("path", ["shared_prefix", "one_pass", "checkpointed", "small_chunks"])
+def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_model_dir, path, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, sampler = make(tiny_model_dir, gradient_checkpointing=path == "checkpointed")
+    if path == "small_chunks":
+        monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * trainer.model.config.vocab_size * 3)
+    prompts = prompts_of(trainer.tokenizer)
+    # Two samples per prompt share their prefix; one sample per prompt does not.
+    samples = to_samples(prompts, sampler.sample(prompts, 1 if path == "one_pass" else 2, SamplingParams(max_tokens=6)))
+    samples[0].loss_mask[-2] = 0.0  # an untrained token inside a completion (a tool's output, say)
+    calls = []
+    original = local._logprobs_shared_prefix
+    monkeypatch.setattr(local, "_logprobs_shared_prefix", lambda *a: calls.append("shared") or original(*a))
+
+    out = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], lambda d, lps: (sum(lp.sum() for lp in lps), {}))
+    assert bool(calls) == (path in ("shared_prefix", "small_chunks"))
+    assert out.metrics["policy/entropy"] == pytest.approx(exact_entropy(trainer, samples), rel=1e-5)
+    # Backward (which recomputes checkpointed chunks) added nothing after the call.
+    assert getattr(local._entropy_sink, "chunks", None) is None
+
+
+def test_no_trained_token_has_no_entropy(tiny_model_dir):
+    _, _, trainer, sampler = make(tiny_model_dir)
+    prompts = prompts_of(trainer.tokenizer)
+    samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=4)))
+    for s in samples:
+        s.loss_mask = [0.0] * len(s.loss_mask)
+    out = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], lambda d, lps: (sum(lp.sum() for lp in lps) * 0, {}))
+    assert out.metrics["policy/entropy"] != out.metrics["policy/entropy"]  # NaN: a mean of nothing
+
+
+def test_a_run_logs_the_entropy_every_step(tiny_model_dir, tiny_dataset, tmp_path):
+    import json
+    import math
+
+    from grpo_core.config import RunConfig
+    from grpo_core.loop import run
+
+    r = tmp_path / "r"
+    run(RunConfig(model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Q: {prompt}\nA:", max_steps=2,
+                  prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=4, reward={"format": 1.0},
+                  logger=["jsonl"], run_dir=str(r), drop_zero_variance_groups=False))  # fmt: skip
+    metrics = [json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()]
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    assert all(0 < m["policy/entropy"] < math.log(vocab) for m in metrics)
