@@ -139,7 +139,7 @@ def _select(config: RunConfig, instances: dict[tuple[str, str], Any], weights: d
 def save_rows(rows: Sequence[Mapping[str, Any]], requested_run_dir: str | None) -> tuple[str, str]:
     """Save ``rows`` as JSONL in ``<run directory's parent>/rows/<content hash>.jsonl`` (once per
     content); returns that file and the run directory."""
-    from grpo_core.lifecycle import check_run_dir
+    from grpo_core.run_dir import choose_run_dir
 
     if isinstance(rows, (str, bytes, Mapping)) or not rows:
         raise PluginError("rows= takes a non-empty list of rows, each a mapping of fields (e.g. {'question': ..., 'answer': ...})")
@@ -153,7 +153,7 @@ def save_rows(rows: Sequence[Mapping[str, Any]], requested_run_dir: str | None) 
             raise PluginError(f"rows[{i}] cannot be saved as JSON: {exc}") from None
     text = "".join(lines)
     # Where the run will write (a default one named now); the run checks it with the caller's overwrite.
-    run_dir = check_run_dir(requested_run_dir, False, True)
+    run_dir = choose_run_dir(requested_run_dir)
     path = run_dir.parent / ROWS_DIR / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
