@@ -46,6 +46,24 @@ class BrokenReward:
 
 
 @attrs.define
+class WordyReward:
+    """A reward that answers in words."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return ["0.5" for _ in samples]
+
+
+@attrs.define
+class FloatLoss(GRPOLoss):
+    """A loss that returns its value as a float."""
+
+    @hookimpl
+    def loss(self, inputs):
+        return super().loss(inputs).loss.detach().item()
+
+
+@attrs.define
 class HungryLoss(GRPOLoss):
     """The grpo loss, asking for more memory than any machine has."""
 
@@ -98,7 +116,12 @@ def world(tiny_model_dir, tiny_dataset, tmp_path_factory):
         root,
         "grpo-adversarial-plugins",
         ADVERSARIAL_PLUGINS,
-        {"reward.broken": "grpo_adversarial_plugins:BrokenReward", "loss.hungry": "grpo_adversarial_plugins:HungryLoss"},
+        {
+            "reward.broken": "grpo_adversarial_plugins:BrokenReward",
+            "reward.wordy": "grpo_adversarial_plugins:WordyReward",
+            "loss.float": "grpo_adversarial_plugins:FloatLoss",
+            "loss.hungry": "grpo_adversarial_plugins:HungryLoss",
+        },
     )
     w.rival = install(root, "grpo-rival-grpo", RIVAL_GRPO, {"loss.grpo": "grpo_rival_grpo:RivalGRPO"})
     return w
@@ -291,6 +314,20 @@ CASES = [
         lambda w, tmp: [*small(w, tmp / "r"), "--config", str(tmp / "run.toml")],
         r"\S+run.toml: \[loss\] cispo = 1: a plugin's options go in a table of their own, \[loss.cispo\] .*",
         setup=toml("[loss]\ncispo = 1\n"),
+    ),
+    Case(
+        "a-reward-returning-strings-is-named-with-its-distribution",
+        lambda w, tmp: small(w, tmp / "r", "--reward", "wordy"),
+        r"reward plugin 'wordy' from grpo-adversarial-plugins 1.2.3 returned '0.5' \(str\) as a score: "
+        r"a reward returns a number per sample \(None when it cannot score one\)",
+        env=plugins_site,
+    ),
+    Case(
+        "a-loss-returning-a-float-is-named-with-its-distribution",
+        lambda w, tmp: small(w, tmp / "r", "--loss", "float", "--no-drop-zero-variance-groups"),
+        r"loss plugin 'float' from grpo-adversarial-plugins 1.2.3 returned float [-\d.e]+: "
+        r"a loss returns LossOutput\(loss=<0-d tensor>, metrics=\{...\}\)",
+        env=plugins_site,
     ),
     Case(
         "out-of-memory",
