@@ -499,3 +499,11 @@ def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
     assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
     assert "A server's first contact must succeed within its connect_deadline (openai sampler, tinker trainer: 30 s)" in text
     assert "Exit codes: 0 done; 1 an error you can fix" in text and "3 internal error of grpo-core" in text
+
+
+def test_eval_refuses_a_pass_threshold_that_is_no_number():
+    from tests.test_cli import grpo_core_in_process
+
+    out = grpo_core_in_process("eval", "--pass-threshold", "nan")
+    assert out.returncode == USAGE_ERROR
+    assert out.stderr.strip().splitlines()[-1] == "Error: Invalid value for '--pass-threshold': expected a finite number, got nan"
