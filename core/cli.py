@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import tempfile
@@ -259,6 +260,12 @@ def _raised_in_plugin(exc: BaseException) -> Any:
     return None
 
 
+def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"expected a finite number, got {value}")
+    return value
+
+
 EVAL_FIELDS = (
     "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
     "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "reward_timeout",
@@ -285,9 +292,13 @@ def _eval_options(func: Any) -> Any:
 @click.option(
     "-n", "--num-samples", default=1, show_default=True, type=click.IntRange(min=1), help="samples per prompt; pass@n is reported too"
 )
-@click.option("--temperature", type=click.FloatRange(min=0.0), default=None, help="0 = greedy; default: 0 with -n 1, else 1.0")
+@click.option(
+    "--temperature", type=click.FloatRange(min=0.0), default=None, callback=_finite, help="0 = greedy; default: 0 with -n 1, else 1.0"
+)
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1), help="prompts generated together")
-@click.option("--pass-threshold", default=1.0, show_default=True, help="a sample passes when its total reward reaches this")
+@click.option(
+    "--pass-threshold", default=1.0, show_default=True, callback=_finite, help="a sample passes when its total reward reaches this"
+)
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 @click.option("--debug", is_flag=True, help="show the traceback of an error")
 def eval_(

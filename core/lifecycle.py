@@ -209,9 +209,11 @@ def end_step(
 
     The weight sync has this one place (every ``weight_sync_interval`` steps, never with 0), and one failure
     rule: it runs once the step is counted, so a sync that fails stops the run with the
-    checkpoint of the whole step (its weights, its RNGs, the sampler as the failed sync left it;
-    no plugin observed the step, so its metrics record is not written); a resumed run sends a
-    server sampler the weights before its first step.
+    checkpoint of the whole step (its weights, its RNGs, the sampler as the failed sync left it);
+    a resumed run sends a server sampler the weights before its first step. A step counted but
+    not observed (the sync or a plugin's ``on_step`` raised) is checkpointed with its metrics
+    (``state.unobserved``), which the resumed run hands its plugins first: every step is
+    recorded once.
 
     ``quiet_sampler()`` gives the sampler with no generation running (the async loop's), for the
     sync and the RNGs a checkpoint holds; ``counted()`` runs once the step is counted and synced,

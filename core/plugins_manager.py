@@ -144,6 +144,14 @@ def find(name: str, kind: str | None = None) -> PluginEntry:
     raise PluginError(f"unknown {what}'{name}'{hint} available: {', '.join(available) or 'none'}")
 
 
+def plugin_label(plugin: Any) -> str:
+    """How messages name a plugin instance: as users select it, with its distribution."""
+    cls = type(plugin)
+    target = f"{cls.__module__}:{cls.__qualname__}"
+    entry = next((e for e in catalog() if e.target == target), None)
+    return entry.label if entry is not None else f"plugin {target}"
+
+
 def claims(entries: Sequence[PluginEntry]) -> str:
     """``grpo-core 0.1.0 (module:Class), other 1.0 (module:Class)``: who declares a name."""
     return ", ".join(f"{e.distribution} {e.version} ({e.target})" for e in entries)

@@ -14,8 +14,9 @@ import pluggy
 from grpo_core.backend import PolicyScorer, Reference, Trainer, sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
-from grpo_core.loss import LossInputs
+from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
+from grpo_core.plugins_manager import is_wrapper, plugin_label
 from grpo_core.types import Sample
 
 if TYPE_CHECKING:
@@ -82,6 +83,12 @@ def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_f
                 selection.last_reward_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
                 raise RewardError(f"reward '{r.name}' returned {len(scores)} scores for {len(group)} samples")
+            wrong = next((s for s in scores if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)))), None)
+            if wrong is not None:
+                raise RewardError(
+                    f"{plugin_label(r.plugin)} returned {wrong!r} ({type(wrong).__name__}) as a score: "
+                    "a reward returns a number per sample (None when it cannot score one)"
+                )
             for sample, score in zip(group, scores):
                 ok = score is not None and not math.isnan(score)
                 sample.rewards[r.name] = float(score) if ok else None
@@ -413,6 +420,13 @@ class StepLoss:
     def __call__(self, _datums: Any, logprobs: Sequence[Any]) -> tuple[Any, dict[str, float]]:
         record_mismatch(logprobs, self.sampling, self.mask)
         out = self.pm.hook.loss(inputs=self.inputs(logprobs))
+        if not isinstance(out, LossOutput) or not hasattr(out.loss, "backward"):  # a tensor's
+            loss = next((p for _, p in self.pm.list_name_plugin() if hasattr(p, "loss") and not is_wrapper(p, "loss")), None)
+            raise PluginError(
+                f"{plugin_label(loss)} returned {type(out).__name__} {out!r:.80}"
+                + ("" if not isinstance(out, LossOutput) else f" with loss {type(out.loss).__name__}")
+                + ": a loss returns LossOutput(loss=<0-d tensor>, metrics={...})"
+            )
         self.summed = out.summed
         return out.loss, out.metrics
 

@@ -46,6 +46,24 @@ class BrokenReward:
 
 
 @attrs.define
+class WordyReward:
+    """A reward that answers in words."""
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        return ["0.5" for _ in samples]
+
+
+@attrs.define
+class FloatLoss(GRPOLoss):
+    """A loss that returns its value as a float."""
+
+    @hookimpl
+    def loss(self, inputs):
+        return super().loss(inputs).loss.detach().item()
+
+
+@attrs.define
 class HungryLoss(GRPOLoss):
     """The grpo loss, asking for more memory than any machine has."""
 
@@ -98,7 +116,12 @@ def world(tiny_model_dir, tiny_dataset, tmp_path_factory):
         root,
         "grpo-adversarial-plugins",
         ADVERSARIAL_PLUGINS,
-        {"reward.broken": "grpo_adversarial_plugins:BrokenReward", "loss.hungry": "grpo_adversarial_plugins:HungryLoss"},
+        {
+            "reward.broken": "grpo_adversarial_plugins:BrokenReward",
+            "reward.wordy": "grpo_adversarial_plugins:WordyReward",
+            "loss.float": "grpo_adversarial_plugins:FloatLoss",
+            "loss.hungry": "grpo_adversarial_plugins:HungryLoss",
+        },
     )
     w.rival = install(root, "grpo-rival-grpo", RIVAL_GRPO, {"loss.grpo": "grpo_rival_grpo:RivalGRPO"})
     return w
@@ -293,6 +316,20 @@ CASES = [
         setup=toml("[loss]\ncispo = 1\n"),
     ),
     Case(
+        "a-reward-returning-strings-is-named-with-its-distribution",
+        lambda w, tmp: small(w, tmp / "r", "--reward", "wordy"),
+        r"reward plugin 'wordy' from grpo-adversarial-plugins 1.2.3 returned '0.5' \(str\) as a score: "
+        r"a reward returns a number per sample \(None when it cannot score one\)",
+        env=plugins_site,
+    ),
+    Case(
+        "a-loss-returning-a-float-is-named-with-its-distribution",
+        lambda w, tmp: small(w, tmp / "r", "--loss", "float", "--no-drop-zero-variance-groups"),
+        r"loss plugin 'float' from grpo-adversarial-plugins 1.2.3 returned float [-\d.e]+: "
+        r"a loss returns LossOutput\(loss=<0-d tensor>, metrics=\{...\}\)",
+        env=plugins_site,
+    ),
+    Case(
         "out-of-memory",
         lambda w, tmp: small(w, tmp / "r", "--loss", "hungry", "--no-drop-zero-variance-groups"),
         r"out of memory \(.*can't allocate memory.*\); make a step smaller \(--max-samples-per-fwd-bwd N .*",
@@ -462,3 +499,11 @@ def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
     assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
     assert "A server's first contact must succeed within its connect_deadline (openai sampler, tinker trainer: 30 s)" in text
     assert "Exit codes: 0 done; 1 an error you can fix" in text and "3 internal error of grpo-core" in text
+
+
+def test_eval_refuses_a_pass_threshold_that_is_no_number():
+    from tests.test_cli import grpo_core_in_process
+
+    out = grpo_core_in_process("eval", "--pass-threshold", "nan")
+    assert out.returncode == USAGE_ERROR
+    assert out.stderr.strip().splitlines()[-1] == "Error: Invalid value for '--pass-threshold': expected a finite number, got nan"
