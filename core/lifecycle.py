@@ -115,7 +115,8 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     make_run_dir(run_dir, resume)
-    write_config(config, run_dir / "config.json")
+    run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
+    write_config(config, run_dir / "config.json", run_info)
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
     if resume:
         state.loop = resume_from(run_dir, trainer, sampler, total_steps)

@@ -22,6 +22,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
+from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
@@ -707,7 +708,14 @@ class LocalTrainer(LocalReference):
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
+    @property
+    def run_info(self) -> dict[str, str]:
+        """How it trains, for config.json (declared in hookspecs)."""
+        return {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
+        record("perf/padding_free", float(self.forward_fn.packs), "max")
         with train_mode(self.model) if self.activation_checkpointing else nullcontext():
             logprobs = target_logprobs(
                 self.forward_fn, datums, self.device, one_pass=self.activation_checkpointing, packed=self.forward_fn.packs

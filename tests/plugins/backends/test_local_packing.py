@@ -9,6 +9,7 @@ import torch
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends import local
 from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, target_logprobs
+from tests.core.test_loop import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
 
 
 def datum(tokens, first_trained, gap=None):
@@ -172,3 +173,44 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
     )
     absolute.forward = lambda position_ids: counting(absolute, position_ids)
     assert TransformersForward(model, padding_free=True).packing_problem is None
+
+
+@pytest.mark.parametrize(
+    ("options", "forward_path", "padding_free", "info"),
+    [
+        (
+            {},
+            1.0,
+            1.0,
+            {
+                "trainer": {
+                    "forward": local.TRAINER_FORWARD,
+                    "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
+                },
+                "sampler": {"forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"},
+            },
+        ),
+        (
+            {"fast_forward": "false", "padding_free": "false"},
+            0.0,
+            0.0,
+            {
+                "trainer": {"forward": local.TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
+                "sampler": {"forward": "transformers (--backend-opt fast_forward=false)"},
+            },
+        ),
+    ],
+    ids=["defaults", "both_off"],
+)
+def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_metrics(
+    tiny_model_dir, tiny_dataset, tmp_path, options, forward_path, padding_free, info
+):
+    import json
+
+    from grpo_core.loop import run
+    from tests.core.test_loop import config, metrics_of
+
+    run_dir = tmp_path / "run"
+    run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2, plugin_options={"backend": {"local": options}}))
+    assert json.loads((run_dir / "config.json").read_text())["run_info"] == info
+    assert [(m["perf/forward_path"], m["perf/padding_free"]) for m in metrics_of(run_dir)] == [(forward_path, padding_free)] * 2
