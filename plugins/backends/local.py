@@ -370,6 +370,13 @@ class TransformersForward:
         self._check_head()
         self.packing_problem = self._packing_problem() if padding_free else "--backend-opt padding_free=false"
         """Why sequences are not packed (None: they are, :func:`_logprobs_packed`)."""
+        text = model.config.get_text_config()
+        heads = text.num_attention_heads
+        tables = {id(e.weight): e.weight.numel() for e in (model.get_input_embeddings(), model.get_output_embeddings()) if e is not None}
+        weights = sum(p.numel() for p in model.parameters()) - sum(tables.values())
+        self.layer_costs = (weights / text.num_hidden_layers, 2 * heads * (getattr(text, "head_dim", None) or text.hidden_size // heads))
+        """Multiply-adds of one layer per position (its weights) and per attention pair (q·k and the
+        weighted v of every head): what :func:`packed_layout` weighs."""
 
     @property
     def packs(self) -> bool:
@@ -501,7 +508,7 @@ def target_logprobs(
     if not one_pass and len(distinct) < len(prefixes) and all(distinct):
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
     if packed:
-        rows = pack_rows([len(x) for x in inputs])
+        rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
             return _logprobs_packed(forward, inputs, targets, starts, rows, device)
     return _logprobs_one_pass(forward, inputs, targets, min(starts), device)
@@ -580,11 +587,9 @@ def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start
     return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
 
 
-def pack_rows(lengths: Sequence[int]) -> list[list[int]]:
-    """Sequences (by index) placed end to end in rows as wide as the longest: first fit, longest
-    first. A packed forward then costs no more than a padded one (as many or fewer rows of the
-    same width; attention is quadratic in a row's width, so a wider row would cost more)."""
-    width = max(lengths)
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Sequences (by index) placed end to end in rows of ``width`` (at least the longest):
+    first fit, longest first."""
     rows: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -598,6 +603,25 @@ def pack_rows(lengths: Sequence[int]) -> list[list[int]]:
     return rows
 
 
+def packed_layout(lengths: Sequence[int], token_cost: float, pair_cost: float) -> list[list[int]]:
+    """The rows (see :func:`pack_rows`) of least estimated cost, over widths of 1, 2, 4, ... times
+    the longest sequence: a row of W positions costs ``W·token_cost + W²·pair_cost`` (attention
+    computes every pair of a row, masked or not). Rows as wide as the longest never cost more
+    than padding (as many or fewer rows of the same width); wider ones leave less filler and
+    more attention, which pays where the layers' weights outweigh attention (0.6B: 2x the longest)."""
+    best: tuple[float, list[list[int]]] | None = None
+    width = max(lengths)
+    while True:
+        rows = pack_rows(lengths, width)
+        used = max(sum(lengths[i] for i in row) for row in rows)
+        cost = len(rows) * used * (token_cost + used * pair_cost)
+        if best is None or cost < best[0]:
+            best = (cost, rows)
+        if len(rows) == 1:
+            return best[1]
+        width *= 2
+
+
 def _logprobs_packed(
     forward: TransformersForward, inputs: list, targets: list, starts: list[int], rows: list[list[int]], device: torch.device
 ) -> list[torch.Tensor]:
@@ -605,7 +629,7 @@ def _logprobs_packed(
     sequence and no attention mask: transformers' packed-sequence detection then keeps each
     sequence from attending to the others. A row's unused tail is a filler sequence of its own
     (positions from 0 again), so no row needs a padding mask."""
-    width = max(len(x) for x in inputs)
+    width = max(sum(len(inputs[i]) for i in row) for row in rows)
     R = len(rows)
     # The filler's token ids do not matter: no other sequence sees it, and it is never scored.
     ids_R_W = torch.zeros(R, width, dtype=torch.long)

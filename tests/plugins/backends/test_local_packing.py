@@ -8,7 +8,7 @@ import torch
 
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends import local
-from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, target_logprobs
+from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, packed_layout, target_logprobs
 from tests.core.test_loop import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
 
 
@@ -48,24 +48,55 @@ def make_trainer(model_dir, **options):
 
 
 @pytest.mark.parametrize(
-    ("lengths", "rows"),
+    ("lengths", "width", "rows"),
     [
-        ([5, 2, 3, 1, 4], [[0], [4, 3], [2, 1]]),
-        ([3, 3, 3], [[0], [1], [2]]),
-        ([7], [[0]]),
-        ([1, 1, 1, 1, 4], [[4], [0, 1, 2, 3]]),
+        ([5, 2, 3, 1, 4], 5, [[0], [4, 3], [2, 1]]),
+        ([5, 2, 3, 1, 4], 10, [[0, 4, 3], [2, 1]]),
+        ([3, 3, 3], 3, [[0], [1], [2]]),
+        ([7], 7, [[0]]),
+        ([1, 1, 1, 1, 4], 4, [[4], [0, 1, 2, 3]]),
     ],
-    ids=["first_fit_longest_first", "equal_lengths", "one", "short_ones_fill_a_row"],
+    ids=["first_fit_longest_first", "wider", "equal_lengths", "one", "short_ones_fill_a_row"],
 )
-def test_pack_rows_fills_rows_as_wide_as_the_longest_sequence(lengths, rows):
-    assert pack_rows(lengths) == rows
+def test_pack_rows_fills_rows_first_fit_longest_first(lengths, width, rows):
+    assert pack_rows(lengths, width) == rows
 
 
+@pytest.mark.parametrize(
+    ("token_cost", "pair_cost", "rows"),
+    [
+        # Widths 5, 10, 20: 4 rows of 5 (20t + 100p), 2 of 8 (16t + 128p), 1 of 14 (14t + 196p).
+        (1.0, 1.0, [[0], [1], [2], [3]]),
+        (100.0, 1.0, [[0, 1, 2, 3]]),
+        (1.0, 0.0, [[0, 1, 2, 3]]),
+        (20.0, 1.0, [[0, 1], [2, 3]]),
+    ],
+    ids=["attention_heavy", "weights_heavy", "no_attention", "in_between"],
+)
+def test_packed_layout_takes_the_width_of_least_estimated_cost(token_cost, pair_cost, rows):
+    assert packed_layout([5, 3, 3, 3], token_cost, pair_cost) == rows
+
+
+def test_layer_costs_are_a_layers_weights_and_the_work_of_one_attention_pair(tiny_model_dir):
+    model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    # Per layer: its weights (the final norm's 64 spread over both layers); q·k and a·v of 4 heads of 16.
+    assert TransformersForward(model).layer_costs == (layer + 64 / 2, 2 * 4 * 16) == (37056, 128)
+
+
+@pytest.mark.parametrize(
+    ("costs", "rows"),
+    [(None, [[0, 4, 3, 2, 1, 6, 5]]), ((1.0, 1e6), [[0], [4, 6], [3, 2, 5], [1]])],
+    ids=["one_row", "rows_as_wide_as_the_longest"],
+)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, attention, monkeypatch):
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, attention, costs, rows, monkeypatch):
     model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), attention)
     forward = TransformersForward(model, padding_free=True)
     assert forward.packing_problem is None
+    # The tiny model's own costs pack all 7 sequences (122 tokens) into one row; attention made
+    # dear, rows are as wide as the longest sequence (39).
+    forward.layer_costs = costs or forward.layer_costs
     datums = ragged_datums()
     paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
     masks = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in datums]
@@ -82,8 +113,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, att
         first = local._first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6)
         assert not got[:first].any()  # before the first trained target: never scored
-    # 4 packed rows of 39 positions where padding takes 7.
-    assert pack_rows([len(d.model_input.to_ints()) for d in datums]) == [[0], [4, 6], [3, 2, 5], [1]]
+    assert packed_layout([len(d.model_input.to_ints()) for d in datums], *forward.layer_costs) == rows
     for name, grad in packed_grads.items():
         assert torch.allclose(grad, padded_grads[name], rtol=0, atol=1e-5 * float(grad.abs().max())), name
 
