@@ -497,8 +497,8 @@ def target_logprobs(
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
     back through it (unless ``one_pass``: every row whole, in one forward). Rows run whole are
-    ``packed`` end to end where that leaves fewer rows than sequences (see :func:`pack_rows`;
-    only for a forward that :func:`packing_problem` passes), else right-padded.
+    ``packed`` end to end where that leaves fewer rows than sequences (:func:`packed_layout`; only
+    for a forward whose :meth:`TransformersForward._packing_problem` found none), else right-padded.
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
