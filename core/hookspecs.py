@@ -48,6 +48,7 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "str": lambda v: isinstance(v, str),
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
+    "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
 }
 
 
@@ -96,7 +97,13 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
     "loss": {
         "needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)"),
     },
+    "trainer object": {
+        "run_info": Attribute(
+            "dict[str, str]", {}, "how it trains (its forward, padding...), in words: written to config.json's run_info.trainer"
+        ),
+    },
     "sampler object": {
+        "run_info": Attribute("dict[str, str]", {}, "how it samples (its forward...), in words: written to config.json's run_info.sampler"),
         "own_weights": Attribute("bool", True, "False: it samples from the trainer's own weights (shared), which --loop async refuses"),
         "concurrent_samples": Attribute("int", 1, "how many sample calls the async loop's workers may make at once"),
         "stateless": Attribute(
@@ -107,7 +114,8 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         ),
     },
 }
-"""Per plugin kind (``"sampler object"``: what ``make_sampler`` returns), the attributes core reads."""
+"""Per plugin kind (``"trainer object"``, ``"sampler object"``: what ``make_trainer``, ``make_sampler``
+return), the attributes core reads."""
 
 
 def declared(obj: Any, kind: str, name: str) -> Any:

@@ -162,7 +162,8 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         state.loop = load_checkpoint(newest, trainer, sampler)
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
         unobserved = read_unobserved(newest)
-    write_config(config, run_dir / "config.json")
+    run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
+    write_config(config, run_dir / "config.json", run_info)
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)

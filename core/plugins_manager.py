@@ -214,9 +214,10 @@ def redact(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_config(config: RunConfig, path: Path) -> None:
-    """The resolved config as JSON (``config.json``), secret plugin options shown as ``***``."""
-    data = {**config.to_dict(), "plugin_options": redact_plugin_options(config.plugin_options)}
+def write_config(config: RunConfig, path: Path, run_info: dict[str, dict[str, str]] | None = None) -> None:
+    """The resolved config as JSON (``config.json``), secret plugin options shown as ``***``, and
+    ``run_info``: what the trainer and the sampler say of how they run (their declared ``run_info``)."""
+    data = {**config.to_dict(), "plugin_options": redact_plugin_options(config.plugin_options), "run_info": run_info or {}}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 

@@ -23,6 +23,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
+from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
@@ -58,6 +59,13 @@ class LocalBackend:
         True,
         help="sample Llama/Qwen2/Qwen3 models (fp32) with grpo-core's fused decoder; off = transformers' own",
     )
+    padding_free: bool = option(
+        True,
+        help=(
+            "score sequences that run whole (no shared prompt, or --gradient-checkpointing) packed end to end in rows, "
+            "not padded, where the model and attention isolate packed sequences (checked at start); off = always pad"
+        ),
+    )
 
     default_sampler = "local"
     default_weight_sync = "in_process"
@@ -83,23 +91,25 @@ class LocalBackend:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         if config.gradient_checkpointing:
             enable_activation_checkpointing(model)
-        print(f"trainer forward: {TRAINER_FORWARD}", file=sys.stderr)
-        return LocalTrainer(
+        trainer = LocalTrainer(
             model=model,
             tokenizer=tokenizer,
             device=device,
+            padding_free=self.padding_free,
             fast_forward=self.fast_forward,
             seed=config.seed,
             activation_checkpointing=config.gradient_checkpointing,
         )
+        print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)
+        return trainer
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
-            return LocalReference(trainer.model, trainer.device, adapters_off=True)
+            return LocalReference(trainer.model, trainer.device, adapters_off=True, padding_free=trainer.padding_free)
         # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
-        return LocalReference(frozen_copy(trainer.model), trainer.device)
+        return LocalReference(frozen_copy(trainer.model), trainer.device, padding_free=trainer.padding_free)
 
 
 PRECISION_NOTES = {
@@ -354,11 +364,30 @@ class TransformersForward:
     head's equivalence with the model's own logits is checked once at construction.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, padding_free: bool = False) -> None:
         self.model = model
         # transformers 5.x renames the cache argument (``past_key_values`` is removed in 5.40).
         self.cache_argument = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
         self._check_head()
+        self.packing_problem = self._packing_problem() if padding_free else "--backend-opt padding_free=false"
+        """Why sequences are not packed (None: they are, :func:`_logprobs_packed`)."""
+        text = model.config.get_text_config()
+        heads = text.num_attention_heads
+        tables = {id(e.weight): e.weight.numel() for e in (model.get_input_embeddings(), model.get_output_embeddings()) if e is not None}
+        weights = sum(p.numel() for p in model.parameters()) - sum(tables.values())
+        self.layer_costs = (weights / text.num_hidden_layers, 2 * heads * (getattr(text, "head_dim", None) or text.hidden_size // heads))
+        """Multiply-adds of one layer per position (its weights) and per attention pair (q·k and the
+        weighted v of every head): what :func:`packed_layout` weighs."""
+
+    @property
+    def packs(self) -> bool:
+        return self.packing_problem is None
+
+    def padding_line(self) -> str:
+        """The padding decision and why, in words (for the run's first lines)."""
+        if self.packs:
+            return f"sequences that run whole are packed, not padded ({self.model.config._attn_implementation} attention isolates them)"
+        return f"sequences are padded ({self.packing_problem})"
 
     def new_cache(self, capacity: int | None = None) -> Any:
         from transformers import DynamicCache
@@ -394,6 +423,31 @@ class TransformersForward:
 
     def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
         return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
+
+    @torch.no_grad()
+    def _packing_problem(self) -> str | None:
+        """Why packed sequences would not be scored as they are alone, or None.
+
+        transformers isolates sequences packed in one row by their restarting position ids where
+        the model builds its masks with ``create_causal_mask`` and the attention implementation
+        follows them; this checks it on the model itself. A sequence packed after two different
+        ones must come out the same (nothing leaks between sequences, to a few units of rounding),
+        and as it does alone (its positions restart).
+        """
+        device, attention = self.model.device, self.model.config._attn_implementation
+        first_a, first_b, second = [3, 1, 4], [2, 7, 1], [5, 9, 2, 6]
+        positions_1_7 = torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)
+        after_a, after_b = (
+            self.hidden_states(torch.tensor([first + second], device=device), positions_1_7)[0, 3:].float() for first in (first_a, first_b)
+        )
+        alone = self.hidden_states(torch.tensor([second], device=device), positions_1_7[:, 3:])[0].float()
+        scale = float(alone.abs().max())
+        eps = torch.finfo(self.model.dtype).eps
+        if not torch.allclose(after_a, after_b, rtol=0, atol=16 * eps * scale):
+            return f"{attention} attention lets sequences packed in one row see each other in this {self.model.config.model_type} model"
+        if not torch.allclose(after_a, alone, rtol=0, atol=max(1e-4, 64 * eps) * scale):
+            return f"this {self.model.config.model_type} model does not restart positions with the position ids of packed sequences"
+        return None
 
     @torch.no_grad()
     def _check_head(self) -> None:
@@ -436,13 +490,16 @@ def target_logprobs(
     datums: Sequence[tinker.Datum],
     device: torch.device,
     one_pass: bool = False,
+    packed: bool = False,
 ) -> list[torch.Tensor]:
     """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it (unless ``one_pass``: every row whole, in one forward).
+    back through it (unless ``one_pass``: every row whole, in one forward). Rows run whole are
+    ``packed`` end to end where that leaves fewer rows than sequences (:func:`packed_layout`; only
+    for a forward whose :meth:`TransformersForward._packing_problem` found none), else right-padded.
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
@@ -451,6 +508,10 @@ def target_logprobs(
     distinct = list(dict.fromkeys(prefixes))
     if not one_pass and len(distinct) < len(prefixes) and all(distinct):
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
+    if packed:
+        rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
+        if len(rows) < len(inputs):
+            return _logprobs_packed(forward, inputs, targets, starts, rows, device)
     return _logprobs_one_pass(forward, inputs, targets, min(starts), device)
 
 
@@ -494,7 +555,8 @@ def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: t
     for start in range(0, hidden_N_E.shape[0], rows):
         args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows])
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
-    return torch.cat(parts) if parts else hidden_N_E.new_zeros(0, dtype=torch.float32)
+    # No position at all: still a (empty) function of the hidden states, so a loss over none backpropagates.
+    return torch.cat(parts) if parts else hidden_N_E.float().sum(-1)
 
 
 def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
@@ -553,6 +615,75 @@ def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start
     return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
 
 
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Sequences (by index) placed end to end in rows of ``width`` (at least the longest):
+    first fit, longest first."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            free.append(width)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
+def packed_layout(lengths: Sequence[int], token_cost: float, pair_cost: float) -> list[list[int]]:
+    """The rows (see :func:`pack_rows`) of least estimated cost, over widths of 1, 2, 4, ... times
+    the longest sequence: a row of W positions costs ``W·token_cost + W²·pair_cost`` (attention
+    computes every pair of a row, masked or not). Rows as wide as the longest never cost more
+    than padding (as many or fewer rows of the same width); wider ones leave less filler and
+    more attention, which pays where the layers' weights outweigh attention (0.6B: 2x the longest)."""
+    best: tuple[float, list[list[int]]] | None = None
+    width = max(lengths)
+    while True:
+        rows = pack_rows(lengths, width)
+        used = max(sum(lengths[i] for i in row) for row in rows)
+        cost = len(rows) * used * (token_cost + used * pair_cost)
+        if best is None or cost < best[0]:
+            best = (cost, rows)
+        if len(rows) == 1:
+            return best[1]
+        width *= 2
+
+
+def _logprobs_packed(
+    forward: TransformersForward, inputs: list, targets: list, starts: list[int], rows: list[list[int]], device: torch.device
+) -> list[torch.Tensor]:
+    """Every sequence whole, packed into ``rows`` with position ids that restart at 0 on each
+    sequence and no attention mask: transformers' packed-sequence detection then keeps each
+    sequence from attending to the others. A row's unused tail is a filler sequence of its own
+    (positions from 0 again), so no row needs a padding mask."""
+    width = max(sum(len(inputs[i]) for i in row) for row in rows)
+    R = len(rows)
+    # The filler's token ids do not matter: no other sequence sees it, and it is never scored.
+    ids_R_W = torch.zeros(R, width, dtype=torch.long)
+    positions_R_W = torch.zeros(R, width, dtype=torch.long)
+    offsets = [0] * len(inputs)
+    for r, row in enumerate(rows):
+        at = 0
+        for i in row:
+            ids_R_W[r, at : at + len(inputs[i])] = torch.tensor(inputs[i], dtype=torch.long)
+            positions_R_W[r, at : at + len(inputs[i])] = torch.arange(len(inputs[i]))
+            offsets[i] = r * width + at
+            at += len(inputs[i])
+        positions_R_W[r, at:] = torch.arange(width - at)
+    hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
+    # Only the trained positions go through the head, in the order of the sequences.
+    at_N = torch.cat([torch.arange(offsets[i] + s, offsets[i] + len(x)) for i, (x, s) in enumerate(zip(inputs, starts))])
+    targets_N = torch.tensor([t for y, s in zip(targets, starts) for t in y[s:]], dtype=torch.long)
+    hidden_N_E = hidden_R_W_E.reshape(R * width, -1)[at_N.to(device)]
+    logprobs_N = token_logprobs(forward, hidden_N_E, targets_N.to(device))
+    scored = [len(x) - s for x, s in zip(inputs, starts)]
+    if getattr(_entropy_sink, "chunks", None) is not None:
+        _entropy_sink.lengths.extend(scored)
+    parts = logprobs_N.split(scored)
+    return [torch.cat([part.new_zeros(s), part]) for part, s in zip(parts, starts)]
+
+
 def _logprobs_shared_prefix(
     forward: ModelForward,
     inputs: list,
@@ -603,16 +734,18 @@ class LocalReference:
     adapters_off: bool = False
     """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
     Only the main thread runs the trainer's model, so switching them off for a call is safe."""
-    forward_fn: ModelForward = attrs.field(init=False)
+    padding_free: bool = False
+    """Pack sequences that run whole where the model allows it (:meth:`TransformersForward._packing_problem`)."""
+    forward_fn: TransformersForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
         # faster one; the fused decoder wins in sampling only (docs/performance.md).
-        self.forward_fn = TransformersForward(self.model)
+        self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
-            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device)]
+            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)]
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -630,11 +763,21 @@ class LocalTrainer(LocalReference):
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
+    @property
+    def run_info(self) -> dict[str, str]:
+        """How it trains, for config.json (declared in hookspecs)."""
+        return {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
+        record("perf/padding_free", float(self.forward_fn.packs), "max")
         _entropy_sink.chunks, _entropy_sink.lengths = [], []
         try:
             with train_mode(self.model) if self.activation_checkpointing else nullcontext():
-                logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
+                logprobs = target_logprobs(
+                    self.forward_fn, datums, self.device, one_pass=self.activation_checkpointing, packed=self.forward_fn.packs
+                )
+                logprobs = [lp.cpu() for lp in logprobs]
             entropy = trained_entropy(datums, _entropy_sink.chunks, _entropy_sink.lengths)
         finally:
             _entropy_sink.chunks = None

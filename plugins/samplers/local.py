@@ -13,6 +13,8 @@ import torch
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.metrics import record
+from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import (
     LocalTrainer,
     ModelForward,
@@ -78,6 +80,11 @@ class LocalSampler:
         self.forward_fn = model_forward(self.model, self.fast_forward)
 
     @property
+    def run_info(self) -> dict[str, str]:
+        """How it samples, for config.json (declared in hookspecs)."""
+        return {"forward": forward_path(self.model, self.fast_forward)}
+
+    @property
     def max_context(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
@@ -106,6 +113,8 @@ class LocalSampler:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+        # 1: the fused decoder samples, 0: transformers' forward (why: config.json's run_info).
+        record("perf/forward_path", float(isinstance(self.forward_fn, FastDecoder)), "max")
         per_call = max(1, self.batch_size // num_samples) if self.batch_size else len(prompts)
         groups: list[list[Completion]] = []
         for start in range(0, len(prompts), per_call):

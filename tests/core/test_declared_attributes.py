@@ -65,6 +65,10 @@ def test_an_attribute_not_set_reads_as_its_declared_default():
     assert declared(nothing, "sampler object", "concurrent_samples") == 1
     assert declared(nothing, "sampler object", "own_weights") is True
     assert declared(nothing, "sampler object", "stateless") is False
+    assert declared(nothing, "trainer object", "run_info") == {} and declared(nothing, "sampler object", "run_info") == {}
+    assert declared(SimpleNamespace(run_info={"forward": "mine"}), "trainer object", "run_info") == {"forward": "mine"}
+    with pytest.raises(PluginError, match=r"run_info must be dict\[str, str\]"):
+        declared(SimpleNamespace(run_info={"padding_free": 1.0}), "trainer object", "run_info")
     assert declared(SimpleNamespace(concurrent_samples=4), "sampler object", "concurrent_samples") == 4
     with pytest.raises(PluginError, match="concurrent_samples must be int"):
         declared(SimpleNamespace(concurrent_samples=True), "sampler object", "concurrent_samples")

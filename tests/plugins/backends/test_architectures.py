@@ -298,3 +298,19 @@ def test_the_saved_policy_carries_its_attention_to_eval_and_export(family_dirs, 
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy").config._attn_implementation == "eager"
     explicit, _ = load_model(str(tmp_path / "policy"), torch.device("cpu"), "sdpa")
     assert explicit.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_packs_sequences_exactly(family_dirs, family):
+    from grpo_core.plugins.backends.local import TransformersForward, _first_trained, target_logprobs
+    from tests.plugins.backends.test_local_packing import ragged_datums
+
+    model, _ = load_model(str(family_dirs(family)), torch.device("cpu"), "auto")
+    forward = TransformersForward(model, padding_free=True)
+    assert forward.packing_problem is None
+    datums = ragged_datums()
+    with torch.no_grad():
+        packed, padded = (target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=p) for p in (True, False))
+    for d, got, want in zip(datums, packed, padded):
+        first = _first_trained(d.loss_fn_inputs["weights"].data)
+        assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6), float((got - want)[first:].abs().max())

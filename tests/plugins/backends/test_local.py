@@ -11,9 +11,9 @@ from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
 
-def make(tiny_model_dir, fast_forward=True, **config):
+def make(tiny_model_dir, fast_forward=True, padding_free=True, **config):
     cfg = RunConfig(model=str(tiny_model_dir), **config)
-    backend = LocalBackend(fast_forward=fast_forward)
+    backend = LocalBackend(fast_forward=fast_forward, padding_free=padding_free)
     trainer = backend.make_trainer(config=cfg)
     sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
     return cfg, backend, trainer, sampler
@@ -310,17 +310,18 @@ def test_grad_clip_norm_rescales_the_gradient_to_the_limit(tiny_model_dir, clip_
         assert float(gap.abs().max()) > 1e-4
 
 
-# --- the one-pass forward (distinct prompts, G = 1) against direct autograd ----------------------
+# --- whole rows (distinct prompts, G = 1), packed or padded, against direct autograd --------------
 
 
-def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize(("padding_free", "path"), [(True, "_logprobs_packed"), (False, "_logprobs_one_pass")])
+def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, monkeypatch, padding_free, path):
     from grpo_core.plugins.backends import local
 
     paths = []
-    for name in ("_logprobs_one_pass", "_logprobs_shared_prefix"):
+    for name in ("_logprobs_one_pass", "_logprobs_shared_prefix", "_logprobs_packed"):
         original = getattr(local, name)
         monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
-    _, _, trainer, sampler = make(tiny_model_dir)
+    _, _, trainer, sampler = make(tiny_model_dir, padding_free=padding_free)
     tok = trainer.tokenizer
     prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
     samples = to_samples(prompts, sampler.sample(prompts, 1, SamplingParams(max_tokens=6)))  # G = 1: no shared prefix
@@ -330,7 +331,7 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, m
     masks = [torch.tensor(s.loss_mask[1:]) for s in samples]
 
     out = trainer.forward_backward_custom(datums, lambda d, lps: (sum(w * (lp * m).sum() for w, lp, m in zip(weights, lps, masks)), {}))
-    assert paths == ["_logprobs_one_pass"]
+    assert paths == [path]
     got = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     trainer.model.zero_grad(set_to_none=True)
 

@@ -23,23 +23,28 @@ def exact_entropy(trainer, samples) -> float:
     return total / weight
 
 
-@pytest.mark.parametrize("path", ["shared_prefix", "one_pass", "checkpointed", "small_chunks"])
+@pytest.mark.parametrize("path", ["shared_prefix", "one_pass", "packed", "checkpointed", "small_chunks"])
 def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_model_dir, path, monkeypatch):
     from grpo_core.plugins.backends import local
 
-    _, _, trainer, sampler = make(tiny_model_dir, gradient_checkpointing=path == "checkpointed")
+    _, _, trainer, sampler = make(tiny_model_dir, gradient_checkpointing=path == "checkpointed", padding_free=path == "packed")
     if path == "small_chunks":
         monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * trainer.model.config.vocab_size * 3)
     prompts = prompts_of(trainer.tokenizer)
     # Two samples per prompt share their prefix; one sample per prompt does not.
-    samples = to_samples(prompts, sampler.sample(prompts, 1 if path == "one_pass" else 2, SamplingParams(max_tokens=6)))
+    samples = to_samples(prompts, sampler.sample(prompts, 1 if path in ("one_pass", "packed") else 2, SamplingParams(max_tokens=6)))
     samples[0].loss_mask[-2] = 0.0  # an untrained token inside a completion (a tool's output, say)
     calls = []
-    original = local._logprobs_shared_prefix
-    monkeypatch.setattr(local, "_logprobs_shared_prefix", lambda *a: calls.append("shared") or original(*a))
+
+    def counted(name, original):
+        return lambda *a: calls.append(name) or original(*a)
+
+    for name in ("_logprobs_shared_prefix", "_logprobs_packed"):
+        monkeypatch.setattr(local, name, counted(name, getattr(local, name)))
 
     out = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], lambda d, lps: (sum(lp.sum() for lp in lps), {}))
-    assert bool(calls) == (path in ("shared_prefix", "small_chunks"))
+    expected = {"shared_prefix": "_logprobs_shared_prefix", "small_chunks": "_logprobs_shared_prefix", "packed": "_logprobs_packed"}
+    assert calls == ([expected[path]] if path in expected else [])
     assert out.metrics["policy/entropy"] == pytest.approx(exact_entropy(trainer, samples), rel=1e-5)
     # Backward (which recomputes checkpointed chunks) added nothing after the call.
     assert getattr(local._entropy_sink, "chunks", None) is None

@@ -289,6 +289,22 @@ def test_builtin_path_off_policy_sends_the_anchor_and_the_clip_range():
     assert first["advantages"].data == pytest.approx([-m / 3 for m in data[0][0].loss_mask[1:]])
 
 
+@pytest.mark.parametrize("builtin", [None, BuiltinLoss("cispo", "token-sum")], ids=["custom", "builtin"])
+def test_both_paths_record_the_sampler_trainer_mismatch(builtin):
+    from grpo_core.metrics import scope
+
+    trainer, _ = make_trainer(builtin)
+    data = pairs()
+    step = step_loss(["cispo"], {}, data, [torch.ones(len(s.tokens) - 1) for s, _ in data], None)
+    with scope() as metrics:
+        trainer.forward_backward_custom([d for _, d in data], step)
+    # The service's logprob at target t is −0.1·t, the sampler's −0.5; targets 1.. are trained.
+    diffs = torch.cat([-0.1 * torch.arange(1, len(s.tokens) - 1) + 0.5 for s, _ in data])
+    assert metrics["mismatch/logprob_abs_max"] == pytest.approx(0.4)
+    assert metrics["mismatch/logprob_abs_mean"] == pytest.approx(float(diffs.abs().mean()))
+    assert metrics["mismatch/kl_k3"] == pytest.approx(float((diffs.exp() - 1 - diffs).mean()), rel=1e-5)
+
+
 def test_the_cores_train_step_reaches_the_builtin_path(tiny_model_dir):
     """stages.train_on_groups hands the trainer a StepLoss: an off-policy cispo step is one
     forward_backward with the service's cispo, then the optimizer step; no extra forward."""

@@ -526,6 +526,8 @@ def test_a_run_through_the_server_records_its_requests_in_every_step(tiny_model_
     assert [m["sampler/completions"] for m in metrics] == [4.0, 4.0]
     assert [m["sampler/requests"] for m in metrics] == [2.0, 2.0] and len(sent) >= 4
     assert all(m["sampler/retries"] == 0.0 and "sync/logprob_max_abs_diff" in m for m in metrics)
+    # The fake server's logprobs are not the model's: the mismatch shows, every step, in both loops.
+    assert all(m["mismatch/logprob_abs_max"] >= m["mismatch/logprob_abs_mean"] > 0.01 and m["mismatch/kl_k3"] > 0 for m in metrics)
 
 
 def test_a_long_wait_prints_which_server_how_long_and_the_retries_so_far(capsys):

@@ -1,0 +1,246 @@
+"""Padding-free batches: sequences that run whole packed end to end (plugins/backends/local.py)."""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+import torch
+
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends import local
+from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, packed_layout, target_logprobs
+from tests.core.test_loop import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
+
+
+def datum(tokens, first_trained, gap=None):
+    """A datum over ``tokens`` trained from target ``first_trained`` on (``gap``: one untrained target inside)."""
+    weights = [0.0] * first_trained + [1.0] * (len(tokens) - 1 - first_trained)
+    if gap is not None:
+        weights[gap] = 0.0
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}
+    )
+
+
+def ragged_datums():
+    """Distinct prompts (no shared prefix) of very different lengths: 3 to 40 tokens."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(12, 28), (3, 5), (7, 2), (20, 9), (4, 30), (2, 1)]
+    datums = []
+    for i, (prompt, completion) in enumerate(shapes):
+        tokens = torch.randint(2, 290, (prompt + completion,), generator=gen).tolist()
+        datums.append(datum(tokens, prompt - 1, gap=prompt + 1 if i == 0 else None))
+    # No trained target at all: its logprobs are all 0.
+    datums.append(datum(torch.randint(2, 290, (6,), generator=gen).tolist(), 5))
+    return datums
+
+
+def spy(monkeypatch, *names):
+    paths = []
+    for name in names:
+        original = getattr(local, name)
+        monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
+    return paths
+
+
+def make_trainer(model_dir, **options):
+    return LocalBackend(**options).make_trainer(config=RunConfig(model=str(model_dir)))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "width", "rows"),
+    [
+        ([5, 2, 3, 1, 4], 5, [[0], [4, 3], [2, 1]]),
+        ([5, 2, 3, 1, 4], 10, [[0, 4, 3], [2, 1]]),
+        ([3, 3, 3], 3, [[0], [1], [2]]),
+        ([7], 7, [[0]]),
+        ([1, 1, 1, 1, 4], 4, [[4], [0, 1, 2, 3]]),
+    ],
+    ids=["first_fit_longest_first", "wider", "equal_lengths", "one", "short_ones_fill_a_row"],
+)
+def test_pack_rows_fills_rows_first_fit_longest_first(lengths, width, rows):
+    assert pack_rows(lengths, width) == rows
+
+
+@pytest.mark.parametrize(
+    ("token_cost", "pair_cost", "rows"),
+    [
+        # Widths 5, 10, 20: 4 rows of 5 (20t + 100p), 2 of 8 (16t + 128p), 1 of 14 (14t + 196p).
+        (1.0, 1.0, [[0], [1], [2], [3]]),
+        (100.0, 1.0, [[0, 1, 2, 3]]),
+        (1.0, 0.0, [[0, 1, 2, 3]]),
+        (20.0, 1.0, [[0, 1], [2, 3]]),
+    ],
+    ids=["attention_heavy", "weights_heavy", "no_attention", "in_between"],
+)
+def test_packed_layout_takes_the_width_of_least_estimated_cost(token_cost, pair_cost, rows):
+    assert packed_layout([5, 3, 3, 3], token_cost, pair_cost) == rows
+
+
+def test_layer_costs_are_a_layers_weights_and_the_work_of_one_attention_pair(tiny_model_dir):
+    model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    # Per layer: its weights (the final norm's 64 spread over both layers); q·k and a·v of 4 heads of 16.
+    assert TransformersForward(model).layer_costs == (layer + 64 / 2, 2 * 4 * 16) == (37056, 128)
+
+
+@pytest.mark.parametrize(
+    ("costs", "rows"),
+    [(None, [[0, 4, 3, 2, 1, 6, 5]]), ((1.0, 1e6), [[0], [4, 6], [3, 2, 5], [1]])],
+    ids=["one_row", "rows_as_wide_as_the_longest"],
+)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, attention, costs, rows, monkeypatch):
+    model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), attention)
+    forward = TransformersForward(model, padding_free=True)
+    assert forward.packing_problem is None
+    # The tiny model's own costs pack all 7 sequences (122 tokens) into one row; attention made
+    # dear, rows are as wide as the longest sequence (39).
+    forward.layer_costs = costs or forward.layer_costs
+    datums = ragged_datums()
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    masks = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in datums]
+    results = {}
+    for packed in (True, False):
+        logprobs = target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=packed)
+        sum((lp * m).sum() * (i + 1) for i, (lp, m) in enumerate(zip(logprobs, masks))).backward()
+        results[packed] = ([lp.detach() for lp in logprobs], {n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    assert paths == ["_logprobs_packed", "_logprobs_one_pass"]
+    (packed_lps, packed_grads), (padded_lps, padded_grads) = results[True], results[False]
+    for d, got, want in zip(datums, packed_lps, padded_lps):
+        assert got.shape == want.shape == (len(d.model_input.to_ints()),)
+        first = local._first_trained(d.loss_fn_inputs["weights"].data)
+        assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6)
+        assert not got[:first].any()  # before the first trained target: never scored
+    assert packed_layout([len(d.model_input.to_ints()) for d in datums], *forward.layer_costs) == rows
+    for name, grad in packed_grads.items():
+        assert torch.allclose(grad, padded_grads[name], rtol=0, atol=1e-5 * float(grad.abs().max())), name
+
+
+def test_sequences_that_share_a_prompt_keep_the_shared_prefix_path(tiny_model_dir, monkeypatch):
+    trainer = make_trainer(tiny_model_dir)
+    assert trainer.forward_fn.packs
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass", "_logprobs_shared_prefix")
+    prompt = [5, 9, 11, 4]
+    trainer.forward([datum(prompt + [7] * n, len(prompt) - 1) for n in (1, 6, 3, 2)])
+    assert paths == ["_logprobs_shared_prefix"]
+
+
+def test_equal_lengths_gain_nothing_from_packing_and_stay_padded(tiny_model_dir, monkeypatch):
+    trainer = make_trainer(tiny_model_dir)
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    trainer.forward([datum([i, 3, 4, 5, 6], 1) for i in (10, 11, 12)])
+    assert paths == ["_logprobs_one_pass"]
+
+
+def test_the_trainer_and_its_reference_pack_by_default_and_the_start_line_says_so(tiny_model_dir, monkeypatch, capsys):
+    trainer = make_trainer(tiny_model_dir)
+    assert "trainer forward: transformers (" in capsys.readouterr().err.splitlines()[-1]
+    reference = LocalBackend().make_reference(config=RunConfig(model=str(tiny_model_dir)), trainer=trainer)
+    assert trainer.forward_fn.packs and reference.forward_fn.packs
+    assert trainer.forward_fn.padding_line() == "sequences that run whole are packed, not padded (sdpa attention isolates them)"
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    datums = ragged_datums()
+    trainer.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps), {}))
+    reference.forward(datums)
+    assert paths == ["_logprobs_packed", "_logprobs_packed"]
+
+
+def test_padding_free_false_pads_every_batch(tiny_model_dir, monkeypatch, capsys):
+    trainer = make_trainer(tiny_model_dir, padding_free=False)
+    assert capsys.readouterr().err.splitlines()[-1].endswith("; sequences are padded (--backend-opt padding_free=false)")
+    reference = LocalBackend(padding_free=False).make_reference(config=RunConfig(model=str(tiny_model_dir)), trainer=trainer)
+    assert not trainer.forward_fn.packs and not reference.forward_fn.packs
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    trainer.forward(ragged_datums())
+    reference.forward(ragged_datums())
+    assert paths == ["_logprobs_one_pass", "_logprobs_one_pass"]
+
+
+def test_packed_sequences_are_scored_under_gradient_checkpointing_too(tiny_model_dir, monkeypatch):
+    plain = make_trainer(tiny_model_dir, padding_free=False)
+    checkpointed = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir), gradient_checkpointing=True))
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    prompt = [5, 9, 11, 4]
+    # A shared prompt: checkpointing runs every row whole, and those are packed.
+    datums = [datum(prompt + [7] * n, len(prompt) - 1) for n in (1, 6, 3, 2)]
+    got = [lp for lp in checkpointed.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps), {})).loss_fn_outputs]
+    want = plain.forward(datums)
+    assert paths == ["_logprobs_packed"]  # the plain trainer ran the shared-prefix path
+    for g, w, d in zip(got, want, datums):
+        first = local._first_trained(d.loss_fn_inputs["weights"].data)
+        assert torch.allclose(g["logprobs"].to_torch()[first:], w[first:], atol=1e-6)
+
+
+def test_a_model_that_lets_packed_sequences_see_each_other_is_padded_with_the_reason(tiny_model_dir, monkeypatch, capsys):
+    import transformers.masking_utils
+
+    # What an attention path without packed-sequence support does: one causal mask over the row.
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    trainer = make_trainer(tiny_model_dir)
+    reason = "sdpa attention lets sequences packed in one row see each other in this qwen3 model"
+    assert trainer.forward_fn.packing_problem == reason
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"; sequences are padded ({reason})")
+    paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
+    trainer.forward(ragged_datums())
+    assert paths == ["_logprobs_one_pass"]
+
+
+def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    absolute = model.transformer.wpe
+    counting = type(absolute).forward
+    # Learned absolute positions (where a shift changes the result, unlike rotary angles) read
+    # from the row's own count, whatever the position ids say.
+    absolute.forward = lambda position_ids: counting(absolute, torch.arange(position_ids.shape[-1]).expand_as(position_ids))
+    assert TransformersForward(model, padding_free=True).packing_problem == (
+        "this gpt2 model does not restart positions with the position ids of packed sequences"
+    )
+    absolute.forward = lambda position_ids: counting(absolute, position_ids)
+    assert TransformersForward(model, padding_free=True).packing_problem is None
+
+
+@pytest.mark.parametrize(
+    ("options", "forward_path", "padding_free", "info"),
+    [
+        (
+            {},
+            1.0,
+            1.0,
+            {
+                "trainer": {
+                    "forward": local.TRAINER_FORWARD,
+                    "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
+                },
+                "sampler": {"forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"},
+            },
+        ),
+        (
+            {"fast_forward": "false", "padding_free": "false"},
+            0.0,
+            0.0,
+            {
+                "trainer": {"forward": local.TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
+                "sampler": {"forward": "transformers (--backend-opt fast_forward=false)"},
+            },
+        ),
+    ],
+    ids=["defaults", "both_off"],
+)
+def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_metrics(
+    tiny_model_dir, tiny_dataset, tmp_path, options, forward_path, padding_free, info
+):
+    import json
+
+    from grpo_core.loop import run
+    from tests.core.test_loop import config, metrics_of
+
+    run_dir = tmp_path / "run"
+    run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2, plugin_options={"backend": {"local": options}}))
+    assert json.loads((run_dir / "config.json").read_text())["run_info"] == info
+    assert [(m["perf/forward_path"], m["perf/padding_free"]) for m in metrics_of(run_dir)] == [(forward_path, padding_free)] * 2
