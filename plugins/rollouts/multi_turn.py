@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -31,6 +32,10 @@ model was trained."""
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
+
+PLACEHOLDER = "\u2063grpo-core-turn-{}\u2063"
+"""Stands for a policy turn's text when the template renders the conversation's skeleton: no
+template strips, trims or splits it (it holds no whitespace at its ends and no ``</think>``)."""
 
 
 class PrefixMismatch(PluginError):
@@ -61,6 +66,13 @@ class Conversation:
     """The template's text of the conversation so far, the policy's turns as their decoded text."""
     segments: list[tuple[int, int, str]] = attrs.field(factory=list)
     """(first character in ``rendered``, first token, what it is) of each piece: for error messages."""
+    generation_prompt: str = ""
+    """What the template writes to open an assistant turn (its header, perhaps an opened or empty
+    ``<think>`` block): a template may drop or rewrite it once the turn is history."""
+    template_pieces: list[str] = attrs.field(factory=list)
+    """What the template wrote between the policy's turns: the opening, then after each turn."""
+    policy_messages: list[int] = attrs.field(factory=list)
+    """Where the policy's turns are in ``messages``."""
     turns: list[Turn] = attrs.field(factory=list)
     env_reward: float | None = None
     text: str = ""
@@ -102,11 +114,20 @@ class MultiTurnRollout:
         ),
     )
     tool_timeout: float = option(10.0, help="seconds a tool call may take before it fails (0 = no limit)", validator=_non_negative)
-    on_prefix_mismatch: Literal["error", "end"] = option(
-        "error",
+    on_prefix_mismatch: Literal["error", "end", "append"] = option(
+        "append",
         help=(
-            "a chat template that does not extend the conversation's tokens: stop with an error naming the position, "
+            "a chat template that does not extend the conversation's tokens: append, if the template rewrote only the "
+            "policy's turns and their generation prompts (dropped reasoning, trimmed text), just what it writes after the "
+            "new turn (multi_turn/history_rewrites), else stop with an error; stop with an error naming the position; "
             "or end that conversation there (multi_turn/prefix_failures)"
+        ),
+    )
+    enable_thinking: bool | None = option(
+        None,
+        help=(
+            "passed to a hybrid thinking template (Qwen3's) as enable_thinking: false opens each turn with an empty "
+            "<think></think> block; unset: the template's default"
         ),
     )
     per_trajectory: bool = option(
@@ -129,11 +150,13 @@ class MultiTurnRollout:
         tools: Mapping[str, Any],
     ) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
-        template = self._template(tokenizer)
-        tool_specs = [{"type": "function", "function": tool.tool_spec()} for tool in tools.values()]
+        chat = ChatFormat(
+            tokenizer, self._template(tokenizer), [{"type": "function", "function": tool.tool_spec()} for tool in tools.values()],
+            {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking},
+        )  # fmt: skip
         limit = self.max_total_tokens or sampler.max_context
-        counts = {"tool/calls": 0, "tool/errors": 0, "tool/timeouts": 0, "multi_turn/prefix_failures": 0}
-        groups = [[self._open(p, env, tokenizer, template, tool_specs) for _ in range(num_samples)] for p in prompts]
+        counts = {"tool/calls": 0, "tool/errors": 0, "tool/timeouts": 0, "multi_turn/prefix_failures": 0, "multi_turn/history_rewrites": 0}
+        groups = [[self._open(p, env, chat) for _ in range(num_samples)] for p in prompts]
         for group in groups:
             for conv in group:
                 if limit is not None and len(conv.tokens) >= limit:
@@ -148,7 +171,7 @@ class MultiTurnRollout:
             completions = self._sample(sampler, groups if first_round else None, live, params, limit)
             first_round = False
             for conv, completion in zip(live, completions):
-                self._take_turn(conv, completion, tokenizer, template, tool_specs, tools, limit, counts)
+                self._take_turn(conv, completion, chat, tools, limit, counts)
         samples = [[self._sample_of(c) for c in group] for group in groups]
         trajectories = [c for g in groups for c in g]
         n = max(len(trajectories), 1)
@@ -165,11 +188,15 @@ class MultiTurnRollout:
             raise PluginError(
                 "the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one"
             )
-        return PLAIN_TEMPLATE if self.template == "plain" or own is None else None
+        template = PLAIN_TEMPLATE if self.template == "plain" or own is None else None
+        if self.enable_thinking is not None and "enable_thinking" not in str(template or own):
+            raise PluginError(
+                "--rollout-opt enable_thinking is given but the chat template does not read enable_thinking (only hybrid "
+                "thinking templates such as Qwen3's do)"
+            )
+        return template
 
-    def _open(
-        self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, tokenizer: Any, template: str | None, tool_specs: list
-    ) -> Conversation:
+    def _open(self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, chat: ChatFormat) -> Conversation:
         episode = env(prompt) if env is not None else None
         if env is not None and (
             episode is None or not isinstance(getattr(episode, "messages", None), list) or not hasattr(episode, "step")
@@ -183,11 +210,14 @@ class MultiTurnRollout:
             messages = [dict(m) for m in prompt.messages] if prompt.messages is not None else [{"role": "user", "content": prompt.text}]
         if not messages:
             raise PluginError(f"prompt {prompt.id}: the conversation opens with no messages")
-        rendered = render(tokenizer, template, messages, tool_specs)
-        tokens = encode(tokenizer, rendered)
+        rendered = chat.render(messages)
+        without_header = chat.render(messages, add_generation_prompt=False)
+        tokens = encode(chat.tokenizer, rendered)
         return Conversation(
             prompt, episode, messages, tokens, [0.0] * len(tokens), [0.0] * len(tokens), rendered,
             segments=[(0, 0, "the opening messages")], env_reward=0.0 if episode else None,
+            generation_prompt=rendered.removeprefix(without_header) if rendered.startswith(without_header) else "",
+            template_pieces=[rendered],
         )  # fmt: skip
 
     def _sample(
@@ -212,9 +242,7 @@ class MultiTurnRollout:
         self,
         conv: Conversation,
         completion: Completion,
-        tokenizer: Any,
-        template: str | None,
-        tool_specs: list,
+        chat: ChatFormat,
         tools: Mapping[str, Any],
         limit: int | None,
         counts: dict[str, int],
@@ -228,7 +256,7 @@ class MultiTurnRollout:
         conv.tokens += tokens
         conv.logprobs += logprobs
         conv.mask += [1.0] * len(tokens)
-        conv.text = tokenizer.decode(tokens, skip_special_tokens=True)
+        conv.text = chat.tokenizer.decode(tokens, skip_special_tokens=True)
         turn = Turn(start=start, end=len(conv.tokens), context_end=len(conv.tokens))
         conv.turns.append(turn)
         conv.segments.append((len(conv.rendered), start, f"the policy's turn {len(conv.turns)}"))
@@ -253,11 +281,10 @@ class MultiTurnRollout:
         if limit is not None and len(conv.tokens) >= limit:
             conv.finish_reason = "length"
             return
+        conv.policy_messages.append(len(conv.messages))
         conv.messages += [{"role": "assistant", "content": conv.text}, *observation]
         try:
-            added = self._extension(
-                conv, tokens if finish == "stop" else [], tokenizer, render(tokenizer, template, conv.messages, tool_specs)
-            )
+            added = self._extension(conv, tokens if finish == "stop" else [], chat, counts)
         except PrefixMismatch:
             counts["multi_turn/prefix_failures"] += 1
             if self.on_prefix_mismatch == "error":
@@ -272,23 +299,56 @@ class MultiTurnRollout:
         conv.mask += [0.0] * len(added)
         turn.context_end = len(conv.tokens)
 
-    def _extension(self, conv: Conversation, stopped: list[int], tokenizer: Any, rendered: str) -> list[int]:
-        """The tokens of what the template's new ``rendered`` conversation adds to the one so far.
+    def _extension(self, conv: Conversation, stopped: list[int], chat: ChatFormat, counts: dict[str, int]) -> list[int]:
+        """The tokens of what the template writes after the policy's new turn, up to the next assistant header.
 
-        The policy's tokens are never re-encoded: the new rendering must begin with the text of
-        the conversation so far (its turns as the policy's decoded text), and only the rest is
-        encoded. When the policy ended its turn with a special token that the template writes
-        next anyway (its end of turn), that token is not written twice.
+        The policy's tokens are never re-encoded: the template's rendering of the whole conversation
+        must begin with the text of the conversation so far (its turns as the policy's decoded text),
+        and only the rest is encoded. A template that rewrites history fails that; with ``append``,
+        the conversation's skeleton (every policy turn a placeholder) must then render as before but
+        for the generation prompts, and what follows the new turn's placeholder is appended. When the
+        policy ended its turn with a special token that the template writes next anyway (its end of
+        turn), that token is not written twice.
         """
-        if not rendered.startswith(conv.rendered):
+        tokenizer = chat.tokenizer
+        rendered = chat.render(conv.messages)
+        if rendered.startswith(conv.rendered):
+            added = rendered[len(conv.rendered) :]
+        elif self.on_prefix_mismatch == "append":
+            added = self._after_new_turn(conv, chat, rendered)
+            counts["multi_turn/history_rewrites"] += 1
+        else:
             raise self._mismatch(conv, rendered)
-        added = rendered[len(conv.rendered) :]
         conv.segments.append((len(conv.rendered), len(conv.tokens), f"what the template adds after turn {len(conv.turns)}"))
-        conv.rendered = rendered
+        conv.rendered += added
+        conv.template_pieces.append(added)
         if stopped and stopped[-1] in tokenizer.all_special_ids:
             stop_text = decode(tokenizer, stopped[-1:])
             added = added.removeprefix(stop_text)
         return encode(tokenizer, added)
+
+    def _after_new_turn(self, conv: Conversation, chat: ChatFormat, rendered: str) -> str:
+        """What the template writes after the new turn, read from the skeleton's rendering; a
+        PrefixMismatch where the template changed anything but the policy's turns and their
+        generation prompts."""
+        skeleton = [dict(m) for m in conv.messages]
+        for turn, index in enumerate(conv.policy_messages):
+            skeleton[index]["content"] = PLACEHOLDER.format(turn)
+        text = chat.render(skeleton)
+        pieces = []
+        for turn in range(len(conv.policy_messages)):
+            before, found, text = text.partition(PLACEHOLDER.format(turn))
+            if not found or PLACEHOLDER.format(turn) in text:
+                raise self._mismatch(conv, rendered)
+            pieces.append(before)
+        for before, written in zip(pieces, conv.template_pieces):
+            same = len(os.path.commonprefix([before, written]))
+            # What differs may only be the end of the piece: whitespace at the policy's turn, or the
+            # generation prompt of that turn (an opened or empty <think> block).
+            for tail in (written[same:], before[same:]):
+                if tail.strip() and not conv.generation_prompt.endswith(tail):
+                    raise self._mismatch(conv, rendered)
+        return text
 
     def _mismatch(self, conv: Conversation, rendered: str) -> PrefixMismatch:
         before = conv.rendered
@@ -298,7 +358,8 @@ class MultiTurnRollout:
             f"prompt {conv.prompt.id}, after turn {len(conv.turns)}: the chat template does not extend the conversation. "
             f"At character {at} of its text, in {piece} (from token {first_token}), the conversation reads {before[at : at + 40]!r} "
             f"but the template now renders {rendered[at : at + 40]!r}. A template that rewrites earlier turns (dropping "
-            "reasoning, trimming the policy's text) cannot be trained token-in/token-out: use one that only appends "
+            "reasoning, trimming the policy's text) is followed with --rollout-opt on_prefix_mismatch=append only where it "
+            "rewrites nothing but the policy's turns and their generation prompts; use one that only appends "
             "(--rollout-opt template=plain), or --rollout-opt on_prefix_mismatch=end to end such conversations there "
             "(counted in multi_turn/prefix_failures)"
         )
@@ -346,10 +407,34 @@ class MultiTurnRollout:
         )
 
 
-def render(tokenizer: Any, template: str | None, messages: list[dict[str, Any]], tool_specs: list) -> str:
+@attrs.frozen
+class ChatFormat:
+    """How one rollout writes conversations: the tokenizer, its chat template, the tools' specs."""
+
+    tokenizer: Any
+    template: str | None
+    """grpo-core's plain template, or None for the tokenizer's own."""
+    tool_specs: list[dict[str, Any]]
+    template_kwargs: dict[str, Any]
+    """Passed to the template as variables (``enable_thinking``)."""
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        return render(self.tokenizer, self.template, messages, self.tool_specs, add_generation_prompt, **self.template_kwargs)
+
+
+def render(
+    tokenizer: Any,
+    template: str | None,
+    messages: list[dict[str, Any]],
+    tool_specs: list,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
     """The conversation as the template writes it, ending with the next assistant header."""
     extra = {"tools": tool_specs} if tool_specs else {}
-    return tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True, tokenize=False, **extra)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False, **extra, **template_kwargs
+    )
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
