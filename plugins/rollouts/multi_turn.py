@@ -287,7 +287,7 @@ class MultiTurnRollout:
             added = self._extension(conv, tokens if finish == "stop" else [], chat, counts)
         except PrefixMismatch:
             counts["multi_turn/prefix_failures"] += 1
-            if self.on_prefix_mismatch == "error":
+            if self.on_prefix_mismatch != "end":
                 raise
             conv.finish_reason = "prefix_mismatch"
             return
