@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -14,6 +13,7 @@ from grpo_core import Completion, Prompt, Sample, SamplingParams, hookimpl, opti
 from grpo_core.backend import Sampler
 from grpo_core.errors import PluginError
 from grpo_core.metrics import record
+from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, ToolFormat, detect
 from grpo_core.stages import CallTimeout, call_with_timeout
 from grpo_core.types import Episode, Turn
 
@@ -29,9 +29,6 @@ after the other, each answer closed by the eos token, each other message on a ne
 assistant header, so a prompt ending in the task's cue ("Answer:") is continued as the embedded
 model was trained."""
 
-TOOL_CALL_OPEN = "<tool_call>"
-TOOL_CALL_CLOSE = "</tool_call>"
-TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(" + re.escape(TOOL_CALL_CLOSE) + r"|$)", re.DOTALL)
 
 PLACEHOLDER = "\u2063grpo-core-turn-{}\u2063"
 """Stands for a policy turn's text when the template renders the conversation's skeleton: no
@@ -123,6 +120,14 @@ class MultiTurnRollout:
             "or end that conversation there (multi_turn/prefix_failures)"
         ),
     )
+    tool_format: Literal["auto", "hermes", "llama3", "mistral", "deepseek"] = option(
+        "auto",
+        help=(
+            "how the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen), llama3 (JSON, or after "
+            "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (<｜tool▁call▁begin｜>), or auto: the one the chat template "
+            "or the vocabulary shows, else hermes"
+        ),
+    )
     enable_thinking: bool | None = option(
         None,
         help=(
@@ -150,6 +155,9 @@ class MultiTurnRollout:
         tools: Mapping[str, Any],
     ) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
+        tool_format = FORMATS[self._tool_format(tokenizer)] if tools else None
+        if not tools and self.tool_format != "auto":
+            raise PluginError(f"--rollout-opt tool_format={self.tool_format} is given but no tool is selected (--tool NAME)")
         chat = ChatFormat(
             tokenizer, self._template(tokenizer), [{"type": "function", "function": tool.tool_spec()} for tool in tools.values()],
             {} if self.enable_thinking is None else {"enable_thinking": self.enable_thinking},
@@ -164,14 +172,14 @@ class MultiTurnRollout:
                         f"prompt {conv.prompt.id}: its conversation opens with {len(conv.tokens)} tokens, which leaves no room "
                         f"within {limit} (max_total_tokens, or the model's context)"
                     )
-        if tools:
-            params = attrs.evolve(params, stop=[*params.stop, TOOL_CALL_CLOSE])
+        if tool_format is not None:
+            params = attrs.evolve(params, stop=[*params.stop, *tool_format.stop])
         first_round = True
         while live := [c for g in groups for c in g if c.live]:
             completions = self._sample(sampler, groups if first_round else None, live, params, limit)
             first_round = False
             for conv, completion in zip(live, completions):
-                self._take_turn(conv, completion, chat, tools, limit, counts)
+                self._take_turn(conv, completion, chat, tool_format, tools, limit, counts)
         samples = [[self._sample_of(c) for c in group] for group in groups]
         trajectories = [c for g in groups for c in g]
         n = max(len(trajectories), 1)
@@ -180,6 +188,12 @@ class MultiTurnRollout:
         for key, value in counts.items():
             record(key, value, "sum")
         return samples
+
+    def _tool_format(self, tokenizer: Any) -> str:
+        if self.tool_format != "auto":
+            return self.tool_format
+        template = self._template(tokenizer) or getattr(tokenizer, "chat_template", None)
+        return detect(str(template), tokenizer.get_vocab()) or "hermes"
 
     def _template(self, tokenizer: Any) -> str | None:
         """The plain template, or None for the tokenizer's own (which may be several, by name)."""
@@ -243,6 +257,7 @@ class MultiTurnRollout:
         conv: Conversation,
         completion: Completion,
         chat: ChatFormat,
+        tool_format: ToolFormat | None,
         tools: Mapping[str, Any],
         limit: int | None,
         counts: dict[str, int],
@@ -262,9 +277,9 @@ class MultiTurnRollout:
         conv.segments.append((len(conv.rendered), start, f"the policy's turn {len(conv.turns)}"))
         conv.rendered += conv.text
 
-        calls = TOOL_CALL.findall(conv.text) if tools else []
+        calls = tool_format.calls(decode(chat.tokenizer, without_end_of_turn(tokens, chat.tokenizer))) if tool_format else []
         if calls:
-            observation = [self._call_tool(body, closed, tools, counts) for body, closed in calls]
+            observation = [self._call_tool(call, tools, counts) for call in calls]
             done = False
         elif conv.episode is not None:
             step = conv.episode.step(conv.text, tokens)
@@ -364,34 +379,25 @@ class MultiTurnRollout:
             "(counted in multi_turn/prefix_failures)"
         )
 
-    def _call_tool(self, body: str, closed: str, tools: Mapping[str, Any], counts: dict[str, int]) -> dict[str, Any]:
+    def _call_tool(self, call: ToolCall, tools: Mapping[str, Any], counts: dict[str, int]) -> dict[str, Any]:
         """One tool call's answer as a ``tool`` message; a bad call, a raising or slow tool answer with an error."""
         counts["tool/calls"] += 1
-        name = None
         try:
-            if not closed:
-                raise ValueError(f"the tool call is not closed with {TOOL_CALL_CLOSE}")
-            call = json.loads(body)
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('a tool call is a JSON object {"name": ..., "arguments": {...}}')
-            name, arguments = call["name"], call.get("arguments", {})
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            if not isinstance(arguments, dict):
-                raise ValueError(f"the arguments of {name} must be a JSON object")
-            tool = tools.get(name)
+            if call.error is not None:
+                raise ValueError(call.error)
+            tool = tools.get(call.name)
             if tool is None:
-                raise ValueError(f"unknown tool {name!r}; tools: {', '.join(tools)}")
-            result = call_with_timeout(lambda: tool.tool_call(arguments=arguments), self.tool_timeout)
+                raise ValueError(f"unknown tool {call.name!r}; tools: {', '.join(tools)}")
+            result = call_with_timeout(lambda: tool.tool_call(arguments=call.arguments), self.tool_timeout)
             content = result if isinstance(result, str) else json.dumps(result)
         except CallTimeout as exc:
             counts["tool/errors"] += 1
             counts["tool/timeouts"] += 1
-            content = f"error: {name} {exc}"
+            content = f"error: {call.name} {exc}"
         except Exception as exc:  # the policy reads what went wrong and may try again
             counts["tool/errors"] += 1
             content = f"error: {exc}"
-        return {"role": "tool", "name": name or "", "content": content}
+        return {"role": "tool", "name": call.name or "", "content": content}
 
     def _sample_of(self, conv: Conversation) -> Sample:
         return Sample(
@@ -440,6 +446,11 @@ def render(
 def encode(tokenizer: Any, text: str) -> list[int]:
     # The template writes every special token itself (bos included): none is added here.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def without_end_of_turn(tokens: list[int], tokenizer: Any) -> list[int]:
+    """A turn's tokens less the special token that ended it (a tool-call format reads what precedes it)."""
+    return tokens[:-1] if tokens and tokens[-1] in tokenizer.all_special_ids else tokens
 
 
 def decode(tokenizer: Any, tokens: list[int]) -> str:

@@ -89,10 +89,14 @@ in the system message (its ``tools_in_user_message=false`` form), tool results a
 
 MISTRAL = """
 {{- bos_token }}
+{%- set ns = namespace(last_user=-1) %}
+{%- for message in messages %}{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
 {%- for message in messages %}
     {%- if message.role == 'user' %}
-        {%- if loop.last and tools %}{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+        {%- if loop.index0 == ns.last_user and tools %}{{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
         {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- '[TOOL_CALLS] ' + message.tool_calls | map(attribute='function') | list | tojson + eos_token }}
     {%- elif message.role == 'assistant' %}
         {{- ' ' + message.content | trim + eos_token }}
     {%- elif message.role == 'tool' %}
@@ -101,32 +105,82 @@ MISTRAL = """
 {%- endfor %}
 """
 """Mistral's v3 template, cut to its structure: no generation prompt (a prompt ends at
-``[/INST]``), an assistant turn written as a space and its trimmed content, closed by ``</s>``."""
+``[/INST]`` or ``[/TOOL_RESULTS]``), an assistant turn written as a space and its trimmed content,
+closed by ``</s>``; the tools listed before the last user message."""
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
-    "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+DEEPSEEK = """
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}
+{%- set ns = namespace(is_tool=false) %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- set ns.is_tool = false %}
+        {{- '<｜User｜>' + message.content }}
+    {%- elif message.role == 'assistant' %}
+        {%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- set ns.is_tool = false %}{%- endif %}
+        {%- set content = message.content %}
+        {%- if '</think>' in content %}{%- set content = content.split('</think>')[-1] %}{%- endif %}
+        {{- '<｜Assistant｜>' + content }}
+        {%- if message.tool_calls %}
+            {{- '<｜tool▁calls▁begin｜>' }}
+            {%- for call in message.tool_calls %}
+                {{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + call.function.name + '\\n```json\\n' }}
+                {{- call.function.arguments | tojson + '\\n```<｜tool▁call▁end｜>' }}
+            {%- endfor %}
+            {{- '<｜tool▁calls▁end｜>' }}
+        {%- endif %}
+        {{- '<｜end▁of▁sentence｜>' }}
+    {%- elif message.role == 'tool' %}
+        {%- if not ns.is_tool %}{{- '<｜tool▁outputs▁begin｜>' }}{%- set ns.is_tool = true %}{%- endif %}
+        {{- '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.is_tool %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}
+{%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}
+"""
+"""DeepSeek V3's template, cut to its structure: tool outputs gathered between
+``<｜tool▁outputs▁begin｜>`` and ``<｜tool▁outputs▁end｜>``, reasoning dropped from past answers
+(R1); its tools are described in the system prompt, not by the template."""
+
+QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_TOKENS = [
+    "<|endoftext|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
+MISTRAL_TOKENS = [
+    "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+]  # fmt: skip
+DEEPSEEK_TOKENS = [
+    "<|endoftext|>", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
 ]  # fmt: skip
 
 FAMILIES = {
-    "qwen3": (QWEN3, {"eos_token": "<|im_end|>"}),
-    "qwen3_thinking": (QWEN3_THINKING, {"eos_token": "<|im_end|>"}),
-    "llama3": (LLAMA3, {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}),
-    "mistral": (MISTRAL, {"eos_token": "</s>", "bos_token": "<s>"}),
+    "qwen3": (QWEN3, QWEN_TOKENS, {"eos_token": "<|im_end|>"}),
+    "qwen3_thinking": (QWEN3_THINKING, QWEN_TOKENS, {"eos_token": "<|im_end|>"}),
+    "llama3": (LLAMA3, LLAMA_TOKENS, {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}),
+    "mistral": (MISTRAL, MISTRAL_TOKENS, {"eos_token": "</s>", "bos_token": "<s>"}),
+    "deepseek": (DEEPSEEK, DEEPSEEK_TOKENS, {"eos_token": "<｜end▁of▁sentence｜>", "bos_token": "<｜begin▁of▁sentence｜>"}),
 }
+"""Per family: its chat template, its special tokens, which of them are eos and bos."""
 
 
 def build_chat_tokenizer(family: str):
-    """A byte-level BPE (500 tokens) trained here, with the special tokens of the families above
-    and the chat template of ``family``."""
+    """A byte-level BPE (500 tokens) trained here, with the special tokens and chat template of ``family``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    template, specials = FAMILIES[family]
+    template, special_tokens, specials = FAMILIES[family]
     corpus = [
         f"what is {a} plus {b}? <think>\nadd {a} and {b}\n</think>\n\nThe answer is {a + b}. "
-        '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call> Incorrect, try again.'
+        '{"name": "calculator", "arguments": {"expression": "1 + 2"}} Incorrect, try again.'
         for a in range(30)
         for b in range(30)
     ]
@@ -134,10 +188,10 @@ def build_chat_tokenizer(family: str):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=500, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        corpus, trainers.BpeTrainer(vocab_size=500, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", **specials)
-    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL_TOKENS if t not in specials.values()]})
+    tokenizer.add_special_tokens({"additional_special_tokens": [t for t in special_tokens if t not in specials.values()]})
     tokenizer.chat_template = template
     return tokenizer
 
