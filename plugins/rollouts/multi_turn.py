@@ -71,6 +71,9 @@ class Conversation:
     policy_messages: list[int] = attrs.field(factory=list)
     """Where the policy's turns are in ``messages``."""
     turns: list[Turn] = attrs.field(factory=list)
+    """Every policy turn so far; with per_turn_samples, each at its place in its own sample."""
+    earlier_samples: list[tuple[list[int], list[float], list[float], list[Turn]]] = attrs.field(factory=list)
+    """With per_turn_samples: (tokens, logprobs, loss mask, turn) of each turn before the current context."""
     env_reward: float | None = None
     text: str = ""
     """The policy's last turn."""
@@ -135,6 +138,14 @@ class MultiTurnRollout:
             "<think></think> block; unset: the template's default"
         ),
     )
+    per_turn_samples: bool = option(
+        False,
+        help=(
+            "train each turn as its own sample, prompted with the template's own rendering of the conversation so far "
+            "(past turns as the template rewrites them, as a served model sees them); a group then holds one sample per "
+            "turn, each with its trajectory's reward (docs/multi-turn.md: the trade-off)"
+        ),
+    )
     per_trajectory: bool = option(
         False,
         help=(
@@ -143,6 +154,13 @@ class MultiTurnRollout:
             "best with a server sampler, while the in-process sampler generates faster in batched rounds"
         ),
     )
+
+    def __attrs_post_init__(self) -> None:
+        if self.per_turn_samples and self.on_prefix_mismatch != "append":
+            raise ValueError(
+                f"on_prefix_mismatch={self.on_prefix_mismatch} does nothing with per_turn_samples: each turn is prompted with "
+                "the template's own rendering, so no prefix is checked"
+            )
 
     @hookimpl
     def rollout(
@@ -180,7 +198,7 @@ class MultiTurnRollout:
             first_round = False
             for conv, completion in zip(live, completions):
                 self._take_turn(conv, completion, chat, tool_format, tools, limit, counts)
-        samples = [[self._sample_of(c) for c in group] for group in groups]
+        samples = [[s for c in group for s in self._samples_of(c)] for group in groups]
         trajectories = [c for g in groups for c in g]
         n = max(len(trajectories), 1)
         record("multi_turn/turns_mean", sum(len(c.turns) for c in trajectories) / n, "mean", weight=len(trajectories))
@@ -298,6 +316,9 @@ class MultiTurnRollout:
             return
         conv.policy_messages.append(len(conv.messages))
         conv.messages += [{"role": "assistant", "content": conv.text}, *observation]
+        if self.per_turn_samples:
+            self._next_context(conv, chat, limit)
+            return
         try:
             added = self._extension(conv, tokens if finish == "stop" else [], chat, counts)
         except PrefixMismatch:
@@ -313,6 +334,17 @@ class MultiTurnRollout:
         conv.logprobs += [0.0] * len(added)
         conv.mask += [0.0] * len(added)
         turn.context_end = len(conv.tokens)
+
+    def _next_context(self, conv: Conversation, chat: ChatFormat, limit: int | None) -> None:
+        """Per turn samples: the turn just taken becomes a sample of its own; the next turn is
+        prompted with the template's rendering of the whole conversation."""
+        rendered = chat.render(conv.messages)
+        tokens = encode(chat.tokenizer, rendered)
+        if limit is not None and len(tokens) >= limit:
+            conv.finish_reason = "length"  # no room left to answer the observation
+            return
+        conv.earlier_samples.append((conv.tokens, conv.logprobs, conv.mask, conv.turns[-1:]))
+        conv.tokens, conv.logprobs, conv.mask, conv.rendered = tokens, [0.0] * len(tokens), [0.0] * len(tokens), rendered
 
     def _extension(self, conv: Conversation, stopped: list[int], chat: ChatFormat, counts: dict[str, int]) -> list[int]:
         """The tokens of what the template writes after the policy's new turn, up to the next assistant header.
@@ -399,18 +431,23 @@ class MultiTurnRollout:
             content = f"error: {exc}"
         return {"role": "tool", "name": call.name or "", "content": content}
 
-    def _sample_of(self, conv: Conversation) -> Sample:
-        return Sample(
-            prompt=conv.prompt,
-            tokens=conv.tokens,
-            sampling_logprobs=conv.logprobs,
-            loss_mask=conv.mask,
-            text=conv.text,
-            finish_reason=str(conv.finish_reason),
-            policy_version=int(conv.policy_version or 0),
-            turns=conv.turns,
-            env_reward=conv.env_reward,
-        )
+    def _samples_of(self, conv: Conversation) -> list[Sample]:
+        """The trajectory as one sample; with per_turn_samples, one per turn, each with the trajectory's outcome."""
+        current = (conv.tokens, conv.logprobs, conv.mask, conv.turns[len(conv.earlier_samples) :])
+        return [
+            Sample(
+                prompt=conv.prompt,
+                tokens=tokens,
+                sampling_logprobs=logprobs,
+                loss_mask=mask,
+                text=conv.text,
+                finish_reason=str(conv.finish_reason),
+                policy_version=int(conv.policy_version or 0),
+                turns=turns,
+                env_reward=conv.env_reward,
+            )
+            for tokens, logprobs, mask, turns in [*conv.earlier_samples, current]
+        ]
 
 
 @attrs.frozen

@@ -10,6 +10,7 @@ import pytest
 
 from grpo_core import PluginError, Prompt, make_plugin
 from grpo_core.plugins.rollouts.multi_turn import PrefixMismatch
+from grpo_core.types import Turn
 from tests.plugins.rollouts.chat_templates import QWEN3, build_chat_model, build_chat_tokenizer
 from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, Endless, ScriptedSampler, ids, policy_logprobs, retry_math, run
 
@@ -194,6 +195,45 @@ def test_enable_thinking_is_refused_where_the_template_ignores_it():
         make_plugin("multi_turn", enable_thinking="maybe")
 
 
+def test_per_turn_samples_prompt_each_turn_with_the_templates_own_rendering():
+    chat = Chat("qwen3")
+    first, second = "<think>\nadd 1 and 2\n</think>\n\nThe answer is 4.", "<think>\nagain\n</think>\n\nThe answer is 3."
+    sampler = ScriptedSampler(chat.tok, [[first + EOS], [second + EOS]])
+    prompt = Prompt(id="p", messages=QUESTION, answer="3")
+    group = run(make_plugin("multi_turn", per_turn_samples=True), [prompt], 1, sampler, env=retry_math())[0]
+    history = [*QUESTION, {"role": "assistant", "content": first}, {"role": "user", "content": "Incorrect, try again.\nwhat is 1 plus 2?"}]
+    served = chat.tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+    assert "add 1 and 2" not in served  # the second turn is prompted as a served Qwen3 is: past reasoning dropped
+    opening = chat.ids("<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert [call[0] for call in sampler.calls] == [[opening], [chat.ids(served)]]
+    one, two = group  # one sample per turn, for one conversation
+    for sample, context, reply in ((one, opening, first), (two, chat.ids(served), second)):
+        turn = chat.turn(reply)
+        assert sample.tokens == context + turn
+        assert sample.loss_mask == [0.0] * len(context) + [1.0] * len(turn)
+        assert sample.sampling_logprobs == [0.0] * len(context) + policy_logprobs(len(turn))
+        assert sample.turns == [Turn(len(context), len(sample.tokens), len(sample.tokens))]
+        # Each carries the conversation's outcome: its environment reward and its last answer.
+        assert sample.env_reward == 0.5 and sample.text == second and sample.finish_reason == "stop"
+    assert RECORDED[-1]["multi_turn/turns_mean"] == 2.0 and RECORDED[-1]["multi_turn/history_rewrites"] == 0.0
+
+
+def test_per_turn_samples_end_a_conversation_whose_next_context_has_no_room():
+    chat = Chat("qwen3")
+    sampler = ScriptedSampler(chat.tok, [["The answer is 4." + EOS]])
+    opening = chat.ids("<|im_start|>user\nwhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n")
+    limit = len(opening) + len(chat.turn("The answer is 4.")) + 5
+    rollout = make_plugin("multi_turn", per_turn_samples=True, max_total_tokens=limit)
+    (sample,) = run(rollout, [Prompt(id="p", messages=QUESTION, answer="3")], 1, sampler, env=retry_math())[0]
+    assert sample.tokens == opening + chat.turn("The answer is 4.") and sample.finish_reason == "length"
+
+
+def test_per_turn_samples_refuse_a_prefix_option_they_ignore():
+    for option in ("error", "end"):
+        with pytest.raises(PluginError, match=f"on_prefix_mismatch={option} does nothing with per_turn_samples"):
+            make_plugin("multi_turn", per_turn_samples=True, on_prefix_mismatch=option)
+
+
 class Recording:
     """A sampler that keeps each prompt it was given and each completion it returned."""
 
@@ -209,7 +249,8 @@ class Recording:
         return groups
 
 
-def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritten_turns(tmp_path):
+@pytest.mark.parametrize("per_turn_samples", [False, True])
+def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritten_turns(tmp_path, per_turn_samples):
     """A tiny model under a Qwen3 thinking template (every turn's opened <think> is dropped from
     history), the local sampler, three turns: token by token, the trainer scores what the sampler
     produced, with the sampler's logprobs (fp32)."""
@@ -225,16 +266,19 @@ def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritt
     sampler = Recording(LocalSamplerPlugin().make_sampler(config=config, trainer=trainer))
     seen = sampler.seen
     groups = run(
-        make_plugin("multi_turn", max_turns=3),
+        make_plugin("multi_turn", max_turns=3, per_turn_samples=per_turn_samples),
         [Prompt(id="l", messages=QUESTION)],
         3,
         sampler,
         env=lambda p: Endless(messages=list(QUESTION)),
         max_tokens=6,
     )
-    assert RECORDED[-1]["multi_turn/prefix_failures"] == 0.0 and RECORDED[-1]["multi_turn/history_rewrites"] == 6.0
+    metrics = RECORDED[-1]
+    assert metrics["multi_turn/prefix_failures"] == 0.0 and metrics["multi_turn/turns_mean"] == 3.0
+    assert metrics["multi_turn/history_rewrites"] == (0.0 if per_turn_samples else 6.0)
+    assert len(groups[0]) == (9 if per_turn_samples else 3)
     for sample in groups[0]:
-        assert len(sample.turns) == 3
+        assert len(sample.turns) == (1 if per_turn_samples else 3)
         (logprobs,) = trainer.forward([sample_to_datum(sample)])
         for turn in sample.turns:
             # The sampler was prompted with exactly the trajectory up to the turn, and produced the turn.
@@ -248,14 +292,15 @@ def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritt
         assert sum(sample.loss_mask) == sum(t.end - t.start for t in sample.turns)
 
 
-def test_a_run_with_a_qwen3_thinking_template_trains_three_turns_per_conversation(tmp_path):
+@pytest.mark.parametrize("per_turn_samples", [False, True])
+def test_a_run_with_a_qwen3_thinking_template_trains_three_turns_per_conversation(tmp_path, per_turn_samples):
     from grpo_core.loop import run as run_loop
     from tests.core.test_loop import config, metrics_of
 
     dataset = tmp_path / "guess.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number", "answer": str(n)}) + "\n" for n in range(1, 9)))
     model = build_chat_model(tmp_path / "m", "qwen3_thinking")
-    options = {"rollout": {"multi_turn": {"max_turns": 3}}}
+    options = {"rollout": {"multi_turn": {"max_turns": 3, "per_turn_samples": per_turn_samples}}}
     summary = run_loop(
         config(model, dataset, tmp_path / "r", rollout="multi_turn", env="guess_number", reward=["env"], max_steps=3,
                max_completion_tokens=6, plugin_options=options, dtype="float32")
@@ -263,4 +308,7 @@ def test_a_run_with_a_qwen3_thinking_template_trains_three_turns_per_conversatio
     assert summary["steps"] == 3
     for m in metrics_of(tmp_path / "r"):
         assert m["multi_turn/turns_mean"] == 3.0 and m["multi_turn/prefix_failures"] == 0.0
-        assert m["multi_turn/history_rewrites"] == 2 * 8 and m["train/samples"] == 8.0
+        if per_turn_samples:  # 8 conversations, a sample per turn
+            assert m["multi_turn/history_rewrites"] == 0 and m["train/samples"] == 24.0
+        else:
+            assert m["multi_turn/history_rewrites"] == 2 * 8 and m["train/samples"] == 8.0
