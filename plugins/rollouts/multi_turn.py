@@ -30,9 +30,9 @@ assistant header, so a prompt ending in the task's cue ("Answer:") is continued 
 model was trained."""
 
 
-PLACEHOLDER = "\u2063grpo-core-turn-{}\u2063"
+PLACEHOLDER = "grpo_core_turn_{}_placeholder"
 """Stands for a policy turn's text when the template renders the conversation's skeleton: no
-template strips, trims or splits it (it holds no whitespace at its ends and no ``</think>``)."""
+template strips, trims, splits or escapes it (letters, digits and underscores only)."""
 
 
 class PrefixMismatch(PluginError):
@@ -94,11 +94,13 @@ class MultiTurnRollout:
     Token-in/token-out: the policy's tokens are kept as sampled and never re-tokenized; what
     the template adds after a turn (end of turn, the observation, the next assistant header) is
     the only text tokenized, and only once the template's rendering of the whole conversation is
-    checked to extend the tokens so far. The loss mask is 1 on the policy's own tokens only;
-    Sample.turns records each turn's span and Sample.env_reward the sum of the environment's
-    rewards. A turn holding <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks is
-    answered by those tools; any other turn goes to the environment (without one, it ends the
-    conversation). One sampler call per round generates the next turn of every live conversation.
+    checked to extend the tokens so far (or, for a template that rewrites past turns, such as a
+    thinking model's, its rendering with every turn a placeholder is checked instead). The loss
+    mask is 1 on the policy's own tokens only; Sample.turns records each turn's span and
+    Sample.env_reward the sum of the environment's rewards. A turn holding tool calls, in the
+    format of the model family (tool_format), is answered by those tools; any other turn goes to
+    the environment (without one, it ends the conversation). One sampler call per round generates
+    the next turn of every live conversation. With per_turn_samples, each turn is a sample of its own.
     """
 
     max_turns: int = option(4, help="most policy turns per conversation (tool turns included)", validator=_positive)
