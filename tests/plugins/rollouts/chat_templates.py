@@ -205,7 +205,7 @@ def build_chat_model(path, family: str, seed: int = 0):
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
     Qwen3ForCausalLM(config).save_pretrained(path)

@@ -5,12 +5,14 @@ calls reach a tool."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from grpo_core import PluginError, Prompt, make_plugin
+from grpo_core import Completion, PluginError, Prompt, hookimpl, make_plugin
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, detect
-from tests.plugins.rollouts.chat_templates import FAMILIES, build_chat_tokenizer
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+from tests.plugins.rollouts.chat_templates import FAMILIES, build_chat_model, build_chat_tokenizer
 from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, FakeTool, ScriptedSampler, run
 
 ADD = {"expression": "18 + 34"}
@@ -211,3 +213,61 @@ def test_a_tool_result_that_is_not_text_is_sent_as_json():
     sampler = ScriptedSampler(tok, [['<tool_call>{"name": "fake", "arguments": {}}</tool_call>'], ["done" + EOS]])
     (sample,) = run(make_plugin("multi_turn"), [Prompt(id="t", text="x")], 1, sampler, tools={"fake": Structured()}, max_tokens=200)[0]
     assert "<tool_response>\n" + json.dumps({"sum": 3}) + "\n</tool_response>" in tok.decode(sample.tokens, skip_special_tokens=False)
+
+
+RUN_CALLS = {
+    "qwen3": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>',
+    "llama3": '<|python_tag|>{"name": "calculator", "parameters": {"expression": "1 + 2"}}',
+    "mistral": '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "1 + 2"}}]',
+    "deepseek": (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>{"expression": "1 + 2"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
+    ),
+}
+
+
+class FirstTurnCallsSampler(LocalSamplerPlugin):
+    """The local sampler, except that a group's first turn is the family's calculator call
+    (a random tiny model would not write one)."""
+
+    @hookimpl
+    def make_sampler(self, config, trainer):
+        return FirstTurnCalls(super().make_sampler(config=config, trainer=trainer), RUN_CALLS[Path(config.model).name])
+
+
+class FirstTurnCalls:
+    def __init__(self, inner, call):
+        self.inner, self.call = inner, call
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def sample(self, prompts, num_samples, params):
+        if num_samples == 1:  # a later round: the model answers the tool's result
+            return self.inner.sample(prompts, num_samples, params)
+        tokens = self.tokenizer(self.call, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        return [[Completion(tokens=tokens, logprobs=[-1.0] * len(tokens), finish_reason="stop")] * num_samples for _ in prompts]
+
+
+@pytest.mark.parametrize("family", list(RUN_CALLS))
+def test_a_three_step_run_whose_calls_reach_the_calculator(family, tmp_path, monkeypatch):
+    from grpo_core import plugins_manager
+    from grpo_core.loop import run as run_loop
+    from grpo_core.plugins_manager import PluginEntry, catalog
+    from tests.core.test_loop import config, metrics_of
+
+    builtins = catalog()
+    entry = PluginEntry("sampler", "first_turn_calls", f"{__name__}:FirstTurnCallsSampler", "grpo-test", "0.1")
+    monkeypatch.setattr(plugins_manager, "catalog", lambda: (*builtins, entry))
+    model = build_chat_model(tmp_path / family, family)
+    dataset = tmp_path / "q.jsonl"
+    dataset.write_text("".join(json.dumps({"question": f"what is {n} plus 2?"}) + "\n" for n in range(6)))
+    summary = run_loop(
+        config(model, dataset, tmp_path / "r", rollout="multi_turn", tool=["calculator"], sampler="first_turn_calls", reward=["format"],
+               weight_sync="in_process", max_steps=3, max_completion_tokens=8, prompt_template="{prompt}")
+    )  # fmt: skip
+    assert summary["steps"] == 3
+    for m in metrics_of(tmp_path / "r"):
+        # 2 groups of 4 conversations, each opening with a call that reaches the calculator (the
+        # random model's later turns may hold calls of their own).
+        assert m["tool/calls"] - m["tool/errors"] >= 8 and m["multi_turn/turns_mean"] >= 2.0
+        assert m["multi_turn/prefix_failures"] == 0.0
