@@ -130,7 +130,7 @@ class MultiTurnRollout:
         help=(
             "how the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen), llama3 (JSON, or after "
             "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (<｜tool▁call▁begin｜>), or auto: the one the chat template "
-            "or the vocabulary shows, else hermes"
+            "or the tokenizer's special tokens show, else hermes"
         ),
     )
     enable_thinking: bool | None = option(
@@ -213,7 +213,7 @@ class MultiTurnRollout:
         if self.tool_format != "auto":
             return self.tool_format
         template = self._template(tokenizer) or getattr(tokenizer, "chat_template", None)
-        return detect(str(template), tokenizer.get_vocab()) or "hermes"
+        return detect(str(template), tokenizer.get_added_vocab()) or "hermes"
 
     def _template(self, tokenizer: Any) -> str | None:
         """The plain template, or None for the tokenizer's own (which may be several, by name)."""

@@ -180,12 +180,13 @@ MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<｜tool▁
 """What in a chat template or a tokenizer's vocabulary shows a family's format, checked in order."""
 
 
-def detect(template: str, vocabulary: Any) -> str | None:
-    """The format a chat template (its text) or a tokenizer's vocabulary shows, or None."""
+def detect(template: str, added_tokens: Any) -> str | None:
+    """The format a chat template (its text) or a tokenizer's added tokens (where the families'
+    markers live) show, or None."""
     for marker, name in MARKERS:
         if marker in template:
             return name
     for marker, name in MARKERS:
-        if marker in vocabulary:
+        if marker in added_tokens:
             return name
     return None
