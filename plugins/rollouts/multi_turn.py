@@ -129,7 +129,7 @@ class MultiTurnRollout:
         "auto",
         help=(
             "how the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen), llama3 (JSON, or after "
-            "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (<｜tool▁call▁begin｜>), or auto: the one the chat template "
+            "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (its tool-call markers, V3 and R1), or auto: the one the chat template "
             "or the tokenizer's special tokens show, else hermes"
         ),
     )
