@@ -213,7 +213,9 @@ def rollout(
     :param tools: the selected tools (``--tool``) by the name the policy calls them
         (``tool_spec()["name"]``); empty when none. A rollout that calls no tools omits it.
     :returns: one list of samples per prompt, in the order of ``prompts``. A multi-turn rollout
-        fills ``Sample.turns`` and, with an environment, ``Sample.env_reward``.
+        fills ``Sample.turns`` and, with an environment, ``Sample.env_reward``; one that trains
+        each turn as its own sample (``multi_turn``'s ``per_turn_samples``) returns a sample per
+        turn of each of the ``num_samples`` trajectories, so a group may hold more than G.
     """
 
 

@@ -190,6 +190,7 @@ def test_embedded_tokenizer_retry_math_conversation_flattens_token_in_token_out(
     assert RECORDED[-1] == {
         "multi_turn/turns_mean": 2.0, "multi_turn/max_turns_frac": 0.0,
         "tool/calls": 0.0, "tool/errors": 0.0, "tool/timeouts": 0.0, "multi_turn/prefix_failures": 0.0,
+        "multi_turn/history_rewrites": 0.0,
     }  # fmt: skip
 
 
