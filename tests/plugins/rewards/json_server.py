@@ -24,7 +24,7 @@ class Reply:
 @attrs.define
 class JsonServer:
     answer: Callable[[str, Any], Reply]
-    """(path, the request's JSON) -> the reply."""
+    """(path, the request's JSON; None for a GET) -> the reply."""
     url: str = ""
     requests: list[tuple[str, Any, dict[str, str]]] = attrs.field(factory=list)
     """(path, body, headers) of every request, in arrival order."""
@@ -43,8 +43,12 @@ def json_server(answer: Callable[[str, Any], Reply]) -> Iterator[JsonServer]:
         def log_message(self, *args: Any) -> None:
             pass
 
+        def do_GET(self) -> None:
+            self.do_POST()
+
         def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
             with server.lock:
                 server.requests.append((self.path, body, dict(self.headers)))
                 server.in_flight += 1
