@@ -12,8 +12,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,10 +70,13 @@ def _check_url(instance: object, attribute: attrs.Attribute, value: str) -> None
 
 
 class JsonService:
-    """POSTs JSON to one URL from a pool of ``concurrency`` threads (the most requests in flight,
-    across every call that shares it); retries 408/429/5xx, timeouts and refused connections
-    ``retries`` times, waiting ``backoff`` s, then twice as long each time (with jitter), and never
-    past a call's deadline."""
+    """POSTs JSON to one URL, at most ``concurrency`` requests in flight (across every call that
+    shares it); retries 408/409/425/429/5xx, timeouts and refused connections ``retries`` times,
+    waiting ``backoff`` s, then twice as long each time (with jitter), never past a call's deadline.
+
+    Requests run in daemon threads: one still waiting on a service the run gave up on (past its
+    deadline, or after ``close``) holds no other call, and not the process at exit.
+    """
 
     def __init__(self, url: str, headers: dict[str, str], request_timeout: float, retries: int, backoff: float, concurrency: int) -> None:
         self.url = url
@@ -84,22 +85,23 @@ class JsonService:
         self.retries = retries
         self.backoff = backoff
         self.concurrency = concurrency
+        self._slots = threading.BoundedSemaphore(concurrency)
         self._client: httpx.Client | None = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        self._closes = 0
+        """How many times ``close`` ran: a call that started before the last one stops."""
+        self._changed = threading.Condition()
 
-    def _started(self) -> tuple[httpx.Client, ThreadPoolExecutor]:
-        with self._lock:
-            if self._client is None or self._pool is None:
+    def _client_now(self) -> httpx.Client:
+        with self._changed:
+            if self._client is None:
                 limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
                 self._client = httpx.Client(limits=limits)
-                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="grpo-core-reward-http")
-            return self._client, self._pool
+            return self._client
 
     def post(self, body: Any, deadline: float | None) -> Any:
         """The JSON the service answers to ``body``; ServiceError when it cannot be had by ``deadline``
         (a ``time.monotonic()`` value; None: only the per-request timeout and the retries bound it)."""
-        client, _ = self._started()
+        client = self._client_now()
         content = json.dumps(body, default=str)  # a dataset row may hold dates and the like
         problem = ""
         for attempt in range(self.retries + 1):
@@ -108,6 +110,8 @@ class JsonService:
                 timeout = min(timeout, deadline - time.monotonic())
                 if timeout <= 0:
                     raise ServiceError(f"out of time (the run's --reward-timeout) after {attempt} attempt(s); last: {problem or 'none'}")
+            if client.is_closed:
+                raise ServiceError("the run ended before the service answered")
             try:
                 response = client.post(self.url, content=content, headers=self.headers, timeout=timeout)
             except httpx.TimeoutException:
@@ -132,28 +136,45 @@ class JsonService:
         raise ServiceError(f"{problem} (after {self.retries} retries)" if self.retries else problem)
 
     def map(self, fn: Callable[[T], R], items: Sequence[T], deadline: float | None) -> list[R | Exception]:
-        """``fn(item)`` for every item on the pool: its result, or the exception it raised (a
-        ServiceError for one still running at ``deadline``)."""
-        _, pool = self._started()
-        futures: list[Future[R]] = [pool.submit(fn, item) for item in items]
-        outcomes: list[R | Exception] = []
-        for future in futures:
-            try:
-                outcomes.append(future.result(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0)))
-            except FutureTimeout:
-                future.cancel()
-                outcomes.append(ServiceError("out of time (the run's --reward-timeout) before the service answered"))
-            except Exception as exc:
-                outcomes.append(exc)
-        return outcomes
+        """``fn(item)`` for every item, at most ``concurrency`` at once: its result, or the exception
+        it raised (a ServiceError for one not done by ``deadline`` or when ``close`` runs)."""
+        outcomes: list[R | Exception | None] = [None] * len(items)
+        finished = [False] * len(items)
+        closes = self._closes
+
+        def remaining() -> float | None:
+            return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+        def run(i: int, item: T) -> None:
+            outcome: R | Exception
+            if not self._slots.acquire(timeout=remaining()):
+                outcome = ServiceError("out of time (the run's --reward-timeout) waiting for a free connection")
+            else:
+                try:
+                    outcome = fn(item) if self._closes == closes else ServiceError("the run ended before the service answered")
+                except Exception as exc:
+                    outcome = exc
+                finally:
+                    self._slots.release()
+            with self._changed:
+                outcomes[i], finished[i] = outcome, True
+                self._changed.notify_all()
+
+        for i, item in enumerate(items):
+            threading.Thread(target=run, args=(i, item), daemon=True, name="grpo-core-reward-request").start()
+        with self._changed:
+            self._changed.wait_for(lambda: all(finished) or self._closes != closes, timeout=remaining())
+            late = "the run ended" if self._closes != closes else "out of time (the run's --reward-timeout)"
+            return [outcomes[i] if finished[i] else ServiceError(f"{late} before the service answered") for i in range(len(items))]
 
     def close(self) -> None:
-        with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
+        """Close the connections; calls still waiting return at once (a later call opens new ones)."""
+        with self._changed:
             if self._client is not None:
                 self._client.close()
-            self._client = self._pool = None
+            self._client = None
+            self._closes += 1
+            self._changed.notify_all()
 
 
 def call_deadline(reward_timeout: float) -> float | None:

@@ -7,6 +7,7 @@ import json
 import runpy
 import subprocess
 import sys
+import threading
 import time
 
 import attrs
@@ -333,3 +334,18 @@ def test_close_at_run_end_then_a_later_call_starts_again():
         reward.on_run_end(summary={}, run_dir=None)
         assert reward.reward(prompt=PROMPT, samples=group("bb")) == [2.0]
         reward.on_run_end(summary={}, run_dir=None)
+
+
+def test_the_run_end_stops_a_request_the_run_gave_up_on():
+    """A call abandoned at --reward-timeout must not keep retrying (or hold the process) after the run."""
+    with json_server(lambda path, body: Reply({"scores": [1.0]}, delay=30.0)) as server:
+        reward = make_plugin("http", url=server.url, request_timeout=60.0, retries=3)
+        outcome = []
+        call = threading.Thread(target=lambda: outcome.append(elapsed(lambda: reward.reward(prompt=PROMPT, samples=group("a")))))
+        call.start()
+        time.sleep(0.5)
+        reward.on_run_end(summary={}, run_dir=None)
+        call.join(5.0)
+        assert not call.is_alive()
+    [(result, seconds)] = outcome
+    assert isinstance(result, RewardServiceError) and seconds < 3.0
