@@ -186,3 +186,17 @@ def test_distillation_lowers_the_reverse_kl_to_a_briefly_trained_teacher(tmp_pat
     assert len(kl) == 50 and all(math.isfinite(v) for v in kl)
     first, last = sum(kl[:10]) / 10, sum(kl[-10:]) / 10
     assert last < 0.7 * first, (first, last)
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_a_run_in_either_loop_records_the_reverse_kl(teacher_dir, tiny_model_dir, tiny_dataset, tmp_path, loop):
+    from tests.test_cli import grpo_core_in_process, small_run_args
+
+    run_dir = tmp_path / "run"
+    out = grpo_core_in_process(
+        *small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--advantage", "distill", "--advantage-opt", f"teacher={teacher_dir}",
+                        "--loop", loop, "--logger", "jsonl")
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(math.isfinite(m["distill/reverse_kl"]) and m["groups/kept"] == 2 for m in metrics)
