@@ -52,7 +52,7 @@ def build_teacher(out: Path, steps: int = 60, learning_rate: float = 1e-3, batch
 
         def nll(_datums: list, logprobs: list, masks: list = masks, tokens: float = tokens) -> tuple:
             loss = -sum((lp * m).sum() for lp, m in zip(logprobs, masks)) / tokens
-            return loss, {"sft/nll": float(loss)}
+            return loss, {"sft/nll": float(loss.detach())}
 
         result = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], nll)
         trainer.optim_step(tinker.AdamParams(learning_rate=learning_rate, grad_clip_norm=1.0))
