@@ -64,11 +64,18 @@ class DistillAdvantage:
         0.0, help="weight of the task reward's GRPO advantage added to every token (0 = pure distillation)", validator=validate_non_negative
     )
     dtype: Literal["auto", "float32", "bfloat16"] = option("auto", help="the teacher's dtype: auto = bfloat16 on CUDA, float32 on CPU")
-    batch_size: int = option(16, help="sequences per teacher forward", validator=validate_positive)
+    batch_size: int = option(16, help="sequences per teacher forward (or per request to teacher_url)", validator=validate_positive)
+    teacher_url: str = option(
+        "",
+        help="an OpenAI-compatible server (vLLM) serving the teacher under the name `teacher`: its prompt logprobs of the policy's tokens",
+    )
+    request_timeout: float = option(
+        600.0, help="teacher_url: seconds a failing request is retried before the run stops", validator=validate_positive
+    )
 
     _device: str = attrs.field(init=False, default="auto", repr=False)
     _teacher: tuple[Any, Any] | None = attrs.field(init=False, default=None, repr=False)
-    """The teacher's forward-only scorer (a LocalReference) and its tokenizer, once loaded."""
+    """The teacher's scorer (a LocalReference, or a ServerTeacher) and its tokenizer (None for a server), once made."""
     _teacher_logprobs: dict[int, list[float]] = attrs.field(init=False, factory=dict, repr=False)
     """The teacher's logprob of each target token (tokens[1:]) of the samples prepare_advantages
     scored, by the sample's id, until their advantage call takes them."""
@@ -81,12 +88,12 @@ class DistillAdvantage:
         from grpo_core.plugins.backends.local import model_path
 
         self._device = config.device
-        _, teacher_tokenizer = self._teacher_model()
+        teacher, teacher_tokenizer = self._teacher_model()
         try:
             student = AutoTokenizer.from_pretrained(model_path(config.model))
         except (OSError, ValueError) as exc:
             raise PluginError(f"distill: cannot load the tokenizer of {config.model!r} to compare it with the teacher's: {exc}") from None
-        reason = same_tokenizer(student, teacher_tokenizer)
+        reason = same_tokenizer(student, teacher_tokenizer) if teacher_tokenizer is not None else teacher.tokenizer_difference(student)
         if reason is not None:
             raise PluginError(
                 f"distill: the teacher {self.teacher!r} and the policy {config.model!r} must share the tokenizer "
@@ -96,6 +103,8 @@ class DistillAdvantage:
     @hookimpl
     def on_run_end(self, summary: dict[str, Any], run_dir: Path) -> None:
         with self._lock:
+            if self._teacher is not None and isinstance(self._teacher[0], ServerTeacher):
+                self._teacher[0].close()
             self._teacher = None
 
     @hookimpl
@@ -144,6 +153,8 @@ class DistillAdvantage:
             return self._teacher
 
     def _load(self) -> tuple[Any, Any]:
+        if self.teacher_url:
+            return ServerTeacher(self.teacher_url, self.teacher, self.request_timeout), None
         from grpo_core.plugins.backends.architectures import AUTO
         from grpo_core.plugins.backends.local import LocalReference, load_model, resolve_precision
 
@@ -153,3 +164,41 @@ class DistillAdvantage:
         except PluginError as exc:
             raise PluginError(f"distill: the teacher: {exc}") from None
         return LocalReference(model, device), tokenizer
+
+
+class ServerTeacher:
+    """A teacher behind an OpenAI-compatible server: ``forward`` as a LocalReference's (the
+    logprob of each target token), from the prompt logprobs of POST /v1/completions (vLLM's
+    ``prompt_logprobs``) with the sequences sent as token ids, one request per call."""
+
+    def __init__(self, base_url: str, model: str, retry_deadline: float) -> None:
+        from grpo_core.plugins.samplers.openai import ServerClient
+
+        self.client = ServerClient(base_url, retry_deadline=retry_deadline)
+        self.model = model
+
+    def forward(self, datums: Sequence[Any]) -> list[list[float]]:
+        sequences = [[*d.model_input.to_ints(), d.loss_fn_inputs["target_tokens"].tolist()[-1]] for d in datums]
+        body = {"model": self.model, "prompt": sequences, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+        reply = self.client.post("/v1/completions", body)
+        try:
+            choices = sorted(reply["choices"], key=lambda c: c["index"])
+            return [_prompt_logprobs(tokens, c["prompt_logprobs"]) for tokens, c in zip(sequences, choices, strict=True)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PluginError(f"distill: the teacher server's answer has no prompt logprobs of the tokens sent ({exc!r})") from None
+
+    def tokenizer_difference(self, student: Any) -> str | None:
+        ours = student.encode(TOKENIZER_PROBE, add_special_tokens=False)
+        theirs = self.client.post("/tokenize", {"model": self.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False})["tokens"]
+        return None if ours == theirs else "the server splits a probe text into other tokens"
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _prompt_logprobs(tokens: list[int], entries: list[Any]) -> list[float]:
+    """The logprob of tokens[1:] from vLLM's prompt_logprobs (one entry per token, the first None;
+    each maps token ids, as strings, to {"logprob": ...}, the sent token among them)."""
+    if len(entries) != len(tokens):
+        raise ValueError(f"{len(entries)} prompt logprobs for {len(tokens)} tokens")
+    return [float(entry[str(token)]["logprob"]) for token, entry in zip(tokens[1:], entries[1:])]

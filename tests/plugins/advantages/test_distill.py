@@ -200,3 +200,77 @@ def test_a_run_in_either_loop_records_the_reverse_kl(teacher_dir, tiny_model_dir
     assert out.returncode == 0, out.stderr
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and all(math.isfinite(m["distill/reverse_kl"]) and m["groups/kept"] == 2 for m in metrics)
+
+
+def fake_teacher_server(tokenizer, tokenize_shift: int = 0):
+    """/tokenize as ``tokenizer`` (ids shifted by ``tokenize_shift``) and /v1/completions with
+    vLLM-style prompt_logprobs: the teacher's logprob of token id k is -0.01 k."""
+    from tests.plugins.rewards.json_server import Reply
+
+    def answer(path, body):
+        if path == "/tokenize":
+            return Reply({"tokens": [t + tokenize_shift for t in tokenizer.encode(body["prompt"], add_special_tokens=False)]})
+        choices = [
+            {"index": i, "text": "", "prompt_logprobs": [None] + [{str(t): {"logprob": -0.01 * t, "rank": 1}} for t in prompt[1:]]}
+            for i, prompt in enumerate(body["prompt"])
+        ]
+        return Reply({"choices": list(reversed(choices))})  # in any order: matched by index
+
+    return answer
+
+
+def test_a_teacher_behind_a_server_gives_its_prompt_logprobs(tiny_model_dir):
+    from tests.plugins.rewards.json_server import json_server
+
+    with json_server(fake_teacher_server(build_tiny_tokenizer())) as server:
+        plugin = started(make_plugin("distill", teacher="teacher-name", teacher_url=server.url, batch_size=2), str(tiny_model_dir))
+        kept, metrics = advantages_of(plugin, make_group())
+        plugin.on_run_end(summary={}, run_dir=None)
+    completions = [body for path, body, _ in server.requests if path == "/v1/completions"]
+    assert [len(b["prompt"]) for b in completions] == [2, 1]  # batch_size sequences per request
+    assert all(b["model"] == "teacher-name" and b["prompt_logprobs"] == 0 and b["max_tokens"] == 1 for b in completions)
+    assert completions[0]["prompt"][0] == kept[0].tokens
+    for sample in kept:
+        for t, trained in enumerate(sample.loss_mask):
+            expected = -0.01 * sample.tokens[t] - sample.sampling_logprobs[t] if trained and t > 0 else 0.0
+            assert sample.advantages[t] == pytest.approx(expected, abs=1e-9)
+    assert math.isfinite(metrics["distill/reverse_kl"])
+
+
+def test_a_teacher_server_with_another_tokenizer_is_refused_at_start(tiny_model_dir):
+    from tests.plugins.rewards.json_server import json_server
+
+    with json_server(fake_teacher_server(build_tiny_tokenizer(), tokenize_shift=1)) as server:
+        with pytest.raises(PluginError, match="must share the tokenizer .*, but the server splits a probe text into other tokens"):
+            started(make_plugin("distill", teacher="t", teacher_url=server.url), str(tiny_model_dir))
+
+
+def test_a_teacher_server_answer_without_prompt_logprobs_is_an_error(tiny_model_dir):
+    from tests.plugins.rewards.json_server import Reply, json_server
+
+    def no_logprobs(path, body):
+        if path == "/tokenize":
+            return Reply({"tokens": build_tiny_tokenizer().encode(body["prompt"], add_special_tokens=False)})
+        return Reply({"choices": [{"index": i, "text": ""} for i in range(len(body["prompt"]))]})
+
+    with json_server(no_logprobs) as server:
+        plugin = started(make_plugin("distill", teacher="t", teacher_url=server.url), str(tiny_model_dir))
+        with pytest.raises(PluginError, match="the teacher server's answer has no prompt logprobs"):
+            advantages_of(plugin, make_group())
+        plugin.on_run_end(summary={}, run_dir=None)
+
+
+def test_request_timeout_bounds_a_failing_teacher_server(tiny_model_dir):
+    from grpo_core.plugins.samplers.openai import ServerUnavailable
+    from tests.plugins.rewards.json_server import Reply, json_server
+
+    def busy(path, body):
+        if path == "/tokenize":
+            return Reply({"tokens": build_tiny_tokenizer().encode(body["prompt"], add_special_tokens=False)})
+        return Reply({"error": "busy"}, status=503)
+
+    with json_server(busy) as server:
+        plugin = started(make_plugin("distill", teacher="t", teacher_url=server.url, request_timeout=1.0), str(tiny_model_dir))
+        with pytest.raises(ServerUnavailable, match="retry deadline 1s"):
+            advantages_of(plugin, make_group())
+        plugin.on_run_end(summary={}, run_dir=None)
