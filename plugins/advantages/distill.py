@@ -50,7 +50,9 @@ class DistillAdvantage:
     The teacher is a local model folder with the policy's tokenizer (checked when the run starts;
     a run with another tokenizer is refused). It scores each step's samples forward-only, in
     batches of batch_size, on the run's device and in its own dtype, in the stage that computes
-    advantages (in --loop async: the rollout workers, not the trainer). distill/reverse_kl is the
+    advantages (in --loop async: the rollout workers, not the trainer). With teacher_url, a
+    server (vLLM) scores them instead: the prompt logprobs of the policy's token ids, `teacher`
+    being the served model's name, and its /tokenize is checked against the policy's tokenizer. distill/reverse_kl is the
     mean over trained tokens of log pi_sampler - log pi_teacher: it falls as the policy learns.
     Use it with a loss that takes per-token advantages as they are (grpo, importance_sampling,
     cispo...) and keep the rewards' groups: a group needs two scored samples to be trained on.
