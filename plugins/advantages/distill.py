@@ -16,6 +16,7 @@ from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 
 __all__ = ["DistillAdvantage", "same_tokenizer"]
 
+RETRY_DEADLINE = 600.0
 TOKENIZER_PROBE = "Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\""
 
 
@@ -71,8 +72,8 @@ class DistillAdvantage:
         "",
         help="an OpenAI-compatible server (vLLM) serving the teacher under the name `teacher`: its prompt logprobs of the policy's tokens",
     )
-    request_timeout: float = option(
-        600.0, help="teacher_url: seconds a failing request is retried before the run stops", validator=validate_positive
+    retry_deadline: float = option(
+        RETRY_DEADLINE, help="teacher_url: seconds a failing request is retried before the run stops", validator=validate_positive
     )
 
     _device: str = attrs.field(init=False, default="auto", repr=False)
@@ -82,6 +83,12 @@ class DistillAdvantage:
     """The teacher's logprob of each target token (tokens[1:]) of the samples prepare_advantages
     scored, by the sample's id, until their advantage call takes them."""
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.teacher_url and self.dtype != "auto":
+            raise ValueError("dtype is the local teacher's: a teacher behind teacher_url runs in the server's dtype")
+        if not self.teacher_url and self.retry_deadline != RETRY_DEADLINE:
+            raise ValueError("retry_deadline is for a teacher behind teacher_url; a local teacher makes no requests")
 
     @hookimpl
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
@@ -156,7 +163,7 @@ class DistillAdvantage:
 
     def _load(self) -> tuple[Any, Any]:
         if self.teacher_url:
-            return ServerTeacher(self.teacher_url, self.teacher, self.request_timeout), None
+            return ServerTeacher(self.teacher_url, self.teacher, self.retry_deadline), None
         from grpo_core.plugins.backends.architectures import AUTO
         from grpo_core.plugins.backends.local import LocalReference, load_model, resolve_precision
 

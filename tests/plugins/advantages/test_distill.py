@@ -153,6 +153,8 @@ def test_advantage_without_prepare_is_an_error(teacher_dir):
         ({"teacher": "x", "reward_weight": -1}, "reward_weight must be >= 0"),
         ({"teacher": "x", "batch_size": 0}, "batch_size must be > 0"),
         ({"teacher": "x", "dtype": "float16"}, "expected one of 'auto', 'float32', 'bfloat16'"),
+        ({"teacher": "x", "teacher_url": "http://h", "dtype": "bfloat16"}, "dtype is the local teacher's"),
+        ({"teacher": "x", "retry_deadline": 5}, "retry_deadline is for a teacher behind teacher_url"),
     ],
 )
 def test_bad_options_are_refused(options, message):
@@ -260,7 +262,7 @@ def test_a_teacher_server_answer_without_prompt_logprobs_is_an_error(tiny_model_
         plugin.on_run_end(summary={}, run_dir=None)
 
 
-def test_request_timeout_bounds_a_failing_teacher_server(tiny_model_dir):
+def test_retry_deadline_bounds_a_failing_teacher_server(tiny_model_dir):
     from grpo_core.plugins.samplers.openai import ServerUnavailable
     from tests.plugins.rewards.json_server import Reply, json_server
 
@@ -270,7 +272,7 @@ def test_request_timeout_bounds_a_failing_teacher_server(tiny_model_dir):
         return Reply({"error": "busy"}, status=503)
 
     with json_server(busy) as server:
-        plugin = started(make_plugin("distill", teacher="t", teacher_url=server.url, request_timeout=1.0), str(tiny_model_dir))
+        plugin = started(make_plugin("distill", teacher="t", teacher_url=server.url, retry_deadline=1.0), str(tiny_model_dir))
         with pytest.raises(ServerUnavailable, match="retry deadline 1s"):
             advantages_of(plugin, make_group())
         plugin.on_run_end(summary={}, run_dir=None)
