@@ -20,6 +20,7 @@ import httpx
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
+from grpo_core.plugins.loggers.jsonl import prompt_text
 
 __all__ = ["HttpReward", "JsonService", "ServiceError", "parse_headers"]
 
@@ -182,13 +183,6 @@ def call_deadline(reward_timeout: float) -> float | None:
     if not reward_timeout:
         return None
     return time.monotonic() + reward_timeout - min(DEADLINE_MARGIN * reward_timeout, 1.0)
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """A plain prompt as the model saw it; a chat as ``role: content`` lines (as sample tables show it)."""
-    if prompt.messages is not None:
-        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in prompt.messages)
-    return prompt.text or ""
 
 
 def completion_start(sample: Sample) -> int:

@@ -14,7 +14,8 @@ import httpx
 
 from grpo_core import Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
-from grpo_core.plugins.rewards.http import JsonService, RewardServiceError, ServiceError, call_deadline, parse_headers, prompt_text
+from grpo_core.plugins.loggers.jsonl import prompt_text
+from grpo_core.plugins.rewards.http import JsonService, RewardServiceError, ServiceError, call_deadline, parse_headers
 
 __all__ = ["JudgeReward", "parse_group_scores", "parse_score"]
 
