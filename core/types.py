@@ -107,6 +107,9 @@ class Sample:
     """The policy's turns inside ``tokens``, in order (empty for a single-turn sample)."""
     env_reward: float | None = None
     """The sum of the rewards the environment gave in this trajectory (None without an environment)."""
+    reward_details: dict[str, str] = attrs.field(factory=dict)
+    """What a reward said about this sample beyond its score (an LLM judge's reply), by reward
+    name; sample tables show it as ``reward_detail/<name>``."""
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)

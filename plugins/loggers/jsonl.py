@@ -31,8 +31,8 @@ class JsonlLogger(SampleTableOptions):
 
     Every `samples_every` steps it also appends the samples of the step's first `samples_groups`
     prompt groups to <run_dir>/samples.jsonl, one object per sample: step, group, sample,
-    prompt, completion, reward/total, reward/<name> per reward plugin, advantage, tokens and
-    finish_reason.
+    prompt, completion, reward/total, reward/<name> per reward plugin, reward_detail/<name> where a
+    reward explains its score (a judge's reply), advantage, tokens and finish_reason.
 
     Strict JSON: a non-finite value (NaN, inf) is written as null. A resumed run first drops the
     lines of steps after its checkpoint, so every step appears exactly once.
@@ -90,6 +90,7 @@ def sample_rows(step: int, groups: Sequence[Sequence[Sample]]) -> list[dict[str,
                     "completion": sample.text,
                     "reward/total": strict(sample.reward),
                     **{f"reward/{name}": strict(value) for name, value in sample.rewards.items()},
+                    **{f"reward_detail/{name}": detail for name, detail in sample.reward_details.items()},
                     "advantage": advantage(sample),
                     "tokens": sample.num_completion_tokens,
                     "finish_reason": sample.finish_reason,

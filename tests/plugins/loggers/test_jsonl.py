@@ -98,3 +98,11 @@ def test_a_resumed_run_keeps_each_sample_once(tmp_path):
     run_steps(make_plugin("jsonl", samples_every=1, samples_groups=1), tmp_path, [3], start_step=2)
     assert [(r["step"], r["sample"]) for r in read_jsonl(tmp_path / "samples.jsonl")] == [(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_rewards_details_show_beside_its_score():
+    groups = two_groups()
+    groups[0][1].reward_details["judge"] = "Score: 7"
+    rows = sample_rows(3, groups)
+    assert rows[1]["reward_detail/judge"] == "Score: 7"
+    assert all("reward_detail/judge" not in row for i, row in enumerate(rows) if i != 1)
