@@ -144,7 +144,9 @@ class FSDPBackend:
         )
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
         group = start_group(world, device.type, spawn=torchrun_world() is None)
-        print(f"trainer: fsdp, {world} ranks ({'nccl' if device.type == 'cuda' else 'gloo'})", file=sys.stderr)
+        pids = ", ".join(str(w.pid) for w in group.workers)
+        started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""
+        print(f"trainer: fsdp, {world} ranks ({'nccl' if device.type == 'cuda' else 'gloo'}{started})", file=sys.stderr)
         tokenizer = group.run("load", "policy", spec)
         return FSDPTrainer(group=group, tokenizer=tokenizer, spec=spec)
 
@@ -570,7 +572,8 @@ class Rank:
         for name, tensor in policy.lm.state_dict().items():
             # A tied weight is one parameter under two names (the state dict gives two views of it):
             # gathered once, one tensor under both names.
-            owner = id(_parameter(policy.lm, name) or tensor)
+            parameter = _parameter(policy.lm, name)
+            owner = id(tensor if parameter is None else parameter)
             if owner in first:
                 full[name] = full[first[owner]]
                 continue
