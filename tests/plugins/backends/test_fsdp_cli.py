@@ -1,0 +1,137 @@
+"""``grpo-core run --backend fsdp --backend-opt nproc=2`` end to end (gloo, CPU): it trains as the
+local backend does, resumes bitwise after a SIGKILL, stops cleanly when a rank dies, and never
+leaves a rank running."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_cli import SIGNAL, grpo_core, small_run_args
+
+FSDP = ("--backend", "fsdp", "--backend-opt", "nproc=2")
+
+
+def run_args(tiny_model_dir, tiny_dataset, run_dir, steps=3):
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, *SIGNAL, "--checkpoint-every", "1", "--seed", "3")
+    # A learning rate of 1e-3: AdamW's first steps move each weight by about lr whatever its
+    # gradient, so the last digits of a tiny gradient (the one-pass forward here, a shared prompt
+    # prefix in the local one) show up at lr scale; at 1e-3 well inside 1e-4.
+    return [*args, "--max-steps", str(steps), "--loss-opt", "kl_beta=0.05", "--learning-rate", "1e-3"]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def rank_pids(stderr: str) -> list[int]:
+    found = re.search(r"ranks 1-\d+ are pids ([\d, ]+)\)", stderr)
+    assert found, stderr
+    return [int(p) for p in found.group(1).split(", ")]
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.time() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def start(args):
+    return subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, proc, timeout=300.0):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tiny_model_dir, tiny_dataset, tmp_path_factory):
+    """The same 3-step run on the local backend and on 2 fsdp ranks."""
+    base = tmp_path_factory.mktemp("fsdp-cli")
+    local = grpo_core(*run_args(tiny_model_dir, tiny_dataset, base / "local"))
+    assert local.returncode == 0, local.stderr
+    sharded = grpo_core(*run_args(tiny_model_dir, tiny_dataset, base / "fsdp"), *FSDP)
+    assert sharded.returncode == 0, sharded.stderr
+    return base, sharded
+
+
+@pytest.mark.slow
+def test_three_steps_end_where_the_local_backend_ends_and_no_rank_is_left(whole_runs, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    base, sharded = whole_runs
+    assert all(gone(pid, within=0.0) for pid in rank_pids(sharded.stderr))
+    ours, theirs = final_weights(base / "fsdp"), final_weights(base / "local")
+    assert set(ours) == set(theirs)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert max(float((theirs[k] - initial[k]).abs().max()) for k in theirs) > 1e-3  # it trained
+    worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    assert worst <= 1e-4, worst
+    assert (base / "fsdp" / "checkpoints" / "step-000003" / "trainer" / "fsdp.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigkill_of_rank0_then_resume_is_bitwise_the_unbroken_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+    base, _ = whole_runs
+    killed = tmp_path / "killed"
+    proc = start([*run_args(tiny_model_dir, tiny_dataset, killed), *FSDP])
+    wait_for(killed / "checkpoints" / "step-000001" / "state.json", proc)
+    proc.send_signal(signal.SIGKILL)  # rank 0 only: the rank it started must die with it
+    proc.wait()
+    assert not (killed / "final").exists()
+    assert all(gone(pid) for pid in rank_pids(proc.stderr.read()))
+    resumed = grpo_core("run", "--resume", str(killed))
+    assert resumed.returncode == 0, resumed.stderr
+    ours, unbroken = final_weights(killed), final_weights(base / "fsdp")
+    assert all(torch.equal(ours[k], unbroken[k]) for k in unbroken)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_stops_it_with_a_message_and_a_loadable_checkpoint(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*run_args(tiny_model_dir, tiny_dataset, run_dir, steps=6), *FSDP])
+    # The rank's pid is said before the first step; kill it once a step is saved.
+    wait_for(run_dir / "checkpoints" / "step-000001" / "state.json", proc)
+    pids = []
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
+        pids = [int(p) for p in children.read().split()]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    assert f"rank 1 of 2 (pid {pids[0]}) died (killed by SIGKILL)" in stderr
+    assert "the newest valid one is" in stderr or "previous checkpoint" in stderr or "are saved in" in stderr, stderr
+    resumed = grpo_core("run", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert all(gone(pid, within=0.0) for pid in rank_pids(resumed.stderr))
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_embedded_default_with_seed_1_ends_where_the_local_backend_ends(tmp_path):
+    runs = {}
+    for name, extra in (("local", ()), ("fsdp", FSDP)):
+        out = grpo_core("run", "--max-steps", "3", "--seed", "1", "--run-dir", str(tmp_path / name), *extra)
+        assert out.returncode == 0, out.stderr
+        runs[name] = final_weights(tmp_path / name)
+    worst = max(float((runs["fsdp"][k] - runs["local"][k]).abs().max()) for k in runs["local"])
+    assert worst <= 1e-3, worst
