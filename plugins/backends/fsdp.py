@@ -685,6 +685,12 @@ class FSDPTrainer:
         info = json.loads(info_file.read_text())
         if info.get("format") != STATE_FORMAT:
             raise PluginError(f"{path} is not a checkpoint of the fsdp trainer (format {info.get('format')!r})")
+        if info["world_size"] != self.group.world:
+            print(
+                f"{path} was written by {info['world_size']} ranks: resharded for {self.group.world} (the run goes on "
+                "within float rounding of the uninterrupted one, not bit for bit)",
+                file=sys.stderr,
+            )
         self.group.run("load_state", path, info)
         self.version = int(info["version"])
         self._refresh_sampling_copy()
