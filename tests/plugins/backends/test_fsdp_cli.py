@@ -167,3 +167,62 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three(tiny_model_dir, tmp_path):
     assert "written by 2 ranks: resharded for 3" in out.stderr
     two, three = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "load.pt")
     assert max(float((two[k] - three[k]).abs().max()) for k in two) <= 1e-6
+
+
+CHECKPOINTED = """
+import sys, torch, tinker
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends import fsdp
+folder, model = sys.argv[1], sys.argv[2]
+trainer = fsdp.FSDPBackend(nproc=2).make_trainer(config=RunConfig(model=model, gradient_checkpointing=True))
+datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
+                       loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
+calls = []
+mlp = fsdp.RANK_STATE[0].models["policy"].lm.model.layers[0].mlp
+mlp.forward = lambda *a, _f=mlp.forward, **k: calls.append(1) or _f(*a, **k)
+trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
+trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+torch.save({"calls": len(calls), "weights": trainer.full_state_dict()}, folder + "/out.pt")
+"""
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_each_layer_and_trains_as_without(tiny_model_dir, tmp_path):
+    import tinker
+
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    out = subprocess.run([sys.executable, "-c", CHECKPOINTED, str(tmp_path), str(tiny_model_dir)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    result = torch.load(tmp_path / "out.pt")
+    assert result["calls"] == 2  # the forward, then its recomputation in backward
+    local = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    datums = [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]},
+        )
+        for i in range(5)
+    ]
+    local.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
+    local.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    expected = local.model.state_dict()
+    assert max(float((result["weights"][k] - expected[k]).abs().max()) for k in expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_ends_after_the_step_with_a_checkpoint(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_core.cli", *run_args(tiny_model_dir, tiny_dataset, run_dir, steps=20), *FSDP],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    wait_for(run_dir / "checkpoints" / "step-000001" / "state.json", proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # every rank gets it, as from a job scheduler
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    steps = [p.name for p in (run_dir / "checkpoints").glob("step-*")]
+    assert steps and max(steps) < "step-000020"
+    assert all(gone(pid) for pid in rank_pids(stderr))
