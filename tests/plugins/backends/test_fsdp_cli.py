@@ -226,3 +226,16 @@ def test_sigterm_to_the_process_group_ends_after_the_step_with_a_checkpoint(tiny
     steps = [p.name for p in (run_dir / "checkpoints").glob("step-*")]
     assert steps and max(steps) < "step-000020"
     assert all(gone(pid) for pid in rank_pids(stderr))
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_same_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+    base, _ = whole_runs
+    args = run_args(tiny_model_dir, tiny_dataset, tmp_path / "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "grpo_core.cli"]
+    out = subprocess.run([*torchrun, *args, "--backend", "fsdp"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    ours, spawned = final_weights(tmp_path / "torchrun"), final_weights(base / "fsdp")
+    assert all(torch.equal(ours[k], spawned[k]) for k in spawned)
+    refused = subprocess.run([*torchrun, *args, "--backend", "local", "--overwrite"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "--backend local trains in one" in refused.stderr
