@@ -137,7 +137,6 @@ class FSDPBackend:
             model=config.model,
             attn_implementation=self.attn_implementation,
             dtype=str(dtype).removeprefix("torch."),
-            device_type=device.type,
             threads=config.threads or default_threads(),
             gradient_checkpointing=config.gradient_checkpointing,
             seed=config.seed,
@@ -178,7 +177,6 @@ class ModelSpec:
     model: str
     attn_implementation: str
     dtype: str
-    device_type: str
     threads: int
     gradient_checkpointing: bool
     seed: int
@@ -521,7 +519,8 @@ class Rank:
 
     def weights_finite(self) -> bool:
         params = [p.detach() for p in self.models["policy"].root.parameters() if p.requires_grad]
-        finite = torch.tensor([float(all_finite([getattr(p, "_local_tensor", p) for p in params]))], device=self.device)
+        shards = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        finite = torch.tensor([float(all_finite(shards))], device=self.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         return bool(finite.item())
 

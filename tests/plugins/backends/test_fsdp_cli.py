@@ -174,7 +174,8 @@ import sys, torch, tinker
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends import fsdp
 folder, model = sys.argv[1], sys.argv[2]
-trainer = fsdp.FSDPBackend(nproc=2).make_trainer(config=RunConfig(model=model, gradient_checkpointing=True))
+backend = fsdp.FSDPBackend(nproc=2, attn_implementation="eager")
+trainer = backend.make_trainer(config=RunConfig(model=model, gradient_checkpointing=True))
 datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
                        loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
 calls = []
@@ -182,12 +183,13 @@ mlp = fsdp.RANK_STATE[0].models["policy"].lm.model.layers[0].mlp
 mlp.forward = lambda *a, _f=mlp.forward, **k: calls.append(1) or _f(*a, **k)
 trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
 trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
-torch.save({"calls": len(calls), "weights": trainer.full_state_dict()}, folder + "/out.pt")
+lm = fsdp.RANK_STATE[0].models["policy"].lm
+torch.save({"calls": len(calls), "weights": trainer.full_state_dict(), "attention": lm.config._attn_implementation}, folder + "/out.pt")
 """
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing_recomputes_each_layer_and_trains_as_without(tiny_model_dir, tmp_path):
+def test_gradient_checkpointing_recomputes_each_layer_and_trains_as_without_and_attention_is_the_option(tiny_model_dir, tmp_path):
     import tinker
 
     from grpo_core.config import RunConfig
@@ -197,6 +199,7 @@ def test_gradient_checkpointing_recomputes_each_layer_and_trains_as_without(tiny
     assert out.returncode == 0, out.stderr
     result = torch.load(tmp_path / "out.pt")
     assert result["calls"] == 2  # the forward, then its recomputation in backward
+    assert result["attention"] == "eager"  # the attn_implementation option (auto: sdpa for Qwen3)
     local = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
     datums = [
         tinker.Datum(
