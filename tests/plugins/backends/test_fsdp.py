@@ -3,8 +3,6 @@ every loss equals the one-process local step; checkpoints and the sampler's poli
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import tinker
 import torch
@@ -183,4 +181,3 @@ def test_cuda_needs_a_gpu_per_rank(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(PluginError, match="2 ranks here, 1 GPUs"):
         FSDPBackend(nproc=2).load_tokenizer(config=RunConfig(model=str(tiny_model_dir), device="cuda"))
-    assert "WORLD_SIZE" not in os.environ
