@@ -222,6 +222,9 @@ class Group:
                 # Where the other ranks are in this command is unknown now: no further command can meet them.
                 self.broken = self.why_broken(name, exc)
                 raise RankFailed(self.broken) from exc
+            except BaseException:  # a second Ctrl-C, mid-command: the ranks are out of step too
+                self.broken = f"interrupted during {name}: the ranks were left mid-command, nothing more is saved from them"
+                raise
 
     def why_broken(self, command: str, exc: Exception) -> str:
         deadline = time.monotonic() + 2.0  # a rank that died is reaped within moments of its connections closing
