@@ -181,6 +181,8 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
             config = config_module.load_resumed(resume, overrides, plugin_opts)
         else:
             config = config_module.load(config_file, overrides, plugin_opts)
+        if int(os.environ.get("RANK", "0")) > 0:
+            sys.exit(_serve_rank(config))
         from grpo_core.loop import run as run_loop
 
         summary = run_loop(config, resume=bool(resume), overwrite=overwrite)
@@ -191,6 +193,19 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
         click.echo("interrupted", err=True)
         sys.exit(130)
     sys.exit(summary["exit_code"])
+
+
+def _serve_rank(config: Any) -> int:
+    """A process torchrun started as a rank other than 0: it serves rank 0's trainer (the backend's
+    ``serve_rank``) instead of running the loop."""
+    from grpo_core.hookspecs import declared
+    from grpo_core.plugins_manager import make_plugin
+
+    backend = make_plugin(config.backend, "backend", **config.options_for("backend", config.backend))
+    serve = declared(backend, "backend", "serve_rank")
+    if serve is None:
+        raise PluginError(f"torchrun started {os.environ.get('WORLD_SIZE')} processes, but --backend {config.backend} trains in one")
+    return serve(config)
 
 
 def _fail(exc: Exception, run_dir: str | None, debug: bool) -> typing.NoReturn:

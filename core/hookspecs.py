@@ -71,6 +71,12 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "default_weight_sync": Attribute(
             "str", "in_process", "the weight sync a run uses when neither --weight-sync nor the sampler plugin names one"
         ),
+        "serve_rank": Attribute(
+            "callable | None",
+            None,
+            "serve_rank(config) -> exit code: what a process torchrun started as a rank other than 0 runs instead of the loop; "
+            "None: the backend trains in one process, and torchrun is refused",
+        ),
     },
     "sampler": {
         "default_weight_sync": Attribute(

@@ -795,52 +795,26 @@ class LocalTrainer(LocalReference):
         )
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.optimizer is None:
             self.optimizer = self._make_optimizer()
-        for group in self.optimizer.param_groups:
-            group.update(
-                lr=adam_params.learning_rate,
-                betas=(adam_params.beta1, adam_params.beta2),
-                eps=adam_params.eps,
-                weight_decay=adam_params.weight_decay,
-            )
-        max_norm = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        skip = self.nonfinite_loss or not math.isfinite(grad_norm)
+        grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
         if not skip:
-            self.optimizer.step()
             self.version += 1
             if not self.weights_finite():
-                raise NonFiniteWeights(
-                    f"the optimizer step made weights non-finite (grad norm {grad_norm:.3g}, lr {adam_params.learning_rate:g}); "
-                    "nothing is saved from them"
-                )
-        self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteWeights(nonfinite_step_message(grad_norm, adam_params))
         self.nonfinite_loss = False
-        return {
-            "optim/grad_norm": grad_norm,
-            "optim/lr": adam_params.learning_rate,
-            "optim/skipped_nonfinite": float(skip),
-        }
+        return step_metrics(grad_norm, adam_params, skip)
 
     def weights_finite(self) -> bool:
         # Frozen weights (a LoRA run's base model) were finite when loaded and never change.
-        params = [p.detach() for p in self.model.parameters() if p.requires_grad]
-        # One check for all tensors (one device sync): the largest magnitude is NaN or inf exactly
-        # when some weight is.
-        return not params or bool(torch.stack([n.float() for n in torch._foreach_norm(params, math.inf)]).isfinite().all())
+        return all_finite([p.detach() for p in self.model.parameters() if p.requires_grad])
 
     def _refuse_nonfinite(self, what: str) -> None:
         if not self.weights_finite():
             raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if any(p.dtype != torch.float32 for p in params):
-            return StochasticRoundingAdamW(params, seed=self.seed)
-        # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
-        return torch.optim.AdamW(params, fused=self.device.type in ("cpu", "cuda"))
+        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.seed, self.device)
 
     def save_state(self, path: str) -> None:
         """A folder: the trained weights in their own dtype as sharded safetensors, the optimizer
@@ -886,3 +860,52 @@ class LocalTrainer(LocalReference):
         self.model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
         return path
+
+
+def make_optimizer(params: list[torch.Tensor], seed: int, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``params``: torch's fused kernel for float32 weights, stochastic rounding for bf16."""
+    if any(p.dtype != torch.float32 for p in params):
+        return StochasticRoundingAdamW(params, seed=seed)
+    # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
+    return torch.optim.AdamW(params, fused=device.type in ("cpu", "cuda"))
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, adam_params: tinker.AdamParams, skip: bool) -> tuple[float, bool]:
+    """Set ``adam_params`` on ``optimizer``, clip its parameters' gradient norm (``grad_clip_norm``,
+    0 = off) and step, unless ``skip`` or the norm is non-finite; then zero the gradients.
+    Returns the norm before clipping and whether the step was skipped."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam_params.learning_rate,
+            betas=(adam_params.beta1, adam_params.beta2),
+            eps=adam_params.eps,
+            weight_decay=adam_params.weight_decay,
+        )
+    max_norm = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # Sharded (DTensor) parameters give a sharded norm: its full value is the same on every rank.
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    skip = skip or not math.isfinite(grad_norm)
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skip
+
+
+def nonfinite_step_message(grad_norm: float, adam_params: tinker.AdamParams) -> str:
+    return (
+        f"the optimizer step made weights non-finite (grad norm {grad_norm:.3g}, lr {adam_params.learning_rate:g}); "
+        "nothing is saved from them"
+    )
+
+
+def step_metrics(grad_norm: float, adam_params: tinker.AdamParams, skipped: bool) -> dict[str, float]:
+    return {"optim/grad_norm": grad_norm, "optim/lr": adam_params.learning_rate, "optim/skipped_nonfinite": float(skipped)}
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is NaN or inf, in one check (one device sync): the largest
+    magnitude is NaN or inf exactly when some element is. Empty tensors (a rank's empty shard) hold none."""
+    tensors = [t for t in tensors if t.numel()]
+    return not tensors or bool(torch.stack([n.float() for n in torch._foreach_norm(tensors, math.inf)]).isfinite().all())

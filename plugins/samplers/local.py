@@ -42,6 +42,7 @@ class LocalSamplerPlugin:
 
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> LocalSampler:
+        trainer = local_policy(trainer)
         if not isinstance(trainer, LocalTrainer):
             raise PluginError(
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
@@ -59,6 +60,13 @@ class LocalSamplerPlugin:
             version=trainer.version,
             own_weights=own_weights,
         )
+
+
+def local_policy(trainer: Any) -> Any:
+    """The local trainer whose model the sampler generates with: the trainer itself, or the whole
+    copy a trainer that is not local keeps in this process for sampling (``local_policy()``: the
+    fsdp trainer's, on rank 0)."""
+    return trainer.local_policy() if hasattr(trainer, "local_policy") else trainer
 
 
 @attrs.define(eq=False)
@@ -88,7 +96,8 @@ class LocalSampler:
     def max_context(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def load_weights_from(self, trainer: LocalTrainer) -> None:
+    def load_weights_from(self, trainer: Any) -> None:
+        trainer = local_policy(trainer)
         if self.model is not trainer.model:
             # A LoRA copy shares the frozen base weights with the trainer: only the adapters move.
             load_trained_state_dict(self.model, trained_state_dict(trainer.model))

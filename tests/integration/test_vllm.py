@@ -211,6 +211,30 @@ def test_grpo_core_run_with_the_openai_sampler_and_vllm_weight_sync(untied_serve
     check.close()
 
 
+def test_an_fsdp_run_of_two_ranks_syncs_the_server_and_passes_the_logprob_check(untied_server, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        "run", "--model", str(model), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
+        "--max-steps", "3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+        "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--learning-rate", "1e-3",
+        "--backend", "fsdp", "--backend-opt", "nproc=2",
+        "--sampler", "openai", "--sampler-opt", f"base_url={untied_server.url}", "--weight-sync", "vllm",
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    synced = [m for m in lines if "sync/logprob_max_abs_diff" in m]
+    assert len(synced) == 3
+    assert all(m["sync/logprob_max_abs_diff"] < TOLERANCE for m in synced)
+    # The weights the server got are the ones the fsdp ranks gathered: the final policy scores alike there.
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))
+    check = OpenAISampler(base_url=untied_server.url).make_sampler(config=RunConfig(), trainer=trainer)
+    assert VLLMWeightSync().verify(trainer, check) < TOLERANCE
+    check.close()
+
+
 def test_a_run_goes_on_through_a_server_kill_and_restart(vllm_venv, models, tmp_path, tiny_dataset):
     model = models["untied"]
     server = start_server(model, tmp_path)

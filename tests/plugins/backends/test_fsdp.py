@@ -1,0 +1,183 @@
+"""The fsdp backend in this process as rank 0, with one spawned rank (gloo, 2 ranks): a step of
+every loss equals the one-process local step; checkpoints and the sampler's policy."""
+
+from __future__ import annotations
+
+import pytest
+import tinker
+import torch
+
+from grpo_core import make_plugin
+from grpo_core.backend import sample_to_datum
+from grpo_core.config import RunConfig
+from grpo_core.errors import PluginError
+from grpo_core.loss import AGGREGATIONS
+from grpo_core.plugins.backends.fsdp import FSDPBackend, shares
+from grpo_core.plugins.backends.local import LocalBackend
+from grpo_core.plugins_manager import build_manager
+from grpo_core.stages import train_on_groups
+from tests.core.test_train_step import LOSS_CONFIGS, off_policy_samples
+
+LEARNING_RATE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def fsdp(tiny_model_dir, tmp_path_factory):
+    """A 2-rank fsdp trainer and reference, and a checkpoint of their start to reset the trainer to."""
+    config = RunConfig(model=str(tiny_model_dir), max_completion_tokens=8, grad_clip_norm=1.0)
+    backend = FSDPBackend(nproc=2)
+    trainer = backend.make_trainer(config=config)
+    reference = backend.make_reference(config=config, trainer=trainer)
+    start = tmp_path_factory.mktemp("fsdp") / "start"
+    trainer.save_state(str(start))
+    yield config, trainer, reference, str(start)
+    workers = list(trainer.group.workers)
+    trainer.close()
+    assert all(w.poll() is not None for w in workers)  # no rank is left running
+
+
+def one_step(trainer, reference, config, loss_name, options, tis):
+    samples = off_policy_samples(trainer.tokenizer)
+    plugins = [make_plugin(f"loss.{loss_name}", **options)] + ([make_plugin("tis", cap=1.5, icepop=3.0)] if tis else [])
+    return train_on_groups(build_manager(plugins), trainer, reference, [samples], config, LEARNING_RATE)
+
+
+CASES = [(name, {**options, "agg": agg}) for name, options in LOSS_CONFIGS.items() for agg in AGGREGATIONS] + [
+    ("grpo", {"kl_beta": 0.0}),  # without KL (the grpo cases above have it)
+]
+
+
+@pytest.mark.parametrize("tis", [False, True], ids=["alone", "tis"])
+@pytest.mark.parametrize(("loss_name", "options"), CASES, ids=[f"{n}-{o.get('agg', 'kl0')}" for n, o in CASES])
+def test_one_step_equals_the_one_process_step(fsdp, tiny_model_dir, loss_name, options, tis):
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    local = LocalBackend().make_trainer(config=config)
+    local_reference = LocalBackend().make_reference(config=config, trainer=local)
+    needs_reference = make_plugin(f"loss.{loss_name}", **options).needs_reference
+    ours = one_step(trainer, reference if needs_reference else None, config, loss_name, options, tis)
+    theirs = one_step(local, local_reference if needs_reference else None, config, loss_name, options, tis)
+    assert set(ours) == set(theirs)
+    differ = {k: (ours[k], theirs[k]) for k in theirs if ours[k] != pytest.approx(theirs[k], rel=1e-5, abs=1e-6)}
+    assert not differ, differ
+    assert trainer.version == local.version == 1
+    weights, expected = trainer.full_state_dict(), local.model.state_dict()
+    assert set(weights) == set(expected)
+    moved = max(float((expected[k] - v).abs().max()) for k, v in LocalBackend().make_trainer(config=config).model.state_dict().items())
+    assert moved > 10 * 1e-5  # the step changed the weights by more than the tolerance
+    worst = max(float((weights[k] - expected[k]).abs().max()) for k in expected)
+    assert worst <= 1e-5, worst
+
+
+def test_forward_of_fewer_sequences_than_ranks_and_of_none(fsdp):
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    local = LocalBackend().make_trainer(config=config)
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    assert trainer.forward([]) == []
+    for part in ([datums[0]], datums):
+        ours, theirs = trainer.forward(part), local.forward(part)
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert torch.allclose(a, b, atol=1e-5), (a, b)
+    assert shares(list(range(5)), 2) == [[0, 1], [2, 3, 4]] and shares([1], 2) == [[], [1]]
+
+
+def test_a_nonfinite_loss_skips_the_step_and_a_failing_loss_leaves_the_ranks_in_step(fsdp):
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    before = trainer.full_state_dict()
+    out = trainer.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps) * float("nan"), {}))
+    assert out.metrics["loss"] != out.metrics["loss"]  # NaN
+    metrics = trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    assert metrics["optim/skipped_nonfinite"] == 1.0 and trainer.version == 0
+    after = trainer.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    def failing(d, lps):
+        raise ValueError("this loss fails")
+
+    with pytest.raises(ValueError, match="this loss fails"):
+        trainer.forward_backward_custom(datums, failing)
+    assert trainer.group.broken is None
+    assert len(trainer.forward(datums)) == len(datums)  # the ranks take the next command
+
+
+def test_state_resumes_exactly_and_sampler_policy_loads_in_transformers(fsdp, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    adam = tinker.AdamParams(learning_rate=1e-2)
+
+    def step():
+        trainer.forward_backward_custom(datums, lambda d, lps: (sum((lp * lp).sum() for lp in lps) / 100, {}))
+        trainer.optim_step(adam)
+
+    step()
+    trainer.save_state(str(tmp_path / "one"))
+    step()
+    two = trainer.full_state_dict()
+    trainer.load_state(str(tmp_path / "one"))
+    assert trainer.version == 1
+    step()
+    again = trainer.full_state_dict()
+    assert all(torch.equal(two[k], again[k]) for k in two)  # bitwise: the AdamW state came back too
+
+    trainer.save_weights_for_sampler(str(tmp_path / "policy"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert model.dtype == torch.float32
+    local = LocalBackend().make_trainer(config=RunConfig(model=str(tmp_path / "policy")))
+    for a, b in zip(trainer.forward(datums), local.forward(datums)):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(PluginError, match="not a checkpoint of the fsdp trainer"):
+        trainer.load_state(str(tmp_path / "policy"))
+
+
+def test_the_local_sampler_samples_from_a_copy_kept_current(fsdp):
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    sampler = LocalSamplerPlugin().make_sampler(config=config, trainer=trainer)
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    trainer.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps), {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    sampler.load_weights_from(trainer)
+    assert sampler.version == trainer.version == 1
+    weights = trainer.full_state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in sampler.model.state_dict().items())
+    trainer.sampling_copy = None  # the other tests train without one
+
+
+@pytest.mark.parametrize(
+    ("settings", "options", "env", "message"),
+    [
+        ({}, {"nproc": 1}, {}, "use --backend local"),
+        ({}, {}, {}, "nproc=N"),
+        ({"lora_rank": 8}, {"nproc": 2}, {}, "LoRA runs on --backend local"),
+        ({}, {"nproc": 2}, {"WORLD_SIZE": "2"}, "leave nproc out"),
+        ({}, {}, {"WORLD_SIZE": "1"}, "use --backend local"),
+    ],
+)
+def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settings, options, env, message):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = RunConfig(model=str(tiny_model_dir), **settings)
+    with pytest.raises(PluginError, match=message):
+        FSDPBackend(**options).load_tokenizer(config=config)
+
+
+def test_a_negative_nproc_is_refused():
+    with pytest.raises(ValueError, match="nproc must be >= 2"):
+        FSDPBackend(nproc=-1)
+
+
+def test_cuda_needs_a_gpu_per_rank(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(PluginError, match="2 ranks here, 1 GPUs"):
+        FSDPBackend(nproc=2).load_tokenizer(config=RunConfig(model=str(tiny_model_dir), device="cuda"))

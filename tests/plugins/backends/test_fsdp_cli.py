@@ -1,0 +1,244 @@
+"""``grpo-core run --backend fsdp --backend-opt nproc=2`` end to end (gloo, CPU): it trains as the
+local backend does, resumes bitwise after a SIGKILL, stops cleanly when a rank dies, and never
+leaves a rank running."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.test_cli import SIGNAL, grpo_core, small_run_args
+
+FSDP = ("--backend", "fsdp", "--backend-opt", "nproc=2")
+
+
+def run_args(tiny_model_dir, tiny_dataset, run_dir, steps=3):
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, *SIGNAL, "--checkpoint-every", "1", "--seed", "3")
+    # A learning rate of 1e-3: AdamW's first steps move each weight by about lr whatever its
+    # gradient, so the last digits of a tiny gradient (the one-pass forward here, a shared prompt
+    # prefix in the local one) show up at lr scale; at 1e-3 well inside 1e-4.
+    return [*args, "--max-steps", str(steps), "--loss-opt", "kl_beta=0.05", "--learning-rate", "1e-3"]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def rank_pids(stderr: str) -> list[int]:
+    found = re.search(r"ranks 1-\d+ are pids ([\d, ]+)\)", stderr)
+    assert found, stderr
+    return [int(p) for p in found.group(1).split(", ")]
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.time() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.time() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
+def start(args):
+    return subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path, proc, timeout=300.0):
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def whole_runs(tiny_model_dir, tiny_dataset, tmp_path_factory):
+    """The same 3-step run on the local backend and on 2 fsdp ranks."""
+    base = tmp_path_factory.mktemp("fsdp-cli")
+    local = grpo_core(*run_args(tiny_model_dir, tiny_dataset, base / "local"))
+    assert local.returncode == 0, local.stderr
+    sharded = grpo_core(*run_args(tiny_model_dir, tiny_dataset, base / "fsdp"), *FSDP)
+    assert sharded.returncode == 0, sharded.stderr
+    return base, sharded
+
+
+@pytest.mark.slow
+def test_three_steps_end_where_the_local_backend_ends_and_no_rank_is_left(whole_runs, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    base, sharded = whole_runs
+    assert all(gone(pid, within=0.0) for pid in rank_pids(sharded.stderr))
+    ours, theirs = final_weights(base / "fsdp"), final_weights(base / "local")
+    assert set(ours) == set(theirs)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert max(float((theirs[k] - initial[k]).abs().max()) for k in theirs) > 1e-3  # it trained
+    worst = max(float((ours[k] - theirs[k]).abs().max()) for k in theirs)
+    assert worst <= 1e-4, worst
+    assert (base / "fsdp" / "checkpoints" / "step-000003" / "trainer" / "fsdp.json").is_file()
+
+
+@pytest.mark.slow
+def test_sigkill_of_rank0_then_resume_is_bitwise_the_unbroken_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+    base, _ = whole_runs
+    killed = tmp_path / "killed"
+    proc = start([*run_args(tiny_model_dir, tiny_dataset, killed), *FSDP])
+    wait_for(killed / "checkpoints" / "step-000001" / "state.json", proc)
+    proc.send_signal(signal.SIGKILL)  # rank 0 only: the rank it started must die with it
+    proc.wait()
+    assert not (killed / "final").exists()
+    assert all(gone(pid) for pid in rank_pids(proc.stderr.read()))
+    resumed = grpo_core("run", "--resume", str(killed))
+    assert resumed.returncode == 0, resumed.stderr
+    ours, unbroken = final_weights(killed), final_weights(base / "fsdp")
+    assert all(torch.equal(ours[k], unbroken[k]) for k in unbroken)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_run_stops_it_with_a_message_and_a_loadable_checkpoint(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*run_args(tiny_model_dir, tiny_dataset, run_dir, steps=6), *FSDP])
+    # The rank's pid is said before the first step; kill it once a step is saved.
+    wait_for(run_dir / "checkpoints" / "step-000001" / "state.json", proc)
+    pids = []
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as children:
+        pids = [int(p) for p in children.read().split()]
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr
+    assert f"rank 1 of 2 (pid {pids[0]}) died (killed by SIGKILL)" in stderr
+    assert "the newest valid one is" in stderr or "previous checkpoint" in stderr or "are saved in" in stderr, stderr
+    resumed = grpo_core("run", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert all(gone(pid, within=0.0) for pid in rank_pids(resumed.stderr))
+    assert (run_dir / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_the_embedded_default_with_seed_1_ends_where_the_local_backend_ends(tmp_path):
+    runs = {}
+    for name, extra in (("local", ()), ("fsdp", FSDP)):
+        out = grpo_core("run", "--max-steps", "3", "--seed", "1", "--run-dir", str(tmp_path / name), *extra)
+        assert out.returncode == 0, out.stderr
+        runs[name] = final_weights(tmp_path / name)
+    worst = max(float((runs["fsdp"][k] - runs["local"][k]).abs().max()) for k in runs["local"])
+    assert worst <= 1e-3, worst
+
+
+RESHARD = """
+import sys, torch, tinker
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends.fsdp import FSDPBackend
+world, mode, folder, model = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+trainer = FSDPBackend(nproc=world).make_trainer(config=RunConfig(model=model))
+datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
+                       loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
+def step():
+    trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
+    trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+if mode == "save":
+    step()
+    trainer.save_state(folder + "/state")
+else:
+    trainer.load_state(folder + "/state")
+step()
+torch.save(trainer.full_state_dict(), f"{folder}/{mode}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_two_ranks_resumes_on_three(tiny_model_dir, tmp_path):
+    for world, mode in ((2, "save"), (3, "load")):
+        args = [sys.executable, "-c", RESHARD, str(world), mode, str(tmp_path), str(tiny_model_dir)]
+        out = subprocess.run(args, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    assert "written by 2 ranks: resharded for 3" in out.stderr
+    two, three = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "load.pt")
+    assert max(float((two[k] - three[k]).abs().max()) for k in two) <= 1e-6
+
+
+CHECKPOINTED = """
+import sys, torch, tinker
+from grpo_core.config import RunConfig
+from grpo_core.plugins.backends import fsdp
+folder, model = sys.argv[1], sys.argv[2]
+backend = fsdp.FSDPBackend(nproc=2, attn_implementation="eager")
+trainer = backend.make_trainer(config=RunConfig(model=model, gradient_checkpointing=True))
+datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
+                       loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
+calls = []
+mlp = fsdp.RANK_STATE[0].models["policy"].lm.model.layers[0].mlp
+mlp.forward = lambda *a, _f=mlp.forward, **k: calls.append(1) or _f(*a, **k)
+trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
+trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
+lm = fsdp.RANK_STATE[0].models["policy"].lm
+torch.save({"calls": len(calls), "weights": trainer.full_state_dict(), "attention": lm.config._attn_implementation}, folder + "/out.pt")
+"""
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_each_layer_and_trains_as_without_and_attention_is_the_option(tiny_model_dir, tmp_path):
+    import tinker
+
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    out = subprocess.run([sys.executable, "-c", CHECKPOINTED, str(tmp_path), str(tiny_model_dir)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    result = torch.load(tmp_path / "out.pt")
+    assert result["calls"] == 2  # the forward, then its recomputation in backward
+    assert result["attention"] == "eager"  # the attn_implementation option (auto: sdpa for Qwen3)
+    local = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    datums = [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]},
+        )
+        for i in range(5)
+    ]
+    local.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
+    local.optim_step(tinker.AdamParams(learning_rate=1e-2))
+    expected = local.model.state_dict()
+    assert max(float((result["weights"][k] - expected[k]).abs().max()) for k in expected) <= 1e-5
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_ends_after_the_step_with_a_checkpoint(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "grpo_core.cli", *run_args(tiny_model_dir, tiny_dataset, run_dir, steps=20), *FSDP],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    wait_for(run_dir / "checkpoints" / "step-000001" / "state.json", proc)
+    os.killpg(proc.pid, signal.SIGTERM)  # every rank gets it, as from a job scheduler
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    assert (run_dir / "final" / "model.safetensors").is_file()
+    steps = [p.name for p in (run_dir / "checkpoints").glob("step-*")]
+    assert steps and max(steps) < "step-000020"
+    assert all(gone(pid) for pid in rank_pids(stderr))
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_same_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+    base, _ = whole_runs
+    args = run_args(tiny_model_dir, tiny_dataset, tmp_path / "torchrun")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "grpo_core.cli"]
+    out = subprocess.run([*torchrun, *args, "--backend", "fsdp"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    ours, spawned = final_weights(tmp_path / "torchrun"), final_weights(base / "fsdp")
+    assert all(torch.equal(ours[k], spawned[k]) for k in spawned)
+    refused = subprocess.run([*torchrun, *args, "--backend", "local", "--overwrite"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "--backend local trains in one" in refused.stderr
