@@ -91,7 +91,8 @@ def test_a_three_step_run_on_the_embedded_model(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps if "step" in s][-1] == 3
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all("reward/reasoning_gym" in s and s["reward/failed"] == 0 for s in steps)
 
 
 def test_without_the_extra_a_run_is_one_line_and_exit_1(monkeypatch, tmp_path):
