@@ -238,7 +238,8 @@ def reasoning_gym_rows(dataset: str, seed: int) -> Any:
     size = int(rest[0]) if rest else REASONING_GYM_ROWS
     weights = _reasoning_gym_weights(dataset, spec)
     reasoning_gym = import_extra("reasoning_gym", "reasoning-gym", f"the dataset {dataset}")
-    known = sorted(reasoning_gym.factory.DATASETS)
+    # composite is reasoning-gym's mixer, which weighted TASKS name; alone it has no tasks to draw.
+    known = sorted(set(reasoning_gym.factory.DATASETS) - {"composite"})
     for task in weights:
         if task not in known:
             close = get_close_matches(task, known, n=5, cutoff=0.5)

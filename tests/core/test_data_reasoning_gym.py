@@ -63,7 +63,8 @@ def test_weighted_tasks_are_drawn_in_proportion():
     ("dataset", "message"),
     [
         ("reasoning_gym:basic_arithmatic", "no task 'basic_arithmatic'; close names: basic_arithmetic, "),
-        ("reasoning_gym:qqqqqqqq", "no task 'qqqqqqqq'; 106 tasks, e.g. "),
+        ("reasoning_gym:qqqqqqqq", "no task 'qqqqqqqq'; 105 tasks, e.g. "),
+        ("reasoning_gym:composite", "no task 'composite'; "),
         ("reasoning_gym:basic_arithmetic=2,chain_sums=1", "no task 'chain_sums'; close names: chain_sum"),
         ("reasoning_gym:basic_arithmetic:0", "N a positive row count"),
         ("reasoning_gym:basic_arithmetic:ten", "N a positive row count"),
