@@ -512,7 +512,7 @@ def target_logprobs(
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
             return _logprobs_packed(forward, inputs, targets, starts, rows, device)
-    return _logprobs_one_pass(forward, inputs, targets, min(starts), device)
+    return _logprobs_one_pass(forward, inputs, targets, starts, device)
 
 
 def _first_trained(weights: Sequence[float]) -> int:
@@ -598,11 +598,11 @@ def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K:
     return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
 
 
-def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start: int, device: torch.device) -> list[torch.Tensor]:
+def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, starts: list[int], device: torch.device) -> list[torch.Tensor]:
     input_ids_B_T, attention_B_T = _pad(inputs)
     targets_B_T, _ = _pad(targets)
     B, T = input_ids_B_T.shape
-    start = min(start, T - 1)
+    start = min(*starts, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
     hidden_B_K_E = forward.hidden_states(
         input_ids=input_ids_B_T.to(device),
@@ -612,7 +612,8 @@ def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, start
     )
     logprobs_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs])
     logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
-    return [logprobs_B_T[i, : len(x)] for i, x in enumerate(inputs)]
+    # A row whose training starts later than the batch's first gets 0.0 before it, as on every path.
+    return [torch.cat([logprobs_B_T.new_zeros(s), logprobs_B_T[i, s : len(x)]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
