@@ -19,6 +19,9 @@ from grpo_core.data import import_extra
 from grpo_core.errors import PluginError
 from grpo_core.types import EnvStep
 
+ROLES = ("system", "user", "assistant")
+"""The message roles a task may open with (a prompt's tool message would need its call's id)."""
+
 INDEX_FIELD = "verifiers_idx"
 """The dataset row's field naming its task: the task's position in the taskset."""
 
@@ -106,6 +109,10 @@ def opening(task: Any) -> list[dict[str, Any]]:
         messages.append({"role": "user", "content": data.prompt})
     elif data.prompt:
         messages += [m.model_dump(include={"role", "content"}) for m in data.prompt]
+        if roles := {m["role"] for m in messages} - set(ROLES):
+            raise PluginError(
+                f"verifiers: task {data.idx} opens with {', '.join(sorted(roles))} messages; only {', '.join(ROLES)} are adapted"
+            )
     else:
         raise PluginError(f"verifiers: task {data.idx} has no prompt (a task the user opens needs verifiers' own Env.run)")
     return messages
@@ -116,7 +123,7 @@ def score(task: Any, messages: Sequence[dict[str, Any]]) -> float:
     vf = import_extra("verifiers.v1", "verifiers", "the verifiers environment")
     from verifiers.v1.graph import MessageNode  # noqa: PLC0415 (optional extra)
 
-    typed = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
+    typed = dict(zip(ROLES, (vf.SystemMessage, vf.UserMessage, vf.AssistantMessage)))
     nodes = [
         MessageNode(parent=i - 1 if i else None, message=typed[m["role"]](content=m["content"]), sampled=m["role"] == "assistant")
         for i, m in enumerate(messages)

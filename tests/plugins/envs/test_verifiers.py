@@ -54,6 +54,20 @@ def infinite_taskset():
     return Endless(vf.TasksetConfig())
 
 
+def chat_and_userless_tasks():
+    class Mixed(SumTaskset):
+        def load(self):
+            yield SumTask(
+                SumData(
+                    prompt=[vf.UserMessage(content="1+1="), vf.AssistantMessage(content="2"), vf.UserMessage(content="+1=")], answer="3"
+                )
+            )
+            yield SumTask(SumData(prompt=None, answer="1"))
+            yield SumTask(SumData(prompt=[vf.ToolMessage(content="2", tool_call_id="c1")], answer="2"))
+
+    return Mixed(vf.TasksetConfig())
+
+
 def not_a_taskset():
     return [1, 2]
 
@@ -65,6 +79,19 @@ def episode(index: int, spec: str = SPEC):
 def test_a_task_opens_with_its_system_prompt_and_prompt():
     assert episode(0).messages == [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "0+1="}]
     assert episode(2).messages == [{"role": "user", "content": "2+1="}]
+
+
+def test_a_chat_prompt_opens_as_its_messages_and_a_task_without_prompt_is_refused():
+    spec = "tests.plugins.envs.test_verifiers:chat_and_userless_tasks"
+    chat = episode(0, spec)
+    assert chat.messages == [
+        {"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "+1="}
+    ]  # fmt: skip
+    assert chat.step("3", []).reward == 1.5  # the last reply is the policy's, not the prompt's assistant message
+    with pytest.raises(PluginError, match="task 1 has no prompt"):
+        episode(1, spec)
+    with pytest.raises(PluginError, match="task 2 opens with tool messages; only system, user, assistant are adapted"):
+        episode(2, spec)
 
 
 @pytest.mark.parametrize(("said", "reward"), [("3", 1.5), (" 3\n", 1.5), ("4", 0.5), ("three", 0.0)])
