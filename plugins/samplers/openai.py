@@ -36,6 +36,8 @@ AUTO_MAX_WINDOW = 256
 LATENCY_TOLERANCE = 1.5
 """Under ``concurrency=auto`` the window grows while a request's seconds per completion token stay
 within this factor of the best seen; past it the server is queueing, not batching, and it shrinks."""
+LATENCY_SMOOTHING = 0.2
+"""Weight of the newest request in the moving average of seconds per completion token."""
 LATENCY_BACKOFF = 0.8
 """The window's factor on a latency blow-up (at most once per round of requests)."""
 FAILURE_BACKOFF = 0.5
@@ -371,7 +373,7 @@ class ConcurrencyWindow:
     latency, used on the client's event loop only.
 
     Adapted: each request that ends while the window is full and within ``LATENCY_TOLERANCE`` of
-    the best seconds per completion token seen grows it by 1/size (one request per round of
+    the best seconds per completion token seen (a moving average) grows it by 1/size (one request per round of
     requests); a slower one shrinks it by ``LATENCY_BACKOFF`` and a failure by ``FAILURE_BACKOFF``,
     once per round (only a request started after the last shrink can shrink it again). Seconds
     per token, not per request: a request's time grows with its longest completion, and steps
@@ -385,6 +387,8 @@ class ConcurrencyWindow:
             raise ValueError(f"the concurrency window {size} must lie in [{self.low}, {self.high}], with 1 <= {self.low}")
         self.size = float(size)
         self.in_flight = 0
+        self.seconds_per_token: float | None = None
+        """The recent seconds per completion token (a moving average)."""
         self.best_seconds_per_token = math.inf
         self._last_shrink = -math.inf
         self._waiting = 0
@@ -421,8 +425,12 @@ class ConcurrencyWindow:
         if not self.adaptive:
             return
         seconds_per_token = (time.monotonic() - started) / max(1, longest_completion)
-        self.best_seconds_per_token = min(self.best_seconds_per_token, seconds_per_token)
-        if seconds_per_token <= LATENCY_TOLERANCE * self.best_seconds_per_token:
+        # Smoothed, so that one lucky fast answer does not set a best no round can match.
+        if self.seconds_per_token is None:
+            self.seconds_per_token = seconds_per_token
+        self.seconds_per_token += LATENCY_SMOOTHING * (seconds_per_token - self.seconds_per_token)
+        self.best_seconds_per_token = min(self.best_seconds_per_token, self.seconds_per_token)
+        if self.seconds_per_token <= LATENCY_TOLERANCE * self.best_seconds_per_token:
             # Only a window that limited the requests has shown it is too small.
             if self._waiting or self.in_flight >= self.limit:
                 self.size = min(self.high, self.size + 1 / self.size)
