@@ -241,3 +241,31 @@ def test_auto_beats_a_too_small_and_a_too_large_fixed_window_on_a_saturating_ser
     # The ideal is 8 in flight (160 requests/s); 2 gets at most 40, 32 at most 160 / 4 = 40.
     assert auto > 1.5 * throughput[2][0] and auto > 1.5 * throughput[32][0]
     assert 4 <= window <= 14
+
+
+@pytest.mark.parametrize("loop, concurrency, window", [("sync", "auto", AUTO_INITIAL_WINDOW), ("async", "5", 5)])
+def test_a_run_records_the_window_in_every_step(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop, concurrency, window):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.loop import run
+
+    fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
+    server = LocalHTTPServer(fake)
+    try:
+        config = RunConfig(
+            model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Question: {prompt}\nAnswer:", loop=loop,
+            max_steps=2, prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=3, reward=["format"],
+            logger=["jsonl"], run_dir=str(tmp_path / "run"), drop_zero_variance_groups=False, sampler="openai",
+            plugin_options={
+                "sampler": {"openai": {"base_url": server.url, "prompts_per_request": 1, "concurrency": concurrency}},
+                "weight_sync": {"vllm": {"weights_dir": str(tmp_path / "weights")}},
+            },
+        )  # fmt: skip
+        run(config)
+    finally:
+        server.close()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # Two requests a step never fill the window: auto's stays where it started.
+    assert [m["sampler/concurrency_window"] for m in metrics] == [window, window]
