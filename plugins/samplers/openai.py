@@ -372,11 +372,13 @@ class ConcurrencyWindow:
     """How many requests may be in flight at once: fixed, or adapted (``low < high``) by AIMD on
     latency, used on the client's event loop only.
 
-    Adapted: each request that ends while the window is full and within ``LATENCY_TOLERANCE`` of
-    the best seconds per completion token seen (a moving average) grows it by 1/size (one request per round of
-    requests); a slower one shrinks it by ``LATENCY_BACKOFF`` and a failure by ``FAILURE_BACKOFF``,
-    once per round (only a request started after the last shrink can shrink it again). Seconds
-    per token, not per request: a request's time grows with its longest completion, and steps
+    Adapted, on the requests that end while the window is full: each within
+    ``LATENCY_TOLERANCE`` of the best seconds per completion token seen (a moving average) grows
+    it by 1/size (one request per round of requests); a slower one shrinks it by
+    ``LATENCY_BACKOFF``, and any failure by ``FAILURE_BACKOFF``, once per round (only a request
+    started after the last shrink counts). A server slower for good shrinks it to ``low``, where
+    its time becomes the best to hold. Seconds per token, not per request: a request's time grows
+    with its longest completion, and steps
     with shorter completions must not read as a faster server.
     """
 
@@ -422,7 +424,9 @@ class ConcurrencyWindow:
             self._cond.notify(max(0, self.limit - self.in_flight))
 
     def on_success(self, started: float, longest_completion: int) -> None:
-        if not self.adaptive:
+        if not self.adaptive or started < self._last_shrink:
+            # It ran under the window before the last shrink, or failed first: its time says
+            # nothing of the window now.
             return
         seconds_per_token = (time.monotonic() - started) / max(1, longest_completion)
         # Smoothed, so that one lucky fast answer does not set a best no round can match.
@@ -430,10 +434,14 @@ class ConcurrencyWindow:
             self.seconds_per_token = seconds_per_token
         self.seconds_per_token += LATENCY_SMOOTHING * (seconds_per_token - self.seconds_per_token)
         self.best_seconds_per_token = min(self.best_seconds_per_token, self.seconds_per_token)
+        if not (self._waiting or self.in_flight >= self.limit):
+            return  # a window that did not limit the requests is neither too small nor too large
         if self.seconds_per_token <= LATENCY_TOLERANCE * self.best_seconds_per_token:
-            # Only a window that limited the requests has shown it is too small.
-            if self._waiting or self.in_flight >= self.limit:
-                self.size = min(self.high, self.size + 1 / self.size)
+            self.size = min(self.high, self.size + 1 / self.size)
+        elif self.size <= self.low:
+            # Nothing left to shed at the lowest window: the server itself became slower (other
+            # load, longer prompts), so its time now is the best to hold.
+            self.best_seconds_per_token = self.seconds_per_token
         else:
             self._shrink(started, LATENCY_BACKOFF)
 
