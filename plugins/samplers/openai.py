@@ -378,8 +378,8 @@ class ConcurrencyWindow:
     ``LATENCY_BACKOFF``, and any failure by ``FAILURE_BACKOFF``, once per round (only a request
     started after the last shrink counts). A server slower for good shrinks it to ``low``, where
     its time becomes the best to hold. Seconds per token, not per request: a request's time grows
-    with its longest completion, and steps
-    with shorter completions must not read as a faster server.
+    with its longest completion, and steps with shorter completions must not read as a faster
+    server.
     """
 
     def __init__(self, size: int, low: int | None = None, high: int | None = None) -> None:

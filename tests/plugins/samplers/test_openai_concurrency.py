@@ -205,12 +205,13 @@ def test_a_window_outside_its_bounds_is_refused():
 
 class SaturatingServer:
     """A server that batches up to ``capacity`` requests at no cost, then thrashes: a request that
-    arrives with k in flight takes ``seconds_per_token * max_tokens * max(1, (k / capacity)**2)``
-    (as an engine that preempts and recomputes when its KV cache is over-full), so the best
-    throughput is at ``capacity`` requests in flight, and less on either side."""
+    arrives with k in flight takes ``seconds_per_token * max_tokens * max(1, (k / capacity)**exponent)``.
+    With exponent 2 (an engine that preempts and recomputes when its KV cache is over-full) the
+    best throughput is at ``capacity`` requests in flight, and less on either side; with 1 it only
+    queues, and any window from ``capacity`` up is as good."""
 
-    def __init__(self, fake, capacity, seconds_per_token):
-        self.fake, self.capacity, self.seconds_per_token = fake, capacity, seconds_per_token
+    def __init__(self, fake, capacity, seconds_per_token, exponent=2):
+        self.fake, self.capacity, self.seconds_per_token, self.exponent = fake, capacity, seconds_per_token, exponent
         self.in_flight = 0
         self.lock = threading.Lock()
 
@@ -219,7 +220,7 @@ class SaturatingServer:
             return self.fake(request)
         with self.lock:
             self.in_flight += 1
-            load = max(1.0, (self.in_flight / self.capacity) ** 2)
+            load = max(1.0, (self.in_flight / self.capacity) ** self.exponent)
         try:
             time.sleep(self.seconds_per_token * 2 * load)
             return self.fake(request)
