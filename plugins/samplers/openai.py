@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from types import TracebackType
 from typing import Any, ClassVar
 
 import attrs
@@ -28,6 +29,19 @@ KEEPALIVE_EXPIRY = 4.0
 """Seconds an idle connection is kept: under vLLM's (uvicorn's) 5 s keep-alive timeout, so the
 client drops it first. A request sent on a connection the server is closing fails like a server
 that went away: a retry, and a weight resync before it."""
+AUTO_INITIAL_WINDOW = 16
+"""Requests in flight at start under ``concurrency=auto`` (the seeds' controller starts there)."""
+AUTO_MAX_WINDOW = 256
+"""The window's default upper bound under ``concurrency=auto``."""
+LATENCY_TOLERANCE = 1.5
+"""Under ``concurrency=auto`` the window grows while a request's seconds per completion token stay
+within this factor of the best seen; past it the server is queueing, not batching, and it shrinks."""
+LATENCY_SMOOTHING = 0.2
+"""Weight of the newest request in the moving average of seconds per completion token."""
+LATENCY_BACKOFF = 0.8
+"""The window's factor on a latency blow-up (at most once per round of requests)."""
+FAILURE_BACKOFF = 0.5
+"""The window's factor on a failure to be retried: 429, 5xx, a timeout, a dropped connection."""
 PROGRESS_EVERY = 30.0
 """Seconds between two progress lines while a call to the server waits (a slow answer, retries)."""
 PROMPTS_PER_REQUEST = 8
@@ -67,7 +81,12 @@ class OpenAISampler:
     model: str = option("", help="the model name the server serves (empty = the only one it lists)")
     api_key: str = option("", help="bearer token for the server; give it as env:NAME", secret=True, repr=False)
     timeout: float = option(600.0, help="seconds one request may take before it is retried")
-    concurrency: int = option(32, help="requests in flight at once")
+    concurrency: int | str = option(
+        32,
+        help="requests in flight at once: N (a fixed window), or auto (a window adapted to the server's latency, "
+        f"from {AUTO_INITIAL_WINDOW} between 1 and concurrency_max)",
+    )
+    concurrency_max: int | None = option(None, help=f"the window's upper bound under concurrency=auto (default {AUTO_MAX_WINDOW})")
     prompts_per_request: int = option(
         PROMPTS_PER_REQUEST, help="prompts sent in one request (each with n completions); fewer requests reach the server's engine together"
     )
@@ -83,17 +102,30 @@ class OpenAISampler:
         for name in ("timeout", "retry_deadline", "connect_deadline"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("concurrency", "prompts_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prompts_per_request < 1:
+            raise ValueError(f"prompts_per_request must be >= 1, got {self.prompts_per_request}")
+        if self.concurrency != "auto" and not (type(self.concurrency) is int and self.concurrency >= 1):
+            raise ValueError(f"concurrency must be an integer >= 1 or auto, got {self.concurrency!r}")
+        if self.concurrency_max is not None:
+            if self.concurrency != "auto":
+                raise ValueError("concurrency_max bounds the adapted window only: it needs concurrency=auto")
+            if self.concurrency_max < 1:
+                raise ValueError(f"concurrency_max must be >= 1, got {self.concurrency_max}")
+
+    def window(self) -> ConcurrencyWindow:
+        if self.concurrency == "auto":
+            high = AUTO_MAX_WINDOW if self.concurrency_max is None else self.concurrency_max
+            return ConcurrencyWindow(min(AUTO_INITIAL_WINDOW, high), low=1, high=high)
+        return ConcurrencyWindow(self.concurrency)
 
     @hookimpl
     def make_sampler(self, config: Any, trainer: Any) -> ServerSampler:
+        window = self.window()
         client = ServerClient(
             base_url=self.base_url,
             api_key=self.api_key,
             timeout=self.timeout,
-            concurrency=self.concurrency,
+            concurrency=window,
             retry_deadline=self.retry_deadline,
         )
         try:
@@ -104,7 +136,7 @@ class OpenAISampler:
                 model=self.model or client.only_model(cards),
                 version=trainer.version,
                 prompts_per_request=self.prompts_per_request,
-                concurrent_samples=self.concurrency,
+                concurrent_samples=window.high,
             )
             sampler.max_context = client.max_model_len(cards, sampler.model)
             if self.check_tokenizer:
@@ -138,7 +170,7 @@ class ServerClient:
         base_url: str,
         api_key: str = "",
         timeout: float = 600.0,
-        concurrency: int = 32,
+        concurrency: int | ConcurrencyWindow = 32,
         retry_deadline: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
         backoff: tuple[float, float] = (0.5, 10.0),
@@ -162,6 +194,8 @@ class ServerClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpo-core-sampler-http", daemon=True)
         self._thread.start()
+        self.window = concurrency if isinstance(concurrency, ConcurrencyWindow) else ConcurrencyWindow(concurrency)
+        """The completions requests in flight at once, shared by every call."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
         async def make_client() -> httpx.AsyncClient:
@@ -169,13 +203,14 @@ class ServerClient:
                 base_url=self.base_url,
                 headers=headers,
                 timeout=timeout,
-                limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=KEEPALIVE_EXPIRY),
+                limits=httpx.Limits(
+                    max_connections=self.window.high, max_keepalive_connections=self.window.high, keepalive_expiry=KEEPALIVE_EXPIRY
+                ),
                 transport=transport,
             )
 
         self._http = self.call(make_client())
         self._lock = self.call(_make_lock())
-        self.semaphore = self.call(_make_semaphore(concurrency))
 
     def call(self, coroutine: Coroutine[Any, Any, Any], counts: dict[str, int] | None = None) -> Any:
         """Run ``coroutine`` on the client's loop; ``counts`` (keys as ``self.counts``) gets the
@@ -236,12 +271,21 @@ class ServerClient:
     def post(self, path: str, body: dict[str, Any], resync: bool = True) -> Any:
         return self.call(self.request("POST", path, body, resync))
 
-    async def request(self, method: str, path: str, body: dict[str, Any] | None, resync: bool = True, deadline: float | None = None) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        resync: bool = True,
+        deadline: float | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ) -> Any:
         """The decoded JSON answer; retried until the deadline, then :class:`ServerUnavailable`.
 
         ``deadline``: seconds from the first attempt the request may take in all, each attempt's
         wait for an answer included (the first contact's bound); else each attempt may take
-        ``timeout`` and failures are retried for ``retry_deadline``."""
+        ``timeout`` and failures are retried for ``retry_deadline``. ``on_failure`` runs on each
+        failure that is retried or ends the request."""
         started = time.monotonic()
         limit = self.retry_deadline if deadline is None else deadline
         first_failure: float | None = None
@@ -276,6 +320,8 @@ class ServerClient:
                     )
                 error = f"HTTP {response.status_code}: {_server_message(response)}"
                 retry_after = _retry_after(response)
+            if on_failure is not None:
+                on_failure()
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
             give_up_at = first_failure + limit if deadline is None else started + limit
@@ -322,8 +368,91 @@ async def _make_lock() -> asyncio.Lock:
     return asyncio.Lock()
 
 
-async def _make_semaphore(n: int) -> asyncio.Semaphore:
-    return asyncio.Semaphore(n)
+class ConcurrencyWindow:
+    """How many requests may be in flight at once: fixed, or adapted (``low < high``) by AIMD on
+    latency, used on the client's event loop only.
+
+    Adapted, on the requests that end while the window is full: each within
+    ``LATENCY_TOLERANCE`` of the best seconds per completion token seen (a moving average) grows
+    it by 1/size (one request per round of requests); a slower one shrinks it by
+    ``LATENCY_BACKOFF``, and any failure by ``FAILURE_BACKOFF``, once per round (only a request
+    started after the last shrink counts). A server slower for good shrinks it to ``low``, where
+    its time becomes the best to hold. Seconds per token, not per request: a request's time grows
+    with its longest completion, and steps with shorter completions must not read as a faster
+    server.
+    """
+
+    def __init__(self, size: int, low: int | None = None, high: int | None = None) -> None:
+        self.low = size if low is None else low
+        self.high = size if high is None else high
+        if not 1 <= self.low <= size <= self.high:
+            raise ValueError(f"the concurrency window {size} must lie in [{self.low}, {self.high}], with 1 <= {self.low}")
+        self.size = float(size)
+        self.in_flight = 0
+        self.seconds_per_token: float | None = None
+        """The recent seconds per completion token (a moving average)."""
+        self.best_seconds_per_token = math.inf
+        self._last_shrink = -math.inf
+        self._waiting = 0
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return self.low < self.high
+
+    @property
+    def limit(self) -> int:
+        return int(self.size)
+
+    async def __aenter__(self) -> float:
+        """Waits for a free slot; the time the request starts."""
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        async with self._cond:
+            self._waiting += 1
+            try:
+                await self._cond.wait_for(lambda: self.in_flight < self.limit)
+            finally:
+                self._waiting -= 1
+            self.in_flight += 1
+        return time.monotonic()
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        assert self._cond is not None
+        async with self._cond:
+            self.in_flight -= 1
+            self._cond.notify(max(0, self.limit - self.in_flight))
+
+    def on_success(self, started: float, longest_completion: int) -> None:
+        if not self.adaptive or started < self._last_shrink:
+            # It ran under the window before the last shrink, or failed first: its time says
+            # nothing of the window now.
+            return
+        seconds_per_token = (time.monotonic() - started) / max(1, longest_completion)
+        # Smoothed, so that one lucky fast answer does not set a best no round can match.
+        if self.seconds_per_token is None:
+            self.seconds_per_token = seconds_per_token
+        self.seconds_per_token += LATENCY_SMOOTHING * (seconds_per_token - self.seconds_per_token)
+        self.best_seconds_per_token = min(self.best_seconds_per_token, self.seconds_per_token)
+        if not (self._waiting or self.in_flight >= self.limit):
+            return  # a window that did not limit the requests is neither too small nor too large
+        if self.seconds_per_token <= LATENCY_TOLERANCE * self.best_seconds_per_token:
+            self.size = min(self.high, self.size + 1 / self.size)
+        elif self.size <= self.low:
+            # Nothing left to shed at the lowest window: the server itself became slower (other
+            # load, longer prompts), so its time now is the best to hold.
+            self.best_seconds_per_token = self.seconds_per_token
+        else:
+            self._shrink(started, LATENCY_BACKOFF)
+
+    def on_failure(self, started: float) -> None:
+        if self.adaptive:
+            self._shrink(started, FAILURE_BACKOFF)
+
+    def _shrink(self, started: float, factor: float) -> None:
+        if started > self._last_shrink:
+            self.size = max(self.low, self.size * factor)
+            self._last_shrink = time.monotonic()
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -396,15 +525,23 @@ class ServerSampler:
         # (those made for this call's completions), ``sampler/prompts``, ``sampler/completions``.
         for key, value in counts.items():
             record(f"sampler/{key}", value, "sum")
+        # Requests in flight allowed (``concurrency``; adapted under ``concurrency=auto``), as the call left it.
+        record("sampler/concurrency_window", self.client.window.limit, "max")
         record("sampler/prompts", len(prompts), "sum")
         record("sampler/completions", sum(len(g) for g in groups), "sum")
         return groups
 
     async def _sample_chunks(self, chunks: list[list[list[int]]], n: int, params: SamplingParams) -> list[list[list[Completion]]]:
+        window = self.client.window
+
         async def one(chunk: list[list[int]]) -> list[list[Completion]]:
-            async with self.client.semaphore:
-                data = await self.client.request("POST", "/v1/completions", completion_body(self.model, chunk, n, params))
-            return parse_completions(data, len(chunk), n, self.vocab_size, greedy=params.temperature == 0)
+            async with window as started:
+                data = await self.client.request(
+                    "POST", "/v1/completions", completion_body(self.model, chunk, n, params), on_failure=lambda: window.on_failure(started)
+                )
+                groups = parse_completions(data, len(chunk), n, self.vocab_size, greedy=params.temperature == 0)
+                window.on_success(started, max(len(c.tokens) for group in groups for c in group))
+            return groups
 
         return list(await asyncio.gather(*(one(c) for c in chunks)))
 

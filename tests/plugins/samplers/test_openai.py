@@ -67,6 +67,7 @@ def test_sample_sends_token_ids_and_sampling_settings_and_groups_completions_by_
             assert completion.finish_reason == "length"
     assert recorded == {
         "sampler/requests": 2.0, "sampler/retries": 0.0, "sampler/reconnects": 0.0, "sampler/prompts": 2.0, "sampler/completions": 4.0,
+        "sampler/concurrency_window": 8.0,
     }  # fmt: skip
     sampler.close()
 
