@@ -242,17 +242,15 @@ def requests_per_second(tokenizer, url, concurrency, steps, requests_per_step):
     return steps * requests_per_step / elapsed, window
 
 
-def test_auto_beats_a_too_small_and_a_too_large_fixed_window_on_a_saturating_server(tokenizer):
+def test_auto_settles_near_the_capacity_of_a_saturating_server(tokenizer):
+    # Throughput against fixed windows is measured in benchmarks/openai_concurrency.py, not here.
     fake = FakeVLLM(tokenizer)
     server = LocalHTTPServer(SaturatingServer(fake, capacity=8, seconds_per_token=0.025))
     try:
-        throughput = {c: requests_per_second(tokenizer, server.url, c, steps=2, requests_per_step=80) for c in (2, 32, "auto")}
+        _, window = requests_per_second(tokenizer, server.url, "auto", steps=2, requests_per_step=80)
     finally:
         server.close()
-    print({c: (round(r, 1), round(w, 1)) for c, (r, w) in throughput.items()})
-    auto, window = throughput["auto"]
-    # The ideal is 8 in flight (160 requests/s); 2 gets at most 40, 32 at most 160 / 4 = 40.
-    assert auto > 1.5 * throughput[2][0] and auto > 1.5 * throughput[32][0]
+    # Started at 16, twice the server's best number in flight: shrunk to around 8.
     assert 4 <= window <= 14
 
 
