@@ -29,7 +29,7 @@ def build(out: Path, shape: str, layers: int, vocab: str, seed: int, dtype: str 
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from grpo_core.data import ASSETS
+    from grpo_core.embedded import ASSETS
 
     tokenizer = AutoTokenizer.from_pretrained(ASSETS)
     config = Qwen3Config(

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,11 @@ from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.plugins.backends.host_memory import release_freed_memory
+from grpo_core.plugins.backends.reference_offload import OffloadedWeights, offload
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+
+REFERENCE_PLACES = (AUTO, "memory", "offload")
 
 
 @attrs.define
@@ -44,6 +48,12 @@ class LocalBackend:
     hold the adapters and their optimizer state, the KL reference is the same model with its
     adapters disabled (no second copy), and the policy written for a sampler or as final/ is
     the base model with the adapters merged in (a plain transformers folder).
+
+    A full fine-tune's KL reference (a frozen copy of the initial weights, used for one forward
+    per step) is offloaded on a CPU by default (``reference``): it waits in safetensors files
+    (the model's own when they hold the initial weights in the run's dtype) and is mapped into
+    memory only for its forward, which comes before the trainer's backward, so the step's peak
+    holds the weights, gradients and Adam moments without it.
     """
 
     attn_implementation: str = option(
@@ -56,6 +66,17 @@ class LocalBackend:
     fast_forward: bool = option(
         True,
         help="sample Llama/Qwen2/Qwen3 models (fp32) with grpo-core's fused decoder; off = transformers' own",
+    )
+
+    reference: str = option(
+        AUTO,
+        help=(
+            "where a full fine-tune's frozen KL reference waits between its forwards: memory = resident beside "
+            "the trainer; offload = off the compute path (on a CPU in safetensors files, the model's own where "
+            "they hold the initial weights, mapped for each forward; on CUDA in host memory, copied over for each "
+            "forward); auto = offload on a CPU, memory on CUDA"
+        ),
+        validator=attrs.validators.in_(REFERENCE_PLACES),
     )
 
     default_sampler = "local"
@@ -75,6 +96,11 @@ class LocalBackend:
 
     @hookimpl
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
+        if config.lora_rank and self.reference == "offload":
+            raise PluginError(
+                "--backend-opt reference=offload: a LoRA run's reference is the trainer's own model with its adapters off; "
+                "there is no copy to offload"
+            )
         device, dtype, why = resolve_precision(config.device, config.dtype)
         print(f"precision: {why}", file=sys.stderr)
         model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
@@ -98,7 +124,14 @@ class LocalBackend:
             # The base model is the initial policy: the trainer's own model, adapters off.
             return LocalReference(trainer.model, trainer.device, adapters_off=True)
         # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
-        return LocalReference(frozen_copy(trainer.model), trainer.device)
+        if self.reference == "memory" or (self.reference == AUTO and trainer.device.type != "cpu"):
+            print("reference: memory (a frozen copy beside the trainer)", file=sys.stderr)
+            return LocalReference(frozen_copy(trainer.model), trainer.device)
+        model = frozen_copy(trainer.model, weights=False)
+        folder = model_folder(config.model)
+        offloaded = offload(model, trainer.model, folder)
+        print(f"reference: {offloaded.where}", file=sys.stderr)
+        return LocalReference(model, trainer.device, offloaded=offloaded)
 
 
 PRECISION_NOTES = {
@@ -145,6 +178,17 @@ def model_path(name: str) -> str:
             f"{constants.ENDPOINT} cannot be reached ({exc}); download it where there is network or pass a folder"
         ) from None
     return name
+
+
+def model_folder(name: str) -> Path | None:
+    """The local folder a model loads from (a hub name's cached snapshot), if there is one."""
+    path = model_path(name)
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def load_model(name: str, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -206,10 +250,17 @@ def train_mode(model: Any) -> Iterator[None]:
         model.eval()
 
 
-def frozen_copy(model: Any) -> Any:
-    # A LoRA model's base weights never change: the copy shares them and copies only the adapters.
-    shared = {id(p): p for p in model.parameters() if not p.requires_grad} if has_adapters(model) else {}
-    clone = copy.deepcopy(model, memo=shared)
+def frozen_copy(model: Any, weights: bool = True) -> Any:
+    """A frozen copy of ``model``; without ``weights``, each parameter an empty tensor of its
+    dtype and device, for weights that are put in per call (:mod:`reference_offload`)."""
+    if not weights:
+        memo = {id(p): torch.nn.Parameter(p.new_empty(0), requires_grad=False) for p in model.parameters()}
+    elif has_adapters(model):
+        # A LoRA model's base weights never change: the copy shares them and copies only the adapters.
+        memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    else:
+        memo = {}
+    clone = copy.deepcopy(model, memo=memo)
     clone.requires_grad_(False)
     return clone.eval()
 
@@ -576,16 +627,25 @@ class LocalReference:
     adapters_off: bool = False
     """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
     Only the main thread runs the trainer's model, so switching them off for a call is safe."""
+    offloaded: OffloadedWeights | None = None
+    """Where the model's weights wait between forwards when they are offloaded (its parameters
+    are empty then)."""
     forward_fn: ModelForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
         # faster one; the fused decoder wins in sampling only (docs/performance.md).
-        self.forward_fn = TransformersForward(self.model)
+        with self._weights():
+            self.forward_fn = TransformersForward(self.model)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
-        with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
+        # What sampling freed leaves the process before the weights are mapped in beside it.
+        release_freed_memory(self.device)
+        with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device)]
+
+    def _weights(self) -> AbstractContextManager[None]:
+        return self.offloaded.loaded() if self.offloaded is not None else nullcontext()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -604,6 +664,7 @@ class LocalTrainer(LocalReference):
     """A non-finite loss since the last optimizer step: that step will be skipped."""
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        release_freed_memory(self.device)
         with train_mode(self.model) if self.activation_checkpointing else nullcontext():
             logprobs = [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, self.activation_checkpointing)]
         loss, metrics = loss_fn(datums, logprobs)
@@ -641,6 +702,7 @@ class LocalTrainer(LocalReference):
                     "nothing is saved from them"
                 )
         self.optimizer.zero_grad(set_to_none=True)
+        release_freed_memory(self.device)
         self.nonfinite_loss = False
         return {
             "optim/grad_norm": grad_norm,
