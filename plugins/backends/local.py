@@ -25,7 +25,7 @@ from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins.backends.host_memory import release_freed_memory
-from grpo_core.plugins.backends.reference_offload import OffloadedWeights, offload
+from grpo_core.plugins.backends.reference_offload import FileEntry, OffloadedWeights, offload, read_safetensors_header, weight_files
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 
 REFERENCE_PLACES = (AUTO, "memory", "offload")
@@ -359,21 +359,63 @@ def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"the adapters do not fit this model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
-@torch.no_grad()
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict, its own key names, with every active adapter added into
     its layer's weight: what peft's merge_and_unload gives, without changing ``model``."""
-    state = {_without_wrappers(k): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+    state = base_state_dict(model)
+    state.update(merged_weights(model, state))
+    return state
+
+
+def base_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """A LoRA model's base weights (no copies), by their names in the base model."""
+    return {_without_wrappers(k): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+
+
+def adapted_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """Each LoRA layer not merged into its weight, with that weight's name in the base model."""
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and not module.merged:
             # An expert weight's adapter (peft's ParamWrapper, nested one per weight) names its weight.
-            key = f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}"
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    base = state[key]
-                    # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
-                    state[key] = (base + module.get_delta_weight(adapter)).to(base.dtype)
-    return state
+            yield f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}", module
+
+
+@torch.no_grad()
+def merged_weights(model: Any, base: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each adapted weight with its active adapters added in, made one at a time: its name in the
+    base model and the merged tensor, in ``base``'s dtype."""
+    for key, layer in adapted_layers(model):
+        merged = base[key]
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
+                merged = (merged + layer.get_delta_weight(adapter)).to(base[key].dtype)
+        yield key, merged
+
+
+def save_merged_model(model: Any, path: str) -> None:
+    """``model`` with its adapters merged in, as a transformers folder, one merged weight in
+    memory at a time: the base model is written first (the merged model's very files, names,
+    shapes and shards), then each merged weight over its base's bytes. Where saving renamed or
+    reshaped an adapted weight (a transformers conversion), the merged state dict is written whole."""
+    base = base_state_dict(model)
+    model.save_pretrained(path, state_dict=base, max_shard_size=SHARD_SIZE)
+    files = [open(f, "r+b") for f in weight_files(Path(path))]  # noqa: SIM115 (closed below)
+    try:
+        stored: dict[str, FileEntry] = {}
+        for i, f in enumerate(files):
+            stored.update(read_safetensors_header(f, i))
+        adapted = [key for key, _ in adapted_layers(model)]
+        if not all(k in stored and (stored[k].dtype, stored[k].shape) == (base[k].dtype, tuple(base[k].shape)) for k in adapted):
+            model.save_pretrained(path, state_dict=merged_state_dict(model), max_shard_size=SHARD_SIZE)
+            return
+        for key, merged in merged_weights(model, base):
+            entry = stored[key]
+            files[entry.file].seek(entry.start)
+            files[entry.file].write(merged.contiguous().cpu().view(torch.uint8).numpy().data)
+    finally:
+        for f in files:
+            f.close()
 
 
 def _without_wrappers(name: str) -> str:
@@ -768,7 +810,9 @@ class LocalTrainer(LocalReference):
     def save_weights_for_sampler(self, path: str) -> str:
         """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
         self._refuse_nonfinite(path)
-        state = merged_state_dict(self.model) if has_adapters(self.model) else None
-        self.model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+        if has_adapters(self.model):
+            save_merged_model(self.model, path)
+        else:
+            self.model.save_pretrained(path, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
         return path

@@ -132,7 +132,7 @@ class OffloadedWeights:
 
     def resident_bytes(self) -> int:
         """What the parameters hold now (0 between calls)."""
-        return sum(p.untyped_storage().nbytes() for p in self.params)
+        return sum(p.nbytes for p in self.params)
 
     def close(self) -> None:
         self.store.close()
@@ -149,11 +149,11 @@ def offload(frozen: Any, initial: Any, folder: str | Path | None) -> OffloadedWe
     device = sources[0].device
     if device.type != "cpu":
         host = [torch.empty(s.shape, dtype=s.dtype, pin_memory=torch.cuda.is_available()).copy_(s) for s in sources]
-        return OffloadedWeights(params, HostTensors(host, device), f"offload: in host memory, copied to {device} for each forward")
+        return OffloadedWeights(params, HostTensors(host, device), f"offloaded to host memory, copied to {device} for each forward")
     own = _own_files(folder, names, sources) if folder is not None else None
     if own is not None:
-        return OffloadedWeights(params, own, f"offload: the model's own weight files ({folder}), mapped for each forward")
-    where = "offload: a snapshot of the initial weights in the temporary directory, mapped for each forward"
+        return OffloadedWeights(params, own, f"offloaded to the model's own weight files ({folder}), mapped for each forward")
+    where = "offloaded to a snapshot of the initial weights in the temporary directory, mapped for each forward"
     return OffloadedWeights(params, _snapshot(names, sources), where)
 
 
