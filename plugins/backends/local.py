@@ -413,6 +413,7 @@ def save_merged_model(model: Any, path: str) -> None:
             entry = stored[key]
             files[entry.file].seek(entry.start)
             files[entry.file].write(merged.contiguous().cpu().view(torch.uint8).numpy().data)
+            del merged
     finally:
         for f in files:
             f.close()
