@@ -21,14 +21,31 @@ from collections.abc import Callable
 
 import torch
 
+M_MMAP_THRESHOLD = -3
+"""mallopt's parameter number for the mmap threshold (glibc's malloc.h)."""
+TRAINING_MMAP_THRESHOLD = 1 << 20
+"""Blocks from 1 MiB up get their own mapping on a CPU: every activation, gradient and weight
+of a real-size model, while the many small tensors of the Python side stay in the heap."""
+
 
 @functools.cache
+def _libc() -> ctypes.CDLL | None:
+    libc = ctypes.CDLL(None)
+    # Not glibc (macOS, musl): no such calls, and no such threshold to undo.
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
 def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        # Not glibc (macOS, musl): no such call, and no such threshold to undo.
-        return None
+    libc = _libc()
+    return libc.malloc_trim if libc is not None else None
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """From now on glibc serves every allocation of at least ``nbytes`` with its own mapping,
+    returned to the operating system when freed, and no longer raises the threshold itself.
+    False where the C library is not glibc (nothing done)."""
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, nbytes))
 
 
 def release_freed_memory(device: torch.device) -> None:

@@ -24,7 +24,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
-from grpo_core.plugins.backends.host_memory import release_freed_memory
+from grpo_core.plugins.backends.host_memory import TRAINING_MMAP_THRESHOLD, release_freed_memory, set_mmap_threshold
 from grpo_core.plugins.backends.reference_offload import FileEntry, OffloadedWeights, offload, read_safetensors_header, weight_files
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 
@@ -103,6 +103,9 @@ class LocalBackend:
             )
         device, dtype, why = resolve_precision(config.device, config.dtype)
         print(f"precision: {why}", file=sys.stderr)
+        if device.type == "cpu":
+            # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
+            set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
         model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
