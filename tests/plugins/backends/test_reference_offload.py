@@ -169,3 +169,13 @@ def test_released_memory_leaves_the_process():
     )
     assert before - unchanged < 16
     assert before - after > 200  # MiB: the 256 MiB freed, gone
+
+
+@pytest.mark.parametrize("return_freed_memory", [True, False])
+def test_return_freed_memory_fixes_glibcs_mmap_threshold_on_a_cpu(tiny_model_dir, monkeypatch, return_freed_memory):
+    from grpo_core.plugins.backends import local
+
+    thresholds = []
+    monkeypatch.setattr(local, "set_mmap_threshold", thresholds.append)
+    LocalBackend(return_freed_memory=return_freed_memory).make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    assert thresholds == ([1 << 20] if return_freed_memory else [])
