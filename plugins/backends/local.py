@@ -9,7 +9,7 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,11 @@ from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.plugins.backends.host_memory import TRAINING_MMAP_THRESHOLD, release_freed_memory, set_mmap_threshold
+from grpo_core.plugins.backends.reference_offload import FileEntry, OffloadedWeights, offload, read_safetensors_header, weight_files
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+
+REFERENCE_PLACES = (AUTO, "memory", "offload")
 
 
 @attrs.define
@@ -46,6 +50,12 @@ class LocalBackend:
     hold the adapters and their optimizer state, the KL reference is the same model with its
     adapters disabled (no second copy), and the policy written for a sampler or as final/ is
     the base model with the adapters merged in (a plain transformers folder).
+
+    A full fine-tune's KL reference (a frozen copy of the initial weights, used for one forward
+    per step) is offloaded on a CPU by default (``reference``): it waits in safetensors files
+    (the model's own when they hold the initial weights in the run's dtype) and is mapped into
+    memory only for its forward, which comes before the trainer's backward, so the step's peak
+    holds the weights, gradients and Adam moments without it.
     """
 
     attn_implementation: str = option(
@@ -67,6 +77,26 @@ class LocalBackend:
         ),
     )
 
+    reference: str = option(
+        AUTO,
+        help=(
+            "where a full fine-tune's frozen KL reference waits between its forwards: memory = resident beside "
+            "the trainer; offload = off the compute path (on a CPU in safetensors files, the model's own where "
+            "they hold the initial weights, mapped for each forward; on CUDA in host memory, copied over for each "
+            "forward); auto = offload on a CPU, memory on CUDA"
+        ),
+        validator=attrs.validators.in_(REFERENCE_PLACES),
+    )
+
+    return_freed_memory: bool = option(
+        True,
+        help=(
+            "on a CPU, glibc gives every tensor of 1 MiB or more back to the OS when it is freed (a fixed mmap "
+            "threshold): at the Qwen3-0.6B shape the float32 peak is 1.1 GB lower and the trainer's step 8% slower "
+            "(docs/performance.md); off = glibc's own threshold, which keeps freed weight-sized tensors"
+        ),
+    )
+
     default_sampler = "local"
     default_weight_sync = "in_process"
 
@@ -84,8 +114,16 @@ class LocalBackend:
 
     @hookimpl
     def make_trainer(self, config: RunConfig) -> LocalTrainer:
+        if config.lora_rank and self.reference == "offload":
+            raise PluginError(
+                "--backend-opt reference=offload: a LoRA run's reference is the trainer's own model with its adapters off; "
+                "there is no copy to offload"
+            )
         device, dtype, why = resolve_precision(config.device, config.dtype)
         print(f"precision: {why}", file=sys.stderr)
+        if device.type == "cpu" and self.return_freed_memory:
+            # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
+            set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
         model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
@@ -109,7 +147,14 @@ class LocalBackend:
             # The base model is the initial policy: the trainer's own model, adapters off.
             return LocalReference(trainer.model, trainer.device, adapters_off=True, padding_free=trainer.padding_free)
         # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
-        return LocalReference(frozen_copy(trainer.model), trainer.device, padding_free=trainer.padding_free)
+        if self.reference == "memory" or (self.reference == AUTO and trainer.device.type != "cpu"):
+            print("reference: memory (a frozen copy beside the trainer)", file=sys.stderr)
+            return LocalReference(frozen_copy(trainer.model), trainer.device, padding_free=trainer.padding_free)
+        model = frozen_copy(trainer.model, weights=False)
+        folder = model_folder(config.model)
+        offloaded = offload(model, trainer.model, folder)
+        print(f"reference: {offloaded.where}", file=sys.stderr)
+        return LocalReference(model, trainer.device, offloaded=offloaded, padding_free=trainer.padding_free)
 
 
 PRECISION_NOTES = {
@@ -156,6 +201,17 @@ def model_path(name: str) -> str:
             f"{constants.ENDPOINT} cannot be reached ({exc}); download it where there is network or pass a folder"
         ) from None
     return name
+
+
+def model_folder(name: str) -> Path | None:
+    """The local folder a model loads from (a hub name's cached snapshot), if there is one."""
+    path = model_path(name)
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def load_model(name: str, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
@@ -217,10 +273,17 @@ def train_mode(model: Any) -> Iterator[None]:
         model.eval()
 
 
-def frozen_copy(model: Any) -> Any:
-    # A LoRA model's base weights never change: the copy shares them and copies only the adapters.
-    shared = {id(p): p for p in model.parameters() if not p.requires_grad} if has_adapters(model) else {}
-    clone = copy.deepcopy(model, memo=shared)
+def frozen_copy(model: Any, weights: bool = True) -> Any:
+    """A frozen copy of ``model``; without ``weights``, each parameter an empty tensor of its
+    dtype and device, for weights that are put in per call (:mod:`reference_offload`)."""
+    if not weights:
+        memo = {id(p): torch.nn.Parameter(p.new_empty(0), requires_grad=False) for p in model.parameters()}
+    elif has_adapters(model):
+        # A LoRA model's base weights never change: the copy shares them and copies only the adapters.
+        memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    else:
+        memo = {}
+    clone = copy.deepcopy(model, memo=memo)
     clone.requires_grad_(False)
     return clone.eval()
 
@@ -319,21 +382,64 @@ def load_trained_state_dict(model: Any, state: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"the adapters do not fit this model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
-@torch.no_grad()
 def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
     """The base model's state dict, its own key names, with every active adapter added into
     its layer's weight: what peft's merge_and_unload gives, without changing ``model``."""
-    state = {_without_wrappers(k): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+    state = base_state_dict(model)
+    state.update(merged_weights(model, state))
+    return state
+
+
+def base_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """A LoRA model's base weights (no copies), by their names in the base model."""
+    return {_without_wrappers(k): v for k, v in model.state_dict().items() if LORA_PREFIX not in k}
+
+
+def adapted_layers(model: Any) -> Iterator[tuple[str, Any]]:
+    """Each LoRA layer not merged into its weight, with that weight's name in the base model."""
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and not module.merged:
             # An expert weight's adapter (peft's ParamWrapper, nested one per weight) names its weight.
-            key = f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}"
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    base = state[key]
-                    # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
-                    state[key] = (base + module.get_delta_weight(adapter)).to(base.dtype)
-    return state
+            yield f"{_without_wrappers(name)}.{getattr(module, 'parameter_name', 'weight')}", module
+
+
+@torch.no_grad()
+def merged_weights(model: Any, base: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each adapted weight with its active adapters added in, made one at a time: its name in the
+    base model and the merged tensor, in ``base``'s dtype."""
+    for key, layer in adapted_layers(model):
+        merged = base[key]
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                # float32 adapters on a bf16 base: the merged policy stays in the base's dtype.
+                merged = (merged + layer.get_delta_weight(adapter)).to(base[key].dtype)
+        yield key, merged
+
+
+def save_merged_model(model: Any, path: str) -> None:
+    """``model`` with its adapters merged in, as a transformers folder, one merged weight in
+    memory at a time: the base model is written first (the merged model's very files, names,
+    shapes and shards), then each merged weight over its base's bytes. Where saving renamed or
+    reshaped an adapted weight (a transformers conversion), the merged state dict is written whole."""
+    base = base_state_dict(model)
+    model.save_pretrained(path, state_dict=base, max_shard_size=SHARD_SIZE)
+    files = [open(f, "r+b") for f in weight_files(Path(path))]  # noqa: SIM115 (closed below)
+    try:
+        stored: dict[str, FileEntry] = {}
+        for i, f in enumerate(files):
+            stored.update(read_safetensors_header(f, i))
+        adapted = [key for key, _ in adapted_layers(model)]
+        if not all(k in stored and (stored[k].dtype, stored[k].shape) == (base[k].dtype, tuple(base[k].shape)) for k in adapted):
+            model.save_pretrained(path, state_dict=merged_state_dict(model), max_shard_size=SHARD_SIZE)
+            return
+        for key, merged in merged_weights(model, base):
+            entry = stored[key]
+            files[entry.file].seek(entry.start)
+            files[entry.file].write(merged.contiguous().cpu().view(torch.uint8).numpy().data)
+            del merged
+    finally:
+        for f in files:
+            f.close()
 
 
 def _without_wrappers(name: str) -> str:
@@ -737,16 +843,25 @@ class LocalReference:
     Only the main thread runs the trainer's model, so switching them off for a call is safe."""
     padding_free: bool = False
     """Pack sequences that run whole where the model allows it (:meth:`TransformersForward._packing_problem`)."""
+    offloaded: OffloadedWeights | None = None
+    """Where the model's weights wait between forwards when they are offloaded (its parameters
+    are empty then)."""
     forward_fn: TransformersForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
         # faster one; the fused decoder wins in sampling only (docs/performance.md).
-        self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
+        with self._weights():
+            self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
-        with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
+        # What sampling freed leaves the process before the weights are mapped in beside it.
+        release_freed_memory(self.device)
+        with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)]
+
+    def _weights(self) -> AbstractContextManager[None]:
+        return self.offloaded.loaded() if self.offloaded is not None else nullcontext()
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -770,6 +885,7 @@ class LocalTrainer(LocalReference):
         return {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        release_freed_memory(self.device)
         # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
         record("perf/padding_free", float(self.forward_fn.packs), "max")
         _entropy_sink.chunks, _entropy_sink.lengths = [], []
@@ -803,6 +919,7 @@ class LocalTrainer(LocalReference):
             self.version += 1
             if not self.weights_finite():
                 raise NonFiniteWeights(nonfinite_step_message(grad_norm, adam_params))
+        release_freed_memory(self.device)  # the gradients clip_and_step freed
         self.nonfinite_loss = False
         return step_metrics(grad_norm, adam_params, skip)
 
@@ -857,8 +974,10 @@ class LocalTrainer(LocalReference):
     def save_weights_for_sampler(self, path: str) -> str:
         """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
         self._refuse_nonfinite(path)
-        state = merged_state_dict(self.model) if has_adapters(self.model) else None
-        self.model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+        if has_adapters(self.model):
+            save_merged_model(self.model, path)
+        else:
+            self.model.save_pretrained(path, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
         return path
 

@@ -21,13 +21,16 @@ SLICE_ELEMENTS = 1 << 22
 """Elements updated at once: the float32 temporaries of a large tensor (an embedding) stay small."""
 
 
-def stochastic_round_to_bf16(x_fp32: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def stochastic_round_to_bf16(x_fp32: torch.Tensor, generator: torch.Generator, noise: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` in bfloat16, rounded up or down at random with the probabilities that make the
     result unbiased: a float32's top 16 bits are its bfloat16, so adding uniform noise below
-    them and truncating rounds up with probability = the dropped fraction."""
-    noise = torch.randint(0, 1 << 16, x_fp32.shape, generator=generator, device=x_fp32.device, dtype=torch.int32)
-    bits = (x_fp32.view(torch.int32) + noise) & -(1 << 16)
-    return bits.view(torch.float32).to(torch.bfloat16)
+    them and truncating rounds up with probability = the dropped fraction. ``noise``: an int32
+    buffer of ``x``'s shape to work in (else one is made); the result is a view of it, in float32
+    with its low 16 bits zero, which converts to bfloat16 exactly."""
+    if noise is None:
+        noise = torch.empty(x_fp32.shape, dtype=torch.int32, device=x_fp32.device)
+    torch.randint(0, 1 << 16, x_fp32.shape, generator=generator, out=noise)
+    return noise.add_(x_fp32.view(torch.int32)).bitwise_and_(-(1 << 16)).view(torch.float32)
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
@@ -59,6 +62,17 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        # Every moment made before any update: the updates' scratch then never sits between them.
+        for p in params:
+            if p.grad is not None and not self.state[p]:
+                self.state[p]["step"] = 0
+                self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        largest = max((min(p.numel(), SLICE_ELEMENTS) for p in params if p.grad is not None), default=0)
+        # The update's float32 temporaries, made once per step and reused by every slice.
+        gradient, updated, denominator = (torch.empty(largest, dtype=torch.float32, device=params[0].device) for _ in range(3))
+        noise = torch.empty(largest, dtype=torch.int32, device=params[0].device)
         index = 0
         for group in self.param_groups:
             lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
@@ -67,10 +81,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                 state["step"] += 1
                 step = state["step"]
                 step_size = lr / (1 - beta1**step)
@@ -80,13 +90,14 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
                 for s in range(0, flat_p.numel(), SLICE_ELEMENTS):
                     part = slice(s, s + SLICE_ELEMENTS)
-                    g = flat_g[part].float()
+                    n = flat_p[part].numel()
+                    g = gradient[:n].copy_(flat_g[part])
                     m, v = flat_m[part], flat_v[part]
                     m.lerp_(g, 1 - beta1)
                     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    updated = flat_p[part].float().mul_(1 - lr * weight_decay)
-                    updated.addcdiv_(m, v.sqrt().div_(bias_correction2_sqrt).add_(eps), value=-step_size)
+                    new = updated[:n].copy_(flat_p[part]).mul_(1 - lr * weight_decay)
+                    new.addcdiv_(m, torch.sqrt(v, out=denominator[:n]).div_(bias_correction2_sqrt).add_(eps), value=-step_size)
                     if p.dtype == torch.bfloat16:
-                        flat_p[part].copy_(stochastic_round_to_bf16(updated, generator))
+                        flat_p[part].copy_(stochastic_round_to_bf16(new, generator, noise[:n]))
                     else:
-                        flat_p[part].copy_(updated)
+                        flat_p[part].copy_(new)

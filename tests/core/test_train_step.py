@@ -134,7 +134,8 @@ def test_every_metric_of_a_split_step_equals_the_one_call_value(tiny_model_dir, 
         if anchor == "stale":
             for s in samples:
                 s.policy_version = -1
-        reference = LocalBackend().make_reference(config=config, trainer=trainer)
+        # In memory: its weights are changed in place below (an offloaded one's wait in a file).
+        reference = LocalBackend(reference="memory").make_reference(config=config, trainer=trainer)
         with torch.no_grad():
             gen = torch.Generator().manual_seed(1)
             for p in reference.model.parameters():

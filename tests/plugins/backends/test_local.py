@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import tinker
 import torch
@@ -421,12 +423,13 @@ def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
             resolve_precision("cuda", "auto")
 
 
-def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_model_dir, capsys):
+@pytest.mark.parametrize("reference_place", ["memory", "offload"])
+def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_model_dir, capsys, reference_place):
     from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 
-    cfg, backend, trainer, sampler = make(tiny_model_dir, dtype="bfloat16")
+    cfg, _, trainer, sampler = make(tiny_model_dir, dtype="bfloat16")
     assert "precision: bfloat16 weights" in capsys.readouterr().err
-    reference = backend.make_reference(config=cfg, trainer=trainer)
+    reference = LocalBackend(reference=reference_place).make_reference(config=cfg, trainer=trainer)
     assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in reference.model.parameters()} == {torch.bfloat16}
     assert type(trainer.forward_fn) is TransformersForward  # the fused decoder is float32-only
@@ -445,7 +448,8 @@ def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_mo
     assert isinstance(trainer.optimizer, StochasticRoundingAdamW)
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
-    assert all(torch.equal(before[n], p) for n, p in reference.model.named_parameters())
+    with reference.offloaded.loaded() if reference.offloaded else nullcontext():
+        assert all(torch.equal(before[n], p) for n, p in reference.model.named_parameters())
 
 
 def test_float32_keeps_torchs_fused_adamw(tiny_model_dir):

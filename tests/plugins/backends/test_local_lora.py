@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import tinker
 import torch
@@ -289,6 +291,32 @@ def test_saved_policy_is_the_merged_model_in_a_plain_folder(tiny_model_dir, tmp_
     # Saving changed nothing in the trainer (no merge into its weights).
     assert all(hasattr(m, "lora_A") and not m.merged for m in trainer.model.modules() if hasattr(m, "lora_A"))
     assert torch.equal(trainer.model(ids).logits, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_merged_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(tiny_model_dir, tmp_path, monkeypatch, dtype):
+    from grpo_core.plugins.backends import local
+
+    _, trainer = make_trainer(tiny_model_dir, dtype=dtype)
+    randomize_adapters(trainer.model)
+    # What was written before: every merged weight built at once, then saved.
+    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    made = []
+
+    def watched(model, base):
+        for key, merged in merged_weights(model, base):
+            assert all(earlier() is None for earlier in made)  # the one before is gone
+            made.append(weakref.ref(merged))
+            yield key, merged
+
+    merged_weights = local.merged_weights
+    monkeypatch.setattr(local, "merged_weights", watched)
+    trainer.save_weights_for_sampler(str(tmp_path / "streamed"))
+    assert len(made) == 2 * len(ALL_PROJECTIONS)  # every adapted layer of both blocks
+    whole = sorted(f.name for f in (tmp_path / "whole").iterdir())
+    assert whole == sorted(f.name for f in (tmp_path / "streamed").iterdir() if f.name in whole)
+    for name in whole:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
 
 
 # --- the in-process sampler with LoRA ------------------------------------------------------------
