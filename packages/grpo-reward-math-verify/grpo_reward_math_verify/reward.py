@@ -1,14 +1,7 @@
-"""The ``math_verify`` reward plugin: the worker client and the plugin class."""
+"""The ``math_verify`` reward plugin: the plugin class."""
 
 from __future__ import annotations
 
-import json
-import os
-import queue
-import subprocess
-import sys
-import threading
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +9,7 @@ from typing import Any
 import attrs
 
 from grpo_core import Prompt, Sample, hookimpl, option
+from grpo_core.subprocess_worker import ReplacedWorker, WorkerProcess
 
 __all__ = ["MathVerifyReward", "answer_region"]
 
@@ -30,80 +24,6 @@ def answer_region(text: str) -> str:
 
 class BadReference(ValueError):
     """Math-Verify finds no answer in the prompt's reference."""
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-
-
-class _Worker:
-    """A ``python -m grpo_reward_math_verify.worker`` child and a thread that reads its replies."""
-
-    def __init__(self, memory_limit_mb: int, startup_timeout_s: float) -> None:
-        env = dict(os.environ)
-        here = str(Path(__file__).resolve().parents[1])  # works from a source checkout too
-        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_reward_math_verify.worker", str(memory_limit_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-            bufsize=1,
-            env=env,
-        )
-        self._finalizer = weakref.finalize(self, _kill, self.proc)
-        self.replies: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True).start()
-        self.next_id = 0
-        try:
-            ready = self.replies.get(timeout=startup_timeout_s)
-        except queue.Empty:
-            ready = None
-        if ready != "ready":
-            self.close()
-            raise RuntimeError(
-                f"the Math-Verify worker ({sys.executable} -m grpo_reward_math_verify.worker) did not start "
-                f"within {startup_timeout_s:g} s; its stderr is above"
-            )
-
-    @staticmethod
-    def _read(stream: Any, replies: queue.Queue[str | None]) -> None:
-        try:
-            for line in stream:
-                replies.put(line.strip())
-        except (OSError, ValueError):
-            pass
-        replies.put(None)
-
-    def check(self, gold: str, pred: str, timeout_s: float) -> dict[str, Any] | None:
-        """The worker's reply, or None when it ran past ``timeout_s`` or died."""
-        self.next_id += 1
-        try:
-            self.proc.stdin.write(json.dumps({"id": self.next_id, "gold": gold, "pred": pred}) + "\n")
-            self.proc.stdin.flush()
-            line = self.replies.get(timeout=timeout_s)
-            reply = json.loads(line) if line is not None else None
-        except (OSError, ValueError, queue.Empty):
-            return None
-        return reply if isinstance(reply, dict) and reply.get("id") == self.next_id else None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        self._finalizer()
 
 
 @attrs.define
@@ -127,8 +47,7 @@ class MathVerifyReward:
     memory_limit_mb: int = option(2048, help="address-space limit of the worker process (Linux); 0 = none")
     startup_timeout_s: float = option(120.0, help="how long the worker may take to start (import math-verify)")
 
-    _worker: _Worker | None = attrs.field(init=False, default=None, repr=False, eq=False)
-    _lock: Any = attrs.field(init=False, factory=threading.Lock, repr=False, eq=False)
+    _worker: ReplacedWorker = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         for name in ("timeout_s", "startup_timeout_s"):
@@ -136,6 +55,16 @@ class MathVerifyReward:
                 raise ValueError(f"{name} must be > 0 (a check without a limit could hang the run), got {getattr(self, name)}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"memory_limit_mb must be >= 0 (0 = no limit), got {self.memory_limit_mb}")
+        self._worker = ReplacedWorker(self._start_worker)
+
+    def _start_worker(self) -> WorkerProcess:
+        return WorkerProcess(
+            "grpo_reward_math_verify.worker",
+            [str(self.memory_limit_mb)],
+            name="Math-Verify",
+            startup_timeout_s=self.startup_timeout_s,
+            pythonpath=str(Path(__file__).resolve().parents[1]),  # works from a source checkout too
+        )
 
     @hookimpl
     def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
@@ -152,14 +81,9 @@ class MathVerifyReward:
 
     def score(self, completion: str, reference: str) -> float:
         """1.0 if Math-Verify finds the completion's final answer equal to the reference's, else 0.0."""
-        with self._lock:
-            if self._worker is None or not self._worker.alive():
-                self._worker = _Worker(self.memory_limit_mb, self.startup_timeout_s)
-            reply = self._worker.check(answer_region(reference), answer_region(completion), self.timeout_s)
-            if reply is None:  # over the time limit, or the worker died: replace it
-                self._worker.close()
-                self._worker = None
-                return 0.0
+        reply = self._worker.request({"gold": answer_region(reference), "pred": answer_region(completion)}, self.timeout_s)
+        if reply is None:  # over the time limit, or the worker died: it is replaced
+            return 0.0
         if not reply.get("gold"):
             raise BadReference(reference)
         return 1.0 if reply.get("ok") else 0.0
@@ -170,7 +94,4 @@ class MathVerifyReward:
 
     def close(self) -> None:
         """Stop the worker process (a later check starts a new one)."""
-        with self._lock:
-            if self._worker is not None:
-                self._worker.close()
-                self._worker = None
+        self._worker.close()

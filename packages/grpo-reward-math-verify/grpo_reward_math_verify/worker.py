@@ -13,22 +13,12 @@ Protocol: after importing math-verify it writes ``ready``; then for each JSON li
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
-
-def _limit_memory(megabytes: int) -> None:
-    if megabytes <= 0:
-        return
-    try:
-        import resource
-
-        limit = megabytes * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ImportError, ValueError, OSError):  # not on this platform: the time limit still holds
-        pass
+from grpo_core.subprocess_worker import serve
 
 
 def check(gold_text: str, pred_text: str) -> dict[str, object]:
@@ -43,28 +33,16 @@ def check(gold_text: str, pred_text: str) -> dict[str, object]:
     return {"gold": True, "ok": bool(verify(gold, parse(pred_text, parsing_timeout=None), timeout_seconds=None))}
 
 
-def main(argv: list[str]) -> int:
-    # The protocol gets its own copy of stdout; anything printed by libraries goes to stderr.
-    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+def _load() -> Callable[[dict[str, Any]], dict[str, object]]:
     # "Timeout is disabled ...": the parent enforces the time limit.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     check("1", "1")  # finish the lazy imports (sympy, the LaTeX parser) before the first timed check
-    _limit_memory(int(argv[1]) if len(argv) > 1 else 0)
-    channel.write("ready\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        request = json.loads(line)
-        reply: dict[str, object] = {"id": request["id"]}
-        try:
-            reply.update(check(request["gold"], request["pred"]))
-        except MemoryError:
-            reply.update(gold=True, ok=False, error="MemoryError")
-        except Exception as exc:  # what the model wrote cannot break the worker: a wrong answer
-            reply.update(gold=True, ok=False, error=f"{type(exc).__name__}: {exc}"[:300])
-        channel.write(json.dumps(reply) + "\n")
-    return 0
+    return lambda request: check(request["gold"], request["pred"])
+
+
+def main(argv: list[str]) -> int:
+    # What the model wrote cannot break the worker: a wrong answer.
+    return serve(_load, memory_limit_mb=int(argv[1]) if len(argv) > 1 else 0, failure={"gold": True, "ok": False})
 
 
 if __name__ == "__main__":

@@ -73,20 +73,20 @@ def test_gsm8k_answers(reward: MathVerifyReward) -> None:
 
 def test_the_worker_is_reused(reward: MathVerifyReward) -> None:
     scores(reward, "#### 1", "1")
-    pid = reward._worker.proc.pid
+    pid = reward._worker.process.proc.pid
     scores(reward, "#### 2", "2", "3")
-    assert reward._worker.proc.pid == pid
+    assert reward._worker.process.proc.pid == pid
 
 
 def test_a_hanging_parse_scores_zero_within_the_timeout_and_replaces_the_worker() -> None:
     plugin = make_plugin("math_verify", timeout_s=1.5)
     try:
         assert scores(plugin, "#### 5", "5") == [1.0]
-        first = plugin._worker.proc
+        first = plugin._worker.process.proc
         started = time.perf_counter()
         assert scores(plugin, "#### 5", HANGS) == [0.0]
         assert time.perf_counter() - started < 1.5 + 5.0  # the limit, and the kill
-        assert plugin._worker is None and first.poll() is not None
+        assert plugin._worker.process is None and first.poll() is not None
         assert scores(plugin, "#### 5", "5") == [1.0]  # a fresh worker
     finally:
         plugin.close()
@@ -135,7 +135,7 @@ def test_memory_limit_mb_limits_the_worker() -> None:
         plugin = make_plugin("math_verify", memory_limit_mb=limit)
         try:
             scores(plugin, "#### 1", "1")
-            limits = Path(f"/proc/{plugin._worker.proc.pid}/limits").read_text()
+            limits = Path(f"/proc/{plugin._worker.process.proc.pid}/limits").read_text()
             row = next(line for line in limits.splitlines() if line.startswith("Max address space"))
             assert row.split()[3] == expected, row
         finally:
@@ -164,6 +164,6 @@ def test_bad_options_are_refused(options: dict, message: str) -> None:
 def test_close_stops_the_worker() -> None:
     plugin = make_plugin("math_verify")
     scores(plugin, "#### 1", "1")
-    proc = plugin._worker.proc
+    proc = plugin._worker.process.proc
     plugin.on_run_end(summary={}, run_dir=Path("."))
-    assert plugin._worker is None and proc.poll() is not None
+    assert plugin._worker.process is None and proc.poll() is not None

@@ -1,15 +1,8 @@
-"""The ``sympy`` reward plugin: final-answer extraction, the worker client, the plugin class."""
+"""The ``sympy`` reward plugin: final-answer extraction and the plugin class."""
 
 from __future__ import annotations
 
-import json
-import os
-import queue
 import re
-import subprocess
-import sys
-import threading
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +11,7 @@ import attrs
 
 from grpo_core import Prompt, Sample, hookimpl, option
 from grpo_core.plugins.rewards import gsm8k
+from grpo_core.subprocess_worker import ReplacedWorker, WorkerProcess
 from grpo_reward_sympy.parse import NotMath, plain_number, to_sympy_text
 
 __all__ = ["SympyReward", "extract_final_answer", "last_boxed", "reference_answer"]
@@ -92,89 +86,6 @@ def reference_answer(reference: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The worker process
-# --------------------------------------------------------------------------------------------
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-
-
-class _Worker:
-    """A ``python -m grpo_reward_sympy.worker`` child with a reader thread."""
-
-    def __init__(self, memory_limit_mb: int, startup_timeout_s: float) -> None:
-        env = dict(os.environ)
-        here = str(Path(__file__).resolve().parents[1])  # works from a source checkout too
-        env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "grpo_reward_sympy.worker", str(memory_limit_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-            bufsize=1,
-            env=env,
-        )
-        self._finalizer = weakref.finalize(self, _kill, self.proc)
-        self.replies: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.replies), daemon=True).start()
-        self.next_id = 0
-        try:
-            ready = self.replies.get(timeout=startup_timeout_s)
-        except queue.Empty:
-            ready = None
-        if ready != "ready":
-            self.close()
-            raise RuntimeError(
-                f"the sympy worker ({sys.executable} -m grpo_reward_sympy.worker) did not start "
-                f"within {startup_timeout_s:.0f} s; its stderr is above"
-            )
-
-    @staticmethod
-    def _read(stream: Any, replies: queue.Queue[str | None]) -> None:
-        try:
-            for line in stream:
-                replies.put(line.strip())
-        except (OSError, ValueError):
-            pass
-        replies.put(None)
-
-    def check(self, pred: str, ref: str, timeout_s: float) -> bool | None:
-        """The worker's verdict, or None when it ran past ``timeout_s`` or died."""
-        self.next_id += 1
-        try:
-            self.proc.stdin.write(json.dumps({"id": self.next_id, "pred": pred, "ref": ref}) + "\n")
-            self.proc.stdin.flush()
-            line = self.replies.get(timeout=timeout_s)
-        except (OSError, ValueError, queue.Empty):
-            return None
-        if line is None:
-            return None
-        reply = json.loads(line)
-        if reply.get("id") != self.next_id:
-            return None
-        return bool(reply.get("ok"))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        self._finalizer()
-
-
-# --------------------------------------------------------------------------------------------
 # Plugin
 # --------------------------------------------------------------------------------------------
 
@@ -201,8 +112,19 @@ class SympyReward:
     memory_limit_mb: int = option(2048, help="address-space limit of the sympy worker (Linux); 0 = none")
     startup_timeout_s: float = option(120.0, help="how long the worker may take to start (import sympy)")
 
-    _worker: _Worker | None = attrs.field(init=False, default=None, repr=False, eq=False)
-    _lock: Any = attrs.field(init=False, factory=threading.Lock, repr=False, eq=False)
+    _worker: ReplacedWorker = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._worker = ReplacedWorker(self._start_worker)
+
+    def _start_worker(self) -> WorkerProcess:
+        return WorkerProcess(
+            "grpo_reward_sympy.worker",
+            [str(self.memory_limit_mb)],
+            name="sympy",
+            startup_timeout_s=self.startup_timeout_s,
+            pythonpath=str(Path(__file__).resolve().parents[1]),  # works from a source checkout too
+        )
 
     def score(self, completion: str, reference: str) -> float:
         """1.0 if the completion's final answer equals the reference's, else 0.0."""
@@ -227,10 +149,7 @@ class SympyReward:
 
     def close(self) -> None:
         """Stop the worker process (a later check starts a new one)."""
-        with self._lock:
-            if self._worker is not None:
-                self._worker.close()
-                self._worker = None
+        self._worker.close()
 
     def _score_answer(self, answer: str | None, reference: str) -> float:
         if answer is None:
@@ -254,14 +173,8 @@ class SympyReward:
                 return equivalent_text(pred, ref)
             except Exception:
                 return False
-        with self._lock:
-            if self._worker is None or not self._worker.alive():
-                self._worker = _Worker(self.memory_limit_mb, self.startup_timeout_s)
-            verdict = self._worker.check(pred, ref, self.timeout_s)
-            if verdict is None:  # over the time limit, or the worker died: replace it
-                self._worker.close()
-                self._worker = None
-            return bool(verdict)
+        reply = self._worker.request({"pred": pred, "ref": ref}, self.timeout_s)
+        return reply is not None and bool(reply.get("ok"))  # None: over the time limit, or the worker died
 
 
 def _reference_text(reference: str) -> str:

@@ -194,7 +194,7 @@ def test_plugin_gsm8k_reference_and_plain_numbers_skip_sympy() -> None:
     prompt = Prompt(id="g1", text="?", answer="9 * 2 = <<9*2=18>>18\n#### 18")
     texts = ["#### 18", "The answer is $18.00.", "\\boxed{\\frac{36}{2}}", "The answer is 17", "9 * 2 = 18"]
     assert plugin.reward(prompt=prompt, samples=[sample(prompt, t) for t in texts[:2] + texts[3:]]) == [1.0, 1.0, 0.0, 1.0]
-    assert plugin._worker is None  # numbers are compared exactly, without starting sympy
+    assert plugin._worker.process is None  # numbers are compared exactly, without starting sympy
     plugin.timeout_s = 20.0
     assert plugin.reward(prompt=prompt, samples=[sample(prompt, texts[2])]) == [1.0]
     plugin.close()
@@ -230,23 +230,23 @@ def test_plugin_unusable_reference_names_the_prompt() -> None:
 
 def test_worker_is_reused(reward: SympyReward) -> None:
     assert reward.score("\\boxed{\\sqrt{4}}", "2\\cdot 1") == 1.0
-    worker = reward._worker
+    worker = reward._worker.process
     assert worker is not None and worker.alive()
     assert reward.score("\\boxed{\\sqrt{9}}", "3\\cdot 1") == 1.0
-    assert reward._worker is worker
+    assert reward._worker.process is worker
 
 
 def test_timeout_scores_zero_and_replaces_the_worker() -> None:
     plugin = make_plugin("sympy", timeout_s=0.5)
     plugin.startup_timeout_s = 120.0
     assert plugin.score("\\boxed{\\sqrt{4}}", "2\\cdot 1") == 1.0  # starts the worker
-    worker = plugin._worker
+    worker = plugin._worker.process
     assert worker is not None
     start = time.monotonic()
     # 10^(10^7) takes sympy many seconds (an exact 10-million-digit integer)
     assert plugin.score("\\boxed{10^{10^{7}} - 10^{10^{7}} + 2}", "2\\cdot 1") == 0.0
     assert time.monotonic() - start < 10.0
-    assert plugin._worker is None and not worker.alive()
+    assert plugin._worker.process is None and not worker.alive()
     plugin.timeout_s = 20.0
     assert plugin.score("\\boxed{\\sqrt{4}}", "2\\cdot 1") == 1.0  # a fresh worker
     plugin.close()
@@ -255,13 +255,13 @@ def test_timeout_scores_zero_and_replaces_the_worker() -> None:
 def test_in_process_mode_without_limit() -> None:
     plugin = make_plugin("sympy", timeout_s="0")
     assert plugin.score("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}\\cdot 1") == 1.0
-    assert plugin._worker is None
+    assert plugin._worker.process is None
 
 
 def test_close_stops_the_worker() -> None:
     plugin = make_plugin("sympy", timeout_s=20.0)
     assert plugin.score("\\boxed{\\pi}", "\\pi\\cdot 1") == 1.0
-    worker = plugin._worker
+    worker = plugin._worker.process
     assert worker is not None
     plugin.on_run_end(summary={}, run_dir=None)
-    assert plugin._worker is None and not worker.alive()
+    assert plugin._worker.process is None and not worker.alive()
