@@ -246,37 +246,18 @@ def train_step(
     """
     if config.mask_truncated:
         groups = [[untrained_if_truncated(s) for s in g] for g in groups]
+    K = config.minibatches_per_step
+    shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
     with scope() as metrics:
         if config.mask_truncated:
             record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
-        metrics.merge(_train_passes(pm, trainer, reference, groups, config, learning_rate))
-    return metrics
-
-
-def untrained_if_truncated(sample: Sample) -> Sample:
-    """The sample, with no trained token when it was cut at the length limit (a copy)."""
-    if sample.finish_reason != "length":
-        return sample
-    return attrs.evolve(sample, loss_mask=[0.0] * len(sample.loss_mask))
-
-
-def _train_passes(
-    pm: pluggy.PluginManager,
-    trainer: Trainer,
-    reference: Reference | None,
-    groups: Sequence[Sequence[Sample]],
-    config: RunConfig,
-    learning_rate: float,
-) -> Metrics:
-    K = config.minibatches_per_step
-    shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
-    if len(shares) * config.ppo_epochs <= 1:
-        return train_on_groups(pm, trainer, reference, groups, config, learning_rate)
-    old = None
-    if config.anchor == "old_policy":
-        old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
-    starts = [sum(len(g) for share in shares[:k] for g in share) for k in range(len(shares))]
-    with scope() as metrics:
+        if len(shares) * config.ppo_epochs <= 1:
+            metrics.merge(train_on_groups(pm, trainer, reference, groups, config, learning_rate))
+            return metrics
+        old = None
+        if config.anchor == "old_policy":
+            old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
+        starts = [sum(len(g) for share in shares[:k] for g in share) for k in range(len(shares))]
         record("optim/minibatches", len(shares), "sum")
         record("optim/epochs", config.ppo_epochs, "sum")
         for epoch in range(config.ppo_epochs):
@@ -288,6 +269,13 @@ def _train_passes(
                     trained.entries.pop("train/samples", None)  # the step's samples, each counted once
                 metrics.merge(trained)
     return metrics
+
+
+def untrained_if_truncated(sample: Sample) -> Sample:
+    """The sample, with no trained token when it was cut at the length limit (a copy)."""
+    if sample.finish_reason != "length":
+        return sample
+    return attrs.evolve(sample, loss_mask=[0.0] * len(sample.loss_mask))
 
 
 class StepStartPolicy:
