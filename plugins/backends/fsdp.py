@@ -44,6 +44,7 @@ from grpo_core.plugins.backends.local import (
     all_finite,
     clip_and_step,
     enable_activation_checkpointing,
+    forward_backward_output,
     load_model,
     make_optimizer,
     nonfinite_step_message,
@@ -655,11 +656,7 @@ class FSDPTrainer:
             raise error
         if not torch.isfinite(loss):
             self.nonfinite_loss = True
-        return tinker.ForwardBackwardOutput(
-            loss_fn_output_type="TorchLossReturn",
-            loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
-            metrics={**metrics, "loss": float(loss.detach())},
-        )
+        return forward_backward_output(logprobs, loss, metrics)
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         grad_norm, skipped, finite = self.group.run("optim_step", adam_params, self.nonfinite_loss)

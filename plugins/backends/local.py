@@ -905,11 +905,7 @@ class LocalTrainer(LocalReference):
         else:
             # No backward: a NaN would spread into every gradient; optim_step skips the step.
             self.nonfinite_loss = True
-        return tinker.ForwardBackwardOutput(
-            loss_fn_output_type="TorchLossReturn",
-            loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
-            metrics={**metrics, "loss": float(loss.detach())},
-        )
+        return forward_backward_output(logprobs, loss, metrics)
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         if self.optimizer is None:
@@ -1011,6 +1007,17 @@ def clip_and_step(optimizer: torch.optim.Optimizer, adam_params: tinker.AdamPara
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, skip
+
+
+def forward_backward_output(
+    logprobs: Sequence[torch.Tensor], loss: torch.Tensor, metrics: dict[str, float]
+) -> tinker.ForwardBackwardOutput:
+    """What ``forward_backward_custom`` returns: each datum's logprobs and the metrics with the loss."""
+    return tinker.ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn",
+        loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
+        metrics={**metrics, "loss": float(loss.detach())},
+    )
 
 
 def nonfinite_step_message(grad_norm: float, adam_params: tinker.AdamParams) -> str:
