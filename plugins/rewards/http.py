@@ -178,20 +178,37 @@ class JsonService:
             self._changed.notify_all()
 
 
-def call_deadline(reward_timeout: float) -> float | None:
-    """When a reward call that starts now stops waiting for its service (None: no run limit)."""
-    if not reward_timeout:
-        return None
-    return time.monotonic() + reward_timeout - min(DEADLINE_MARGIN * reward_timeout, 1.0)
-
-
 def completion_start(sample: Sample) -> int:
     """The index of the sample's first trained token: where its completion starts in ``tokens``."""
     return next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.tokens))
 
 
 @attrs.define
-class HttpReward:
+class ServiceReward:
+    """The part every reward backed by a :class:`JsonService` shares: the run's --reward-timeout
+    (read at run start) bounds each reward call, and the service's connections close at run end.
+    A subclass makes ``_service`` in its ``__attrs_post_init__``."""
+
+    _reward_timeout: float = attrs.field(init=False, default=0.0, repr=False)
+    _service: JsonService = attrs.field(init=False, repr=False)
+
+    def deadline(self) -> float | None:
+        """When a reward call that starts now stops waiting for the service (None: no run limit)."""
+        if not self._reward_timeout:
+            return None
+        return time.monotonic() + self._reward_timeout - min(DEADLINE_MARGIN * self._reward_timeout, 1.0)
+
+    @hookimpl
+    def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
+        self._reward_timeout = float(config.reward_timeout)
+
+    @hookimpl
+    def on_run_end(self, summary: dict[str, Any], run_dir: Path) -> None:
+        self._service.close()
+
+
+@attrs.define
+class HttpReward(ServiceReward):
     """Scores from a reward service: POSTs the group's samples as JSON, reads one score each.
 
     Request (POST to `url`): {"samples": [{"prompt": str, "completion": str, "answer": str|null,
@@ -226,25 +243,14 @@ class HttpReward:
     )
     token_ids: bool = option(False, help="also send each sample's prompt_ids and completion_ids")
 
-    _reward_timeout: float = attrs.field(init=False, default=0.0, repr=False)
-    _service: JsonService = attrs.field(init=False, repr=False)
-
     def __attrs_post_init__(self) -> None:
         self._service = JsonService(
             self.url, parse_headers(self.headers), self.request_timeout, self.retries, self.backoff, self.concurrency
         )
 
     @hookimpl
-    def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
-        self._reward_timeout = float(config.reward_timeout)
-
-    @hookimpl
-    def on_run_end(self, summary: dict[str, Any], run_dir: Path) -> None:
-        self._service.close()
-
-    @hookimpl
     def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
-        deadline = call_deadline(self._reward_timeout)
+        deadline = self.deadline()
         batches = [list(samples[i : i + self.batch_size]) for i in range(0, len(samples), self.batch_size)]
         outcomes = self._service.map(lambda batch: self._score_batch(prompt, batch, deadline), batches, deadline)
         scores: list[float | None] = []

@@ -6,8 +6,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import httpx
@@ -15,7 +14,7 @@ import httpx
 from grpo_core import Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
 from grpo_core.plugins.loggers.jsonl import prompt_text
-from grpo_core.plugins.rewards.http import JsonService, RewardServiceError, ServiceError, call_deadline, parse_headers
+from grpo_core.plugins.rewards.http import JsonService, RewardServiceError, ServiceError, ServiceReward, parse_headers
 
 __all__ = ["JudgeReward", "parse_group_scores", "parse_score"]
 
@@ -99,7 +98,7 @@ def _compiles_with_a_group(instance: object, attribute: attrs.Attribute, value: 
 
 
 @attrs.define
-class JudgeReward:
+class JudgeReward(ServiceReward):
     """An LLM judge: each completion is graded by one or more models on an OpenAI-compatible chat
     endpoint (POST base_url/v1/chat/completions), and the grade, mapped from
     [min_score, max_score] to [0, 1], is the reward; several `models` are averaged.
@@ -140,8 +139,6 @@ class JudgeReward:
     )
     backoff: float = option(1.0, help="seconds before the first retry; each next one waits twice as long", validator=validate_non_negative)
 
-    _reward_timeout: float = attrs.field(init=False, default=0.0, repr=False)
-    _service: JsonService = attrs.field(init=False, repr=False)
     _pattern: re.Pattern[str] = attrs.field(init=False, repr=False)
     _cache: dict[tuple[str, str], str] = attrs.field(init=False, factory=dict, repr=False)
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
@@ -171,21 +168,13 @@ class JudgeReward:
         return "{answer}" in self.rubric
 
     @hookimpl
-    def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
-        self._reward_timeout = float(config.reward_timeout)
-
-    @hookimpl
     def on_step(self, step: int) -> None:
         with self._lock:
             self._cache.clear()
 
     @hookimpl
-    def on_run_end(self, summary: dict[str, Any], run_dir: Path) -> None:
-        self._service.close()
-
-    @hookimpl
     def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
-        deadline = call_deadline(self._reward_timeout)
+        deadline = self.deadline()
         models = self.models or [self._only_model()]
         if self.mode == "pointwise":
             contents = [self._render(prompt, completion=s.text) for s in samples]
