@@ -11,20 +11,13 @@ ratio are printed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
+
+from ab_common import interleaved_times, parse_arguments, prompt_ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+    args = parse_arguments(__doc__)
 
     import torch
 
@@ -41,18 +34,15 @@ def main() -> None:
         contenders["fused" if fast else "transformers"] = (trainer, sampler)
     trainer, sampler = contenders["fused"]
     tok = trainer.tokenizer
-    prompts = [tok(f"Question: Tom has {i + 3} apples and buys {i + 5} more. How many?\nAnswer:")["input_ids"] for i in range(args.prompts)]
+    prompts = prompt_ids(tok, args.prompts)
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, stop_token_ids=[])
     for _, warm_up in contenders.values():
         warm_up.sample(prompts, args.group, params)
 
-    times: dict[str, list[float]] = {}
-    for round_index in range(args.rounds):
-        order = list(contenders.items())
-        for name, (_, sampler) in order if round_index % 2 == 0 else order[::-1]:
-            started = time.perf_counter()
-            sampler.sample(prompts, args.group, params)
-            times.setdefault(name, []).append(time.perf_counter() - started)
+    times = interleaved_times(
+        args.rounds,
+        [{name: lambda sampler=sampler: sampler.sample(prompts, args.group, params) for name, (_, sampler) in contenders.items()}],
+    )
     sequences = len(prompts) * args.group
     print(f"model {args.model}, {args.dtype}, {sequences} sequences, {args.tokens} tokens, {torch.get_num_threads()} threads")
     fused, plain = (statistics.median(times[n]) for n in ("fused", "transformers"))

@@ -12,20 +12,13 @@ ratio are printed.
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
+
+from ab_common import interleaved_times, parse_arguments, prompt_ids
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--prompts", type=int, default=2)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+    args = parse_arguments(__doc__)
 
     import tinker
     import torch
@@ -42,8 +35,7 @@ def main() -> None:
     tok = trainer.tokenizer
     generator = torch.Generator().manual_seed(0)
     datums = []
-    for i in range(args.prompts):
-        prompt = tok(f"Question: Tom has {i + 3} apples and buys {i + 5} more. How many?\nAnswer:")["input_ids"]
+    for prompt in prompt_ids(tok, args.prompts):
         for _ in range(args.group):
             completion = torch.randint(0, len(tok), (args.tokens,), generator=generator).tolist()
             sample = Sample(
@@ -63,18 +55,18 @@ def main() -> None:
 
     thresholds = {"1MiB": 1 << 20, "32MiB": 32 << 20}
     train()  # the optimizer's state exists from here on, as in every step after the first
-    times: dict[str, list[float]] = {}
-    for round_index in range(args.rounds):
-        flip = round_index % 2 == 1
-        for place in ("offload", "memory")[:: -1 if flip else 1]:
-            started = time.perf_counter()
-            references[place].forward(datums)
-            times.setdefault(f"reference {place}", []).append(time.perf_counter() - started)
-        for name in list(thresholds)[:: -1 if flip else 1]:
-            set_mmap_threshold(thresholds[name])
-            started = time.perf_counter()
-            train()
-            times.setdefault(f"train, mmap threshold {name}", []).append(time.perf_counter() - started)
+
+    def train_with_mmap_threshold(threshold: int) -> None:
+        set_mmap_threshold(threshold)
+        train()
+
+    times = interleaved_times(
+        args.rounds,
+        [
+            {f"reference {place}": lambda place=place: references[place].forward(datums) for place in ("offload", "memory")},
+            {f"train, mmap threshold {name}": lambda t=t: train_with_mmap_threshold(t) for name, t in thresholds.items()},
+        ],
+    )
     threads = torch.get_num_threads()
     print(f"model {args.model}, {args.dtype}, {len(datums)} sequences, {args.tokens} tokens, {threads} threads, {args.rounds} rounds")
     for a, b in (("reference offload", "reference memory"), ("train, mmap threshold 1MiB", "train, mmap threshold 32MiB")):
