@@ -19,6 +19,14 @@ from typing import Any
 import httpx
 
 
+class FakeTrainer:
+    """What a server sampler's ``make_sampler`` reads of the trainer."""
+
+    def __init__(self, tokenizer: Any, version: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.version = version
+
+
 class FakeVLLM:
     def __init__(self, tokenizer: Any, model: Any = None, name: str = "tiny", max_model_len: int = 256) -> None:
         self.tokenizer = tokenizer

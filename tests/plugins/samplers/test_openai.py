@@ -18,16 +18,9 @@ from grpo_core.plugins.samplers.openai import (
     ServerSampler,
     ServerUnavailable,
 )
-from tests.plugins.samplers.fake_server import FakeVLLM, LocalHTTPServer
+from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer
 
 FAST_BACKOFF = (0.01, 0.05)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def make_sampler(fake, tokenizer, retry_deadline=5.0, concurrency=8, prompts_per_request=1, api_key=""):
@@ -341,12 +334,6 @@ def test_default_sampling_settings_need_no_logprobs_probe(tokenizer):
     sampler.sample([[1, 2]], 2, SamplingParams(max_tokens=2))
     assert [p for p, _ in fake.requests] == ["/v1/completions"] and sampler.logprobs_mode is None
     sampler.close()
-
-
-class FakeTrainer:
-    def __init__(self, tokenizer, version=0):
-        self.tokenizer = tokenizer
-        self.version = version
 
 
 def test_make_sampler_over_http_finds_the_model_checks_the_tokenizer_and_samples(tokenizer, monkeypatch):

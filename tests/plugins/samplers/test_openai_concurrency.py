@@ -19,22 +19,9 @@ from grpo_core.plugins.samplers.openai import (
     ServerSampler,
 )
 from grpo_core.plugins_manager import make_plugin
-from tests.plugins.samplers.fake_server import FakeVLLM, LocalHTTPServer
+from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer
 
 FAST_BACKOFF = (0.01, 0.02)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-class FakeTrainer:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.version = 0
 
 
 def delayed(fake, seconds):
