@@ -191,3 +191,31 @@ class LocalHTTPServer:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def run_through_fake_server(
+    model_dir: Path, dataset: Path, tokenizer: Any, tmp_path: Path, loop: str, **sampler_options: Any
+) -> tuple[FakeVLLM, list[dict[str, float]]]:
+    """A 2-step run (2 groups of 2, ``format`` reward) whose ``openai`` sampler (one prompt a request,
+    plus ``sampler_options``) asks a :class:`FakeVLLM` serving the model: the fake and each step's metrics."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.config import RunConfig
+    from grpo_core.loop import run
+
+    fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    server = LocalHTTPServer(fake)
+    try:
+        config = RunConfig(
+            model=str(model_dir), dataset=str(dataset), prompt_template="Question: {prompt}\nAnswer:", loop=loop,
+            max_steps=2, prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=3, reward=["format"],
+            logger=["jsonl"], run_dir=str(tmp_path / "run"), drop_zero_variance_groups=False, sampler="openai",
+            plugin_options={
+                "sampler": {"openai": {"base_url": server.url, "prompts_per_request": 1, **sampler_options}},
+                "weight_sync": {"vllm": {"weights_dir": str(tmp_path / "weights")}},
+            },
+        )  # fmt: skip
+        run(config)
+    finally:
+        server.close()
+    return fake, [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

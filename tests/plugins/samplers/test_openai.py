@@ -18,7 +18,7 @@ from grpo_core.plugins.samplers.openai import (
     ServerSampler,
     ServerUnavailable,
 )
-from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer
+from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer, run_through_fake_server
 
 FAST_BACKOFF = (0.01, 0.05)
 
@@ -487,28 +487,7 @@ def sample_recorded(sampler, prompts, num_samples, params):
 def test_a_run_through_the_server_records_its_requests_in_every_step(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop):
     """The sampler's counts reach the step's metrics in both loops (the async loop's rollout
     workers record them in their own scopes, merged into the step's)."""
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from grpo_core.loop import run
-
-    fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
-    server = LocalHTTPServer(fake)
-    try:
-        config = RunConfig(
-            model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Question: {prompt}\nAnswer:", loop=loop,
-            max_steps=2, prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=3, reward=["format"],
-            logger=["jsonl"], run_dir=str(tmp_path / "run"), drop_zero_variance_groups=False, sampler="openai",
-            plugin_options={
-                "sampler": {"openai": {"base_url": server.url, "prompts_per_request": 1}},
-                "weight_sync": {"vllm": {"weights_dir": str(tmp_path / "weights")}},
-            },
-        )  # fmt: skip
-        run(config)
-    finally:
-        server.close()
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    fake, metrics = run_through_fake_server(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop)
     sent = [b for p, b in fake.requests if p == "/v1/completions" and "prompt_logprobs" not in b]
     assert [m["sampler/prompts"] for m in metrics] == [2.0, 2.0]
     assert [m["sampler/completions"] for m in metrics] == [4.0, 4.0]

@@ -19,7 +19,7 @@ from grpo_core.plugins.samplers.openai import (
     ServerSampler,
 )
 from grpo_core.plugins_manager import make_plugin
-from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer
+from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer, run_through_fake_server
 
 FAST_BACKOFF = (0.01, 0.02)
 
@@ -243,27 +243,6 @@ def test_auto_settles_near_the_capacity_of_a_saturating_server(tokenizer):
 
 @pytest.mark.parametrize("loop, concurrency, window", [("sync", "auto", AUTO_INITIAL_WINDOW), ("async", "5", 5)])
 def test_a_run_records_the_window_in_every_step(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop, concurrency, window):
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    from grpo_core.loop import run
-
-    fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval())
-    server = LocalHTTPServer(fake)
-    try:
-        config = RunConfig(
-            model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Question: {prompt}\nAnswer:", loop=loop,
-            max_steps=2, prompt_groups_per_step=2, completions_per_prompt=2, max_completion_tokens=3, reward=["format"],
-            logger=["jsonl"], run_dir=str(tmp_path / "run"), drop_zero_variance_groups=False, sampler="openai",
-            plugin_options={
-                "sampler": {"openai": {"base_url": server.url, "prompts_per_request": 1, "concurrency": concurrency}},
-                "weight_sync": {"vllm": {"weights_dir": str(tmp_path / "weights")}},
-            },
-        )  # fmt: skip
-        run(config)
-    finally:
-        server.close()
-    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    _, metrics = run_through_fake_server(tiny_model_dir, tiny_dataset, tokenizer, tmp_path, loop, concurrency=concurrency)
     # Two requests a step never fill the window: auto's stays where it started.
     assert [m["sampler/concurrency_window"] for m in metrics] == [window, window]
