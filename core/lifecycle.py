@@ -36,13 +36,13 @@ from grpo_core.checkpoint import (
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
-from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, is_run_config, locked
+from grpo_core.run_dir import check_new_run_dir, check_same_data, choose_run_dir, clear_run_dir, is_run_config, locked, record_data
 from grpo_core.selection import select_plugins
 from grpo_core.types import RunState, SamplingParams
 
@@ -148,6 +148,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = Path(str(config.run_dir))
     newest = resume_point(run_dir, total_steps) if resume else None
+    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
+    if newest is not None:
+        check_same_data(run_dir, *rows)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
@@ -164,6 +167,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         unobserved = read_unobserved(newest)
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
     write_config(config, run_dir / "config.json", run_info)
+    record_data(run_dir, *rows)
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)

@@ -299,6 +299,16 @@ CASES = [
         r"--model \S+/done is a grpo-core run folder, not a model: its trained policy is \S+/done/final",
     ),
     Case(
+        "eval-a-run-folder-as-the-model",
+        lambda w, tmp: ["eval", "--model", w.done, "--dataset", w.data],
+        r"--model \S+/done is a grpo-core run folder, not a model: its trained policy is \S+/done/final",
+    ),
+    Case(
+        "eval-weights-cut-short",
+        lambda w, tmp: ["eval", "--model", w.cut_weights, "--dataset", w.data],
+        r"model folder \S+: model.safetensors is cut short \(5000 of \d+ bytes\); copy or download it again",
+    ),
+    Case(
         "a-text-file-named-parquet",
         lambda w, tmp: small_run_args(w.model, w.fake_parquet, tmp / "r"),
         r"\S+rows.parquet: not a readable Parquet file \(.*\); JSONL rows go in a .jsonl file",
@@ -375,6 +385,63 @@ def test_a_conflicting_plugin_name_is_listed_with_both_distributions(world):
     assert all("grpo-core run refuses 'grpo' until one is uninstalled" in i["conflict"] for i in grpo)
     text = grpo_core("plugins", env={"PYTHONPATH": world.rival}).stdout
     assert text.count("loss grpo  (") == 2 and "CONFLICT" in text
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_dataset_that_changed_and_continues_on_the_same_one(world, tmp_path):
+    data, run_dir = tmp_path / "mine.jsonl", tmp_path / "run"
+    shutil.copy(world.data, data)
+    assert grpo_core(*small(world, run_dir, "--max-steps", "1"), "--dataset", str(data)).returncode == 0
+    recorded = json.loads((run_dir / "data.json").read_text())
+    assert (recorded["dataset"], recorded["prompts"]) == (str(data), 36) and len(recorded["sha256"]) == 64
+    original = data.read_bytes()
+    data.write_bytes(original.replace(b"what is 0 plus 0?", b"what is 0 plus 9?", 1))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "2")
+    assert out.returncode == USER_ERROR and "Traceback" not in out.stderr
+    assert re.fullmatch(
+        rf"error: --resume {run_dir}: the dataset {data} changed since the run started \(the same 36 prompts in number, their "
+        rf"content differs; sha256 of its rows {recorded['sha256'][:12]}\.\.\. then, [0-9a-f]{{12}}\.\.\. now\); resume with "
+        r"the data the run started on, or start a new run with this data \(another --run-dir\)",
+        out.stderr.strip().splitlines()[-1],
+    )
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    data.write_bytes(original)
+    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_changed_row_count_is_named_and_a_run_without_a_record_resumes(tmp_path):
+    from grpo_core.errors import PluginError
+    from grpo_core.run_dir import DATA_FILE, check_same_data, record_data
+
+    check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)  # a run from before data.json: nothing to compare
+    record_data(tmp_path, "d.jsonl", 3, "a" * 64)
+    check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)
+    with pytest.raises(PluginError, match=r"the dataset d.jsonl changed since the run started \(3 prompts then, 2 now; "):
+        check_same_data(tmp_path, "d.jsonl", 2, "b" * 64)
+    (tmp_path / DATA_FILE).write_text('{"dataset": "d.jsonl"')
+    with pytest.raises(PluginError, match=rf"{DATA_FILE} cannot be read \(JSONDecodeError: .*\): it was cut short or edited"):
+        check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)
+
+
+def test_the_rows_fingerprint_sees_every_field_and_the_order():
+    from grpo_core.data import rows_fingerprint
+    from grpo_core.types import Prompt
+
+    rows = [Prompt("a:1", text="1+1?", answer="2"), Prompt("a:2", messages=[{"role": "user", "content": "2+2?"}], answer="4")]
+    base = rows_fingerprint(rows)
+    assert base == rows_fingerprint([Prompt("a:1", text="1+1?", answer="2"), rows[1]])
+    changed = [
+        [Prompt("a:1", text="1+1?", answer="3"), rows[1]],
+        [Prompt("a:1", text="1+2?", answer="2"), rows[1]],
+        [Prompt("a:9", text="1+1?", answer="2"), rows[1]],
+        [Prompt("a:1", text="1+1?", answer="2", metadata={"level": 1}), rows[1]],
+        [rows[1], rows[0]],
+        rows[:1],
+    ]
+    assert len({base, *map(rows_fingerprint, changed)}) == len(changed) + 1
 
 
 # -- every wait has a deadline ---------------------------------------------------------------------
