@@ -94,12 +94,34 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
-    if r.groups_failed and not r.groups_trained:
-        raise PluginError(
-            f"nothing was trained: every group was dropped, {r.groups_failed:g} of them because their "
+    problem = nothing_trained(r)
+    if problem:
+        raise PluginError(problem)
+    return summary
+
+
+def nothing_trained(r: Run) -> str | None:
+    """Why a run that ended without training one group is a failure (None when it trained, was
+    interrupted, or is a resumed run whose earlier steps may have trained)."""
+    state, dropped = r.state, r.groups_dropped
+    if r.groups_trained or state.interrupted or state.step == r.start_step:
+        return None
+    if dropped.get("failed"):
+        return (
+            f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
             f"reward failed (last: {r.selection.last_reward_error or 'a reward returned None/NaN'}); fix the reward and start again"
         )
-    return summary
+    if r.start_step:
+        return None
+    reasons = ", ".join(
+        f"{count:g} {'had equal rewards: no signal' if name == 'zero_variance' else f'by the group filter {name!r}'}"
+        for name, count in dropped.items()
+        if count
+    )
+    return (
+        f"nothing was trained: all {state.step} steps dropped every group ({reasons}); make the rewards within a group "
+        "differ (more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit)"
+    )
 
 
 @attrs.define
@@ -116,9 +138,12 @@ class Run:
     params: SamplingParams
     evaluator: TrainingEval | None = None
     """``--eval-every``: what evaluates the policy between steps."""
+    start_step: int = 0
+    """The step a resumed run continued from (0 for a new run)."""
     groups_trained: float = 0.0
-    groups_failed: float = 0.0
-    """Prompt groups trained on, and dropped because their reward failed, by this process's steps."""
+    groups_dropped: dict[str, float] = attrs.field(factory=dict)
+    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; a group
+    filter's name), by this process's steps."""
 
 
 @contextlib.contextmanager
@@ -171,6 +196,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
+    r.start_step = state.step
     if evaluator is not None:
         evaluator.sampler = sampler
     observed = state.step - 1 if unobserved is not None else state.step
@@ -238,7 +264,10 @@ def end_step(
             state.rng = capture_rng(sampler)
     metrics.update(synced.as_dict())
     r.groups_trained += metrics.get("groups/kept", 0.0)
-    r.groups_failed += metrics.get("groups/dropped_failed", 0.0)
+    for key, count in metrics.items():
+        if key.startswith("groups/dropped_"):
+            reason = key.removeprefix("groups/dropped_")
+            r.groups_dropped[reason] = r.groups_dropped.get(reason, 0.0) + count
     if counted is not None:
         counted()
     if r.evaluator is not None and r.evaluator.due(step):

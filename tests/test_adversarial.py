@@ -46,6 +46,18 @@ class BrokenReward:
 
 
 @attrs.define
+class OnceReward:
+    """Scores differ in the first group it scores only: one group of a run has a signal."""
+
+    calls: int = 0
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        self.calls += 1
+        return [float(self.calls == 1 and i == 0) for i, _ in enumerate(samples)]
+
+
+@attrs.define
 class WordyReward:
     """A reward that answers in words."""
 
@@ -119,6 +131,7 @@ def world(tiny_model_dir, tiny_dataset, tmp_path_factory):
         {
             "reward.broken": "grpo_adversarial_plugins:BrokenReward",
             "reward.wordy": "grpo_adversarial_plugins:WordyReward",
+            "reward.once": "grpo_adversarial_plugins:OnceReward",
             "loss.float": "grpo_adversarial_plugins:FloatLoss",
             "loss.hungry": "grpo_adversarial_plugins:HungryLoss",
         },
@@ -271,6 +284,13 @@ CASES = [
         r"\(last: reward 'broken' raised ConnectionError: the grading service is down\); fix the reward and start again",
         env=plugins_site,
     ),
+    Case(
+        "a-run-whose-groups-all-have-equal-rewards-trains-nothing",
+        lambda w, tmp: small(w, tmp / "r", "--drop-zero-variance-groups"),
+        r"nothing was trained: all 2 steps dropped every group \(4 had equal rewards: no signal\); make the rewards within "
+        r"a group differ \(more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit\)",
+        after=lambda w, tmp: json.loads((tmp / "r" / "summary.json").read_text())["steps"] == 2 or pytest.fail("no summary"),
+    ),
     # -- a secret stays *** in an error --------------------------------------------------------
     Case(
         "secret-in-an-option-error",
@@ -385,6 +405,15 @@ def test_a_conflicting_plugin_name_is_listed_with_both_distributions(world):
     assert all("grpo-core run refuses 'grpo' until one is uninstalled" in i["conflict"] for i in grpo)
     text = grpo_core("plugins", env={"PYTHONPATH": world.rival}).stdout
     assert text.count("loss grpo  (") == 2 and "CONFLICT" in text
+
+
+@pytest.mark.slow
+def test_a_run_in_which_one_group_trained_ends_well(world, tmp_path):
+    out = grpo_core(*small(world, tmp_path / "r", "--drop-zero-variance-groups", "--reward", "once"), env=plugins_site(world))
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["groups/kept"], m["groups/dropped_zero_variance"]) for m in metrics] == [(1, 1), (0, 2)]
+    assert "nothing was trained" not in out.stderr
 
 
 @pytest.mark.slow
