@@ -594,6 +594,8 @@ def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
     text = " ".join(grpo_core_in_process("run", "--help").stdout.split())
     assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
     assert "A server's first contact must succeed within its connect_deadline (openai sampler, tinker trainer: 30 s)" in text
+    assert "--resume refuses a dataset whose rows changed since the run started (RUN_DIR/data.json" in text
+    assert "A run that trained nothing (every group of every step dropped: its reward failed, or equal rewards" in text
     assert "Exit codes: 0 done; 1 an error you can fix" in text and "3 internal error of grpo-core" in text
 
 
