@@ -113,13 +113,11 @@ def nothing_trained(r: Run) -> str | None:
         )
     if r.start_step:
         return None
-    reasons = ", ".join(
-        f"{count:g} {'had equal rewards: no signal' if name == 'zero_variance' else f'by the group filter {name!r}'}"
-        for name, count in dropped.items()
-        if count
-    )
+    said = {"zero_variance": "had equal rewards: no signal", "skipped": "had no samples"}
+    reasons = ", ".join(f"{count:g} {said.get(name, f'by the group filter {name!r}')}" for name, count in dropped.items() if count)
+    steps = "its one step" if state.step == 1 else f"all {state.step} steps"
     return (
-        f"nothing was trained: all {state.step} steps dropped every group ({reasons}); make the rewards within a group "
+        f"nothing was trained: {steps} dropped every group ({reasons}); make the rewards within a group "
         "differ (more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit)"
     )
 
@@ -142,8 +140,8 @@ class Run:
     """The step a resumed run continued from (0 for a new run)."""
     groups_trained: float = 0.0
     groups_dropped: dict[str, float] = attrs.field(factory=dict)
-    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; a group
-    filter's name), by this process's steps."""
+    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; ``skipped``:
+    no samples; a group filter's name), by this process's steps."""
 
 
 @contextlib.contextmanager
@@ -265,8 +263,8 @@ def end_step(
     metrics.update(synced.as_dict())
     r.groups_trained += metrics.get("groups/kept", 0.0)
     for key, count in metrics.items():
-        if key.startswith("groups/dropped_"):
-            reason = key.removeprefix("groups/dropped_")
+        if key.startswith("groups/dropped_") or key == "groups/skipped":
+            reason = key.removeprefix("groups/dropped_").removeprefix("groups/")
             r.groups_dropped[reason] = r.groups_dropped.get(reason, 0.0) + count
     if counted is not None:
         counted()

@@ -416,6 +416,29 @@ def test_a_run_in_which_one_group_trained_ends_well(world, tmp_path):
     assert "nothing was trained" not in out.stderr
 
 
+def test_nothing_trained_names_every_reason_and_spares_a_resumed_or_interrupted_run():
+    from grpo_core.lifecycle import nothing_trained
+
+    def run(step=3, start_step=0, trained=0.0, interrupted=False, **dropped):
+        state = SimpleNamespace(step=step, interrupted=interrupted)
+        selection = SimpleNamespace(last_reward_error=None)
+        return SimpleNamespace(state=state, start_step=start_step, groups_trained=trained, groups_dropped=dropped, selection=selection)
+
+    assert nothing_trained(run(zero_variance=4.0, no_threes=2.0, skipped=1.0, failed=0.0)) == (
+        "nothing was trained: all 3 steps dropped every group (4 had equal rewards: no signal, 2 by the group filter "
+        "'no_threes', 1 had no samples); make the rewards within a group differ (more --completions-per-prompt, "
+        "a higher --temperature, easier prompts, a reward with partial credit)"
+    )
+    assert nothing_trained(run(step=1, zero_variance=2.0)).startswith("nothing was trained: its one step dropped every group (2 had")
+    assert nothing_trained(run(failed=2.0, zero_variance=1.0)).startswith(
+        "nothing was trained: every group was dropped, 2 of them because their reward failed (last: a reward returned None/NaN)"
+    )
+    assert nothing_trained(run(start_step=2, failed=1.0)).startswith("nothing was trained: every group was dropped, 1 of them")
+    for fine in (run(trained=1.0, zero_variance=5.0), run(start_step=2, zero_variance=1.0), run(interrupted=True, zero_variance=3.0)):
+        assert nothing_trained(fine) is None
+    assert nothing_trained(run(step=2, start_step=2)) is None  # resumed at its last step: no step ran
+
+
 @pytest.mark.slow
 def test_resume_refuses_a_dataset_that_changed_and_continues_on_the_same_one(world, tmp_path):
     data, run_dir = tmp_path / "mine.jsonl", tmp_path / "run"
