@@ -164,6 +164,11 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
     tinker trainer: 30 s); later long waits print progress.
 
     \b
+    --resume refuses a dataset whose rows changed since the run started (RUN_DIR/data.json: their
+    count and sha256). A run that trained nothing (every group of every step dropped: its reward
+    failed, or equal rewards gave no signal) ends with exit 1 after writing its summary.
+
+    \b
     Exit codes: 0 done; 1 an error you can fix (message says what), or a third-party plugin's bug
     (named with its distribution); 2 bad command line; 3 internal error of grpo-core (traceback
     written to the run directory); 130 Ctrl-C; 143 SIGTERM.

@@ -16,6 +16,7 @@ The embedded task has two splits, ``default:train`` (also plain ``default``) and
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -71,6 +72,17 @@ class Dataset:
             "data/skipped_bad_rows": len(self.skipped_bad_rows),
             "data/skipped_long_prompts": len(self.skipped_long_prompts),
         }
+
+
+def rows_fingerprint(prompts: Sequence[Prompt]) -> str:
+    """sha256 of the rows a run uses, as loaded (id, prompt, answer, metadata): the same for every
+    source (file, saved folder, hub, generated), and blind to what the run never reads (rows past
+    ``max_rows``, a bad row it skips). ``--resume`` compares it to refuse data that changed."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        row = [prompt.id, prompt.text, prompt.messages, prompt.answer, prompt.metadata]
+        digest.update(json.dumps(row, sort_keys=True, default=repr).encode() + b"\n")
+    return digest.hexdigest()
 
 
 def dataset_name(dataset: str) -> str:

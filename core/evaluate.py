@@ -17,7 +17,7 @@ from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.lifecycle import sampling_params, seed_everything
+from grpo_core.lifecycle import check_model_folder, sampling_params, seed_everything
 from grpo_core.measure import EVAL_DATASET, measure
 from grpo_core.selection import select_plugins
 
@@ -31,6 +31,7 @@ def eval_config(flags: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tup
     """
     values = dict(flags)
     model = str(values.get("model", "default"))
+    check_model_folder(model)
     settings = read_prompt_settings(model)
     if "dataset" not in values:
         if settings is not None and not settings.get("embedded_task", False):

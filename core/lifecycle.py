@@ -36,13 +36,13 @@ from grpo_core.checkpoint import (
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, steps_available, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
-from grpo_core.run_dir import check_new_run_dir, choose_run_dir, clear_run_dir, is_run_config, locked
+from grpo_core.run_dir import check_new_run_dir, check_same_data, choose_run_dir, clear_run_dir, is_run_config, locked, record_data
 from grpo_core.selection import select_plugins
 from grpo_core.types import RunState, SamplingParams
 
@@ -94,12 +94,32 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
-    if r.groups_failed and not r.groups_trained:
-        raise PluginError(
-            f"nothing was trained: every group was dropped, {r.groups_failed:g} of them because their "
+    problem = nothing_trained(r)
+    if problem:
+        raise PluginError(problem)
+    return summary
+
+
+def nothing_trained(r: Run) -> str | None:
+    """Why a run that ended without training one group is a failure (None when it trained, was
+    interrupted, or is a resumed run whose earlier steps may have trained)."""
+    state, dropped = r.state, r.groups_dropped
+    if r.groups_trained or state.interrupted or state.step == r.start_step:
+        return None
+    if dropped.get("failed"):
+        return (
+            f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
             f"reward failed (last: {r.selection.last_reward_error or 'a reward returned None/NaN'}); fix the reward and start again"
         )
-    return summary
+    if r.start_step:
+        return None
+    said = {"zero_variance": "had equal rewards: no signal", "skipped": "had no samples"}
+    reasons = ", ".join(f"{count:g} {said.get(name, f'by the group filter {name!r}')}" for name, count in dropped.items() if count)
+    steps = "its one step" if state.step == 1 else f"all {state.step} steps"
+    return (
+        f"nothing was trained: {steps} dropped every group ({reasons}); make the rewards within a group "
+        "differ (more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit)"
+    )
 
 
 @attrs.define
@@ -116,9 +136,12 @@ class Run:
     params: SamplingParams
     evaluator: TrainingEval | None = None
     """``--eval-every``: what evaluates the policy between steps."""
+    start_step: int = 0
+    """The step a resumed run continued from (0 for a new run)."""
     groups_trained: float = 0.0
-    groups_failed: float = 0.0
-    """Prompt groups trained on, and dropped because their reward failed, by this process's steps."""
+    groups_dropped: dict[str, float] = attrs.field(factory=dict)
+    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; ``skipped``:
+    no samples; a group filter's name), by this process's steps."""
 
 
 @contextlib.contextmanager
@@ -148,6 +171,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = Path(str(config.run_dir))
     newest = resume_point(run_dir, total_steps) if resume else None
+    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
+    if newest is not None:
+        check_same_data(run_dir, *rows)
     trainer = pm.hook.make_trainer(config=config)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
@@ -164,9 +190,11 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         unobserved = read_unobserved(newest)
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
     write_config(config, run_dir / "config.json", run_info)
+    record_data(run_dir, *rows)
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
+    r.start_step = state.step
     if evaluator is not None:
         evaluator.sampler = sampler
     observed = state.step - 1 if unobserved is not None else state.step
@@ -234,7 +262,10 @@ def end_step(
             state.rng = capture_rng(sampler)
     metrics.update(synced.as_dict())
     r.groups_trained += metrics.get("groups/kept", 0.0)
-    r.groups_failed += metrics.get("groups/dropped_failed", 0.0)
+    for key, count in metrics.items():
+        if key.startswith("groups/dropped_") or key == "groups/skipped":
+            reason = key.removeprefix("groups/dropped_").removeprefix("groups/")
+            r.groups_dropped[reason] = r.groups_dropped.get(reason, 0.0) + count
     if counted is not None:
         counted()
     if r.evaluator is not None and r.evaluator.due(step):

@@ -23,6 +23,8 @@ from pathlib import Path
 from grpo_core.errors import PluginError
 
 LOCK_FILE = ".lock"
+DATA_FILE = "data.json"
+"""The rows a run started on: the dataset's name, how many prompts, the sha256 of its rows."""
 RUN_CONFIG_KEYS = frozenset({"model", "dataset", "backend", "rollout", "reward", "advantage", "loss", "plugin_options"})
 """Keys every grpo-core ``config.json`` holds (a model folder's ``config.json`` holds none of them)."""
 
@@ -166,3 +168,32 @@ def clear_run_dir(path: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def record_data(path: Path, dataset: str, prompts: int, sha256: str) -> None:
+    """Write the run's ``data.json``: what ``check_same_data`` compares on ``--resume``."""
+    record = {"dataset": dataset, "prompts": prompts, "sha256": sha256}
+    (path / DATA_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def check_same_data(path: Path, dataset: str, prompts: int, sha256: str) -> None:
+    """``--resume`` continues on the rows the run started with: other rows would silently change
+    which prompts its remaining steps see (the order is drawn over the rows by index).
+
+    A run from before ``data.json`` existed has nothing to compare; its rows are recorded now.
+    """
+    try:
+        started = json.loads((path / DATA_FILE).read_text())
+        then, count = started["sha256"], started["prompts"]
+    except FileNotFoundError:
+        return
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise PluginError(f"{path / DATA_FILE} cannot be read ({type(exc).__name__}: {exc}): it was cut short or edited") from None
+    if then == sha256:
+        return
+    change = f"{count} prompts then, {prompts} now" if count != prompts else f"the same {prompts} prompts in number, their content differs"
+    raise PluginError(
+        f"--resume {path}: the dataset {dataset} changed since the run started ({change}; sha256 of its rows "
+        f"{then[:12]}... then, {sha256[:12]}... now); resume with the data the run started on, or start a new run "
+        "with this data (another --run-dir)"
+    )

@@ -46,6 +46,18 @@ class BrokenReward:
 
 
 @attrs.define
+class OnceReward:
+    """Scores differ in the first group it scores only: one group of a run has a signal."""
+
+    calls: int = 0
+
+    @hookimpl
+    def reward(self, prompt, samples):
+        self.calls += 1
+        return [float(self.calls == 1 and i == 0) for i, _ in enumerate(samples)]
+
+
+@attrs.define
 class WordyReward:
     """A reward that answers in words."""
 
@@ -119,6 +131,7 @@ def world(tiny_model_dir, tiny_dataset, tmp_path_factory):
         {
             "reward.broken": "grpo_adversarial_plugins:BrokenReward",
             "reward.wordy": "grpo_adversarial_plugins:WordyReward",
+            "reward.once": "grpo_adversarial_plugins:OnceReward",
             "loss.float": "grpo_adversarial_plugins:FloatLoss",
             "loss.hungry": "grpo_adversarial_plugins:HungryLoss",
         },
@@ -271,6 +284,13 @@ CASES = [
         r"\(last: reward 'broken' raised ConnectionError: the grading service is down\); fix the reward and start again",
         env=plugins_site,
     ),
+    Case(
+        "a-run-whose-groups-all-have-equal-rewards-trains-nothing",
+        lambda w, tmp: small(w, tmp / "r", "--drop-zero-variance-groups"),
+        r"nothing was trained: all 2 steps dropped every group \(4 had equal rewards: no signal\); make the rewards within "
+        r"a group differ \(more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit\)",
+        after=lambda w, tmp: json.loads((tmp / "r" / "summary.json").read_text())["steps"] == 2 or pytest.fail("no summary"),
+    ),
     # -- a secret stays *** in an error --------------------------------------------------------
     Case(
         "secret-in-an-option-error",
@@ -297,6 +317,16 @@ CASES = [
         "a-run-folder-as-the-model",
         lambda w, tmp: small_run_args(w.done, w.data, tmp / "r"),
         r"--model \S+/done is a grpo-core run folder, not a model: its trained policy is \S+/done/final",
+    ),
+    Case(
+        "eval-a-run-folder-as-the-model",
+        lambda w, tmp: ["eval", "--model", w.done, "--dataset", w.data],
+        r"--model \S+/done is a grpo-core run folder, not a model: its trained policy is \S+/done/final",
+    ),
+    Case(
+        "eval-weights-cut-short",
+        lambda w, tmp: ["eval", "--model", w.cut_weights, "--dataset", w.data],
+        r"model folder \S+: model.safetensors is cut short \(5000 of \d+ bytes\); copy or download it again",
     ),
     Case(
         "a-text-file-named-parquet",
@@ -375,6 +405,95 @@ def test_a_conflicting_plugin_name_is_listed_with_both_distributions(world):
     assert all("grpo-core run refuses 'grpo' until one is uninstalled" in i["conflict"] for i in grpo)
     text = grpo_core("plugins", env={"PYTHONPATH": world.rival}).stdout
     assert text.count("loss grpo  (") == 2 and "CONFLICT" in text
+
+
+@pytest.mark.slow
+def test_a_run_in_which_one_group_trained_ends_well(world, tmp_path):
+    out = grpo_core(*small(world, tmp_path / "r", "--drop-zero-variance-groups", "--reward", "once"), env=plugins_site(world))
+    assert out.returncode == 0, out.stderr
+    metrics = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["groups/kept"], m["groups/dropped_zero_variance"]) for m in metrics] == [(1, 1), (0, 2)]
+    assert "nothing was trained" not in out.stderr
+
+
+def test_nothing_trained_names_every_reason_and_spares_a_resumed_or_interrupted_run():
+    from grpo_core.lifecycle import nothing_trained
+
+    def run(step=3, start_step=0, trained=0.0, interrupted=False, **dropped):
+        state = SimpleNamespace(step=step, interrupted=interrupted)
+        selection = SimpleNamespace(last_reward_error=None)
+        return SimpleNamespace(state=state, start_step=start_step, groups_trained=trained, groups_dropped=dropped, selection=selection)
+
+    assert nothing_trained(run(zero_variance=4.0, no_threes=2.0, skipped=1.0, failed=0.0)) == (
+        "nothing was trained: all 3 steps dropped every group (4 had equal rewards: no signal, 2 by the group filter "
+        "'no_threes', 1 had no samples); make the rewards within a group differ (more --completions-per-prompt, "
+        "a higher --temperature, easier prompts, a reward with partial credit)"
+    )
+    assert nothing_trained(run(step=1, zero_variance=2.0)).startswith("nothing was trained: its one step dropped every group (2 had")
+    assert nothing_trained(run(failed=2.0, zero_variance=1.0)).startswith(
+        "nothing was trained: every group was dropped, 2 of them because their reward failed (last: a reward returned None/NaN)"
+    )
+    assert nothing_trained(run(start_step=2, failed=1.0)).startswith("nothing was trained: every group was dropped, 1 of them")
+    for fine in (run(trained=1.0, zero_variance=5.0), run(start_step=2, zero_variance=1.0), run(interrupted=True, zero_variance=3.0)):
+        assert nothing_trained(fine) is None
+    assert nothing_trained(run(step=2, start_step=2)) is None  # resumed at its last step: no step ran
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_dataset_that_changed_and_continues_on_the_same_one(world, tmp_path):
+    data, run_dir = tmp_path / "mine.jsonl", tmp_path / "run"
+    shutil.copy(world.data, data)
+    assert grpo_core(*small(world, run_dir, "--max-steps", "1"), "--dataset", str(data)).returncode == 0
+    recorded = json.loads((run_dir / "data.json").read_text())
+    assert (recorded["dataset"], recorded["prompts"]) == (str(data), 36) and len(recorded["sha256"]) == 64
+    original = data.read_bytes()
+    data.write_bytes(original.replace(b"what is 0 plus 0?", b"what is 0 plus 9?", 1))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "2")
+    assert out.returncode == USER_ERROR and "Traceback" not in out.stderr
+    assert re.fullmatch(
+        rf"error: --resume {run_dir}: the dataset {data} changed since the run started \(the same 36 prompts in number, their "
+        rf"content differs; sha256 of its rows {recorded['sha256'][:12]}\.\.\. then, [0-9a-f]{{12}}\.\.\. now\); resume with "
+        r"the data the run started on, or start a new run with this data \(another --run-dir\)",
+        out.stderr.strip().splitlines()[-1],
+    )
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    data.write_bytes(original)
+    out = grpo_core("run", "--resume", str(run_dir), "--max-steps", "2")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_changed_row_count_is_named_and_a_run_without_a_record_resumes(tmp_path):
+    from grpo_core.errors import PluginError
+    from grpo_core.run_dir import DATA_FILE, check_same_data, record_data
+
+    check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)  # a run from before data.json: nothing to compare
+    record_data(tmp_path, "d.jsonl", 3, "a" * 64)
+    check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)
+    with pytest.raises(PluginError, match=r"the dataset d.jsonl changed since the run started \(3 prompts then, 2 now; "):
+        check_same_data(tmp_path, "d.jsonl", 2, "b" * 64)
+    (tmp_path / DATA_FILE).write_text('{"dataset": "d.jsonl"')
+    with pytest.raises(PluginError, match=rf"{DATA_FILE} cannot be read \(JSONDecodeError: .*\): it was cut short or edited"):
+        check_same_data(tmp_path, "d.jsonl", 3, "a" * 64)
+
+
+def test_the_rows_fingerprint_sees_every_field_and_the_order():
+    from grpo_core.data import rows_fingerprint
+    from grpo_core.types import Prompt
+
+    rows = [Prompt("a:1", text="1+1?", answer="2"), Prompt("a:2", messages=[{"role": "user", "content": "2+2?"}], answer="4")]
+    base = rows_fingerprint(rows)
+    assert base == rows_fingerprint([Prompt("a:1", text="1+1?", answer="2"), rows[1]])
+    changed = [
+        [Prompt("a:1", text="1+1?", answer="3"), rows[1]],
+        [Prompt("a:1", text="1+2?", answer="2"), rows[1]],
+        [Prompt("a:9", text="1+1?", answer="2"), rows[1]],
+        [Prompt("a:1", text="1+1?", answer="2", metadata={"level": 1}), rows[1]],
+        [rows[1], rows[0]],
+        rows[:1],
+    ]
+    assert len({base, *map(rows_fingerprint, changed)}) == len(changed) + 1
 
 
 # -- every wait has a deadline ---------------------------------------------------------------------
@@ -498,6 +617,8 @@ def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
     text = " ".join(grpo_core_in_process("run", "--help").stdout.split())
     assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
     assert "A server's first contact must succeed within its connect_deadline (openai sampler, tinker trainer: 30 s)" in text
+    assert "--resume refuses a dataset whose rows changed since the run started (RUN_DIR/data.json" in text
+    assert "A run that trained nothing (every group of every step dropped: its reward failed, or equal rewards" in text
     assert "Exit codes: 0 done; 1 an error you can fix" in text and "3 internal error of grpo-core" in text
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 import torch
@@ -113,8 +115,11 @@ def test_every_step_trains_prompt_groups_per_step_groups_with_signal(tiny_model_
 
 def test_max_sampling_rounds_bounds_a_step(tiny_model_dir, tiny_dataset, tmp_path):
     r = tmp_path / "r"
-    # Every prompt is flat: no round ever keeps a group, and a step gives up after 3 rounds.
-    run(ds_config(tiny_model_dir, tiny_dataset, r, reward=["flat"], max_sampling_rounds=3, max_steps=2))
+    # Every prompt is flat: no round ever keeps a group, and a step gives up after 3 rounds; a run
+    # that trained nothing ends in an error, once its metrics and summary are written.
+    with pytest.raises(PluginError, match=r"nothing was trained: all 2 steps dropped every group \(12 had equal rewards: no signal\)"):
+        run(ds_config(tiny_model_dir, tiny_dataset, r, reward=["flat"], max_sampling_rounds=3, max_steps=2))
+    assert json.loads((r / "summary.json").read_text())["steps"] == 2
     metrics = metrics_of(r)
     assert [m["sampling/rounds"] for m in metrics] == [3, 3]
     assert [m["sampling/prompts"] for m in metrics] == [6, 6]
