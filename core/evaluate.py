@@ -31,7 +31,6 @@ def eval_config(flags: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tup
     """
     values = dict(flags)
     model = str(values.get("model", "default"))
-    check_model_folder(model)
     settings = read_prompt_settings(model)
     if "dataset" not in values:
         if settings is not None and not settings.get("embedded_task", False):
@@ -68,6 +67,7 @@ def evaluate(
     config: RunConfig, num_samples: int, batch_size: int, threshold: float, progress: Any = None, settings_origin: str = ""
 ) -> dict[str, float]:
     seed_everything(config.seed, config.threads)
+    check_model_folder(config.model)  # as run does, before anything loads it
     selection = select_plugins(config)
     dataset = load_dataset(config, selection.rewards_needing_answer)
     pm = selection.manager
