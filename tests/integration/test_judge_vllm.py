@@ -61,6 +61,7 @@ def test_a_run_with_the_judge_shows_its_replies_in_samples_jsonl(judge_server, t
         "run", "--model", str(tiny_model_dir), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
         "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
         "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--max-reward-failures-in-a-row", "1000",
+        "--no-drop-zero-variance-groups",
         "--reward", "judge", "--reward-opt", f"base_url={judge_server.url}", "--reward-opt", "models=judge",
         "--reward-opt", f"rubric={RUBRIC}", "--reward-opt", r"score_pattern=(\d)", "--reward-opt", "max_score=9",
         "--reward-opt", "max_tokens=8", "--logger", "jsonl", "--logger-opt", "jsonl.samples_every=1",
