@@ -67,9 +67,13 @@ def test_a_run_with_the_judge_shows_its_replies_in_samples_jsonl(judge_server, t
         "--reward-opt", "max_tokens=8", "--logger", "jsonl", "--logger-opt", "jsonl.samples_every=1",
         env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 2 * 4
+    assert len(rows) == 2 * 2 * 4, out.stdout + out.stderr
+    # The random judge rarely writes a digit: a run in which every reward failed trained nothing, and says so.
+    if all(row["reward/judge"] is None for row in rows):
+        assert out.returncode == 1 and "error: nothing was trained" in out.stderr, out.stderr
+    else:
+        assert out.returncode == 0, out.stdout + out.stderr
     for row in rows:
         expected = last_digit_score(row["reward_detail/judge"])
         assert row["reward/judge"] == (None if expected is None else pytest.approx(expected))
