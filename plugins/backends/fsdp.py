@@ -360,7 +360,9 @@ def serve(rank: int) -> int:
         try:
             getattr(state, name)(*args)
         except Agreed:
-            pass  # rank 0 raised it too, and says it
+            # An error every rank met in this command (a bad checkpoint, say): rank 0 raises it to
+            # the loop and reports it; this rank stays in step and serves the next command.
+            continue
 
 
 # --- what every rank does for each command ----------------------------------------------------------

@@ -451,3 +451,20 @@ def check_all_scenarios(name: str, options: dict | None, agg: str, tis_mode: str
         assert all(math.isfinite(v) for v in out.metrics.values()), (s, out.metrics)
         if tis is not None:
             assert {"tis/weight_mean", "tis/clip_frac"} <= set(out.metrics)
+
+
+def one_sequence(logprobs, old, adv, mask=None):
+    """LossInputs of one float64 sequence whose sampler is its old policy (mask: all trained by default)."""
+    import torch
+
+    from grpo_core import LossInputs
+
+    lp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
+    n = len(logprobs)
+    return LossInputs(
+        logprobs=[lp],
+        old_logprobs=[torch.tensor(old, dtype=torch.float64)],
+        sampling_logprobs=[torch.tensor(old, dtype=torch.float64)],
+        mask=[torch.ones(n, dtype=torch.float64) if mask is None else torch.tensor(mask, dtype=torch.float64)],
+        advantages=[torch.tensor(adv, dtype=torch.float64)],
+    )

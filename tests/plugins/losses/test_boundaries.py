@@ -8,17 +8,7 @@ import torch
 from grpo_core import LossInputs, call_loss, make_plugin
 from grpo_core.loss import aggregate
 
-
-def one_sequence(logprobs, old, adv, mask=None):
-    lp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
-    n = len(logprobs)
-    return LossInputs(
-        logprobs=[lp],
-        old_logprobs=[torch.tensor(old, dtype=torch.float64)],
-        sampling_logprobs=[torch.tensor(old, dtype=torch.float64)],
-        mask=[torch.ones(n, dtype=torch.float64) if mask is None else torch.tensor(mask, dtype=torch.float64)],
-        advantages=[torch.tensor(adv, dtype=torch.float64)],
-    )
+from .reference import one_sequence
 
 
 def test_importance_sampling_a_ratio_equal_to_clip_rho_is_not_counted_as_clipped():

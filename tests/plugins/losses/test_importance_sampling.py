@@ -1,11 +1,10 @@
 import math
 
 import pytest
-import torch
 
-from grpo_core import LossInputs, call_loss, make_plugin
+from grpo_core import call_loss, make_plugin
 
-from .reference import AGGS, TIS_MODES, assert_matches_reference, check_all_scenarios
+from .reference import AGGS, TIS_MODES, assert_matches_reference, check_all_scenarios, one_sequence
 
 
 @pytest.mark.parametrize("tis", list(TIS_MODES))
@@ -15,21 +14,9 @@ def test_matches_reference(options, agg, tis):
     check_all_scenarios("importance_sampling", options, agg, tis)
 
 
-def _inputs(logprobs, old, adv):
-    lp = torch.tensor(logprobs, dtype=torch.float64, requires_grad=True)
-    n = len(logprobs)
-    return LossInputs(
-        logprobs=[lp],
-        old_logprobs=[torch.tensor(old, dtype=torch.float64)],
-        sampling_logprobs=[torch.tensor(old, dtype=torch.float64)],
-        mask=[torch.ones(n, dtype=torch.float64)],
-        advantages=[torch.tensor(adv, dtype=torch.float64)],
-    )
-
-
 def test_ratio_gradient_and_clip_rho():
     # r = e^{0.5} and e^{-0.5}; clip_rho=1.5 truncates the first (no gradient), not the second.
-    inputs = _inputs([-1.0, -2.0], [-1.5, -1.5], [1.0, 1.0])
+    inputs = one_sequence([-1.0, -2.0], [-1.5, -1.5], [1.0, 1.0])
     out = call_loss([make_plugin("importance_sampling", clip_rho=1.5, agg="token-sum")], inputs)
     assert out.loss.item() == pytest.approx(-1.5 - math.exp(-0.5))
     out.loss.backward()
@@ -58,7 +45,7 @@ def test_no_reference_needed():
 
 def test_ratio_log_cap_option():
     # The cookbook-style cap: π − π_old = 3 with ratio_log_cap = 2 gives r = e^{2} and no gradient.
-    inputs = _inputs([0.0, -1.0], [-3.0, -1.0], [1.0, 1.0])
+    inputs = one_sequence([0.0, -1.0], [-3.0, -1.0], [1.0, 1.0])
     out = call_loss([make_plugin("importance_sampling", ratio_log_cap=2.0, agg="token-sum")], inputs)
     assert out.loss.item() == pytest.approx(-(math.exp(2.0) + 1.0))
     out.loss.backward()
