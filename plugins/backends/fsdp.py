@@ -256,9 +256,7 @@ class Group:
                 except subprocess.TimeoutExpired:
                     worker.kill()
                     worker.wait()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            RANK_STATE.clear()
+            leave_group()
 
 
 def start_group(world: int, device_type: str, spawn: bool) -> Group:
@@ -317,8 +315,24 @@ def join_group(rank: int, world: int, device_type: str, store: Any) -> Any:
     return control
 
 
+GLOO_SETTLE_S = 0.2
+"""How long a leaving rank lets gloo's workers finish freeing the last command's tensors."""
+
 RANK_STATE: list[Rank] = []
 """This process's :class:`Rank` (one per process: one default process group)."""
+
+
+def leave_group() -> None:
+    """Destroy this process's groups and give gloo's worker threads the moment they need to free
+    the last command's tensors. A worker frees a finished collective's tensors after the caller
+    has returned from it, and that takes the GIL: a worker that asks for it while the interpreter
+    exits is stopped mid-destructor and the process aborts ("terminate called without an active
+    exception", 1 exit in 5 under torchrun, where nothing waits between the last command and the
+    exit). destroy_process_group does not join the workers: FSDP's state keeps the group alive."""
+    RANK_STATE.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    time.sleep(GLOO_SETTLE_S)  # the GIL is free while this thread sleeps
 
 
 def _spawned_rank(rank: int, world: int, port: int, device_type: str, parent: int) -> None:
@@ -355,7 +369,7 @@ def serve(rank: int) -> int:
             return 1
         name, args = message[0]
         if name == "shutdown":
-            dist.destroy_process_group()
+            leave_group()
             return 0
         try:
             getattr(state, name)(*args)

@@ -247,6 +247,7 @@ def test_a_run_goes_on_through_a_server_kill_and_restart(vllm_venv, models, tmp_
             "--prompt-template", TEMPLATE, "--max-steps", str(steps), "--prompt-groups-per-step", "2",
             "--completions-per-prompt", "4", "--max-completion-tokens", "6", "--run-dir", str(run_dir),
             "--learning-rate", "1e-3", "--sampler", "openai", "--sampler-opt", f"base_url={server.url}", "--weight-sync", "vllm",
+            "--no-drop-zero-variance-groups",
         ]  # fmt: skip
         with open(tmp_path / "run.log", "w") as log:
             run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -237,7 +237,7 @@ def test_torchrun_starts_the_same_run(whole_runs, tiny_model_dir, tiny_dataset, 
     args = run_args(tiny_model_dir, tiny_dataset, tmp_path / "torchrun")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "grpo_core.cli"]
     out = subprocess.run([*torchrun, *args, "--backend", "fsdp"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, out.stdout + out.stderr
     ours, spawned = final_weights(tmp_path / "torchrun"), final_weights(base / "fsdp")
     assert all(torch.equal(ours[k], spawned[k]) for k in spawned)
     refused = subprocess.run([*torchrun, *args, "--backend", "local", "--overwrite"], capture_output=True, text=True, timeout=600)
