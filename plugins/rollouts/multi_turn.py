@@ -125,11 +125,12 @@ class MultiTurnRollout:
             "or end that conversation there (multi_turn/prefix_failures)"
         ),
     )
-    tool_format: Literal["auto", "hermes", "llama3", "mistral", "deepseek"] = option(
+    tool_format: Literal["auto", "hermes", "llama3", "mistral", "deepseek", "harmony"] = option(
         "auto",
         help=(
             "how the policy writes tool calls: hermes (<tool_call>{json}</tool_call>, Qwen), llama3 (JSON, or after "
-            "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (its tool-call markers, V3 and R1), or auto: the one the chat template "
+            "<|python_tag|>), mistral ([TOOL_CALLS]), deepseek (its tool-call markers, V3 and R1), harmony (gpt-oss: "
+            "<|channel|>commentary to=functions.NAME ... <|call|>), or auto: the one the chat template "
             "or the tokenizer's special tokens show, else hermes"
         ),
     )

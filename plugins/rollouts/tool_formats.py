@@ -175,8 +175,43 @@ class DeepSeek:
         return calls
 
 
-FORMATS = {f.name: f for f in (Hermes(), Llama3(), Mistral(), DeepSeek())}
-MARKERS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<｜tool▁calls▁begin｜>", "deepseek"), ("<|python_tag|>", "llama3"))
+@attrs.frozen
+class Harmony:
+    """gpt-oss (the harmony format): a message addressed to a function, on the commentary
+    channel, ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``
+    (the recipient may follow the role instead: ``<|start|>assistant to=functions.NAME<|channel|>``).
+    A turn holds messages each opened by ``<|start|>`` (its first by the generation prompt):
+    analysis, preambles, calls, the final answer; each addressed to a recipient other than the
+    assistant is a call (``functions.`` dropped from its name; a call to a built-in tool such as
+    ``python``, whose message is not JSON, is answered with an error)."""
+
+    name = "harmony"
+    stop = ("<|call|>",)
+    recipient = re.compile(r"(?:^|\s)to=([^\s<]*)")
+    message_end = re.compile(r"<\|(?:call|end|return)\|>")
+
+    def calls(self, text: str) -> list[ToolCall]:
+        calls = []
+        for message in text.split("<|start|>"):
+            header, has_body, body = message.partition("<|message|>")
+            found = self.recipient.search(header)
+            if not found or found.group(1) == "assistant":
+                continue
+            name = found.group(1).removeprefix("functions.")
+            if not name:
+                calls.append(ToolCall(error="a tool call is addressed to=functions.NAME"))
+            elif not has_body:
+                calls.append(ToolCall(name=name, error="the tool call has no <|message|> with its arguments"))
+            else:
+                calls.append(call_with_arguments(name, self.message_end.split(body)[0]))
+        return calls
+
+
+FORMATS = {f.name: f for f in (Hermes(), Llama3(), Mistral(), DeepSeek(), Harmony())}
+MARKERS = (
+    ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<｜tool▁calls▁begin｜>", "deepseek"), ("<|channel|>", "harmony"),
+    ("<|python_tag|>", "llama3"),
+)  # fmt: skip
 """What in a chat template or a tokenizer's vocabulary shows a family's format, checked in order."""
 
 

@@ -142,6 +142,45 @@ DEEPSEEK = """
 ``<｜tool▁outputs▁begin｜>`` and ``<｜tool▁outputs▁end｜>``, reasoning dropped from past answers
 (R1); its tools are described in the system prompt, not by the template."""
 
+GPT_OSS = """
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\nReasoning: medium\\n\\n' }}
+{{- '# Valid channels: analysis, commentary, final. Channel must be included for every message.' }}
+{%- if tools %}{{- "\\nCalls to these tools must go to the commentary channel: 'functions'." }}{%- endif %}
+{{- '<|end|>' }}
+{%- if messages[0].role == 'system' or tools %}
+    {{- '<|start|>developer<|message|>' }}
+    {%- if messages[0].role == 'system' %}{{- '# Instructions\\n\\n' + messages[0].content + '\\n\\n' }}{%- endif %}
+    {%- if tools %}
+        {{- '# Tools\\n\\n## functions\\n\\nnamespace functions {\\n\\n' }}
+        {%- for tool in tools %}
+            {{- '// ' + tool.function.description + '\\ntype ' + tool.function.name + ' = (_: ' }}
+            {{- tool.function.parameters | tojson + ') => any;\\n\\n' }}
+        {%- endfor %}
+        {{- '} // namespace functions' }}
+    {%- endif %}
+    {{- '<|end|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|start|>assistant' + message.content + ('<|call|>' if ' to=functions.' in message.content else '<|end|>') }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|start|>functions.' + message.name + ' to=assistant<|channel|>commentary<|message|>' + message.content | tojson + '<|end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+"""gpt-oss's template (the harmony format), cut to its structure: system and developer messages
+(the tools in a ``functions`` namespace; gpt-oss writes their parameters as TypeScript, here as
+JSON), each message ``<|start|>ROLE<|message|>...<|end|>``, a tool's result from
+``functions.NAME to=assistant`` on the commentary channel, the generation prompt
+``<|start|>assistant``, after which the policy writes its channels. Where it differs from
+gpt-oss's own: a past assistant turn is written as the text the policy wrote (closed by
+``<|call|>`` when it called a function), as the rollout passes it; gpt-oss's template rebuilds past
+turns from structured fields (``tool_calls``, ``thinking``) the rollout does not pass, and refuses
+a tool message without them (docs/multi-turn.md, Tool-call formats)."""
+
 QWEN_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA_TOKENS = [
     "<|endoftext|>",
@@ -162,12 +201,15 @@ DEEPSEEK_TOKENS = [
     "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>",
 ]  # fmt: skip
 
+GPT_OSS_TOKENS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+
 FAMILIES = {
     "qwen3": (QWEN3, QWEN_TOKENS, {"eos_token": "<|im_end|>"}),
     "qwen3_thinking": (QWEN3_THINKING, QWEN_TOKENS, {"eos_token": "<|im_end|>"}),
     "llama3": (LLAMA3, LLAMA_TOKENS, {"eos_token": "<|eot_id|>", "bos_token": "<|begin_of_text|>"}),
     "mistral": (MISTRAL, MISTRAL_TOKENS, {"eos_token": "</s>", "bos_token": "<s>"}),
     "deepseek": (DEEPSEEK, DEEPSEEK_TOKENS, {"eos_token": "<｜end▁of▁sentence｜>", "bos_token": "<｜begin▁of▁sentence｜>"}),
+    "gpt_oss": (GPT_OSS, GPT_OSS_TOKENS, {"eos_token": "<|return|>"}),
 }
 """Per family: its chat template, its special tokens, which of them are eos and bos."""
 

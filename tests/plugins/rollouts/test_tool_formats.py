@@ -13,7 +13,7 @@ from grpo_core import Completion, PluginError, Prompt, hookimpl, make_plugin
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, detect
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from tests.plugins.rollouts.chat_templates import FAMILIES, build_chat_model, build_chat_tokenizer
-from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, FakeTool, ScriptedSampler, run
+from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, FakeTool, ScriptedSampler, ids, run
 
 ADD = {"expression": "18 + 34"}
 CALL = ToolCall(name="calculator", arguments=ADD)
@@ -113,13 +113,54 @@ NO_COMMA = "Expecting ',' delimiter: line 1 column {} (char {})"
             '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator {"expression": "1"}<｜tool▁call▁end｜>',
             [ToolCall(error="a tool call is NAME<｜tool▁sep｜>{arguments}")],
         ),
+        # gpt-oss (harmony): the turn as the rollout reads it, its last <|call|> or <|return|> token taken off
+        (
+            "harmony",
+            "<|channel|>analysis<|message|>Need to use function calculator.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.calculator <|constrain|>json<|message|>{"expression":"18 + 34"}',
+            [CALL],
+        ),
+        (
+            "harmony",
+            ' to=functions.calculator<|channel|>commentary json<|message|>{"expression": "18 + 34"}<|call|>'
+            '<|start|>assistant<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1"}',
+            [CALL, ONE],
+        ),
+        (
+            "harmony",
+            "<|channel|>analysis<|message|>18 + 34 = 52.<|end|><|start|>assistant<|channel|>commentary<|message|>"
+            "Adding up.<|end|><|start|>assistant<|channel|>final<|message|>The answer is 52.",
+            [],
+        ),
+        (
+            "harmony",
+            '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "18 + 34"',
+            [ToolCall(name="calculator", error=NO_COMMA.format(25, 24))],
+        ),
+        (
+            "harmony",
+            "<|channel|>commentary to=functions.calculator <|constrain|>json",
+            [ToolCall(name="calculator", error="the tool call has no <|message|> with its arguments")],
+        ),
+        (
+            "harmony",
+            '<|channel|>commentary to=functions. <|constrain|>json<|message|>{"expression": "1"}',
+            [ToolCall(error="a tool call is addressed to=functions.NAME")],
+        ),
+        (
+            "harmony",
+            "<|channel|>analysis<|message|>Run it.<|end|><|start|>assistant to=python<|channel|>analysis<|message|>print(18 + 34)",
+            [ToolCall(name="python", error="Expecting value: line 1 column 1 (char 0)")],
+        ),
     ],
 )
 def test_parsing_model_outputs(fmt, text, calls):
     assert FORMATS[fmt].calls(text) == calls
 
 
-@pytest.mark.parametrize("family, fmt", [("qwen3", "hermes"), ("mistral", "mistral"), ("deepseek", "deepseek"), ("llama3", None)])
+@pytest.mark.parametrize(
+    "family, fmt", [("qwen3", "hermes"), ("mistral", "mistral"), ("deepseek", "deepseek"), ("llama3", None), ("gpt_oss", "harmony")]
+)
 def test_detection_from_the_template_text(family, fmt):
     assert detect(FAMILIES[family][0], {}) == fmt
 
@@ -130,6 +171,13 @@ def test_detection_by_the_rollout_from_each_familys_tokenizer():
     for family, fmt in (("qwen3", "hermes"), ("llama3", "llama3"), ("mistral", "mistral"), ("deepseek", "deepseek")):
         assert MultiTurnRollout()._tool_format(build_chat_tokenizer(family)) == fmt, family
     assert MultiTurnRollout()._tool_format(build_chat_tokenizer("qwen3_thinking")) == "hermes"  # no marker anywhere: the default
+
+
+def test_detection_of_gpt_oss_from_its_tokenizer_and_vocabulary():
+    from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout
+
+    assert MultiTurnRollout()._tool_format(build_chat_tokenizer("gpt_oss")) == "harmony"
+    assert detect("{{ messages }}", {"<|channel|>": 200005, "<|call|>": 200012}) == "harmony"
 
 
 def test_detection_falls_back_to_the_vocabulary():
@@ -151,6 +199,10 @@ CALLS = {
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>fake\n```json\n{"x": 1}\n```'
         "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>fake<｜tool▁sep｜>{"x": 2<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+    ),
+    "gpt_oss": (
+        '<|channel|>commentary to=functions.fake <|constrain|>json<|message|>{"x": 1}<|call|>',
+        '<|channel|>analysis<|message|>Again.<|end|><|start|>assistant<|channel|>commentary to=functions.fake <|message|>{"x": 2<|call|>',
     ),
 }  # fmt: skip
 
@@ -181,8 +233,27 @@ def test_three_turns_whose_calls_reach_the_tool_in_each_family(family):
     assert [call[0] for call in sampler.calls] == [[sample.tokens[: t.start]] for t in sample.turns]
     # The tools' specs reached the template (a template that lists them: not DeepSeek's, which leaves them to the system prompt).
     opening = tok.decode(sampler.calls[0][0][0], skip_special_tokens=False)
-    assert ('"name": "fake"' in opening) == (family != "deepseek")
-    assert sampler.calls[0][2].stop == (["</tool_call>"] if family == "qwen3" else [])
+    assert ('"name": "fake"' in opening or "type fake = " in opening) == (family != "deepseek")
+    assert sampler.calls[0][2].stop == {"qwen3": ["</tool_call>"], "gpt_oss": ["<|call|>"]}.get(family, [])
+
+
+def test_a_gpt_oss_call_is_answered_as_harmony_writes_it():
+    """The turn stops at the format's stop, <|call|>; the template closes a past call with <|call|> too, which is not
+    written twice: the trajectory reads as gpt-oss's own, the call, the tool's message from functions.NAME, the next header."""
+    tok = build_chat_tokenizer("gpt_oss")
+    call = '<|channel|>commentary to=functions.fake <|constrain|>json<|message|>{"x": 1}<|call|>'
+    sampler = ScriptedSampler(tok, [[(ids(tok, call), "stop")], ["<|channel|>final<|message|>3" + EOS]])
+    tool = FakeTool()
+    (sample,) = run(make_plugin("multi_turn"), [Prompt(id="t", text="x")], 1, sampler, tools={"fake": tool}, max_tokens=200)[0]
+    first, second = sample.turns
+    assert tool.calls == [{"x": 1}] and sample.text == "final3"
+    assert tok.decode(sample.tokens[first.start : second.start], skip_special_tokens=False) == (
+        call
+        + "<|start|>functions.fake to=assistant<|channel|>commentary<|message|>"
+        + json.dumps('got {"x": 1}')
+        + "<|end|><|start|>assistant"
+    )
+    assert RECORDED[-1]["multi_turn/prefix_failures"] == 0.0 and RECORDED[-1]["multi_turn/history_rewrites"] == 0.0
 
 
 def test_an_explicit_tool_format_overrides_detection():
@@ -199,8 +270,8 @@ def test_tool_format_without_tools_or_unknown_is_refused():
     tok = build_chat_tokenizer("qwen3")
     with pytest.raises(PluginError, match="tool_format=mistral is given but no tool is selected"):
         run(make_plugin("multi_turn", tool_format="mistral"), [Prompt(id="t", text="x")], 1, ScriptedSampler(tok, [["3" + EOS]]))
-    with pytest.raises(PluginError, match="expected one of 'auto', 'hermes', 'llama3', 'mistral', 'deepseek'"):
-        make_plugin("multi_turn", tool_format="harmony")
+    with pytest.raises(PluginError, match="expected one of 'auto', 'hermes', 'llama3', 'mistral', 'deepseek', 'harmony'"):
+        make_plugin("multi_turn", tool_format="gemma")
 
 
 def test_a_tool_result_that_is_not_text_is_sent_as_json():
@@ -222,6 +293,7 @@ RUN_CALLS = {
     "deepseek": (
         '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>calculator<｜tool▁sep｜>{"expression": "1 + 2"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>'
     ),
+    "gpt_oss": '<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>{"expression": "1 + 2"}<|call|>',
 }
 
 
