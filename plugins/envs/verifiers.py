@@ -54,8 +54,10 @@ class VerifiersEnv:
     its seat's turns one policy turn (verifiers' multi-turn protocol; the seat's ``max_turns``
     holds). The task's ``@vf.reward`` functions and judges (``Task.score``), with what the
     environment records, make the episode's reward, given when it ends. Needs the ``verifiers``
-    extra. Not adapted: harness programs and their MCP tool servers, environments with several
-    seats (a modeled user, a judge agent) or that run their seat more than once per task.
+    extra. Not adapted (refused): tasks with MCP tool servers or ``@vf.stop``/``@vf.intercept``
+    hooks (they act in verifiers' harness programs and model endpoint, which the policy does not
+    use), environments with several seats (a modeled user, a judge agent), with token limits on
+    their seat, or that run their seat more than once per task.
     """
 
     taskset: str = option(
@@ -79,6 +81,7 @@ class VerifiersEnv:
             if self.taskset:
                 raise PluginError("verifiers: give taskset or environment, not both")
             self.env = load_environment(self.environment)
+            check_seat(self.env)
             self.tasks = bounded_tasks(self.env.taskset, self.environment)
         else:
             self.env = None
@@ -129,6 +132,7 @@ class VerifiersEpisode:
     policy's turn its reply; the reward comes when the environment's run is over."""
 
     def __init__(self, loop: EventLoop, task: Any, env: Any) -> None:
+        check_task(task)
         self.loop = loop.loop
         self.channel = Channel(self.loop)
         self.play = asyncio.run_coroutine_threadsafe(play(task, env, self.channel), self.loop)
@@ -157,15 +161,9 @@ class VerifiersEpisode:
 async def play(task: Any, env: Any, channel: Channel) -> float:
     """The environment's run of one task, its one seat played through ``channel``; the seat's reward."""
     vf = verifiers()
-    from verifiers.v1.configs.agent import agent_config_fields  # noqa: PLC0415 (optional extra)
-
     config = env.config if env is not None else vf.SingleAgentEnvConfig()
     traces: list[Any] = []
-    seats = agent_config_fields(config)
-    if len(seats) != 1:
-        raise PluginError(
-            f"verifiers: {type(env).__name__} has seats {', '.join(seats)}; only environments with one seat (the policy) are adapted"
-        )
+    check_seat(env)
     agents = vf.Agents(config, lambda name, spec: PolicySeat(channel, spec, traces))
     try:
         if env is None:
@@ -182,6 +180,49 @@ async def play(task: Any, env: Any, channel: Channel) -> float:
     if not traces:
         raise PluginError(f"verifiers: {type(env).__name__}.run() ended task {task.data.idx} without a turn of its seat")
     return float(traces[0].reward)
+
+
+LIMITS = ("max_input_tokens", "max_output_tokens", "max_total_tokens")
+"""A seat's token limits: verifiers counts them at its model endpoint, which the policy does not use."""
+
+
+def check_seat(env: Any) -> None:
+    """An environment the adapter can play: one seat (the policy), no token limits on it."""
+    from verifiers.v1.configs.agent import agent_config_fields  # noqa: PLC0415 (optional extra)
+
+    if env is None:
+        return
+    seats = agent_config_fields(env.config)
+    if len(seats) != 1:
+        raise PluginError(
+            f"verifiers: {type(env).__name__} has seats {', '.join(seats)}; only environments with one seat (the policy) are adapted"
+        )
+    ((name, seat),) = seats.items()
+    if limits := [limit for limit in LIMITS if getattr(seat, limit) is not None]:
+        raise PluginError(
+            f"verifiers: {type(env).__name__}'s seat {name} sets {', '.join(limits)}, which are not adapted "
+            "(limit the policy's tokens with --max-completion-tokens and --rollout-opt max_total_tokens)"
+        )
+
+
+def check_task(task: Any) -> None:
+    """A task the adapter can play: no tools or hooks that act where verifiers' harness calls its model."""
+    from verifiers.v1.utils.decorators import discover_decorated  # noqa: PLC0415 (optional extra)
+
+    unadapted = [
+        what
+        for what, present in (
+            ("MCP tool servers (Task.toolsets)", type(task).toolsets(task.config)),
+            ("@vf.stop hooks", task.hooks("stop")),
+            ("@vf.intercept hooks", discover_decorated(task, "intercept")),
+        )
+        if present
+    ]
+    if unadapted:
+        raise PluginError(
+            f"verifiers: task {task.data.idx} ({type(task).__name__}) has {', '.join(unadapted)}, which act in verifiers' "
+            "harness and model endpoint; not adapted (grpo-core's own tools: --tool NAME)"
+        )
 
 
 def trace_task(task: Any) -> Any:

@@ -18,7 +18,7 @@ import pytest
 
 from grpo_core import PluginError, Prompt
 from grpo_core.data import dataset_source, load_prompts
-from grpo_core.plugins.envs.verifiers import INDEX_FIELD, VerifiersEnv, main
+from grpo_core.plugins.envs.verifiers import INDEX_FIELD, VerifiersEnv, check_seat, main
 from grpo_core.types import EnvStep
 from tests.test_cli import grpo_core_in_process
 
@@ -277,6 +277,41 @@ def test_an_environment_with_several_seats_is_refused(game):
     game.env = TwoSeatEnv(TwoSeats(taskset={"id": GAME}))
     with pytest.raises(PluginError, match="has seats player, user; only environments with one seat"):
         play(game, 0)
+
+
+def test_a_seat_with_token_limits_is_refused(game):
+    config = game.env.config.model_copy(update={"player": vf.AgentConfig(max_turns=4, max_output_tokens=100)})
+    with pytest.raises(PluginError, match="seat player sets max_output_tokens, which are not adapted"):
+        check_seat(type(game.env)(config))
+
+
+class WithTools(SumTask):
+    @classmethod
+    def toolsets(cls, config):
+        return [object()]
+
+
+class WithStop(SumTask):
+    @vf.stop
+    async def enough(self, trace) -> bool:
+        return True
+
+
+class WithIntercept(SumTask):
+    @vf.intercept
+    async def rewrite(self, response: vf.Response) -> vf.Response | None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("task_type", "what"),
+    [(WithTools, r"MCP tool servers \(Task.toolsets\)"), (WithStop, "@vf.stop hooks"), (WithIntercept, "@vf.intercept hooks")],
+)
+def test_a_task_with_tools_or_hooks_at_the_model_endpoint_is_refused(task_type, what):
+    env = VerifiersEnv(taskset=SPEC)
+    env.tasks = [task_type(SumData(prompt="1+1=", answer="2", idx=0))]
+    with pytest.raises(PluginError, match=f"task 0 \\({task_type.__name__}\\) has {what}, which act in verifiers' harness"):
+        env.env_reset(Prompt(id="row", text="", metadata={INDEX_FIELD: 0}))
 
 
 def test_an_environment_is_named_instead_of_a_taskset(monkeypatch):
