@@ -312,13 +312,34 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
         lora_dropout=0.0,
         bias="none",
     )
-    model = peft.inject_adapter_in_model(lora, model)
+    with _targets_taken_as_named():
+        model = peft.inject_adapter_in_model(lora, model)
     tied = model.get_input_embeddings().weight
     on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and getattr(m.get_base_layer(), "weight", None) is tied]
     if on_tied:
         # Merged, the adapter would change one of two layers that share their weight.
         raise PluginError(f"--lora-target-modules: '{on_tied[0]}' shares its weight with the embedding (tied); leave it out")
     return model.eval()
+
+
+@contextmanager
+def _targets_taken_as_named() -> Iterator[None]:
+    """peft reads a MoE model's targets as transformers 4 named them and rewrites them onto
+    transformers 5's fused experts (Qwen3-MoE's gate_proj, up_proj, down_proj and Mixtral's w1, w2,
+    w3 become the experts' weights, at twice the rank; ``gate`` becomes the router's): the targets
+    here are this model's own names (a dense layer's gate_proj is that linear layer), so peft takes
+    them as they are."""
+    try:
+        from peft.utils import transformers_weight_conversion
+    except ImportError:  # a peft without the rewrite
+        yield
+        return
+    rewrite = transformers_weight_conversion.convert_peft_config_for_transformers
+    transformers_weight_conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        transformers_weight_conversion.convert_peft_config_for_transformers = rewrite
 
 
 SHARD_SIZE = "2GB"

@@ -119,9 +119,10 @@ def test_rank_and_alpha_set_the_adapters_shape_and_scale(tiny_model_dir, alpha, 
         (
             ["q_proj", "qproj"],
             "--lora-target-modules: 'qproj' matches nothing in this qwen3 model "
-            "(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, all-linear)",
+            "(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; "
+            "or auto, auto-no-experts, all-linear)",
         ),
-        ([], "--lora-rank needs at least one --lora-target-modules (auto, all-linear or names)"),
+        ([], "--lora-rank needs at least one --lora-target-modules (auto, auto-no-experts, all-linear or names)"),
     ],
 )
 def test_bad_target_modules_are_one_clear_error(tiny_model_dir, targets, message):
