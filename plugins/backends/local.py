@@ -440,8 +440,9 @@ def merged_weights(model: Any, base: dict[str, torch.Tensor]) -> Iterator[tuple[
 def save_merged_model(model: Any, path: str) -> None:
     """``model`` with its adapters merged in, as a transformers folder, one merged weight in
     memory at a time: the base model is written first (the merged model's very files, names,
-    shapes and shards), then each merged weight over its base's bytes. Where saving renamed or
-    reshaped an adapted weight (a transformers conversion), the merged state dict is written whole."""
+    shapes and shards), then each merged weight over its base's bytes, in the layout saving gave
+    it (a MoE layer's fused experts as one weight per expert and projection). Where that layout
+    cannot be made from one weight alone, the merged state dict is written whole."""
     base = base_state_dict(model)
     model.save_pretrained(path, state_dict=base, max_shard_size=SHARD_SIZE)
     files = [open(f, "r+b") for f in weight_files(Path(path))]  # noqa: SIM115 (closed below)
@@ -449,18 +450,34 @@ def save_merged_model(model: Any, path: str) -> None:
         stored: dict[str, FileEntry] = {}
         for i, f in enumerate(files):
             stored.update(read_safetensors_header(f, i))
-        adapted = [key for key, _ in adapted_layers(model)]
-        if not all(k in stored and (stored[k].dtype, stored[k].shape) == (base[k].dtype, tuple(base[k].shape)) for k in adapted):
+        layouts = {n: (t.dtype, tuple(t.shape)) for key, _ in adapted_layers(model) for n, t in as_saved(model, key, base[key]).items()}
+        if not all(n in stored and (stored[n].dtype, stored[n].shape) == layout for n, layout in layouts.items()):
             model.save_pretrained(path, state_dict=merged_state_dict(model), max_shard_size=SHARD_SIZE)
             return
         for key, merged in merged_weights(model, base):
-            entry = stored[key]
-            files[entry.file].seek(entry.start)
-            files[entry.file].write(merged.contiguous().cpu().view(torch.uint8).numpy().data)
+            _write_over(files, stored, as_saved(model, key, merged))
             del merged
     finally:
         for f in files:
             f.close()
+
+
+def _write_over(files: list[Any], stored: dict[str, FileEntry], weights: dict[str, torch.Tensor]) -> None:
+    for name, weight in weights.items():
+        entry = stored[name]
+        files[entry.file].seek(entry.start)
+        files[entry.file].write(weight.contiguous().cpu().view(torch.uint8).numpy().data)
+
+
+def as_saved(model: Any, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` (``key`` in ``model``) under the names and shapes ``save_pretrained`` gives it:
+    transformers 5 saves a weight it converted on loading in the checkpoint's layout (Qwen3-MoE's
+    and Mixtral's fused experts: one tensor per expert and projection, Mixtral's under their old names)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: weights are saved as the model holds them
+        return {key: weight}
+    return revert_weight_conversion(model, {key: weight})
 
 
 def _without_wrappers(name: str) -> str:

@@ -431,3 +431,42 @@ def test_lora_rank_8_trains_a_moe_model_from_the_command_line(family_dirs, tiny_
         adapted = trainer.model(input_ids=input_ids).logits
         merged = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()(input_ids=input_ids).logits
     assert torch.allclose(merged, adapted, atol=1e-5), float((merged - adapted).abs().max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(family_dirs, tmp_path, monkeypatch, family, dtype):
+    """Saving writes a MoE layer's fused experts one tensor per expert (Mixtral's as w1, w2, w3):
+    each merged expert weight goes into those places, not through the whole merged state dict."""
+    import weakref
+
+    from grpo_core.plugins.backends import local
+
+    trainer = make_trainer(family_dirs(family), dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    made = []
+    merged_weights = local.merged_weights
+
+    def watched(model, base):
+        for key, merged in merged_weights(model, base):
+            assert all(earlier() is None for earlier in made)  # the one before is gone
+            made.append(weakref.ref(merged))
+            yield key, merged
+
+    def refused(model):
+        raise AssertionError("the merged state dict was built whole")
+
+    monkeypatch.setattr(local, "merged_weights", watched)
+    monkeypatch.setattr(local, "merged_state_dict", refused)
+    trainer.save_weights_for_sampler(str(tmp_path / "streamed"))
+    assert len(made) == 2 * (4 + 2)  # both layers' attention projections and expert weights
+    whole = sorted(f.name for f in (tmp_path / "whole").iterdir())
+    assert any(".experts.3." in k for k in weights_in(tmp_path / "whole"))
+    assert whole == sorted(f.name for f in (tmp_path / "streamed").iterdir() if f.name in whole)
+    for name in whole:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
