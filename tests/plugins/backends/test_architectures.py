@@ -16,7 +16,7 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loop import run
 from grpo_core.plugins.backends import architectures
-from grpo_core.plugins.backends.local import LocalBackend, load_model
+from grpo_core.plugins.backends.local import LocalBackend, adapters_disabled, load_model
 from grpo_core.plugins_manager import PluginEntry
 from tests.conftest import build_tiny_tokenizer
 
@@ -218,8 +218,11 @@ def test_the_policy_written_for_a_sampler_is_the_adapted_model(family_dirs, tmp_
         trainer.save_weights_for_sampler(str(tmp_path / "policy"))
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()(input_ids=input_ids).logits
         base = transformers.AutoModelForCausalLM.from_pretrained(family_dirs(family)).eval()(input_ids=input_ids).logits
+        with adapters_disabled(trainer.model):  # a LoRA run's KL reference
+            reference = trainer.model(input_ids=input_ids).logits
     assert float((adapted - base).abs().max()) > 1e-2
     assert torch.allclose(merged, adapted, atol=1e-4)
+    assert torch.allclose(reference, base, atol=1e-5)
 
 
 def test_all_linear_adapts_every_linear_layer_and_the_experts(family_dirs):
@@ -397,9 +400,13 @@ def test_lora_rank_8_trains_a_moe_model_from_the_command_line(family_dirs, tiny_
 
     model_dir, run_dir = family_dirs(family), tmp_path / "run"
     choice = [] if targets == "auto" else ["--lora-target-modules", targets]
-    out = grpo_core_in_process(*small_run_args(model_dir, tiny_dataset, run_dir, "--max-steps", "3", "--lora-rank", "8", *SIGNAL, *choice))
+    args = ("--max-steps", "3", "--lora-rank", "8", "--loss-opt", "kl_beta=0.05", *SIGNAL, *choice)
+    out = grpo_core_in_process(*small_run_args(model_dir, tiny_dataset, run_dir, *args))
     assert out.returncode == 0, out.stderr
-    assert [m["step"] for m in metrics_of(run_dir)] == [1, 2, 3]
+    metrics = metrics_of(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # The reference is the base model (the adapters off, the experts' included): the KL grows from 0.
+    assert metrics[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6) and metrics[-1]["kl/mean"] > 1e-6
 
     trainer = make_trainer(model_dir, lora_rank=8, lora_target_modules=[targets])
     trainer.load_state(str(run_dir / "checkpoints" / "step-000003" / "trainer"))
