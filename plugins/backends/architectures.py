@@ -92,9 +92,10 @@ def router_names(model: Any) -> list[str]:
 def _preset_targets(model: Any, preset: str) -> LoraTargets:
     model_type = model.config.model_type
     known = LORA_PRESETS.get(model_type)
+    head, routers = model.get_output_embeddings(), router_names(model)
+    linear = [n for n, m in model.named_modules() if _is_linear(m) and m is not head and not _inside(n, routers)]
     if preset != ALL_LINEAR and known is not None:
         # A family's preset names what its models may hold; one model's config may lack some.
-        linear = [n for n, m in model.named_modules() if _is_linear(m)]
         weights = [n for n, p in model.named_parameters() if p.dim() >= 3]
         targets = LoraTargets(
             tuple(t for t in known.modules if any(_ends_with(n, t) for n in linear)),
@@ -103,23 +104,12 @@ def _preset_targets(model: Any, preset: str) -> LoraTargets:
         )
     else:
         # Named one by one, not as peft's "all-linear": peft maps that onto a MoE model's router too.
-        head, routers = model.get_output_embeddings(), router_names(model)
-        linear = tuple(n for n, m in model.named_modules() if _is_linear(m) and m is not head and not _inside(n, routers))
-        targets = LoraTargets(linear, known.parameters if known else (), known.fan_in_fan_out if known else False)
+        targets = LoraTargets(tuple(linear), known.parameters if known else (), known.fan_in_fan_out if known else False)
     if preset == AUTO_NO_EXPERTS:
         if not _expert_weights(model):
             raise PluginError(f"--lora-target-modules {AUTO_NO_EXPERTS}: this {model_type} model has no experts; use {AUTO}")
         # By full name: a name such as gate_proj may also name the experts' own layers (transformers 4).
-        head, routers = model.get_output_embeddings(), router_names(model)
-        modules = tuple(
-            n
-            for n, m in model.named_modules()
-            if _is_linear(m)
-            and m is not head
-            and not _inside(n, routers)
-            and not _is_expert(n)
-            and any(_ends_with(n, t) for t in targets.modules)
-        )
+        modules = tuple(n for n in linear if not _is_expert(n) and any(_ends_with(n, t) for t in targets.modules))
         targets = attrs.evolve(targets, modules=modules, parameters=())
     else:
         _refuse_untargeted_experts(model, targets, preset)
