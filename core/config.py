@@ -329,7 +329,8 @@ class RunConfig:
         ["auto"],
         (
             "modules that get adapters: auto = the model type's attention and MLP projections (MoE experts included), "
-            "all-linear = every linear layer but the output head, or names as in the model; repeat for several"
+            "auto-no-experts = the same without the experts, all-linear = every linear layer but the output head, "
+            "or names as in the model; repeat for several; a MoE router never gets adapters"
         ),
         LORA,
     )

@@ -2,12 +2,14 @@
 and which attention implementation a model loads with.
 
 LoRA targets (``--lora-target-modules``) are ``auto`` (the model type's preset below),
-``all-linear`` (every linear layer but the output head, plus a mixture-of-experts model's
-experts), or names as in the model. A name is a module (``q_proj`` adapts every module whose
-name ends so) or, for weights that no linear layer holds, a parameter (``mlp.experts.gate_up_proj``:
-transformers 5 keeps a MoE layer's experts as one 3-D tensor per projection, which peft adapts
-with one low-rank pair per expert). Every name must match something: a list written for another
-architecture fails instead of leaving layers untrained.
+``auto-no-experts`` (the same without a mixture-of-experts model's experts), ``all-linear`` (every
+linear layer but the output head, plus a MoE model's experts) or names as in the model. A name is
+a module (``q_proj`` adapts every module whose name ends so) or, for weights that no linear layer
+holds, a parameter (``mlp.experts.gate_up_proj``: transformers 5 keeps a MoE layer's experts as one
+3-D tensor per projection, which peft adapts with one low-rank pair per expert). Every name must
+match something: a list written for another architecture fails instead of leaving layers untrained.
+A MoE layer's router never gets adapters (it picks the experts each token reaches; see
+:func:`router_names`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,16 @@ import torch
 from grpo_core.errors import PluginError
 
 AUTO = "auto"
+AUTO_NO_EXPERTS = "auto-no-experts"
 ALL_LINEAR = "all-linear"
-PRESET_NAMES = (AUTO, ALL_LINEAR)
+PRESET_NAMES = (AUTO, AUTO_NO_EXPERTS, ALL_LINEAR)
 
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 EXPERT_PROJECTIONS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERTS = "experts"
+"""What transformers names the module that holds a MoE layer's experts."""
+ROUTERS = ("gate", "router")
+"""What transformers names a MoE layer's router, the module beside its experts."""
 
 
 @attrs.frozen
@@ -50,46 +56,92 @@ LORA_PRESETS: dict[str, LoraTargets] = {
     "phi3": LoraTargets(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
     # Conv1D layers: c_attn is q, k, v fused; c_proj names both the attention's and the MLP's output.
     "gpt2": LoraTargets(("c_attn", "c_proj", "c_fc"), fan_in_fan_out=True),
-    # The router (mlp.gate) stays as it is: adapting it changes which experts a token reaches.
-    "qwen3_moe": LoraTargets(ATTENTION_PROJECTIONS, EXPERT_PROJECTIONS),
-    "mixtral": LoraTargets(ATTENTION_PROJECTIONS, EXPERT_PROJECTIONS),
+    # The MLP projections are a dense layer's (Qwen3-MoE's mlp_only_layers); a model with none has the experts only.
+    "qwen3_moe": LoraTargets(LLAMA_PROJECTIONS, EXPERT_PROJECTIONS),
+    "mixtral": LoraTargets(LLAMA_PROJECTIONS, EXPERT_PROJECTIONS),
 }
-"""The default targets per model type: every projection of attention and MLP (experts included)."""
+"""The default targets per model type: every projection of attention and MLP (experts included);
+a MoE model's names that one model lacks (dense layers' MLPs) are left out for it."""
 
 
 def lora_targets(model: Any, names: Sequence[str]) -> LoraTargets:
     """The modules and parameters of ``model`` that ``names`` (a ``--lora-target-modules``
     value) asks adapters for; every name must match something in the model."""
     if not names:
-        raise PluginError(f"--lora-rank needs at least one --lora-target-modules ({AUTO}, {ALL_LINEAR} or names)")
+        raise PluginError(f"--lora-rank needs at least one --lora-target-modules ({', '.join(PRESET_NAMES)} or names)")
     preset = [n for n in names if n in PRESET_NAMES]
     if preset and len(names) > 1:
         raise PluginError(f"--lora-target-modules: '{preset[0]}' stands alone, not beside other names ({' '.join(names)})")
+    return _preset_targets(model, preset[0]) if preset else _named_targets(model, names)
+
+
+def router_names(model: Any) -> list[str]:
+    """The routers of ``model``'s MoE layers: the ``gate`` or ``router`` beside an ``experts``.
+
+    They get no adapters, whatever ``--lora-target-modules`` says: a router picks the experts each
+    token reaches, so an adapter on it would train routing itself, the choice that router replay
+    holds to the sampler's; the adapters train what the chosen experts compute instead."""
+    routers = []
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if EXPERTS in children:
+            routers += [f"{name}.{child}" if name else child for child in ROUTERS if child in children]
+    return routers
+
+
+def _preset_targets(model: Any, preset: str) -> LoraTargets:
     model_type = model.config.model_type
-    if list(names) == [AUTO]:
-        if model_type in LORA_PRESETS:
-            return LORA_PRESETS[model_type]
-        names = [ALL_LINEAR]
-    if list(names) == [ALL_LINEAR]:
+    known = LORA_PRESETS.get(model_type)
+    head, routers = model.get_output_embeddings(), router_names(model)
+    linear = [n for n, m in model.named_modules() if _is_linear(m) and m is not head and not _inside(n, routers)]
+    if preset != ALL_LINEAR and known is not None:
+        # A family's preset names what its models may hold; one model's config may lack some.
+        weights = [n for n, p in model.named_parameters() if p.dim() >= 3]
+        targets = LoraTargets(
+            tuple(t for t in known.modules if any(_ends_with(n, t) for n in linear)),
+            tuple(t for t in known.parameters if any(_ends_with(n, t) for n in weights)),
+            known.fan_in_fan_out,
+        )
+    else:
         # Named one by one, not as peft's "all-linear": peft maps that onto a MoE model's router too.
-        head = model.get_output_embeddings()
-        linear = tuple(n for n, m in model.named_modules() if _is_linear(m) and m is not head)
-        preset = LORA_PRESETS.get(model_type)
-        targets = LoraTargets(linear, preset.parameters if preset else (), preset.fan_in_fan_out if preset else False)
-        _refuse_untargeted_experts(model, targets)
-        return targets
+        targets = LoraTargets(tuple(linear), known.parameters if known else (), known.fan_in_fan_out if known else False)
+    if preset == AUTO_NO_EXPERTS:
+        if not _expert_weights(model):
+            raise PluginError(f"--lora-target-modules {AUTO_NO_EXPERTS}: this {model_type} model has no experts; use {AUTO}")
+        # By full name: a name such as gate_proj may also name the experts' own layers (transformers 4).
+        modules = tuple(n for n in linear if not _is_expert(n) and any(_ends_with(n, t) for t in targets.modules))
+        targets = attrs.evolve(targets, modules=modules, parameters=())
+    else:
+        _refuse_untargeted_experts(model, targets, preset)
+    if not targets.modules and not targets.parameters:
+        raise PluginError(
+            f"--lora-target-modules {preset}: nothing in this {model_type} model would get adapters ({_what_can_be_targeted(model)})"
+        )
+    return targets
+
+
+def _named_targets(model: Any, names: Sequence[str]) -> LoraTargets:
+    model_type = model.config.model_type
     named_modules = list(model.named_modules())
     parameter_names = [n for n, p in model.named_parameters() if p.dim() >= 2]
+    routers = router_names(model)
     modules, parameters = [], []
     for name in names:
-        matched = [m for n, m in named_modules if _ends_with(n, name)]
-        if matched and not any(_is_linear(m) or isinstance(m, torch.nn.Embedding) for m in matched):
+        matched = [(n, m) for n, m in named_modules if _ends_with(n, name)]
+        matched_parameters = [p for p in parameter_names if _ends_with(p, name)]
+        in_router = [n for n in [n for n, _ in matched] + matched_parameters if _inside(n, routers)]
+        if in_router:
             raise PluginError(
-                f"--lora-target-modules: '{name}' is a {type(matched[0]).__name__}, not a linear layer ({_what_can_be_targeted(model)})"
+                f"--lora-target-modules: '{name}' is in a router ({in_router[0]}, which picks the experts each token reaches); "
+                "routers get no adapters (docs/performance.md, LoRA)"
+            )
+        if matched and not any(_is_linear(m) or isinstance(m, torch.nn.Embedding) for _, m in matched):
+            raise PluginError(
+                f"--lora-target-modules: '{name}' is a {type(matched[0][1]).__name__}, not a linear layer ({_what_can_be_targeted(model)})"
             )
         if matched:
             modules.append(name)
-        elif any(_ends_with(p, name) for p in parameter_names):
+        elif matched_parameters:
             parameters.append(name)
         else:
             raise PluginError(
@@ -103,14 +155,27 @@ def _ends_with(full_name: str, name: str) -> bool:
     return full_name == name or full_name.endswith("." + name)
 
 
-def _refuse_untargeted_experts(model: Any, targets: LoraTargets) -> None:
+def _inside(name: str, modules: Sequence[str]) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
+def _is_expert(name: str) -> bool:
+    return f".{EXPERTS}." in f".{name}." or name.endswith(f".{EXPERTS}")
+
+
+def _expert_weights(model: Any) -> list[str]:
+    """The weights of ``model``'s experts: transformers 5 holds each projection's as one 3-D tensor."""
+    return [n for n, p in model.named_parameters() if p.dim() >= 3 or (_is_expert(n) and p.dim() >= 2)]
+
+
+def _refuse_untargeted_experts(model: Any, targets: LoraTargets, preset: str) -> None:
     """An unknown MoE type's experts are no linear layers: ``all-linear`` would skip them unsaid."""
     experts = [n for n, p in model.named_parameters() if p.dim() >= 3 and not any(_ends_with(n, t) for t in targets.parameters)]
     if experts:
         raise PluginError(
-            f"--lora-target-modules {ALL_LINEAR}: this {model.config.model_type} model's expert weights ('{experts[0]}', ...) are "
+            f"--lora-target-modules {preset}: this {model.config.model_type} model's expert weights ('{experts[0]}', ...) are "
             "not linear layers and would get no adapters; name the targets instead, the experts by their weights "
-            f"(e.g. {'.'.join(experts[0].split('.')[-3:])})"
+            f"(e.g. {'.'.join(experts[0].split('.')[-3:])}), or leave the experts out with {AUTO_NO_EXPERTS}"
         )
 
 
@@ -120,7 +185,7 @@ def _what_can_be_targeted(model: Any) -> str:
     experts = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters() if p.dim() >= 3})
     if experts:
         text += f"; its expert weights: {', '.join(experts)}"
-    return text + f"; or {AUTO}, {ALL_LINEAR}"
+    return text + f"; or {', '.join(PRESET_NAMES)}"
 
 
 def _is_linear(module: Any) -> bool:

@@ -312,13 +312,34 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
         lora_dropout=0.0,
         bias="none",
     )
-    model = peft.inject_adapter_in_model(lora, model)
+    with _targets_taken_as_named():
+        model = peft.inject_adapter_in_model(lora, model)
     tied = model.get_input_embeddings().weight
     on_tied = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and getattr(m.get_base_layer(), "weight", None) is tied]
     if on_tied:
         # Merged, the adapter would change one of two layers that share their weight.
         raise PluginError(f"--lora-target-modules: '{on_tied[0]}' shares its weight with the embedding (tied); leave it out")
     return model.eval()
+
+
+@contextmanager
+def _targets_taken_as_named() -> Iterator[None]:
+    """peft reads a MoE model's targets as transformers 4 named them and rewrites them onto
+    transformers 5's fused experts (Qwen3-MoE's gate_proj, up_proj, down_proj and Mixtral's w1, w2,
+    w3 become the experts' weights, at twice the rank; ``gate`` becomes the router's): the targets
+    here are this model's own names (a dense layer's gate_proj is that linear layer), so peft takes
+    them as they are."""
+    try:
+        from peft.utils import transformers_weight_conversion
+    except ImportError:  # a peft without the rewrite
+        yield
+        return
+    rewrite = transformers_weight_conversion.convert_peft_config_for_transformers
+    transformers_weight_conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        transformers_weight_conversion.convert_peft_config_for_transformers = rewrite
 
 
 SHARD_SIZE = "2GB"
@@ -419,8 +440,9 @@ def merged_weights(model: Any, base: dict[str, torch.Tensor]) -> Iterator[tuple[
 def save_merged_model(model: Any, path: str) -> None:
     """``model`` with its adapters merged in, as a transformers folder, one merged weight in
     memory at a time: the base model is written first (the merged model's very files, names,
-    shapes and shards), then each merged weight over its base's bytes. Where saving renamed or
-    reshaped an adapted weight (a transformers conversion), the merged state dict is written whole."""
+    shapes and shards), then each merged weight over its base's bytes, in the layout saving gave
+    it (a MoE layer's fused experts as one weight per expert and projection). Where that layout
+    cannot be made from one weight alone, the merged state dict is written whole."""
     base = base_state_dict(model)
     model.save_pretrained(path, state_dict=base, max_shard_size=SHARD_SIZE)
     files = [open(f, "r+b") for f in weight_files(Path(path))]  # noqa: SIM115 (closed below)
@@ -428,18 +450,34 @@ def save_merged_model(model: Any, path: str) -> None:
         stored: dict[str, FileEntry] = {}
         for i, f in enumerate(files):
             stored.update(read_safetensors_header(f, i))
-        adapted = [key for key, _ in adapted_layers(model)]
-        if not all(k in stored and (stored[k].dtype, stored[k].shape) == (base[k].dtype, tuple(base[k].shape)) for k in adapted):
+        layouts = {n: (t.dtype, tuple(t.shape)) for key, _ in adapted_layers(model) for n, t in as_saved(model, key, base[key]).items()}
+        if not all(n in stored and (stored[n].dtype, stored[n].shape) == layout for n, layout in layouts.items()):
             model.save_pretrained(path, state_dict=merged_state_dict(model), max_shard_size=SHARD_SIZE)
             return
         for key, merged in merged_weights(model, base):
-            entry = stored[key]
-            files[entry.file].seek(entry.start)
-            files[entry.file].write(merged.contiguous().cpu().view(torch.uint8).numpy().data)
+            _write_over(files, stored, as_saved(model, key, merged))
             del merged
     finally:
         for f in files:
             f.close()
+
+
+def _write_over(files: list[Any], stored: dict[str, FileEntry], weights: dict[str, torch.Tensor]) -> None:
+    for name, weight in weights.items():
+        entry = stored[name]
+        files[entry.file].seek(entry.start)
+        files[entry.file].write(weight.contiguous().cpu().view(torch.uint8).numpy().data)
+
+
+def as_saved(model: Any, key: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``weight`` (``key`` in ``model``) under the names and shapes ``save_pretrained`` gives it:
+    transformers 5 saves a weight it converted on loading in the checkpoint's layout (Qwen3-MoE's
+    and Mixtral's fused experts: one tensor per expert and projection, Mixtral's under their old names)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: weights are saved as the model holds them
+        return {key: weight}
+    return revert_weight_conversion(model, {key: weight})
 
 
 def _without_wrappers(name: str) -> str:

@@ -16,7 +16,7 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loop import run
 from grpo_core.plugins.backends import architectures
-from grpo_core.plugins.backends.local import LocalBackend, load_model
+from grpo_core.plugins.backends.local import LocalBackend, adapters_disabled, load_model
 from grpo_core.plugins_manager import PluginEntry
 from tests.conftest import build_tiny_tokenizer
 
@@ -34,16 +34,21 @@ FAMILIES = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", SMALL),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**SMALL, **MOE, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**SMALL, **MOE, "num_local_experts": 4}),
+    # Layer 0 a dense MLP, layer 1 experts (Qwen3-MoE's mlp_only_layers).
+    "qwen3_moe_dense_layer": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                              {**SMALL, **MOE, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [0]}),
 }  # fmt: skip
 
 LLAMA = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-EXPERTS = {"q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"}
+EXPERT_WEIGHTS = {"experts.gate_up_proj", "experts.down_proj"}
+EXPERTS = {"q_proj", "k_proj", "v_proj", "o_proj", *EXPERT_WEIGHTS}
 DEFAULT_TARGETS = {
     **dict.fromkeys(("qwen2", "qwen3", "llama", "mistral", "gemma2", "gemma3", "olmo2"), LLAMA),
     "phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
     "gpt2": {"c_attn", "c_proj", "c_fc"},
     "qwen3_moe": EXPERTS,
     "mixtral": EXPERTS,
+    "qwen3_moe_dense_layer": EXPERTS | {"gate_proj", "up_proj", "down_proj"},
 }
 """What gets adapters on defaults: a module's last name, an expert weight as experts.<weight>."""
 
@@ -184,7 +189,7 @@ def test_trains_3_steps_in_bf16(family_dirs, tiny_dataset, tmp_path, family, lor
 
 def make_trainer(model_dir, **config):
     torch.manual_seed(0)
-    return LocalBackend().make_trainer(config=RunConfig(model=str(model_dir), lora_rank=4, **config))
+    return LocalBackend().make_trainer(config=RunConfig(model=str(model_dir), **{"lora_rank": 4, **config}))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -195,9 +200,13 @@ def test_default_targets_are_the_familys_projections(family_dirs, family):
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
 
 
-@pytest.mark.parametrize("family", ["phi3", "gpt2", "qwen3_moe", "mixtral"])
-def test_the_policy_written_for_a_sampler_is_the_adapted_model(family_dirs, tmp_path, family):
-    trainer = make_trainer(family_dirs(family))
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("phi3", "auto"), ("gpt2", "auto"), ("qwen3_moe", "auto"), ("mixtral", "auto"), ("qwen3_moe_dense_layer", "auto"),
+     ("mixtral", "auto-no-experts")],
+)  # fmt: skip
+def test_the_policy_written_for_a_sampler_is_the_adapted_model(family_dirs, tmp_path, family, targets):
+    trainer = make_trainer(family_dirs(family), lora_target_modules=[targets])
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -209,8 +218,11 @@ def test_the_policy_written_for_a_sampler_is_the_adapted_model(family_dirs, tmp_
         trainer.save_weights_for_sampler(str(tmp_path / "policy"))
         merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "policy").eval()(input_ids=input_ids).logits
         base = transformers.AutoModelForCausalLM.from_pretrained(family_dirs(family)).eval()(input_ids=input_ids).logits
+        with adapters_disabled(trainer.model):  # a LoRA run's KL reference
+            reference = trainer.model(input_ids=input_ids).logits
     assert float((adapted - base).abs().max()) > 1e-2
     assert torch.allclose(merged, adapted, atol=1e-4)
+    assert torch.allclose(reference, base, atol=1e-5)
 
 
 def test_all_linear_adapts_every_linear_layer_and_the_experts(family_dirs):
@@ -227,6 +239,12 @@ def test_names_pick_modules_and_expert_weights(family_dirs):
     assert adapted_targets(trainer.model) == {"o_proj", "experts.down_proj"}
 
 
+def test_a_dense_layers_projection_is_that_layer_not_the_experts(family_dirs):
+    # peft would read up_proj as transformers 4's expert projection, fused into gate_up_proj in 5, and refuse it alone.
+    trainer = make_trainer(family_dirs("qwen3_moe_dense_layer"), lora_target_modules=["up_proj"])
+    assert [n for n, m in trainer.model.named_modules() if hasattr(m, "lora_A")] == ["model.layers.0.mlp.up_proj"]
+
+
 def test_an_architecture_without_a_preset_gets_all_linear(family_dirs, monkeypatch):
     monkeypatch.delitem(architectures.LORA_PRESETS, "olmo2")
     trainer = make_trainer(family_dirs("olmo2"))
@@ -238,10 +256,51 @@ def test_experts_without_a_preset_are_refused_not_skipped(family_dirs, monkeypat
     with pytest.raises(PluginError) as err:
         make_trainer(family_dirs("mixtral"))
     assert str(err.value) == (
-        "--lora-target-modules all-linear: this mixtral model's expert weights ('model.layers.0.mlp.experts.gate_up_proj', ...) "
+        "--lora-target-modules auto: this mixtral model's expert weights ('model.layers.0.mlp.experts.gate_up_proj', ...) "
         "are not linear layers and would get no adapters; name the targets instead, the experts by their weights "
-        "(e.g. mlp.experts.gate_up_proj)"
+        "(e.g. mlp.experts.gate_up_proj), or leave the experts out with auto-no-experts"
     )
+    # Left out by choice, they are: every linear layer but the router and the head gets adapters.
+    trainer = make_trainer(family_dirs("mixtral"), lora_target_modules=["auto-no-experts"])
+    assert adapted_targets(trainer.model) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_moe_dense_layer"])
+def test_auto_no_experts_adapts_the_defaults_but_the_experts(family_dirs, family):
+    trainer = make_trainer(family_dirs(family), lora_target_modules=["auto-no-experts"])
+    assert adapted_targets(trainer.model) == DEFAULT_TARGETS[family] - EXPERT_WEIGHTS
+    experts = [p for n, p in trainer.model.named_parameters() if ".experts." in n]
+    assert experts and not any(p.requires_grad for p in experts)
+
+
+def test_auto_no_experts_on_a_model_without_experts_is_refused(family_dirs):
+    with pytest.raises(PluginError) as err:
+        make_trainer(family_dirs("llama"), lora_target_modules=["auto-no-experts"])
+    assert str(err.value) == "--lora-target-modules auto-no-experts: this llama model has no experts; use auto"
+
+
+def test_a_preset_that_matches_nothing_is_one_clear_error(family_dirs, monkeypatch):
+    # A preset written for other module names (another transformers version's) adapts nothing: refused.
+    monkeypatch.setitem(architectures.LORA_PRESETS, "llama", architectures.LoraTargets(("qkv_proj", "w1")))
+    with pytest.raises(PluginError) as err:
+        make_trainer(family_dirs("llama"))
+    assert str(err.value) == (
+        "--lora-target-modules auto: nothing in this llama model would get adapters (its linear layers: down_proj, gate_proj, "
+        "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, auto-no-experts, all-linear)"
+    )
+
+
+def test_a_linear_router_gets_no_adapters(family_dirs):
+    model, _ = load_model(str(family_dirs("mixtral")), torch.device("cpu"), "auto")
+    for layer in model.model.layers:
+        # The router as an nn.Linear, as some MoE types hold it (AFMoE).
+        layer.mlp.gate = torch.nn.Linear(64, 4, bias=False)
+    assert architectures.router_names(model) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    targets = architectures.lora_targets(model, ["all-linear"])
+    assert {t.rsplit(".", 1)[-1] for t in targets.modules} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert targets.parameters == architectures.EXPERT_PROJECTIONS
+    with pytest.raises(PluginError, match=r"^--lora-target-modules: 'gate' is in a router \(model.layers.0.mlp.gate, "):
+        architectures.lora_targets(model, ["q_proj", "gate"])
 
 
 @pytest.mark.parametrize(
@@ -251,22 +310,35 @@ def test_experts_without_a_preset_are_refused_not_skipped(family_dirs, monkeypat
             "mixtral",
             ["q_proj", "gate_proj"],
             "--lora-target-modules: 'gate_proj' matches nothing in this mixtral model (its linear layers: k_proj, lm_head, o_proj, "
-            "q_proj, v_proj; its expert weights: mlp.experts.down_proj, mlp.experts.gate_up_proj; or auto, all-linear)",
+            "q_proj, v_proj; its expert weights: mlp.experts.down_proj, mlp.experts.gate_up_proj; or auto, auto-no-experts, "
+            "all-linear)",
+        ),
+        (
+            "mixtral",
+            ["q_proj", "gate"],
+            "--lora-target-modules: 'gate' is in a router (model.layers.0.mlp.gate, which picks the experts each token reaches); "
+            "routers get no adapters (docs/performance.md, LoRA)",
+        ),
+        (
+            "qwen3_moe",
+            ["mlp.gate.weight"],
+            "--lora-target-modules: 'mlp.gate.weight' is in a router (model.layers.0.mlp.gate.weight, which picks the experts "
+            "each token reaches); routers get no adapters (docs/performance.md, LoRA)",
         ),
         (
             "gpt2",
             ["q_proj"],
             "--lora-target-modules: 'q_proj' matches nothing in this gpt2 model (its linear layers: c_attn, c_fc, c_proj, lm_head; "
-            "or auto, all-linear)",
+            "or auto, auto-no-experts, all-linear)",
         ),
         (
             "llama",
             ["q_proj", "self_attn"],
             "--lora-target-modules: 'self_attn' is a LlamaAttention, not a linear layer (its linear layers: down_proj, gate_proj, "
-            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, all-linear)",
+            "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, auto-no-experts, all-linear)",
         ),
         ("llama", ["auto", "q_proj"], "--lora-target-modules: 'auto' stands alone, not beside other names (auto q_proj)"),
-        ("llama", [], "--lora-rank needs at least one --lora-target-modules (auto, all-linear or names)"),
+        ("llama", [], "--lora-rank needs at least one --lora-target-modules (auto, auto-no-experts, all-linear or names)"),
     ],
 )
 def test_targets_that_match_nothing_are_one_clear_error(family_dirs, family, targets, message):
@@ -314,3 +386,94 @@ def test_every_family_packs_sequences_exactly(family_dirs, family):
     for d, got, want in zip(datums, packed, padded):
         first = _first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6), float((got - want)[first:].abs().max())
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [("qwen3_moe", "auto"), ("mixtral", "auto"), ("qwen3_moe_dense_layer", "auto"), ("mixtral", "auto-no-experts")],
+)
+def test_lora_rank_8_trains_a_moe_model_from_the_command_line(family_dirs, tiny_dataset, tmp_path, family, targets):
+    """`grpo-core run --lora-rank 8` on a MoE model: adapters where the targets say (every expert's
+    own trained on auto, none on auto-no-experts, never the router), and final/ (the merged policy,
+    also what `grpo-core export` writes from the last checkpoint) is the adapted model."""
+    from tests.test_cli import SIGNAL, grpo_core_in_process, small_run_args
+
+    model_dir, run_dir = family_dirs(family), tmp_path / "run"
+    choice = [] if targets == "auto" else ["--lora-target-modules", targets]
+    args = ("--max-steps", "3", "--lora-rank", "8", "--loss-opt", "kl_beta=0.05", *SIGNAL, *choice)
+    out = grpo_core_in_process(*small_run_args(model_dir, tiny_dataset, run_dir, *args))
+    assert out.returncode == 0, out.stderr
+    metrics = metrics_of(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # The reference is the base model (the adapters off, the experts' included): the KL grows from 0.
+    assert metrics[0]["kl/mean"] == pytest.approx(0.0, abs=1e-6) and metrics[-1]["kl/mean"] > 1e-6
+
+    trainer = make_trainer(model_dir, lora_rank=8, lora_target_modules=[targets])
+    trainer.load_state(str(run_dir / "checkpoints" / "step-000003" / "trainer"))
+    expected = DEFAULT_TARGETS[family] - (EXPERT_WEIGHTS if targets == "auto-no-experts" else set())
+    assert adapted_targets(trainer.model) == expected
+    assert not any(".mlp.gate." in n for n, p in trainer.model.named_parameters() if p.requires_grad)
+    experts = 0
+    for name, module in trainer.model.named_modules():
+        if hasattr(module, "lora_B"):
+            # B starts at zero: every adapter moved, each expert's slice of an expert weight's own.
+            lora_B = module.lora_B["default"].weight
+            per_expert = lora_B.reshape(lora_B.shape[0], -1, getattr(module, "num_experts", 1))
+            assert bool((per_expert.abs().amax(dim=(0, 1)) > 0).all()), name
+            experts += getattr(module, "num_experts", 1) > 1
+    assert experts == (0 if targets == "auto-no-experts" else 2 * len(trainer.model.model.layers) - (family == "qwen3_moe_dense_layer") * 2)
+
+    # The merged weights differ from the base exactly where adapters are: experts included or not.
+    before, after = weights_in(model_dir), weights_in(run_dir / "final")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    modules = [t for t in expected if not t.startswith("experts.")]
+    assert changed == {
+        k for k in before if any(k.endswith(f".{t}.weight") for t in modules) or (".experts." in k and expected & EXPERT_WEIGHTS)
+    }
+    assert grpo_core_in_process("export", str(run_dir), str(tmp_path / "export"), "--step", "3").returncode == 0
+    exported = weights_in(tmp_path / "export")
+    assert exported.keys() == after.keys() and all(torch.equal(exported[k], after[k]) for k in after)
+    input_ids = torch.randint(0, 290, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = trainer.model(input_ids=input_ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final").eval()(input_ids=input_ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-5), float((merged - adapted).abs().max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_moe_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(family_dirs, tmp_path, monkeypatch, family, dtype):
+    """Saving writes a MoE layer's fused experts one tensor per expert (Mixtral's as w1, w2, w3):
+    each merged expert weight goes into those places, not through the whole merged state dict."""
+    import weakref
+
+    from grpo_core.plugins.backends import local
+
+    trainer = make_trainer(family_dirs(family), dtype=dtype)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    made = []
+    merged_weights = local.merged_weights
+
+    def watched(model, base):
+        for key, merged in merged_weights(model, base):
+            assert all(earlier() is None for earlier in made)  # the one before is gone
+            made.append(weakref.ref(merged))
+            yield key, merged
+
+    def refused(model):
+        raise AssertionError("the merged state dict was built whole")
+
+    monkeypatch.setattr(local, "merged_weights", watched)
+    monkeypatch.setattr(local, "merged_state_dict", refused)
+    trainer.save_weights_for_sampler(str(tmp_path / "streamed"))
+    assert len(made) == 2 * (4 + 2)  # both layers' attention projections and expert weights
+    whole = sorted(f.name for f in (tmp_path / "whole").iterdir())
+    assert any(".experts.3." in k for k in weights_in(tmp_path / "whole"))
+    assert whole == sorted(f.name for f in (tmp_path / "streamed").iterdir() if f.name in whole)
+    for name in whole:
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name

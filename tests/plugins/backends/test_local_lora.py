@@ -119,9 +119,10 @@ def test_rank_and_alpha_set_the_adapters_shape_and_scale(tiny_model_dir, alpha, 
         (
             ["q_proj", "qproj"],
             "--lora-target-modules: 'qproj' matches nothing in this qwen3 model "
-            "(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; or auto, all-linear)",
+            "(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj; "
+            "or auto, auto-no-experts, all-linear)",
         ),
-        ([], "--lora-rank needs at least one --lora-target-modules (auto, all-linear or names)"),
+        ([], "--lora-rank needs at least one --lora-target-modules (auto, auto-no-experts, all-linear or names)"),
     ],
 )
 def test_bad_target_modules_are_one_clear_error(tiny_model_dir, targets, message):
@@ -317,6 +318,19 @@ def test_the_merged_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict
     assert whole == sorted(f.name for f in (tmp_path / "streamed").iterdir() if f.name in whole)
     for name in whole:
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "streamed" / name).read_bytes(), name
+
+
+def test_a_layout_one_merged_weight_cannot_make_is_written_whole(tiny_model_dir, tmp_path, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, trainer = make_trainer(tiny_model_dir)
+    randomize_adapters(trainer.model)
+    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    # As where saving would join several of the model's weights into one stored tensor.
+    monkeypatch.setattr(local, "as_saved", lambda model, key, weight: {f"{key}.joined": weight})
+    trainer.save_weights_for_sampler(str(tmp_path / "written"))
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "written" / name).read_bytes(), name
 
 
 # --- the in-process sampler with LoRA ------------------------------------------------------------
