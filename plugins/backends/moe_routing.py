@@ -97,6 +97,11 @@ class RoutingTap:
     def dtype(self) -> torch.dtype:
         return route_dtype(self.num_experts)
 
+    @property
+    def used_shape(self) -> tuple[int, int]:
+        """One position's routing: ``(layers, top_k)``."""
+        return (len(self.layers), self.top_k)
+
     def take(self) -> torch.Tensor:
         """The experts the last forward used, ``[positions, layers, top_k]``, on the CPU."""
         return self._take(self.used)
