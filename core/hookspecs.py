@@ -109,7 +109,7 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         ),
         "routing_problem": Attribute(
             "str | None",
-            "this backend does not record or force mixture-of-experts routing",
+            "the backend does not force or return mixture-of-experts routing",
             "why --router-replay is refused (None: forward_backward_custom forces the routes a datum carries in "
             "loss_fn_inputs['routed_experts'] and returns each datum's routing, used and chosen, in its outputs; "
             "forward_routed(datums) -> (logprobs, routes) records)",
@@ -121,7 +121,7 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "concurrent_samples": Attribute("int", 1, "how many sample calls the async loop's workers may make at once"),
         "routing_problem": Attribute(
             "str | None",
-            "this sampler does not return the experts it routed tokens to",
+            "the sampler does not return the experts it routed each token to",
             "why --router-replay R3 is refused (None: a mixture-of-experts model's completions carry routed_experts)",
         ),
         "stateless": Attribute(

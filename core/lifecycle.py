@@ -365,10 +365,11 @@ def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:
     if config.router_replay == "off":
         return
     problem = declared(trainer, "trainer object", "routing_problem")
-    if problem is None and config.router_replay == "R3":
-        problem = declared(sampler, "sampler object", "routing_problem")
     if problem is not None:
-        raise PluginError(f"--router-replay {config.router_replay}: {problem}")
+        raise PluginError(f"--router-replay {config.router_replay}: {problem} (--backend {config.backend})")
+    problem = declared(sampler, "sampler object", "routing_problem") if config.router_replay == "R3" else None
+    if problem is not None:
+        raise PluginError(f"--router-replay R3: {problem} (--sampler {config.sampler or 'the backend default'})")
 
 
 def check_model_folder(model: str) -> None:

@@ -660,6 +660,8 @@ class FSDPTrainer:
     """A non-finite loss since the last optimizer step: that step will be skipped."""
     sampling_copy: LocalTrainer | None = None
     """A whole copy of the policy on rank 0 for ``--sampler local``, made when it first asks."""
+    routing_problem = "the fsdp backend's ranks do not force or return expert routing (the local backend does)"
+    """Why --router-replay is refused (declared in hookspecs)."""
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         return self.group.run("forward", "policy", shares(datums, self.group.world))
