@@ -194,9 +194,10 @@ def sampler_routes_elsewhere(monkeypatch):
     monkeypatch.setattr(LocalSampler, "_generate", reported_otherwise)
 
 
-def test_r3_trains_on_the_samplers_experts_and_off_does_not(moe_dir, tiny_dataset, tmp_path, sampler_routes_elsewhere):
-    off = run_moe(moe_dir, tiny_dataset, tmp_path / "off", dtype="float32")
-    r3 = run_moe(moe_dir, tiny_dataset, tmp_path / "r3", dtype="float32", router_replay="R3")
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_r3_trains_on_the_samplers_experts_and_off_does_not(moe_dir, tiny_dataset, tmp_path, sampler_routes_elsewhere, loop):
+    off = run_moe(moe_dir, tiny_dataset, tmp_path / "off", dtype="float32", loop=loop)
+    r3 = run_moe(moe_dir, tiny_dataset, tmp_path / "r3", dtype="float32", router_replay="R3", loop=loop)
     assert [m["moe/router_agreement"] for m in off] == [0.0, 0.0]
     assert [m["moe/router_agreement"] for m in r3] == [1.0, 1.0]
     # The routers themselves still choose otherwise; R3 forces the sampler's experts over them.
