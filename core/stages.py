@@ -350,7 +350,7 @@ def train_on_groups(
                 max_tokens=config.max_completion_tokens,
             )
             result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
-            record_router_agreement([samples[i] for i in idx], result.loss_fn_outputs)
+            record_router_agreement([samples[i] for i in idx], result)
             # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
             record("loss/total", result.metrics.pop("loss"), "sum")
             # Every other metric is a mean over the call's trained tokens: weighted by them, the
@@ -466,7 +466,7 @@ def step_datums(samples: Sequence[Sample], router_replay: str, recorded: Sequenc
     ]
 
 
-def record_router_agreement(samples: Sequence[Sample], outputs: Sequence[Mapping[str, Any]]) -> None:
+def record_router_agreement(samples: Sequence[Sample], result: Any) -> None:
     """``moe/router_agreement``: the fraction of (token, MoE layer) pairs of the samples' inputs
     where the trainer's forward used the set of experts the sampler used (1 under --router-replay
     R3); ``moe/router_agreement_chosen``: where the trainer's routers chose them themselves (what
@@ -475,6 +475,9 @@ def record_router_agreement(samples: Sequence[Sample], outputs: Sequence[Mapping
 
     from grpo_core.plugins.backends.moe_routing import agreement
 
+    if all(s.routed_experts is None for s in samples):
+        return
+    outputs = result.loss_fn_outputs
     pairs = [(s.routed_experts, o) for s, o in zip(samples, outputs) if s.routed_experts is not None and "routed_experts" in o]
     if not pairs:
         return
