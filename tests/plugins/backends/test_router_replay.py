@@ -268,3 +268,19 @@ def test_a_backend_or_sampler_that_cannot_is_refused_and_off_refuses_nothing(moe
     with pytest.raises(PluginError, match=r"^--router-replay R2: the fsdp backend's ranks do not force .* \(--backend fsdp\)$"):
         check_router_replay(RunConfig(model=str(moe_dir), router_replay="R2", backend="fsdp"), fsdp, sampler)
     check_router_replay(RunConfig(model=str(moe_dir)), fsdp, NoRoutingSampler())
+
+
+def test_checkpointed_layers_recompute_with_the_forced_experts(moe_dir):
+    """--gradient-checkpointing recomputes each layer in backward: with the same forced experts, so
+    the gradient is the one of the forward that was scored."""
+    grads = []
+    for checkpointing in (False, True):
+        trainer, sampler = make(moe_dir, dtype="float32", gradient_checkpointing=checkpointing)
+        samples = sampled(trainer, sampler)
+        other = [((s.routed_experts.long() + 1) % 8).to(torch.uint8) for s in samples]
+        trainer.forward_backward_custom(with_routes(samples, other), loss_fn)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys() and any("gate.weight" in n for n in plain)
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], rtol=1e-4, atol=1e-6), name
