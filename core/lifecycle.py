@@ -364,6 +364,8 @@ def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:
     """--router-replay needs a trainer that forces routes and, for R3, a sampler that returns them."""
     if config.router_replay == "off":
         return
+    if config.router_replay not in ("R2", "R3"):
+        raise PluginError(f"--router-replay {config.router_replay!r}: choose off, R2 or R3")
     problem = declared(trainer, "trainer object", "routing_problem")
     if problem is not None:
         raise PluginError(f"--router-replay {config.router_replay}: {problem} (--backend {config.backend})")

@@ -268,6 +268,17 @@ def test_a_backend_or_sampler_that_cannot_is_refused_and_off_refuses_nothing(moe
     with pytest.raises(PluginError, match=r"^--router-replay R2: the fsdp backend's ranks do not force .* \(--backend fsdp\)$"):
         check_router_replay(RunConfig(model=str(moe_dir), router_replay="R2", backend="fsdp"), fsdp, sampler)
     check_router_replay(RunConfig(model=str(moe_dir)), fsdp, NoRoutingSampler())
+    with pytest.raises(PluginError, match=r"^--router-replay 'r3': choose off, R2 or R3$"):
+        check_router_replay(RunConfig(model=str(moe_dir), router_replay="r3"), trainer, sampler)
+
+
+def test_the_cli_takes_the_three_modes_only(tmp_path):
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+
+    result = CliRunner().invoke(main, ["run", "--router-replay", "R4", "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "'R4' is not one of 'off', 'R2', 'R3'" in result.output
 
 
 def test_checkpointed_layers_recompute_with_the_forced_experts(moe_dir):
