@@ -56,6 +56,12 @@ def routing_problem(model: Any) -> str | None:
     return f"model type '{config.model_type}' has no mixture-of-experts layers"
 
 
+def num_experts(model: Any) -> int:
+    """How many experts each MoE layer of ``model`` has."""
+    config = model.config.get_text_config()
+    return next(getattr(config, name) for name in EXPERT_COUNT_FIELDS if getattr(config, name, None))
+
+
 def route_dtype(num_experts: int) -> torch.dtype:
     """The smallest dtype that holds every expert index."""
     return torch.uint8 if num_experts <= 256 else torch.int16
@@ -140,12 +146,10 @@ def tapped(model: Any) -> Iterator[RoutingTap]:
     found = routers(model)
     if not found:
         raise ValueError(routing_problem(model))
-    config = model.config.get_text_config()
-    num_experts = next(getattr(config, name) for name in EXPERT_COUNT_FIELDS if getattr(config, name, None))
-    top_k = found[0].top_k
-    if num_experts > torch.iinfo(torch.int16).max:
-        raise ValueError(f"{num_experts} experts do not fit the int16 routes are held in")
-    tap = RoutingTap(layers={id(r): i for i, r in enumerate(found)}, num_experts=num_experts, top_k=top_k)
+    experts = num_experts(model)
+    if experts > torch.iinfo(torch.int16).max:
+        raise ValueError(f"{experts} experts do not fit the int16 routes are held in")
+    tap = RoutingTap(layers={id(r): i for i, r in enumerate(found)}, num_experts=experts, top_k=found[0].top_k)
     handles = [r.register_forward_hook(tap.hook) for r in found]
     try:
         yield tap

@@ -15,7 +15,6 @@ from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.lifecycle import check_router_replay
 from grpo_core.loop import run
-from grpo_core.plugins.backends.fsdp import FSDPTrainer
 from grpo_core.plugins.backends.local import LocalBackend, LocalTrainer
 from grpo_core.plugins.backends.moe_routing import routers
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
@@ -257,6 +256,10 @@ class NoRoutingSampler:
     pass
 
 
+class NoRoutingTrainer:
+    """A backend's trainer that declares no routing_problem (the tinker trainer)."""
+
+
 def test_a_backend_or_sampler_that_cannot_is_refused_and_off_refuses_nothing(moe_dir):
     trainer, sampler = make(moe_dir, dtype="float32")
     config = RunConfig(model=str(moe_dir), router_replay="R3", sampler="openai")
@@ -264,10 +267,9 @@ def test_a_backend_or_sampler_that_cannot_is_refused_and_off_refuses_nothing(moe
         check_router_replay(config, trainer, NoRoutingSampler())
     # R2 records in the trainer: any sampler will do.
     check_router_replay(RunConfig(model=str(moe_dir), router_replay="R2"), trainer, NoRoutingSampler())
-    fsdp = FSDPTrainer.__new__(FSDPTrainer)
-    with pytest.raises(PluginError, match=r"^--router-replay R2: the fsdp backend's ranks do not force .* \(--backend fsdp\)$"):
-        check_router_replay(RunConfig(model=str(moe_dir), router_replay="R2", backend="fsdp"), fsdp, sampler)
-    check_router_replay(RunConfig(model=str(moe_dir)), fsdp, NoRoutingSampler())
+    with pytest.raises(PluginError, match=r"^--router-replay R2: the backend does not force .* \(--backend tinker\)$"):
+        check_router_replay(RunConfig(model=str(moe_dir), router_replay="R2", backend="tinker"), NoRoutingTrainer(), sampler)
+    check_router_replay(RunConfig(model=str(moe_dir)), NoRoutingTrainer(), NoRoutingSampler())
     with pytest.raises(PluginError, match=r"^--router-replay 'r3': choose off, R2 or R3$"):
         check_router_replay(RunConfig(model=str(moe_dir), router_replay="r3"), trainer, sampler)
 
