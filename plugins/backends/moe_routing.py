@@ -120,7 +120,8 @@ class RoutingTap:
         missing = [layer for layer, t in enumerate(per_layer) if t is None]
         if missing:
             raise RuntimeError(f"no forward routed through MoE layers {missing} since the tap was attached")
-        return torch.stack([t.to("cpu", self.dtype) for t in per_layer], dim=1)
+        # One copy off the device for every layer (a sampler takes this at each decoded token).
+        return torch.stack([t.to(self.dtype) for t in per_layer], dim=1).cpu()
 
     def hook(self, router: Any, args: Any, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Any:
         logits_N_E, weights_N_K, experts_N_K = output
