@@ -128,3 +128,11 @@ def sample_to_datum(sample: Sample) -> tinker.Datum:
             "weights": sample.loss_mask[1:],
         },
     )
+
+
+def routes_data(routes: torch.Tensor) -> tinker.TensorData:
+    """A mixture-of-experts routing tensor (``[tokens, layers, top_k]`` expert indices) as a datum's
+    ``loss_fn_inputs["routed_experts"]`` or a trainer's output (the Tinker contract's integers are int64)."""
+    import tinker
+
+    return tinker.TensorData(data=routes.numpy(), dtype="int64", shape=list(routes.shape))

@@ -220,6 +220,12 @@ class RunConfig:
         GRPO_STEP,
         validator=_non_negative,
     )
+    router_replay: Literal["off", "R2", "R3"] = _field(
+        "off",
+        "mixture-of-experts models: the trainer's forwards use the experts the sampler routed each token to (R3) or "
+        "those of the step's pi_old forward (R2); off = the routers choose (docs/moe.md)",
+        GRPO_STEP,
+    )
     anchor: Literal["old_policy", "sampling"] = _field(
         "old_policy",
         "ratio anchor when samples are off-policy: old_policy (extra forward) or sampling (sampler logprobs)",

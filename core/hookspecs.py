@@ -107,11 +107,23 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "run_info": Attribute(
             "dict[str, str]", {}, "how it trains (its forward, padding...), in words: written to config.json's run_info.trainer"
         ),
+        "routing_problem": Attribute(
+            "str | None",
+            "the backend does not force or return mixture-of-experts routing",
+            "why --router-replay is refused (None: forward_backward_custom forces the routes a datum carries in "
+            "loss_fn_inputs['routed_experts'] and returns each datum's routing, used and chosen, in its outputs; "
+            "forward_routed(datums) -> (logprobs, routes) records)",
+        ),
     },
     "sampler object": {
         "run_info": Attribute("dict[str, str]", {}, "how it samples (its forward...), in words: written to config.json's run_info.sampler"),
         "own_weights": Attribute("bool", True, "False: it samples from the trainer's own weights (shared), which --loop async refuses"),
         "concurrent_samples": Attribute("int", 1, "how many sample calls the async loop's workers may make at once"),
+        "routing_problem": Attribute(
+            "str | None",
+            "the sampler does not return the experts it routed each token to",
+            "why --router-replay R3 is refused (None: a mixture-of-experts model's completions carry routed_experts)",
+        ),
         "stateless": Attribute(
             "bool",
             False,

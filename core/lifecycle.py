@@ -178,6 +178,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
+    check_router_replay(config, trainer, sampler)
     if newest is not None:
         remove_partial(run_dir)
     elif overwrite:
@@ -357,6 +358,20 @@ def check_settings(config: RunConfig) -> None:
         )
     if config.learning_rate == 0:
         print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
+
+
+def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:
+    """--router-replay needs a trainer that forces routes and, for R3, a sampler that returns them."""
+    if config.router_replay == "off":
+        return
+    if config.router_replay not in ("R2", "R3"):
+        raise PluginError(f"--router-replay {config.router_replay!r}: choose off, R2 or R3")
+    problem = declared(trainer, "trainer object", "routing_problem")
+    if problem is not None:
+        raise PluginError(f"--router-replay {config.router_replay}: {problem} (--backend {config.backend})")
+    problem = declared(sampler, "sampler object", "routing_problem") if config.router_replay == "R3" else None
+    if problem is not None:
+        raise PluginError(f"--router-replay R3: {problem} (--sampler {config.sampler or 'the backend default'})")
 
 
 def check_model_folder(model: str) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import pluggy
 
-from grpo_core.backend import PolicyScorer, Reference, Trainer, sample_to_datum
+from grpo_core.backend import PolicyScorer, Reference, Trainer, routes_data, sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import LossInputs, LossOutput
@@ -248,15 +248,21 @@ def train_step(
         groups = [[untrained_if_truncated(s) for s in g] for g in groups]
     K = config.minibatches_per_step
     shares = [s for s in (groups[len(groups) * k // K : len(groups) * (k + 1) // K] for k in range(K)) if s]
+    samples = [s for g in groups for s in g]
     with scope() as metrics:
         if config.mask_truncated:
             record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
+        recorded = old = None
+        if config.router_replay == "R2" and samples:
+            # pi_old's forward records the routing every update of the step replays.
+            old, recorded = trainer.forward_routed([sample_to_datum(s) for s in samples])
         if len(shares) * config.ppo_epochs <= 1:
-            metrics.merge(train_on_groups(pm, trainer, reference, groups, config, learning_rate))
+            metrics.merge(train_on_groups(pm, trainer, reference, groups, config, learning_rate, recorded))
             return metrics
-        old = None
-        if config.anchor == "old_policy":
-            old = trainer.forward([sample_to_datum(s) for g in groups for s in g])
+        if config.anchor != "old_policy":
+            old = None
+        elif old is None:
+            old = trainer.forward(step_datums(samples, config.router_replay))
         starts = [sum(len(g) for share in shares[:k] for g in share) for k in range(len(shares))]
         record("optim/minibatches", len(shares), "sum")
         record("optim/epochs", config.ppo_epochs, "sum")
@@ -264,7 +270,8 @@ def train_step(
             for share, start in zip(shares, starts):
                 n = sum(len(g) for g in share)
                 view = trainer if old is None else StepStartPolicy(trainer, old[start : start + n])
-                trained = train_on_groups(pm, view, reference, share, config, learning_rate)
+                routes = recorded[start : start + n] if recorded is not None else None
+                trained = train_on_groups(pm, view, reference, share, config, learning_rate, routes)
                 if epoch:
                     trained.entries.pop("train/samples", None)  # the step's samples, each counted once
                 metrics.merge(trained)
@@ -305,11 +312,13 @@ def train_on_groups(
     groups: Sequence[Sequence[Sample]],
     config: RunConfig,
     learning_rate: float,
+    recorded_routes: Sequence[Any] | None = None,
 ) -> Metrics:
     """Forward/backward over the kept samples (in chunks if asked), then one optimizer step.
 
     A loss's metrics are token-weighted means over its calls, but for those its output declares
     summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
+    ``recorded_routes``: each sample's routing as pi_old's forward recorded it (--router-replay R2).
     """
     import tinker
     import torch
@@ -320,7 +329,7 @@ def train_on_groups(
             record("train/skipped", 1, "sum")
             record("optim/updates", 0, "sum")
             return metrics
-        datums = [sample_to_datum(s) for s in samples]
+        datums = step_datums(samples, config.router_replay, recorded_routes)
         mask = [torch.tensor(s.loss_mask[1:]) for s in samples]
         sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
         advantages = [torch.tensor(s.advantages[1:]) for s in samples]
@@ -341,6 +350,7 @@ def train_on_groups(
                 max_tokens=config.max_completion_tokens,
             )
             result = trainer.forward_backward_custom([datums[i] for i in idx], loss_fn)
+            record_router_agreement([samples[i] for i in idx], result)
             # Chunk losses carry the whole step's normalizer: they add up to the step's loss.
             record("loss/total", result.metrics.pop("loss"), "sum")
             # Every other metric is a mean over the call's trained tokens: weighted by them, the
@@ -437,6 +447,43 @@ def record_mismatch(logprobs: Sequence[Any], sampling: Sequence[Any], mask: Sequ
     record("mismatch/logprob_abs_max", float(diff.abs().max()), "max")
     record("mismatch/logprob_abs_mean", float(diff.abs().mean()), "mean", weight=tokens)
     record("mismatch/kl_k3", float((torch.exp(diff) - 1 - diff).mean()), "mean", weight=tokens)
+
+
+def step_datums(samples: Sequence[Sample], router_replay: str, recorded: Sequence[Any] | None = None) -> list[Any]:
+    """The samples' datums, carrying the routes the trainer's forward must use (``routed_experts``):
+    the sampler's with --router-replay R3, pi_old's ``recorded`` ones with R2."""
+    datums = [sample_to_datum(s) for s in samples]
+    if router_replay == "off" or (router_replay == "R2" and recorded is None):
+        return datums
+    if router_replay == "R3":
+        missing = next((i for i, s in enumerate(samples) if s.routed_experts is None), None)
+        if missing is not None:
+            raise PluginError(f"--router-replay R3: sample {missing} of prompt {samples[missing].prompt.id} carries no routed_experts")
+        recorded = [s.routed_experts for s in samples]
+    return [
+        type(d)(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "routed_experts": routes_data(r)})
+        for d, r in zip(datums, recorded or [])
+    ]
+
+
+def record_router_agreement(samples: Sequence[Sample], result: Any) -> None:
+    """``moe/router_agreement``: the fraction of (token, MoE layer) pairs of the samples' inputs
+    where the trainer's forward used the set of experts the sampler used (1 under --router-replay
+    R3); ``moe/router_agreement_chosen``: where the trainer's routers chose them themselves (what
+    replay corrects). Only where the sampler recorded routing and the trainer returned its own."""
+    import torch
+
+    from grpo_core.plugins.backends.moe_routing import agreement
+
+    if all(s.routed_experts is None for s in samples):
+        return
+    outputs = result.loss_fn_outputs
+    pairs = [(s.routed_experts, o) for s, o in zip(samples, outputs) if s.routed_experts is not None and "routed_experts" in o]
+    if not pairs:
+        return
+    for metric, key in (("moe/router_agreement", "routed_experts"), ("moe/router_agreement_chosen", "routed_experts_chosen")):
+        agree_N_L = torch.cat([agreement(o[key].to_torch(), sampled) for sampled, o in pairs])
+        record(metric, float(agree_N_L.float().mean()), "mean", weight=float(agree_N_L.numel()))
 
 
 def fwd_bwd_chunks(n: int, min_size: int, max_size: int | None) -> list[range]:

@@ -37,6 +37,11 @@ class Completion:
     top-k and top-p applied), as the sampler drew it."""
     finish_reason: str
     """"stop" (eos or a stop string/token) or "length" (max tokens reached)."""
+    routed_experts: Any = None
+    """A mixture-of-experts model's routing, where the sampler records it: the experts each token
+    it forwarded was routed to, per MoE layer, as a ``[len(prompt) + len(tokens) - 1, layers,
+    top_k]`` uint8 (int16 past 256 experts) torch tensor: the prompt's tokens and every drawn token
+    but the last (never forwarded). None otherwise."""
 
 
 @attrs.define
@@ -110,6 +115,11 @@ class Sample:
     reward_details: dict[str, str] = attrs.field(factory=dict)
     """What a reward said about this sample beyond its score (an LLM judge's reply), by reward
     name; sample tables show it as ``reward_detail/<name>``."""
+    routed_experts: Any = None
+    """The sampler's mixture-of-experts routing of ``tokens[:-1]`` (the trainer's model input):
+    a ``[len(tokens) - 1, layers, top_k]`` tensor of expert indices (see
+    :attr:`Completion.routed_experts`), or None where the sampler records none. What
+    ``--router-replay R3`` forces the trainer's forward to use."""
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)
@@ -118,6 +128,8 @@ class Sample:
                 f"sample lists differ in length: tokens={n}, "
                 f"sampling_logprobs={len(self.sampling_logprobs)}, loss_mask={len(self.loss_mask)}"
             )
+        if self.routed_experts is not None and len(self.routed_experts) != n - 1:
+            raise ValueError(f"routed_experts has {len(self.routed_experts)} rows for a sample of {n} tokens (routes cover tokens[:-1])")
 
     @property
     def num_completion_tokens(self) -> int:

@@ -38,6 +38,7 @@ from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.architectures import AUTO
 from grpo_core.plugins.backends.local import (
     SHARD_SIZE,
+    DatumRouting,
     LocalBackend,
     LocalTrainer,
     TransformersForward,
@@ -45,15 +46,18 @@ from grpo_core.plugins.backends.local import (
     clip_and_step,
     enable_activation_checkpointing,
     forward_backward_output,
+    load_metrics,
     load_model,
     make_optimizer,
     nonfinite_step_message,
     resolve_precision,
+    routing_outputs,
     shared_storage_aliases,
     step_metrics,
     target_logprobs,
     train_mode,
 )
+from grpo_core.plugins.backends.moe_routing import num_experts, routing_problem, tapped
 
 STATE_FORMAT = "grpo-core-fsdp-1"
 STATE_INFO = "fsdp.json"
@@ -473,37 +477,65 @@ class Rank:
             self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], spec.seed, self.device)
         return tokenizer if self.rank == 0 else None
 
-    def logprobs(self, which: str, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+    def logprobs(self, which: str, datums: Sequence[tinker.Datum], routing: DatumRouting | None = None) -> list[torch.Tensor]:
         model = self.models[which]
         # One pass, never the shared-prefix path: FSDP frees a layer's gathered weights after each
         # call, and a gradient through a cached prefix reaches them without passing the layer's output.
         with warnings.catch_warnings():
             # The logprobs are views of one tensor, never changed in place (which would skip FSDP's hook).
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
-            return model.root(target_logprobs, model.forward_fn, datums, self.device, True)
+            return model.root(target_logprobs, model.forward_fn, datums, self.device, True, False, routing)
 
-    def forward(self, which: str, datums_by_rank: list[list[tinker.Datum]]) -> list[torch.Tensor] | None:
+    @contextlib.contextmanager
+    def routing(self, which: str, datums: Sequence[tinker.Datum]) -> Any:
+        """The routing of the policy's forward over this rank's ``datums`` (a mixture-of-experts
+        model; None otherwise, and for the reference, which routes on its own as the local one)."""
+        lm = self.models[which].lm
+        if which != "policy" or routing_problem(lm) is not None:
+            yield None
+            return
+        with tapped(lm) as tap:
+            yield DatumRouting.of(tap, datums)
+
+    def forward(
+        self, which: str, datums_by_rank: list[list[tinker.Datum]], with_routes: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]] | None:
+        """Each rank's share scored without gradient, gathered on rank 0 (``with_routes``: and the
+        experts each datum's tokens were routed to)."""
         mine = datums_by_rank[self.rank]
-        with torch.no_grad():
-            logprobs = self.logprobs(which, mine or [PLACEHOLDER])
-        gathered = self.gather([lp.cpu() for lp in logprobs] if mine else [])
-        return [lp for part in gathered for lp in part] if gathered is not None else None
+        batch = mine or [PLACEHOLDER]
+        with torch.no_grad(), self.routing(which, batch) as routing:
+            logprobs = self.logprobs(which, batch, routing)
+            routed = routing_outputs(routing, batch) if routing is not None and mine else []
+        gathered = self.gather(([lp.cpu() for lp in logprobs], routed) if mine else ([], []))
+        if gathered is None:
+            return None
+        flat = [lp for part, _ in gathered for lp in part]
+        return (flat, [r for _, part in gathered for r in part]) if with_routes else flat
 
     def forward_backward(
         self, datums_by_rank: list[list[tinker.Datum]], loss_fn: CustomLossFn | None = None, datums: Sequence[tinker.Datum] = ()
-    ) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, float], BaseException | None] | None:
+    ) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, float], BaseException | None, list[dict[str, torch.Tensor]]] | None:
         """Each rank's forward with its graph kept; rank 0 runs ``loss_fn`` on the gathered
         logprobs and scatters their gradients, scaled by the world size (FSDP averages the ranks'
-        gradients; the loss already covers every sequence); each rank's backward."""
+        gradients; the loss already covers every sequence); each rank's backward. A mixture-of-experts
+        policy forces the routes its datums carry and rank 0 also returns each datum's routing."""
         policy = self.models["policy"]
         mine = datums_by_rank[self.rank]
-        with train_mode(policy.lm) if self.spec.gradient_checkpointing else contextlib.nullcontext():
-            logprobs = self.logprobs("policy", mine or [PLACEHOLDER])
-            gathered = self.gather([lp.detach().cpu() for lp in logprobs] if mine else [])
+        batch = mine or [PLACEHOLDER]
+        # The backward inside the routing: checkpointed layers recompute with the same forced experts.
+        with (
+            train_mode(policy.lm) if self.spec.gradient_checkpointing else contextlib.nullcontext(),
+            self.routing("policy", batch) as routing,
+        ):
+            logprobs = self.logprobs("policy", batch, routing)
+            routed = routing_outputs(routing, batch) if routing is not None and mine else []
+            gathered = self.gather(([lp.detach().cpu() for lp in logprobs], routed) if mine else ([], []))
             result = None
             grads_by_rank: list[Any] | None = None
             if gathered is not None:
-                result, grads_by_rank = self._loss_on_rank0(gathered, datums_by_rank, loss_fn, datums)
+                result, grads_by_rank = self._loss_on_rank0([part for part, _ in gathered], datums_by_rank, loss_fn, datums)
+                result = (*result, [r for _, part in gathered for r in part])
             received: list[Any] = [None]
             dist.scatter_object_list(received, grads_by_rank, src=0, group=self.control)
             grads = received[0]
@@ -661,18 +693,33 @@ class FSDPTrainer:
     sampling_copy: LocalTrainer | None = None
     """A whole copy of the policy on rank 0 for ``--sampler local``, made when it first asks."""
 
+    @property
+    def routing_problem(self) -> str | None:
+        """Why its forwards cannot record and force expert routing (declared in hookspecs)."""
+        return routing_problem(RANK_STATE[0].models["policy"].lm)
+
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         return self.group.run("forward", "policy", shares(datums, self.group.world))
 
+    def forward_routed(self, datums: Sequence[tinker.Datum]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward``, and the experts each datum's input tokens were routed to (see LocalTrainer.forward_routed)."""
+        if self.routing_problem is not None:
+            raise ValueError(f"no routing to record: {self.routing_problem}")
+        logprobs, routed = self.group.run("forward", "policy", shares(datums, self.group.world), True)
+        return logprobs, [r["routed_experts"] for r in routed]
+
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        logprobs, loss, metrics, error = self.group.run(
+        logprobs, loss, metrics, error, routed = self.group.run(
             "forward_backward", shares(datums, self.group.world), loss_fn=loss_fn, datums=list(datums)
         )
         if error is not None:
             raise error
         if not torch.isfinite(loss):
             self.nonfinite_loss = True
-        return forward_backward_output(logprobs, loss, metrics)
+        if routed:
+            experts = num_experts(RANK_STATE[0].models["policy"].lm)
+            metrics = {**metrics, **load_metrics(torch.cat([r["routed_experts"] for r in routed]), experts)}
+        return forward_backward_output(logprobs, loss, metrics, routed or None)
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         grad_norm, skipped, finite = self.group.run("optim_step", adam_params, self.nonfinite_loss)

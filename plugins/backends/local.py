@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from grpo_core import hookimpl, option
-from grpo_core.backend import CustomLossFn, NonFiniteWeights
+from grpo_core.backend import CustomLossFn, NonFiniteWeights, routes_data
 from grpo_core.config import RunConfig
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
@@ -27,6 +27,7 @@ from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 from grpo_core.plugins.backends.host_memory import TRAINING_MMAP_THRESHOLD, release_freed_memory, set_mmap_threshold
+from grpo_core.plugins.backends.moe_routing import RoutingTap, load_max_over_mean, routing_problem, tapped
 from grpo_core.plugins.backends.reference_offload import FileEntry, OffloadedWeights, offload, read_safetensors_header, weight_files
 from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
 
@@ -635,28 +636,75 @@ def target_logprobs(
     device: torch.device,
     one_pass: bool = False,
     packed: bool = False,
+    routing: DatumRouting | None = None,
 ) -> list[torch.Tensor]:
     """Logprobs of each datum's target tokens, differentiable when grad is enabled.
 
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it (unless ``one_pass``: every row whole, in one forward). Rows run whole are
-    ``packed`` end to end where that leaves fewer rows than sequences (:func:`packed_layout`; only
-    for a forward whose :meth:`TransformersForward._packing_problem` found none), else right-padded.
+    back through it (unless ``one_pass`` or ``routing``: every row whole, in one forward). Rows run
+    whole are ``packed`` end to end where that leaves fewer rows than sequences
+    (:func:`packed_layout`; only for a forward whose :meth:`TransformersForward._packing_problem`
+    found none), else right-padded. With ``routing`` (a mixture-of-experts model) that one forward
+    is where its routes are forced and recorded.
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [_first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
     distinct = list(dict.fromkeys(prefixes))
-    if not one_pass and len(distinct) < len(prefixes) and all(distinct):
+    if not one_pass and routing is None and len(distinct) < len(prefixes) and all(distinct):
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
-            return _logprobs_packed(forward, inputs, targets, starts, rows, device)
-    return _logprobs_one_pass(forward, inputs, targets, starts, device)
+            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing)
+    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing)
+
+
+@attrs.define(eq=False)
+class DatumRouting:
+    """The expert routing of the datums of one forward (a mixture-of-experts model): the routes to
+    force, per datum, where they carry some (``loss_fn_inputs["routed_experts"]``), and, after the
+    forward, those each datum used and those its routers chose themselves.
+
+    A layout that runs the datums in one forward calls :meth:`place` with where each one starts
+    among the forward's flattened positions, before the forward."""
+
+    tap: RoutingTap
+    forced: list[torch.Tensor] | None
+    offsets: list[int] = attrs.field(factory=list)
+
+    @classmethod
+    def of(cls, tap: RoutingTap, datums: Sequence[tinker.Datum]) -> DatumRouting:
+        carried = ["routed_experts" in d.loss_fn_inputs for d in datums]
+        if any(carried) and not all(carried):
+            raise ValueError("some datums of one forward carry routed_experts and some do not: all or none are replayed")
+        if not any(carried):
+            return cls(tap, None)
+        forced = [d.loss_fn_inputs["routed_experts"].to_torch() for d in datums]
+        for i, (routes, datum) in enumerate(zip(forced, datums)):
+            if tuple(routes.shape) != (datum.model_input.length, *tap.used_shape):
+                raise ValueError(
+                    f"datum {i}: routed_experts is {tuple(routes.shape)}, its input is "
+                    f"{datum.model_input.length} tokens through {tap.used_shape[0]} MoE layers of top-{tap.top_k}"
+                )
+        return cls(tap, forced)
+
+    def place(self, offsets: list[int], positions: int) -> None:
+        self.offsets = offsets
+        if self.forced is None:
+            return
+        # Positions no datum holds (padding, a packed row's filler) take any distinct experts.
+        filler_N_L_K = torch.arange(self.tap.top_k).expand(positions, *self.tap.used_shape)
+        forced_N_L_K = filler_N_L_K.to(self.tap.dtype).clone()
+        for offset, routes in zip(offsets, self.forced):
+            forced_N_L_K[offset : offset + len(routes)] = routes.to(self.tap.dtype)
+        self.tap.forced = forced_N_L_K
+
+    def per_datum(self, routes_N_L_K: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        return [routes_N_L_K[o : o + n] for o, n in zip(self.offsets, lengths)]
 
 
 def _first_trained(weights: Sequence[float]) -> int:
@@ -742,10 +790,14 @@ def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K:
     return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
 
 
-def _logprobs_one_pass(forward: ModelForward, inputs: list, targets: list, starts: list[int], device: torch.device) -> list[torch.Tensor]:
+def _logprobs_one_pass(
+    forward: ModelForward, inputs: list, targets: list, starts: list[int], device: torch.device, routing: DatumRouting | None = None
+) -> list[torch.Tensor]:
     input_ids_B_T, attention_B_T = _pad(inputs)
     targets_B_T, _ = _pad(targets)
     B, T = input_ids_B_T.shape
+    if routing is not None:
+        routing.place([i * T for i in range(B)], B * T)
     start = min(*starts, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
     hidden_B_K_E = forward.hidden_states(
@@ -796,7 +848,13 @@ def packed_layout(lengths: Sequence[int], token_cost: float, pair_cost: float) -
 
 
 def _logprobs_packed(
-    forward: TransformersForward, inputs: list, targets: list, starts: list[int], rows: list[list[int]], device: torch.device
+    forward: TransformersForward,
+    inputs: list,
+    targets: list,
+    starts: list[int],
+    rows: list[list[int]],
+    device: torch.device,
+    routing: DatumRouting | None = None,
 ) -> list[torch.Tensor]:
     """Every sequence whole, packed into ``rows`` with position ids that restart at 0 on each
     sequence and no attention mask: transformers' packed-sequence detection then keeps each
@@ -816,6 +874,8 @@ def _logprobs_packed(
             offsets[i] = r * width + at
             at += len(inputs[i])
         positions_R_W[r, at:] = torch.arange(width - at)
+    if routing is not None:
+        routing.place(offsets, R * width)
     hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
     # Only the trained positions go through the head, in the order of the sequences.
     at_N = torch.cat([torch.arange(offsets[i] + s, offsets[i] + len(x)) for i, (x, s) in enumerate(zip(inputs, starts))])
@@ -916,34 +976,83 @@ class LocalTrainer(LocalReference):
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
+    routing_problem: str | None = attrs.field(init=False, default=None)
+    """Why its forwards cannot record and force expert routing (None: a mixture-of-experts model
+    it can; declared in hookspecs)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.routing_problem = routing_problem(self.model)
 
     @property
     def run_info(self) -> dict[str, str]:
         """How it trains, for config.json (declared in hookspecs)."""
-        return {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+        info = {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+        if self.routing_problem is None:
+            info["routing"] = "each token's experts recorded (forced where a datum carries them) in one forward: no shared prompt prefix"
+        return info
+
+    @contextmanager
+    def _routing(self, datums: Sequence[tinker.Datum]) -> Iterator[DatumRouting | None]:
+        """The routing of a forward over ``datums`` (a mixture-of-experts model), None otherwise."""
+        if self.routing_problem is not None:
+            if any("routed_experts" in d.loss_fn_inputs for d in datums):
+                raise ValueError(f"datums carry routed_experts to replay, but {self.routing_problem}")
+            yield None
+            return
+        with tapped(self.model) as tap:
+            yield DatumRouting.of(tap, datums)
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        """Target-token logprobs without gradient; datums that carry routed_experts are scored with those experts."""
+        if any("routed_experts" in d.loss_fn_inputs for d in datums):
+            return self.forward_routed(datums)[0]
+        return super().forward(datums)
+
+    def forward_routed(self, datums: Sequence[tinker.Datum]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward``, and the experts each datum's input tokens were routed to, ``[tokens, layers, top_k]``
+        (those it carries, where it carries some): what --router-replay R2 records in pi_old's forward."""
+        release_freed_memory(self.device)
+        with torch.no_grad(), self._routing(datums) as routing:
+            if routing is None:
+                raise ValueError(f"no routing to record: {self.routing_problem}")
+            logprobs = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
+            return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         release_freed_memory(self.device)
         # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
         record("perf/padding_free", float(self.forward_fn.packs), "max")
-        _entropy_sink.chunks, _entropy_sink.lengths = [], []
-        try:
-            with train_mode(self.model) if self.activation_checkpointing else nullcontext():
-                logprobs = target_logprobs(
-                    self.forward_fn, datums, self.device, one_pass=self.activation_checkpointing, packed=self.forward_fn.packs
-                )
-                logprobs = [lp.cpu() for lp in logprobs]
-            entropy = trained_entropy(datums, _entropy_sink.chunks, _entropy_sink.lengths)
-        finally:
-            _entropy_sink.chunks = None
-        loss, metrics = loss_fn(datums, logprobs)
-        metrics = {**metrics, "policy/entropy": entropy}
-        if torch.isfinite(loss):
-            loss.backward()
-        else:
-            # No backward: a NaN would spread into every gradient; optim_step skips the step.
-            self.nonfinite_loss = True
-        return forward_backward_output(logprobs, loss, metrics)
+        routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
+        # The backward inside the routing: checkpointed layers recompute with the same forced experts.
+        with self._routing(datums) as routing:
+            _entropy_sink.chunks, _entropy_sink.lengths = [], []
+            try:
+                with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+                    logprobs = target_logprobs(
+                        self.forward_fn,
+                        datums,
+                        self.device,
+                        one_pass=self.activation_checkpointing,
+                        packed=self.forward_fn.packs,
+                        routing=routing,
+                    )
+                    logprobs = [lp.cpu() for lp in logprobs]
+                entropy = trained_entropy(datums, _entropy_sink.chunks, _entropy_sink.lengths)
+            finally:
+                _entropy_sink.chunks = None
+            if routing is not None:
+                routed = routing_outputs(routing, datums)
+            loss, metrics = loss_fn(datums, logprobs)
+            metrics = {**metrics, "policy/entropy": entropy}
+            if routing is not None:
+                metrics.update(load_metrics(torch.cat([r["routed_experts"] for r in routed]), routing.tap.num_experts))
+            if torch.isfinite(loss):
+                loss.backward()
+            else:
+                # No backward: a NaN would spread into every gradient; optim_step skips the step.
+                self.nonfinite_loss = True
+        return forward_backward_output(logprobs, loss, metrics, routed)
 
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         if self.optimizer is None:
@@ -1048,14 +1157,39 @@ def clip_and_step(optimizer: torch.optim.Optimizer, adam_params: tinker.AdamPara
 
 
 def forward_backward_output(
-    logprobs: Sequence[torch.Tensor], loss: torch.Tensor, metrics: dict[str, float]
+    logprobs: Sequence[torch.Tensor],
+    loss: torch.Tensor,
+    metrics: dict[str, float],
+    routed: Sequence[dict[str, torch.Tensor]] | None = None,
 ) -> tinker.ForwardBackwardOutput:
-    """What ``forward_backward_custom`` returns: each datum's logprobs and the metrics with the loss."""
+    """What ``forward_backward_custom`` returns: each datum's logprobs (and ``routed`` tensors,
+    a mixture-of-experts model's routing) and the metrics with the loss."""
     return tinker.ForwardBackwardOutput(
         loss_fn_output_type="TorchLossReturn",
-        loss_fn_outputs=[{"logprobs": tinker.TensorData.from_torch(lp.detach())} for lp in logprobs],
+        loss_fn_outputs=[
+            {"logprobs": tinker.TensorData.from_torch(lp.detach()), **{k: routes_data(v) for k, v in extra.items()}}
+            for lp, extra in zip(logprobs, routed or [{} for _ in logprobs])
+        ],
         metrics={**metrics, "loss": float(loss.detach())},
     )
+
+
+def routing_outputs(routing: DatumRouting, datums: Sequence[tinker.Datum]) -> list[dict[str, torch.Tensor]]:
+    """Per datum: the experts its forward used (``routed_experts``) and those its routers chose
+    themselves (``routed_experts_chosen``: the same unless forced)."""
+    lengths = [d.model_input.length for d in datums]
+    used = routing.per_datum(routing.tap.take(), lengths)
+    chosen = routing.per_datum(routing.tap.take_live(), lengths)
+    return [{"routed_experts": u, "routed_experts_chosen": c} for u, c in zip(used, chosen)]
+
+
+def load_metrics(routes_N_L_K: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """How evenly a forward's tokens spread over the experts: per MoE layer the busiest expert's
+    share over the mean share (``moe/load_max_over_mean/layer_<i>``; 1 = even), and the worst layer's."""
+    per_layer_L = load_max_over_mean(routes_N_L_K, num_experts)
+    metrics = {f"moe/load_max_over_mean/layer_{i}": float(v) for i, v in enumerate(per_layer_L)}
+    metrics["moe/load_max_over_mean"] = float(per_layer_L.max())
+    return metrics
 
 
 def nonfinite_step_message(grad_norm: float, adam_params: tinker.AdamParams) -> str:

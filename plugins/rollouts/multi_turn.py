@@ -72,8 +72,12 @@ class Conversation:
     """Where the policy's turns are in ``messages``."""
     turns: list[Turn] = attrs.field(factory=list)
     """Every policy turn so far; with per_turn_samples, each at its place in its own sample."""
-    earlier_samples: list[tuple[list[int], list[float], list[float], list[Turn]]] = attrs.field(factory=list)
-    """With per_turn_samples: (tokens, logprobs, loss mask, turn) of each turn before the current context."""
+    earlier_samples: list[tuple[list[int], list[float], list[float], list[Turn], Any]] = attrs.field(factory=list)
+    """With per_turn_samples: (tokens, logprobs, loss mask, turn, routes) of each turn before the current context."""
+    routes: Any = None
+    """A mixture-of-experts sampler's routing of ``tokens[: len(routes)]``: each token's as the
+    sampler call that first forwarded it recorded it (see ``Sample.routed_experts``); None where
+    the sampler records none."""
     env_reward: float | None = None
     text: str = ""
     """The policy's last turn."""
@@ -288,6 +292,7 @@ class MultiTurnRollout:
             # The round sampled up to the roomiest conversation's budget; this one has less.
             keep = limit - len(conv.tokens)
             tokens, logprobs, finish = tokens[:keep], logprobs[:keep], "length"
+        conv.routes = extended_routes(conv.routes, completion.routed_experts, len(conv.tokens) + len(tokens) - 1)
         start = len(conv.tokens)
         conv.tokens += tokens
         conv.logprobs += logprobs
@@ -346,8 +351,9 @@ class MultiTurnRollout:
         if limit is not None and len(tokens) >= limit:
             conv.finish_reason = "length"  # no room left to answer the observation
             return
-        conv.earlier_samples.append((conv.tokens, conv.logprobs, conv.mask, conv.turns[-1:]))
+        conv.earlier_samples.append((conv.tokens, conv.logprobs, conv.mask, conv.turns[-1:], conv.routes))
         conv.tokens, conv.logprobs, conv.mask, conv.rendered = tokens, [0.0] * len(tokens), [0.0] * len(tokens), rendered
+        conv.routes = None
 
     def _extension(self, conv: Conversation, stopped: list[int], chat: ChatFormat, counts: dict[str, int]) -> list[int]:
         """The tokens of what the template writes after the policy's new turn, up to the next assistant header.
@@ -436,7 +442,7 @@ class MultiTurnRollout:
 
     def _samples_of(self, conv: Conversation) -> list[Sample]:
         """The trajectory as one sample; with per_turn_samples, one per turn, each with the trajectory's outcome."""
-        current = (conv.tokens, conv.logprobs, conv.mask, conv.turns[len(conv.earlier_samples) :])
+        current = (conv.tokens, conv.logprobs, conv.mask, conv.turns[len(conv.earlier_samples) :], conv.routes)
         return [
             Sample(
                 prompt=conv.prompt,
@@ -448,9 +454,21 @@ class MultiTurnRollout:
                 policy_version=int(conv.policy_version or 0),
                 turns=turns,
                 env_reward=conv.env_reward,
+                routed_experts=routes,
             )
-            for tokens, logprobs, mask, turns in [*conv.earlier_samples, current]
+            for tokens, logprobs, mask, turns, routes in [*conv.earlier_samples, current]
         ]
+
+
+def extended_routes(known: Any, new: Any, upto: int) -> Any:
+    """The routing of a conversation's first ``upto`` tokens once a sampler call returned ``new``
+    (its routing of the conversation so far and of the turn it drew): the tokens routed before keep
+    their routes (those their logprobs were drawn with), the rest take the new call's."""
+    if new is None:
+        return None
+    import torch
+
+    return new[:upto] if known is None else torch.cat([known, new[len(known) : upto]])
 
 
 @attrs.frozen

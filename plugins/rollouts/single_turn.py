@@ -45,6 +45,7 @@ class SingleTurnRollout:
                     text=next(texts),
                     finish_reason=c.finish_reason,
                     policy_version=sampler.version,
+                    routed_experts=c.routed_experts,
                 )
                 for c in group
             ]

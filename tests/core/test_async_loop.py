@@ -673,9 +673,9 @@ def test_minibatches_step_the_optimizer_k_times_against_the_steps_pi_old(tiny_mo
     calls = []
     original = stages.train_on_groups
 
-    def spy(pm, trainer, reference, groups, config, lr):
+    def spy(pm, trainer, reference, groups, config, lr, *routes):
         calls.append(trainer.version)
-        return original(pm, trainer, reference, groups, config, lr)
+        return original(pm, trainer, reference, groups, config, lr, *routes)
 
     monkeypatch.setattr(stages, "train_on_groups", spy)
     r = tmp_path / "r"

@@ -633,3 +633,36 @@ def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_o
         assert set(calls) == {(1, 1)}  # one conversation per call, every round
     else:
         assert (1, 4) in calls  # a group's opening round is one call for its 4 conversations
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_turns": 3}, {"max_turns": 3, "per_turn_samples": True}, {"max_turns": 3, "max_total_tokens": 33}],
+    ids=["flattened", "per_turn_samples", "ended_by_max_total_tokens"],
+)
+def test_a_moe_samplers_routes_are_carried_through_the_turns(tmp_path, options):
+    """A mixture-of-experts model: each flattened sample carries the routing of its tokens[:-1],
+    each token's from the sampler call that first forwarded it; in float32 exactly the routing the
+    trainer's forward of the whole trajectory chooses (what --router-replay R3 replays)."""
+    import torch
+
+    from grpo_core.backend import sample_to_datum
+    from grpo_core.config import RunConfig
+    from grpo_core.plugins.backends.local import LocalBackend
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+    from tests.plugins.backends.moe_models import build_tiny_moe
+
+    build_tiny_moe("qwen3_moe", tmp_path)
+    config = RunConfig(model=str(tmp_path), dtype="float32")
+    trainer = LocalBackend().make_trainer(config=config)
+    sampler = LocalSamplerPlugin().make_sampler(config=config, trainer=trainer)
+    prompt = Prompt(id="l", text="Question: what is 1 plus 2?\nAnswer:", answer="#### 3")
+    groups = run(make_plugin("multi_turn", **options), [prompt], 3, sampler, env=lambda p: Endless(), max_tokens=5)
+    samples = groups[0]
+    assert len(samples) == (9 if options.get("per_turn_samples") else 3)
+    if "max_total_tokens" in options:
+        assert all(s.finish_reason == "length" and len(s.tokens) <= 33 for s in samples)
+    _, routes = trainer.forward_routed([sample_to_datum(s) for s in samples])
+    for sample, trainer_routes in zip(samples, routes):
+        assert sample.routed_experts.shape == (len(sample.tokens) - 1, 2, 2)
+        assert torch.equal(sample.routed_experts.long(), trainer_routes.long())
