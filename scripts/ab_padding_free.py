@@ -59,7 +59,7 @@ def main() -> None:
 
     def step(packed: bool) -> float:
         started = time.perf_counter()
-        logprobs = target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=packed)
+        logprobs, _ = target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=packed)
         sum(lp.sum() for lp in logprobs).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - started

@@ -48,7 +48,7 @@ def main() -> None:
     print(f"{sum(len(lp) for _, lp in sampled)} sampled tokens; sampler forward: {type(sampler.forward_fn).__name__}")
     with torch.no_grad():
         for name, how in paths.items():
-            logprobs = target_logprobs(trainer.forward_fn, datums, trainer.device, **how)
+            logprobs, _ = target_logprobs(trainer.forward_fn, datums, trainer.device, **how)
             gaps = torch.cat([(lp[start:] - want).abs() for lp, (start, want) in zip(logprobs, sampled)])
             print(f"{name}: max {float(gaps.max()):.3g}, mean {float(gaps.mean()):.3g}")
 

@@ -7,7 +7,6 @@ import math
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -637,8 +636,10 @@ def target_logprobs(
     one_pass: bool = False,
     packed: bool = False,
     routing: DatumRouting | None = None,
-) -> list[torch.Tensor]:
-    """Logprobs of each datum's target tokens, differentiable when grad is enabled.
+    entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Logprobs of each datum's target tokens, differentiable when grad is enabled, and with
+    ``entropy`` the policy's entropy at each of those positions (:func:`token_logprobs`; else None).
 
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
@@ -648,6 +649,8 @@ def target_logprobs(
     (:func:`packed_layout`; only for a forward whose :meth:`TransformersForward._packing_problem`
     found none), else right-padded. With ``routing`` (a mixture-of-experts model) that one forward
     is where its routes are forced and recorded.
+
+    A datum's entropy is 0.0 where its logprobs are: before its first trained position.
     """
     inputs = [d.model_input.to_ints() for d in datums]
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
@@ -655,12 +658,12 @@ def target_logprobs(
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
     distinct = list(dict.fromkeys(prefixes))
     if not one_pass and routing is None and len(distinct) < len(prefixes) and all(distinct):
-        return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device)
+        return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device, entropy)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
-            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing)
-    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing)
+            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy)
+    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy)
 
 
 @attrs.define(eq=False)
@@ -735,8 +738,12 @@ LOGITS_CHUNK_BYTES = 1 << 26
 """Full-vocabulary float32 logits computed at once: 64 MiB, 110 positions of a 151,936-token vocabulary."""
 
 
-def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    """log softmax(head(hidden))[target] per position, in float32, over chunks of positions.
+def token_logprobs(
+    forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: torch.Tensor, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(head(hidden))[target] per position, in float32, over chunks of positions, and
+    with ``entropy`` the policy's entropy −Σ p log p over the vocabulary at each position (no
+    gradient; None without).
 
     Only one chunk's logits exist at a time: with grad enabled each chunk runs under activation
     checkpointing, so backward recomputes its logits instead of keeping [N, V] float32 tensors.
@@ -745,54 +752,76 @@ def token_logprobs(forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: t
     checkpointed = torch.is_grad_enabled() and hidden_N_E.requires_grad
     parts = []
     for start in range(0, hidden_N_E.shape[0], rows):
-        args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows])
+        args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows], entropy)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
-    # No position at all: still a (empty) function of the hidden states, so a loss over none backpropagates.
-    return torch.cat(parts) if parts else hidden_N_E.float().sum(-1)
+    if not parts:
+        # No position at all: still a (empty) function of the hidden states, so a loss over none backpropagates.
+        none_N = hidden_N_E.float().sum(-1)
+        return none_N, none_N.detach() if entropy else None
+    return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts]) if entropy else None
 
 
-def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     logprobs_C_V = head(hidden_C_E).float().log_softmax(-1)
-    if getattr(_entropy_sink, "chunks", None) is not None:
-        detached_C_V = logprobs_C_V.detach()
-        _entropy_sink.chunks.append(-(detached_C_V.exp() * detached_C_V).sum(-1))
-    return logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    logprobs_C = logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logprobs_C, None
+    # From the detached logprobs, after the gather: nothing here is saved for backward, so a
+    # checkpointed chunk's recomputation stops before it (torch's checkpoint early stop).
+    detached_C_V = logprobs_C_V.detach()
+    return logprobs_C, -(detached_C_V.exp() * detached_C_V).sum(-1)
 
 
-_entropy_sink = threading.local()
-"""While ``LocalTrainer.forward_backward_custom`` computes logprobs: the entropy of every position
-whose logits are computed (``chunks``, in the order of the logprobs) and how many of each row's
-last targets those are (``lengths``). Off otherwise, and during backward's recomputation."""
-
-
-def trained_entropy(datums: Sequence[tinker.Datum], chunks: list[torch.Tensor], lengths: list[int]) -> float:
-    """The mean entropy over the datums' trained targets (NaN when none is trained)."""
-    entropy_N = torch.cat(chunks).cpu() if chunks else torch.zeros(0)
+def trained_entropy_sum(datums: Sequence[tinker.Datum], entropy_by_datum: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """Σ entropy·weight over the datums' targets, and Σ weight: the mean entropy of their trained
+    tokens is the first over the second (summed first, so shares of a batch combine)."""
     total = weight = 0.0
-    offset = 0
-    for datum, n in zip(datums, lengths):
-        weights = datum.loss_fn_inputs["weights"].data
-        weights_n = torch.tensor(weights[len(weights) - n :], dtype=torch.float32)
-        total += float((entropy_N[offset : offset + n] * weights_n).sum())
-        weight += float(weights_n.sum())
-        offset += n
+    for datum, entropy_T in zip(datums, entropy_by_datum):
+        weights_T = torch.tensor(datum.loss_fn_inputs["weights"].data, dtype=torch.float32)
+        total += float((entropy_T.cpu() * weights_T).sum())
+        weight += float(weights_T.sum())
+    return total, weight
+
+
+def mean_entropy(total: float, weight: float) -> float:
+    """The mean of :func:`trained_entropy_sum` (NaN when no token is trained: a mean of nothing)."""
     return total / weight if weight else math.nan
 
 
-def _logprobs_at(forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K: torch.Tensor, lengths_B: Sequence[int]) -> torch.Tensor:
-    """[B, K] target logprobs, 0.0 past each row's length (padding: never sent through the head)."""
+def _logprobs_at(
+    forward: ModelForward, hidden_B_K_E: torch.Tensor, targets_B_K: torch.Tensor, lengths_B: Sequence[int], entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, K] target logprobs (and entropies), 0.0 past each row's length (padding: never sent through the head)."""
     B, K = targets_B_K.shape
     real_B_K = torch.arange(K) < torch.tensor(lengths_B).unsqueeze(-1)
     real_dev = real_B_K.to(hidden_B_K_E.device)
-    logprobs_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev])
-    if getattr(_entropy_sink, "chunks", None) is not None:
-        _entropy_sink.lengths.extend(lengths_B)
-    return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, logprobs_N)
+    scored_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev], entropy)
+    logprobs_B_K, entropy_B_K = (
+        None if values_N is None else torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, values_N)
+        for values_N in scored_N
+    )
+    return logprobs_B_K, entropy_B_K
+
+
+def _per_datum(
+    rows: Callable[[torch.Tensor], list[torch.Tensor]], logprobs: torch.Tensor, entropy: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """The logprobs, and the entropies where computed, cut in datums by ``rows`` (alike: a datum's
+    entropy lies where its logprobs do)."""
+    return rows(logprobs), None if entropy is None else rows(entropy)
 
 
 def _logprobs_one_pass(
-    forward: ModelForward, inputs: list, targets: list, starts: list[int], device: torch.device, routing: DatumRouting | None = None
-) -> list[torch.Tensor]:
+    forward: ModelForward,
+    inputs: list,
+    targets: list,
+    starts: list[int],
+    device: torch.device,
+    routing: DatumRouting | None = None,
+    entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     input_ids_B_T, attention_B_T = _pad(inputs)
     targets_B_T, _ = _pad(targets)
     B, T = input_ids_B_T.shape
@@ -806,10 +835,14 @@ def _logprobs_one_pass(
         attention_mask=None if attention_B_T is None else attention_B_T.to(device),
         keep=T - start,
     )
-    logprobs_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs])
-    logprobs_B_T = torch.cat([logprobs_B_K.new_zeros(B, start), logprobs_B_K], dim=1)
-    # A row whose training starts later than the batch's first gets 0.0 before it, as on every path.
-    return [torch.cat([logprobs_B_T.new_zeros(s), logprobs_B_T[i, s : len(x)]]) for i, (x, s) in enumerate(zip(inputs, starts))]
+    scored_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs], entropy)
+
+    def rows(scores_B_K: torch.Tensor) -> list[torch.Tensor]:
+        scores_B_T = torch.cat([scores_B_K.new_zeros(B, start), scores_B_K], dim=1)
+        # A row whose training starts later than the batch's first gets 0.0 before it, as on every path.
+        return [torch.cat([scores_B_T.new_zeros(s), scores_B_T[i, s : len(x)]]) for i, (x, s) in enumerate(zip(inputs, starts))]
+
+    return _per_datum(rows, *scored_B_K)
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -855,7 +888,8 @@ def _logprobs_packed(
     rows: list[list[int]],
     device: torch.device,
     routing: DatumRouting | None = None,
-) -> list[torch.Tensor]:
+    entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Every sequence whole, packed into ``rows`` with position ids that restart at 0 on each
     sequence and no attention mask: transformers' packed-sequence detection then keeps each
     sequence from attending to the others. A row's unused tail is a filler sequence of its own
@@ -881,12 +915,12 @@ def _logprobs_packed(
     at_N = torch.cat([torch.arange(offsets[i] + s, offsets[i] + len(x)) for i, (x, s) in enumerate(zip(inputs, starts))])
     targets_N = torch.tensor([t for y, s in zip(targets, starts) for t in y[s:]], dtype=torch.long)
     hidden_N_E = hidden_R_W_E.reshape(R * width, -1)[at_N.to(device)]
-    logprobs_N = token_logprobs(forward, hidden_N_E, targets_N.to(device))
     scored = [len(x) - s for x, s in zip(inputs, starts)]
-    if getattr(_entropy_sink, "chunks", None) is not None:
-        _entropy_sink.lengths.extend(scored)
-    parts = logprobs_N.split(scored)
-    return [torch.cat([part.new_zeros(s), part]) for part, s in zip(parts, starts)]
+
+    def rows(scores_N: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cat([part.new_zeros(s), part]) for part, s in zip(scores_N.split(scored), starts)]
+
+    return _per_datum(rows, *token_logprobs(forward, hidden_N_E, targets_N.to(device), entropy))
 
 
 def _logprobs_shared_prefix(
@@ -897,7 +931,8 @@ def _logprobs_shared_prefix(
     prefixes: list[tuple],
     distinct: list[tuple],
     device: torch.device,
-) -> list[torch.Tensor]:
+    entropy: bool = False,
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     prefix_ids_U_P, prefix_mask_U_P = _pad(distinct, left=True)
     U, P = prefix_ids_U_P.shape
     cache = forward.new_cache()
@@ -926,8 +961,12 @@ def _logprobs_shared_prefix(
         attention_mask=attention_B_K,
         past_key_values=cache,
     )
-    logprobs_B_S = _logprobs_at(forward, hidden_B_S_E, suffix_targets_B_S, [len(x) - s for x, s in zip(inputs, starts)])
-    return [torch.cat([logprobs_B_S.new_zeros(s), logprobs_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
+    scored_B_S = _logprobs_at(forward, hidden_B_S_E, suffix_targets_B_S, [len(x) - s for x, s in zip(inputs, starts)], entropy)
+
+    def rows(scores_B_S: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cat([scores_B_S.new_zeros(s), scores_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
+
+    return _per_datum(rows, *scored_B_S)
 
 
 @attrs.define(eq=False)
@@ -956,7 +995,8 @@ class LocalReference:
         # What sampling freed leaves the process before the weights are mapped in beside it.
         release_freed_memory(self.device)
         with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
-            return [lp.cpu() for lp in target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)]
+            logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
+            return [lp.cpu() for lp in logprobs]
 
     def _weights(self) -> AbstractContextManager[None]:
         return self.offloaded.loaded() if self.offloaded is not None else nullcontext()
@@ -1016,7 +1056,7 @@ class LocalTrainer(LocalReference):
         with torch.no_grad(), self._routing(datums) as routing:
             if routing is None:
                 raise ValueError(f"no routing to record: {self.routing_problem}")
-            logprobs = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
+            logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
             return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
@@ -1026,21 +1066,18 @@ class LocalTrainer(LocalReference):
         routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
         # The backward inside the routing: checkpointed layers recompute with the same forced experts.
         with self._routing(datums) as routing:
-            _entropy_sink.chunks, _entropy_sink.lengths = [], []
-            try:
-                with train_mode(self.model) if self.activation_checkpointing else nullcontext():
-                    logprobs = target_logprobs(
-                        self.forward_fn,
-                        datums,
-                        self.device,
-                        one_pass=self.activation_checkpointing,
-                        packed=self.forward_fn.packs,
-                        routing=routing,
-                    )
-                    logprobs = [lp.cpu() for lp in logprobs]
-                entropy = trained_entropy(datums, _entropy_sink.chunks, _entropy_sink.lengths)
-            finally:
-                _entropy_sink.chunks = None
+            with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+                logprobs, entropy_by_datum = target_logprobs(
+                    self.forward_fn,
+                    datums,
+                    self.device,
+                    one_pass=self.activation_checkpointing,
+                    packed=self.forward_fn.packs,
+                    routing=routing,
+                    entropy=True,
+                )
+                logprobs = [lp.cpu() for lp in logprobs]
+            entropy = mean_entropy(*trained_entropy_sum(datums, entropy_by_datum))
             if routing is not None:
                 routed = routing_outputs(routing, datums)
             loss, metrics = loss_fn(datums, logprobs)

@@ -382,7 +382,7 @@ def test_every_family_packs_sequences_exactly(family_dirs, family):
     assert forward.packing_problem is None
     datums = ragged_datums()
     with torch.no_grad():
-        packed, padded = (target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=p) for p in (True, False))
+        packed, padded = (target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=p)[0] for p in (True, False))
     for d, got, want in zip(datums, packed, padded):
         first = _first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6), float((got - want)[first:].abs().max())

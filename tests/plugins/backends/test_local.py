@@ -362,12 +362,13 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
     monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * chunk_rows)
     heads = []
     original_chunk = local._chunk_logprobs
-    monkeypatch.setattr(local, "_chunk_logprobs", lambda head, h, t: heads.append(h.shape[0]) or original_chunk(head, h, t))
+    monkeypatch.setattr(local, "_chunk_logprobs", lambda head, h, t, e: heads.append(h.shape[0]) or original_chunk(head, h, t, e))
     torch.manual_seed(0)
     hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
     targets_N = torch.randint(vocab, (7,))
 
-    got = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
+    got, entropy = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
+    assert entropy is None  # not asked for
     assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
     got.sum().backward()
     got_grads = [hidden_N_E.grad.clone(), trainer.model.lm_head.weight.grad.clone()]
@@ -390,7 +391,7 @@ def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model
     saved = []
     hidden_N_E = torch.randn(16, trainer.model.config.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)))
+        local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)), entropy=True)
     assert saved, "nothing saved for backward: the test sees no graph"
     assert all(vocab not in shape for shape in saved), saved
 
@@ -399,8 +400,10 @@ def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
     from grpo_core.plugins.backends import local
 
     _, _, trainer, _ = make(tiny_model_dir)
-    got = local.token_logprobs(trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long))
-    assert got.shape == (0,) and got.dtype == torch.float32
+    got, entropy = local.token_logprobs(
+        trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long), entropy=True
+    )
+    assert got.shape == entropy.shape == (0,) and got.dtype == torch.float32
 
 
 # --- precision ----------------------------------------------------------------------------------

@@ -41,13 +41,24 @@ def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_m
 
     for name in ("_logprobs_shared_prefix", "_logprobs_packed"):
         monkeypatch.setattr(local, name, counted(name, getattr(local, name)))
+    chunks = []
+    original_chunk = local._chunk_logprobs
+
+    def chunk(*args):
+        chunks.append("called")
+        scored = original_chunk(*args)
+        chunks.append("returned")
+        return scored
+
+    monkeypatch.setattr(local, "_chunk_logprobs", chunk)
 
     out = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], lambda d, lps: (sum(lp.sum() for lp in lps), {}))
     expected = {"shared_prefix": "_logprobs_shared_prefix", "small_chunks": "_logprobs_shared_prefix", "packed": "_logprobs_packed"}
     assert calls == ([expected[path]] if path in expected else [])
     assert out.metrics["policy/entropy"] == pytest.approx(exact_entropy(trainer, samples), rel=1e-5)
-    # Backward (which recomputes checkpointed chunks) added nothing after the call.
-    assert getattr(local._entropy_sink, "chunks", None) is None
+    # Backward recomputes each checkpointed chunk's logprobs and stops there, before its entropy.
+    forward = chunks.count("returned")
+    assert forward > 0 and chunks == ["called", "returned"] * forward + ["called"] * forward
 
 
 def test_no_trained_token_has_no_entropy(tiny_model_dir):

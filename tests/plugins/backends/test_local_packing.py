@@ -102,7 +102,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, att
     masks = [torch.tensor(d.loss_fn_inputs["weights"].data) for d in datums]
     results = {}
     for packed in (True, False):
-        logprobs = target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=packed)
+        logprobs, _ = target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=packed)
         sum((lp * m).sum() * (i + 1) for i, (lp, m) in enumerate(zip(logprobs, masks))).backward()
         results[packed] = ([lp.detach() for lp in logprobs], {n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
