@@ -35,9 +35,11 @@ from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
+from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO
 from grpo_core.plugins.backends.local import (
     SHARD_SIZE,
+    TRAINER_FORWARD,
     DatumRouting,
     LocalBackend,
     LocalTrainer,
@@ -49,6 +51,7 @@ from grpo_core.plugins.backends.local import (
     load_metrics,
     load_model,
     make_optimizer,
+    mean_entropy,
     nonfinite_step_message,
     resolve_precision,
     routing_outputs,
@@ -56,6 +59,7 @@ from grpo_core.plugins.backends.local import (
     step_metrics,
     target_logprobs,
     train_mode,
+    trained_entropy_sum,
 )
 from grpo_core.plugins.backends.moe_routing import num_experts, routing_problem, tapped
 
@@ -410,6 +414,9 @@ class Sharded:
     """The model's own dtype: what the policy for a sampler is written in."""
 
 
+UNPACKED = "the fsdp backend runs each rank's sequences whole, right-padded in one forward; it does not pack them"
+"""Why its rows are padded (``Rank.logprobs``): ``perf/padding_free`` is 0 and config.json says so."""
+
 PLACEHOLDER = tinker.Datum(model_input=tinker.ModelInput.from_ints([0]), loss_fn_inputs={"target_tokens": [0], "weights": [0.0]})
 """A rank with no sequence of a call still runs the model (its layers' collectives need it) on this."""
 
@@ -477,14 +484,17 @@ class Rank:
             self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], spec.seed, self.device)
         return tokenizer if self.rank == 0 else None
 
-    def logprobs(self, which: str, datums: Sequence[tinker.Datum], routing: DatumRouting | None = None) -> list[torch.Tensor]:
+    def logprobs(
+        self, which: str, datums: Sequence[tinker.Datum], routing: DatumRouting | None = None, entropy: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The datums' target logprobs, and with ``entropy`` their entropies (see ``target_logprobs``)."""
         model = self.models[which]
         # One pass, never the shared-prefix path: FSDP frees a layer's gathered weights after each
         # call, and a gradient through a cached prefix reaches them without passing the layer's output.
         with warnings.catch_warnings():
             # The logprobs are views of one tensor, never changed in place (which would skip FSDP's hook).
             warnings.filterwarnings("ignore", message=".*returned a view tensor")
-            return model.root(target_logprobs, model.forward_fn, datums, self.device, True, False, routing)
+            return model.root(target_logprobs, model.forward_fn, datums, self.device, True, False, routing, entropy)
 
     @contextlib.contextmanager
     def routing(self, which: str, datums: Sequence[tinker.Datum]) -> Any:
@@ -505,7 +515,7 @@ class Rank:
         mine = datums_by_rank[self.rank]
         batch = mine or [PLACEHOLDER]
         with torch.no_grad(), self.routing(which, batch) as routing:
-            logprobs = self.logprobs(which, batch, routing)
+            logprobs, _ = self.logprobs(which, batch, routing)
             routed = routing_outputs(routing, batch) if routing is not None and mine else []
         gathered = self.gather(([lp.cpu() for lp in logprobs], routed) if mine else ([], []))
         if gathered is None:
@@ -519,7 +529,9 @@ class Rank:
         """Each rank's forward with its graph kept; rank 0 runs ``loss_fn`` on the gathered
         logprobs and scatters their gradients, scaled by the world size (FSDP averages the ranks'
         gradients; the loss already covers every sequence); each rank's backward. A mixture-of-experts
-        policy forces the routes its datums carry and rank 0 also returns each datum's routing."""
+        policy forces the routes its datums carry and rank 0 also returns each datum's routing.
+        ``policy/entropy`` is each rank's entropy sum over its trained tokens, added up on rank 0: the
+        mean over all of them, as the local trainer's."""
         policy = self.models["policy"]
         mine = datums_by_rank[self.rank]
         batch = mine or [PLACEHOLDER]
@@ -528,14 +540,18 @@ class Rank:
             train_mode(policy.lm) if self.spec.gradient_checkpointing else contextlib.nullcontext(),
             self.routing("policy", batch) as routing,
         ):
-            logprobs = self.logprobs("policy", batch, routing)
+            logprobs, entropy_by_datum = self.logprobs("policy", batch, routing, entropy=True)
             routed = routing_outputs(routing, batch) if routing is not None and mine else []
-            gathered = self.gather(([lp.detach().cpu() for lp in logprobs], routed) if mine else ([], []))
+            entropy_sum = trained_entropy_sum(mine, entropy_by_datum)  # (0, 0) for a placeholder
+            gathered = self.gather(([lp.detach().cpu() for lp in logprobs] if mine else [], routed, entropy_sum))
             result = None
             grads_by_rank: list[Any] | None = None
             if gathered is not None:
-                result, grads_by_rank = self._loss_on_rank0([part for part, _ in gathered], datums_by_rank, loss_fn, datums)
-                result = (*result, [r for _, part in gathered for r in part])
+                result, grads_by_rank = self._loss_on_rank0([part for part, _, _ in gathered], datums_by_rank, loss_fn, datums)
+                leaves, loss, metrics, error = result
+                totals, weights = zip(*(entropy_sum for _, _, entropy_sum in gathered))
+                entropy = mean_entropy(sum(totals), sum(weights))
+                result = (leaves, loss, {**metrics, "policy/entropy": entropy}, error, [r for _, part, _ in gathered for r in part])
             received: list[Any] = [None]
             dist.scatter_object_list(received, grads_by_rank, src=0, group=self.control)
             grads = received[0]
@@ -698,6 +714,11 @@ class FSDPTrainer:
         """Why its forwards cannot record and force expert routing (declared in hookspecs)."""
         return routing_problem(RANK_STATE[0].models["policy"].lm)
 
+    @property
+    def run_info(self) -> dict[str, str]:
+        """How it trains, for config.json (declared in hookspecs)."""
+        return {"forward": TRAINER_FORWARD, "padding": f"sequences are padded ({UNPACKED})"}
+
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         return self.group.run("forward", "policy", shares(datums, self.group.world))
 
@@ -709,6 +730,7 @@ class FSDPTrainer:
         return logprobs, [r["routed_experts"] for r in routed]
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        record("perf/padding_free", 0.0, "max")  # 0: padded (UNPACKED), as the local trainer records it
         logprobs, loss, metrics, error, routed = self.group.run(
             "forward_backward", shares(datums, self.group.world), loss_fn=loss_fn, datums=list(datums)
         )

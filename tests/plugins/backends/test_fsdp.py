@@ -42,9 +42,6 @@ def one_step(trainer, reference, config, loss_name, options, tis):
     return train_on_groups(build_manager(plugins), trainer, reference, [samples], config, LEARNING_RATE)
 
 
-LOCAL_ONLY_METRICS = {"policy/entropy", "perf/padding_free"}
-"""What only the local trainer measures: the entropy sink and packing are in its one-process forward."""
-
 CASES = [(name, {**options, "agg": agg}) for name, options in LOSS_CONFIGS.items() for agg in AGGREGATIONS] + [
     ("grpo", {"kl_beta": 0.0}),  # without KL (the grpo cases above have it)
 ]
@@ -55,12 +52,15 @@ CASES = [(name, {**options, "agg": agg}) for name, options in LOSS_CONFIGS.items
 def test_one_step_equals_the_one_process_step(fsdp, tiny_model_dir, loss_name, options, tis):
     config, trainer, reference, start = fsdp
     trainer.load_state(start)
-    local = LocalBackend().make_trainer(config=config)
-    local_reference = LocalBackend().make_reference(config=config, trainer=local)
+    # fsdp pads its rows (perf/padding_free 0): the local trainer as it runs with padding_free=false.
+    local = LocalBackend(padding_free=False).make_trainer(config=config)
+    local_reference = LocalBackend(padding_free=False).make_reference(config=config, trainer=local)
     needs_reference = make_plugin(f"loss.{loss_name}", **options).needs_reference
     ours = one_step(trainer, reference if needs_reference else None, config, loss_name, options, tis)
     theirs = one_step(local, local_reference if needs_reference else None, config, loss_name, options, tis)
-    assert set(ours) == set(theirs) - LOCAL_ONLY_METRICS
+    assert set(ours) == set(theirs)
+    assert ours["perf/padding_free"] == theirs["perf/padding_free"] == 0.0
+    assert abs(ours["policy/entropy"] - theirs["policy/entropy"]) <= 1e-5
     differ = {k: (ours[k], theirs[k]) for k in ours if ours[k] != pytest.approx(theirs[k], rel=1e-5, abs=1e-6)}
     assert not differ, differ
     assert trainer.version == local.version == 1
@@ -84,6 +84,29 @@ def test_forward_of_fewer_sequences_than_ranks_and_of_none(fsdp):
         for a, b in zip(ours, theirs):
             assert torch.allclose(a, b, atol=1e-5), (a, b)
     assert shares(list(range(5)), 2) == [[0, 1], [2, 3, 4]] and shares([1], 2) == [[], [1]]
+
+
+def test_entropy_of_uneven_shares_is_the_mean_over_all_trained_tokens(fsdp):
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    local = LocalBackend(padding_free=False).make_trainer(config=config)
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    # One datum: rank 0 scores none. Three: the ranks' shares hold different numbers of trained tokens.
+    per_rank = [sum(sum(d.loss_fn_inputs["weights"].data) for d in share) for share in shares(datums[:3], 2)]
+    assert per_rank[0] != per_rank[1]  # a plain mean of the ranks' means would differ
+
+    def loss(d, lps):
+        return sum(lp.sum() for lp in lps), {}
+
+    for part in ([datums[0]], datums[:3], datums):
+        ours = trainer.forward_backward_custom(part, loss).metrics["policy/entropy"]
+        theirs = local.forward_backward_custom(part, loss).metrics["policy/entropy"]
+        assert abs(ours - theirs) <= 1e-5, (len(part), ours, theirs)
+    untrained = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)[:3]]
+    for d in untrained:
+        d.loss_fn_inputs["weights"] = tinker.TensorData.from_torch(torch.zeros(len(d.loss_fn_inputs["weights"].data)))
+    out = trainer.forward_backward_custom(untrained, lambda d, lps: (sum(lp.sum() for lp in lps) * 0, {}))
+    assert out.metrics["policy/entropy"] != out.metrics["policy/entropy"]  # NaN: a mean of nothing
 
 
 def test_a_nonfinite_loss_skips_the_step_and_a_failing_loss_leaves_the_ranks_in_step(fsdp):
