@@ -797,20 +797,17 @@ def _logprobs_at(
     B, K = targets_B_K.shape
     real_B_K = torch.arange(K) < torch.tensor(lengths_B).unsqueeze(-1)
     real_dev = real_B_K.to(hidden_B_K_E.device)
-    scored_N = token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev], entropy)
-    logprobs_B_K, entropy_B_K = (
-        None if values_N is None else torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, values_N)
-        for values_N in scored_N
-    )
-    return logprobs_B_K, entropy_B_K
+
+    def placed(values_N: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(B, K, dtype=torch.float32, device=hidden_B_K_E.device).masked_scatter(real_dev, values_N)
+
+    return _map_scores(placed, *token_logprobs(forward, hidden_B_K_E[real_dev], targets_B_K.to(hidden_B_K_E.device)[real_dev], entropy))
 
 
-def _per_datum(
-    rows: Callable[[torch.Tensor], list[torch.Tensor]], logprobs: torch.Tensor, entropy: torch.Tensor | None
-) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    """The logprobs, and the entropies where computed, cut in datums by ``rows`` (alike: a datum's
-    entropy lies where its logprobs do)."""
-    return rows(logprobs), None if entropy is None else rows(entropy)
+def _map_scores(layout: Callable[[torch.Tensor], Any], logprobs: torch.Tensor, entropy: torch.Tensor | None) -> tuple[Any, Any]:
+    """``layout`` applied to the logprobs and, where computed, to the entropies: a position's
+    entropy lies where its logprob does on every path."""
+    return layout(logprobs), None if entropy is None else layout(entropy)
 
 
 def _logprobs_one_pass(
@@ -842,7 +839,7 @@ def _logprobs_one_pass(
         # A row whose training starts later than the batch's first gets 0.0 before it, as on every path.
         return [torch.cat([scores_B_T.new_zeros(s), scores_B_T[i, s : len(x)]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
-    return _per_datum(rows, *scored_B_K)
+    return _map_scores(rows, *scored_B_K)
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -920,7 +917,7 @@ def _logprobs_packed(
     def rows(scores_N: torch.Tensor) -> list[torch.Tensor]:
         return [torch.cat([part.new_zeros(s), part]) for part, s in zip(scores_N.split(scored), starts)]
 
-    return _per_datum(rows, *token_logprobs(forward, hidden_N_E, targets_N.to(device), entropy))
+    return _map_scores(rows, *token_logprobs(forward, hidden_N_E, targets_N.to(device), entropy))
 
 
 def _logprobs_shared_prefix(
@@ -966,7 +963,7 @@ def _logprobs_shared_prefix(
     def rows(scores_B_S: torch.Tensor) -> list[torch.Tensor]:
         return [torch.cat([scores_B_S.new_zeros(s), scores_B_S[i, : len(x) - s]]) for i, (x, s) in enumerate(zip(inputs, starts))]
 
-    return _per_datum(rows, *scored_B_S)
+    return _map_scores(rows, *scored_B_S)
 
 
 @attrs.define(eq=False)

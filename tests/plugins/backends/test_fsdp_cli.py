@@ -90,6 +90,22 @@ def test_three_steps_end_where_the_local_backend_ends_and_no_rank_is_left(whole_
 
 
 @pytest.mark.slow
+def test_the_run_logs_entropy_as_the_local_one_and_says_its_rows_are_padded(whole_runs):
+    import json
+
+    from grpo_core.plugins.backends.fsdp import UNPACKED
+
+    base, _ = whole_runs
+    ours, theirs = ([json.loads(line) for line in (base / run / "metrics.jsonl").read_text().splitlines()] for run in ("fsdp", "local"))
+    assert len(ours) == len(theirs) == 3
+    assert [m["perf/padding_free"] for m in ours] == [0.0] * 3
+    for a, b in zip(ours, theirs):
+        assert abs(a["policy/entropy"] - b["policy/entropy"]) <= 1e-4  # the weights drift apart within 1e-4
+    info = json.loads((base / "fsdp" / "config.json").read_text())["run_info"]["trainer"]
+    assert info["padding"] == f"sequences are padded ({UNPACKED})"
+
+
+@pytest.mark.slow
 def test_sigkill_of_rank0_then_resume_is_bitwise_the_unbroken_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
     base, _ = whole_runs
     killed = tmp_path / "killed"
