@@ -35,6 +35,7 @@ def to_samples(prompts, groups):
             text="",
             finish_reason=c.finish_reason,
             policy_version=0,
+            routed_experts=c.routed_experts,
         )
         for p, g in zip(prompts, groups)
         for c in g

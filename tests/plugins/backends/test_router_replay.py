@@ -19,6 +19,7 @@ from grpo_core.plugins.backends.local import LocalBackend, LocalTrainer
 from grpo_core.plugins.backends.moe_routing import routers
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
 from tests.plugins.backends.moe_models import MOE_FAMILIES, build_tiny_moe
+from tests.plugins.backends.test_local import prompts_of, to_samples
 
 FAMILIES = sorted(MOE_FAMILIES)
 
@@ -39,23 +40,9 @@ def make(model_dir, **config):
 
 def sampled(trainer, sampler, G=3):
     """Samples of two prompts of different lengths (left padding) whose completions end at different lengths."""
-    prompts = [trainer.tokenizer("Question: what is 3 plus 4?\nAnswer:")["input_ids"], trainer.tokenizer("what is 1?")["input_ids"]]
+    prompts = prompts_of(trainer.tokenizer)
     params = SamplingParams(max_tokens=10, stop_token_ids=list(range(0, len(trainer.tokenizer), 7)))
-    groups = sampler.sample(prompts, G, params)
-    samples = [
-        Sample(
-            prompt=None,
-            tokens=p + c.tokens,
-            sampling_logprobs=[0.0] * len(p) + c.logprobs,
-            loss_mask=[0.0] * len(p) + [1.0] * len(c.tokens),
-            text="",
-            finish_reason=c.finish_reason,
-            policy_version=0,
-            routed_experts=c.routed_experts,
-        )
-        for p, g in zip(prompts, groups)
-        for c in g
-    ]
+    samples = to_samples(prompts, sampler.sample(prompts, G, params))
     assert len({len(s.tokens) for s in samples}) > 2, "the test needs ragged lengths"
     return samples
 
