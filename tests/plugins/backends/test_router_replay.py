@@ -186,8 +186,10 @@ def test_r3_trains_on_the_samplers_experts_and_off_does_not(moe_dir, tiny_datase
     r3 = run_moe(moe_dir, tiny_dataset, tmp_path / "r3", dtype="float32", router_replay="R3", loop=loop)
     assert [m["moe/router_agreement"] for m in off] == [0.0, 0.0]
     assert [m["moe/router_agreement"] for m in r3] == [1.0, 1.0]
-    # The routers themselves still choose otherwise; R3 forces the sampler's experts over them.
-    assert r3[0]["moe/router_agreement_chosen"] == 0.0
+    # The routers themselves still choose otherwise; R3 forces the sampler's experts over them. Not
+    # exactly 0: a layer after a forced one sees forced inputs, and its router may pick the shifted
+    # set itself (0.005 seen with Mixtral in the async loop).
+    assert r3[0]["moe/router_agreement_chosen"] < 0.05
     # Forced onto other experts than the sampler's logprobs came from: the trainer's logprobs move away.
     assert r3[0]["mismatch/logprob_abs_mean"] > 100 * off[0]["mismatch/logprob_abs_mean"]
 
