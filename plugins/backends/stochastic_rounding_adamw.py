@@ -5,38 +5,81 @@ A bfloat16 weight keeps 8 significant bits: an update smaller than half a unit i
 weight it started from, so plain bf16 AdamW stops learning. The usual cure keeps a float32
 master copy (4 more bytes per parameter: 16 B/param with the moments and a bf16 gradient);
 stochastic rounding instead rounds up with probability equal to the remainder, so every update
-survives in expectation, at 12 B/param (bf16 weight and gradient, float32 moments). The random
-bits come from a generator seeded by (seed, step, parameter), so a run repeats exactly and a
+survives in expectation, at 12 B/param (bf16 weight and gradient, float32 moments).
+
+The step is a handful of whole-buffer operations, not a loop of small ones: the parameters'
+elements are packed into float32 buffers of at most :data:`SLICE_ELEMENTS`, updated there by
+torch's fused AdamW kernel (one call per buffer), rounded with counter-based noise, and written
+back, about 10 operations per buffer plus one per tensor slice. The noise of an element is a
+pure function of (seed, step, parameter index, element index), computed with exact integer
+tensor operations that give the same bits on every device, so a run repeats exactly and a
 resumed run continues as an uninterrupted one would, with nothing extra in the checkpoint.
 """
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Iterable
 
 import torch
 
-SLICE_ELEMENTS = 1 << 22
-"""Elements updated at once: the float32 temporaries of a large tensor (an embedding) stay small."""
+SLICE_ELEMENTS = 1 << 24
+"""Elements updated at once. The extra memory at any model size is 12 bytes per element of this
+(192 MiB): the float32 parameter and gradient buffers and the int32 noise table. A tensor larger
+than this is updated slice by slice; the slices also key the noise (see :func:`element_noise`)."""
+
+_MASK32 = (1 << 32) - 1
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
+"""Which bfloat16 of a float32's two (viewed as bfloat16 pairs) holds its top 16 bits."""
 
 
-def stochastic_round_to_bf16(x_fp32: torch.Tensor, generator: torch.Generator, noise: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` in bfloat16, rounded up or down at random with the probabilities that make the
-    result unbiased: a float32's top 16 bits are its bfloat16, so adding uniform noise below
-    them and truncating rounds up with probability = the dropped fraction. ``noise``: an int32
-    buffer of ``x``'s shape to work in (else one is made); the result is a view of it, in float32
-    with its low 16 bits zero, which converts to bfloat16 exactly."""
-    if noise is None:
-        noise = torch.empty(x_fp32.shape, dtype=torch.int32, device=x_fp32.device)
-    torch.randint(0, 1 << 16, x_fp32.shape, generator=generator, out=noise)
-    return noise.add_(x_fp32.view(torch.int32)).bitwise_and_(-(1 << 16)).view(torch.float32)
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash (Wellons' lowbias32) in Python integers, for the noise keys."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def noise_key(seed: int, step: int, parameter: int, slice_index: int) -> int:
+    """The odd 32-bit multiplier that keys the noise of one slice of one parameter at one step."""
+    key = 0
+    for part in (seed, step, parameter, slice_index):
+        key = _mix32(key ^ _mix32(part & _MASK32) ^ (part >> 32))
+    return key | 1
+
+
+def noise_table(n: int, device: torch.device | str) -> torch.Tensor:
+    """``n`` well-mixed int32 values, the i-th a hash of i alone: what every step's noise multiplies.
+    Computed in int64 with every product below 2^63, so exact (and equal) on every device."""
+    x = torch.arange(n, dtype=torch.int64, device=device)
+    for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
+        x ^= x >> 16
+        x = (x * multiplier) & _MASK32
+    x ^= x >> 15
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def stochastic_round_to_bf16(x_fp32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``x`` in bfloat16, rounded up or down at random with the probabilities that make the result
+    unbiased: a float32's top 16 bits are its bfloat16, so adding uniform noise in [0, 2^16) below
+    them and truncating rounds away from zero with probability = the dropped fraction. Works in
+    place in ``x_fp32`` (contiguous, 1-D; its bits += ``noise``, int32 of its shape); the result is
+    a strided view of its top halves, so no conversion rounds a second time. inf and nan stay
+    what they are: their low 16 bits are zero or a payload, and truncation drops them."""
+    x_fp32.view(torch.int32).add_(noise)
+    return x_fp32.view(torch.bfloat16)[_HIGH_HALF::2]
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """torch's AdamW update (decoupled weight decay, bias-corrected moments) with float32
     moments for parameters of any dtype; bfloat16 parameters are written back by
-    :func:`stochastic_round_to_bf16`, float32 ones exactly."""
+    :func:`stochastic_round_to_bf16`, float32 ones updated in place by torch's fused kernel.
+
+    The state is torch's AdamW layout as the earlier per-slice implementation saved it: per
+    parameter ``step`` (an int), ``exp_avg`` and ``exp_avg_sq`` (float32)."""
 
     def __init__(
         self,
@@ -49,55 +92,122 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
+        self._table: torch.Tensor | None = None
+        """The cached :func:`noise_table` (not state: a function of its length alone)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        for saved_id in saved_ids:
+            saved = state_dict["state"].get(saved_id)
+            if saved is not None and not (isinstance(saved.get("step"), int) and {"exp_avg", "exp_avg_sq"} <= saved.keys()):
+                raise ValueError(
+                    f"optimizer state of parameter {saved_id} is not StochasticRoundingAdamW's (an int 'step', "
+                    f"'exp_avg' and 'exp_avg_sq'); it has {sorted(saved)}: was it saved by another optimizer?"
+                )
         super().load_state_dict(state_dict)
         # torch casts loaded moments to their parameter's dtype; these stay float32, as saved.
-        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, p in zip(saved_ids, params):
-            for key in ("exp_avg", "exp_avg_sq"):
-                if saved_id in state_dict["state"]:
+            if saved_id in state_dict["state"]:
+                for key in ("exp_avg", "exp_avg_sq"):
                     self.state[p][key] = state_dict["state"][saved_id][key].to(device=p.device, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
-        params = [p for group in self.param_groups for p in group["params"]]
-        # Every moment made before any update: the updates' scratch then never sits between them.
-        for p in params:
-            if p.grad is not None and not self.state[p]:
-                self.state[p]["step"] = 0
-                self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        largest = max((min(p.numel(), SLICE_ELEMENTS) for p in params if p.grad is not None), default=0)
-        # The update's float32 temporaries, made once per step and reused by every slice.
-        gradient, updated, denominator = (torch.empty(largest, dtype=torch.float32, device=params[0].device) for _ in range(3))
-        noise = torch.empty(largest, dtype=torch.int32, device=params[0].device)
+        # Every moment made before any update: the buffers then never sit between them.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not self.state[p]:
+                    self.state[p]["step"] = 0
+                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         index = 0
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            exact: dict[torch.device, list[torch.Tensor]] = {}
+            low: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                state["step"] += 1
-                step = state["step"]
-                step_size = lr / (1 - beta1**step)
-                bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-                generator = torch.Generator(p.device).manual_seed(hash((self.seed, step, index)) & ((1 << 63) - 1))
-                flat_p, flat_g = p.view(-1), p.grad.view(-1)
-                flat_m, flat_v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-                for s in range(0, flat_p.numel(), SLICE_ELEMENTS):
-                    part = slice(s, s + SLICE_ELEMENTS)
-                    n = flat_p[part].numel()
-                    g = gradient[:n].copy_(flat_g[part])
-                    m, v = flat_m[part], flat_v[part]
-                    m.lerp_(g, 1 - beta1)
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                    new = updated[:n].copy_(flat_p[part]).mul_(1 - lr * weight_decay)
-                    new.addcdiv_(m, torch.sqrt(v, out=denominator[:n]).div_(bias_correction2_sqrt).add_(eps), value=-step_size)
-                    if p.dtype == torch.bfloat16:
-                        flat_p[part].copy_(stochastic_round_to_bf16(new, generator, noise[:n]))
-                    else:
-                        flat_p[part].copy_(new)
+                self.state[p]["step"] += 1
+                if p.dtype == torch.float32:
+                    exact.setdefault(p.device, []).append(p)
+                else:
+                    low.setdefault(p.device, []).append((index, p))
+            for device, params in exact.items():
+                whole = [(p, 0, p.numel()) for p in params]
+                self._fused_adamw(group, whole, params, [p.grad for p in params], device)
+            for device, indexed in low.items():
+                self._step_low_precision(group, indexed, device)
+
+    def _fused_adamw(
+        self,
+        group: dict,
+        ranges: list[tuple[torch.Tensor, int, int]],
+        weights: list[torch.Tensor],
+        gradients: list[torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        """torch's fused AdamW (one call) on float32 ``weights`` and ``gradients``, the elements
+        ``start:end`` of each (parameter, start, end) of ``ranges``, whose moments and step it uses."""
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p, _, _ in ranges]
+        whole = [start == 0 and end == p.numel() for p, start, end in ranges]
+        torch._fused_adamw_(
+            weights,
+            gradients,
+            *(
+                [s[key] if w else s[key].view(-1)[start:end] for s, w, (_, start, end) in zip(states, whole, ranges)]
+                for key in ("exp_avg", "exp_avg_sq")
+            ),
+            [],
+            list(torch.tensor([float(s["step"]) for s in states], device=device).unbind()),
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+
+    def _step_low_precision(self, group: dict, indexed: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+        """Update the (parameter index, parameter) of ``indexed`` through float32 buffers, packed
+        with whole tensors or SLICE_ELEMENTS-long slices of larger ones, in order."""
+        packs: list[list[tuple[int, int, torch.Tensor, int, int]]] = [[]]
+        filled = 0
+        for index, p in indexed:
+            for slice_index, start in enumerate(range(0, p.numel(), SLICE_ELEMENTS)):
+                end = min(start + SLICE_ELEMENTS, p.numel())
+                if filled + end - start > SLICE_ELEMENTS:
+                    packs.append([])
+                    filled = 0
+                packs[-1].append((index, slice_index, p, start, end))
+                filled += end - start
+        packs = [pack for pack in packs if pack]  # none when every tensor is empty
+        if not packs:
+            return
+        size = max(sum(end - start for *_, start, end in pack) for pack in packs)
+        if self._table is None or self._table.numel() < size or self._table.device != device:
+            self._table = noise_table(size, device)
+        weights, gradients = (torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
+        for pack in packs:
+            lengths = [end - start for *_, start, end in pack]
+            total = sum(lengths)
+            params = [p.view(-1)[start:end] for *_, p, start, end in pack]
+            weights_32, gradients_32 = list(weights[:total].split(lengths)), list(gradients[:total].split(lengths))
+            torch._foreach_copy_(weights_32, params)
+            torch._foreach_copy_(gradients_32, [p.grad.view(-1)[start:end] for *_, p, start, end in pack])
+            self._fused_adamw(group, [(p, start, end) for *_, p, start, end in pack], weights_32, gradients_32, device)
+            # The gradients are spent: their buffer holds the noise.
+            noise = gradients[:total].view(torch.int32)
+            for (index, slice_index, p, _, _), noise_n in zip(pack, noise.split(lengths)):
+                key = noise_key(self.seed, self.state[p]["step"], index, slice_index)
+                # int32 products wrap modulo 2^32 on CPU and CUDA alike: the top 16 bits of
+                # table[i] * key, made a logical shift by the mask below.
+                torch.mul(self._table[: noise_n.numel()], key - (1 << 32) if key >= 1 << 31 else key, out=noise_n)
+            noise.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+            if all(p.dtype == torch.bfloat16 for *_, p, _, _ in pack):
+                torch._foreach_copy_(params, list(stochastic_round_to_bf16(weights[:total], noise).split(lengths)))
+            else:  # float16 and others: rounded to nearest, as copy_ does
+                torch._foreach_copy_(params, weights_32)
