@@ -10,23 +10,27 @@ survives in expectation, at 12 B/param (bf16 weight and gradient, float32 moment
 The step is a handful of whole-buffer operations, not a loop of small ones: the parameters'
 elements are packed into float32 buffers of at most :data:`SLICE_ELEMENTS`, updated there by
 torch's fused AdamW kernel (one call per buffer), rounded with counter-based noise, and written
-back, about 10 operations per buffer plus one per tensor slice. The noise of an element is a
-pure function of (seed, step, parameter index, element index), computed with exact integer
-tensor operations that give the same bits on every device, so a run repeats exactly and a
-resumed run continues as an uninterrupted one would, with nothing extra in the checkpoint.
+back: 5 operations per buffer plus one per tensor slice (the noise), against 13 per tensor
+slice before. The noise of an element is a pure function of (seed, step, parameter index,
+element index): a hash of the element index offset by a key of the rest, its hashes made once
+with exact integer tensor operations that give the same bits on every device. A run repeats
+exactly and a resumed run continues as an uninterrupted one would, with nothing extra in the
+checkpoint (whose layout is unchanged: torch's AdamW state with float32 moments).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable
 
 import torch
 
 SLICE_ELEMENTS = 1 << 24
-"""Elements updated at once. The extra memory at any model size is 12 bytes per element of this
-(192 MiB): the float32 parameter and gradient buffers and the int32 noise table. A tensor larger
-than this is updated slice by slice; the slices also key the noise (see :func:`element_noise`)."""
+"""Elements updated at once. The peak extra memory at any model size is 12 bytes per element of
+this, 192 MiB: the float32 parameter and gradient buffers (8 B, freed after the step) and the
+int32 noise table (4 B, kept per process and device). A tensor larger than this is updated slice
+by slice; the slices also key the noise (see :func:`add_element_noise`)."""
 
 _MASK32 = (1 << 32) - 1
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
@@ -44,39 +48,53 @@ def _mix32(x: int) -> int:
 
 
 def noise_key(seed: int, step: int, parameter: int, slice_index: int) -> int:
-    """The odd 32-bit multiplier that keys the noise of one slice of one parameter at one step."""
+    """The 32-bit key of the noise of one slice of one parameter at one step."""
     key = 0
     for part in (seed, step, parameter, slice_index):
         key = _mix32(key ^ _mix32(part & _MASK32) ^ (part >> 32))
-    return key | 1
+    return key
 
 
-def noise_table(n: int, device: torch.device | str) -> torch.Tensor:
-    """``n`` well-mixed int32 values, the i-th a hash of i alone: what every step's noise multiplies.
-    Computed in int64 with every product below 2^63, so exact (and equal) on every device."""
+@functools.cache
+def noise_table(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` int32 values uniform in [0, 2^16), the i-th the top 16 bits of a 32-bit hash of i.
+    Computed in int64 with every product below 2^63, so exact (and equal) on every device; made
+    once per process and device (64 MiB at the default length)."""
     x = torch.arange(n, dtype=torch.int64, device=device)
     for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
         x ^= x >> 16
         x = (x * multiplier) & _MASK32
-    x ^= x >> 15
-    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+    return ((x ^ (x >> 15)) >> 16).to(torch.int32)
 
 
-def stochastic_round_to_bf16(x_fp32: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``x`` in bfloat16, rounded up or down at random with the probabilities that make the result
-    unbiased: a float32's top 16 bits are its bfloat16, so adding uniform noise in [0, 2^16) below
-    them and truncating rounds away from zero with probability = the dropped fraction. Works in
-    place in ``x_fp32`` (contiguous, 1-D; its bits += ``noise``, int32 of its shape); the result is
-    a strided view of its top halves, so no conversion rounds a second time. inf and nan stay
-    what they are: their low 16 bits are zero or a payload, and truncation drops them."""
-    x_fp32.view(torch.int32).add_(noise)
+def add_element_noise(bits: torch.Tensor, key: int) -> None:
+    """``bits`` += the noise of its elements: element i gets ``noise_table``'s entry
+    (i + key) mod SLICE_ELEMENTS, a hash of a counter offset by a key of (seed, step, parameter,
+    slice) (:func:`noise_key`). One addition per slice: the hash is never recomputed. Within a
+    slice no entry repeats; an element meets a fresh, unrelated entry at every step (two steps
+    share a whole slice's noise only where their keys agree modulo 2^24)."""
+    table = noise_table(SLICE_ELEMENTS, bits.device)
+    offset, n = key % SLICE_ELEMENTS, bits.numel()
+    first = min(n, SLICE_ELEMENTS - offset)
+    bits[:first].add_(table[offset : offset + first])
+    if first < n:
+        bits[first:].add_(table[: n - first])
+
+
+def truncate_to_bf16(x_fp32: torch.Tensor) -> torch.Tensor:
+    """The bfloat16 of a float32's top 16 bits (1-D, contiguous): a strided view, no conversion.
+
+    Stochastic rounding adds uniform noise in [0, 2^16) to a float32's bits and truncates: that
+    rounds away from zero with probability = the dropped fraction, so the result is unbiased and
+    one of the value's two bfloat16 neighbours. inf and nan stay what they are: their low 16
+    bits are zero or a payload, which truncation drops."""
     return x_fp32.view(torch.bfloat16)[_HIGH_HALF::2]
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """torch's AdamW update (decoupled weight decay, bias-corrected moments) with float32
     moments for parameters of any dtype; bfloat16 parameters are written back by
-    :func:`stochastic_round_to_bf16`, float32 ones updated in place by torch's fused kernel.
+    stochastic rounding (:func:`truncate_to_bf16`), float32 ones updated in place by torch's fused kernel.
 
     The state is torch's AdamW layout as the earlier per-slice implementation saved it: per
     parameter ``step`` (an int), ``exp_avg`` and ``exp_avg_sq`` (float32)."""
@@ -92,8 +110,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
     ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
-        self._table: torch.Tensor | None = None
-        """The cached :func:`noise_table` (not state: a function of its length alone)."""
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
@@ -188,8 +204,6 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if not packs:
             return
         size = max(sum(end - start for *_, start, end in pack) for pack in packs)
-        if self._table is None or self._table.numel() < size or self._table.device != device:
-            self._table = noise_table(size, device)
         weights, gradients = (torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
         for pack in packs:
             lengths = [end - start for *_, start, end in pack]
@@ -199,15 +213,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             torch._foreach_copy_(weights_32, params)
             torch._foreach_copy_(gradients_32, [p.grad.view(-1)[start:end] for *_, p, start, end in pack])
             self._fused_adamw(group, [(p, start, end) for *_, p, start, end in pack], weights_32, gradients_32, device)
-            # The gradients are spent: their buffer holds the noise.
-            noise = gradients[:total].view(torch.int32)
-            for (index, slice_index, p, _, _), noise_n in zip(pack, noise.split(lengths)):
-                key = noise_key(self.seed, self.state[p]["step"], index, slice_index)
-                # int32 products wrap modulo 2^32 on CPU and CUDA alike: the top 16 bits of
-                # table[i] * key, made a logical shift by the mask below.
-                torch.mul(self._table[: noise_n.numel()], key - (1 << 32) if key >= 1 << 31 else key, out=noise_n)
-            noise.bitwise_right_shift_(16).bitwise_and_(0xFFFF)
             if all(p.dtype == torch.bfloat16 for *_, p, _, _ in pack):
-                torch._foreach_copy_(params, list(stochastic_round_to_bf16(weights[:total], noise).split(lengths)))
+                for (index, slice_index, p, _, _), bits in zip(pack, weights[:total].view(torch.int32).split(lengths)):
+                    add_element_noise(bits, noise_key(self.seed, self.state[p]["step"], index, slice_index))
+                torch._foreach_copy_(params, list(truncate_to_bf16(weights[:total]).split(lengths)))
             else:  # float16 and others: rounded to nearest, as copy_ does
                 torch._foreach_copy_(params, weights_32)

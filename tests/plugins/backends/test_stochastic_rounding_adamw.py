@@ -10,11 +10,17 @@ from grpo_core.plugins.backends import stochastic_rounding_adamw
 from grpo_core.plugins.backends.stochastic_rounding_adamw import (
     StochasticRoundingAdamW,
     noise_key,
+    add_element_noise,
     noise_table,
-    stochastic_round_to_bf16,
+    truncate_to_bf16,
 )
 
 MASK32 = (1 << 32) - 1
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    x.view(torch.int32).add_(noise)
+    return truncate_to_bf16(x)
 
 
 def uniform_noise(n: int, seed: int = 0) -> torch.Tensor:
@@ -48,21 +54,24 @@ def python_mix(x: int, multipliers: tuple[int, ...]) -> int:
     return x ^ (x >> 15)
 
 
-def test_noise_is_the_documented_integer_hash_exactly():
-    # Python integers never overflow: a device whose int32 product did not wrap would differ.
+def test_noise_is_the_documented_integer_hash_exactly(monkeypatch):
+    # Python integers never overflow: a device whose integer products wrapped would differ.
     positions = [0, 1, 2, 12345, (1 << 20) - 1]
-    table = noise_table(1 << 20, "cpu")
-    expected = [python_mix(i, (0x7FEB352D, 0x5BD1E995)) for i in positions]
-    assert [v & MASK32 for v in table[positions].tolist()] == expected
-    key = noise_key(7, 3, 2, 0)
-    assert key % 2 == 1 and key != noise_key(7, 4, 2, 0) != noise_key(7, 3, 3, 0) != noise_key(7, 3, 2, 1) != noise_key(8, 3, 2, 0)
-    signed = key - (1 << 32) if key >= 1 << 31 else key
-    noise = (table * signed).bitwise_right_shift(16).bitwise_and(0xFFFF)
-    assert noise[positions].tolist() == [(e * key & MASK32) >> 16 for e in expected]
+    table = noise_table(1 << 20, torch.device("cpu"))
+    expected = [python_mix(i, (0x7FEB352D, 0x5BD1E995)) >> 16 for i in positions]
+    assert table[positions].tolist() == expected
     # Uniform on [0, 2^16): each of 16 bins holds 1/16 of a million values within 5 sigma.
-    counts = torch.bincount(noise >> 12, minlength=16).float()
+    counts = torch.bincount(table >> 12, minlength=16).float()
     assert (counts - (1 << 16)).abs().max().item() < 5 * (1 << 16) ** 0.5
-    assert abs(torch.corrcoef(torch.stack([noise[:-1].float(), noise[1:].float()]))[0, 1].item()) < 0.01
+    assert abs(torch.corrcoef(torch.stack([table[:-1].float(), table[1:].float()]))[0, 1].item()) < 0.01
+    keys = {noise_key(7, 3, 2, 0), noise_key(7, 4, 2, 0), noise_key(7, 3, 3, 0), noise_key(7, 3, 2, 1), noise_key(8, 3, 2, 0)}
+    assert len(keys) == 5 and all(0 <= k < 1 << 32 for k in keys)
+    # Element i gets entry (i + key) mod the table's length, wrapping around its end.
+    monkeypatch.setattr(stochastic_rounding_adamw, "SLICE_ELEMENTS", 1 << 20)
+    key = (1 << 20) - 3 + (5 << 20)
+    bits = torch.zeros(10, dtype=torch.int32)
+    add_element_noise(bits, key)
+    assert bits.tolist() == table[[(i + key) % (1 << 20) for i in range(10)]].tolist()
 
 
 def adamw_in_float32(start_bf16, grads, settings):
