@@ -15,7 +15,6 @@ from typing import Any
 import attrs
 import tinker
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights, routes_data
@@ -25,6 +24,7 @@ from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.architectures import AUTO, attention_implementation, lora_targets
 from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.plugins.backends.fused_logprobs import LinearHead, LowRank, linear_logprobs
 from grpo_core.plugins.backends.host_memory import TRAINING_MMAP_THRESHOLD, release_freed_memory, set_mmap_threshold
 from grpo_core.plugins.backends.moe_routing import RoutingTap, load_max_over_mean, routing_problem, tapped
 from grpo_core.plugins.backends.reference_offload import FileEntry, OffloadedWeights, offload, read_safetensors_header, weight_files
@@ -734,44 +734,39 @@ def _positions(mask_B_T: torch.Tensor | None, B: int, T: int) -> torch.Tensor:
     return (mask_B_T.cumsum(-1) - 1).clamp(min=0)
 
 
-LOGITS_CHUNK_BYTES = 1 << 26
-"""Full-vocabulary float32 logits computed at once: 64 MiB, 110 positions of a 151,936-token vocabulary."""
-
-
 def token_logprobs(
     forward: ModelForward, hidden_N_E: torch.Tensor, targets_N: torch.Tensor, entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(head(hidden))[target] per position, in float32, over chunks of positions, and
-    with ``entropy`` the policy's entropy −Σ p log p over the vocabulary at each position (no
-    gradient; None without).
+    """log softmax(head(hidden))[target] per position, in float32, and with ``entropy`` the
+    policy's entropy −Σ p log p over the vocabulary at each position (no gradient; None without).
 
-    Only one chunk's logits exist at a time: with grad enabled each chunk runs under activation
-    checkpointing, so backward recomputes its logits instead of keeping [N, V] float32 tensors.
+    The fused head of :mod:`fused_logprobs`: only one chunk of positions' logits exists at a time,
+    in forward and in backward, and nothing of the vocabulary's size is kept for backward.
     """
-    rows = max(1, LOGITS_CHUNK_BYTES // (4 * forward.model.config.get_text_config().vocab_size))
-    checkpointed = torch.is_grad_enabled() and hidden_N_E.requires_grad
-    parts = []
-    for start in range(0, hidden_N_E.shape[0], rows):
-        args = (forward.head, hidden_N_E[start : start + rows], targets_N[start : start + rows], entropy)
-        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if checkpointed else _chunk_logprobs(*args))
-    if not parts:
-        # No position at all: still a (empty) function of the hidden states, so a loss over none backpropagates.
-        none_N = hidden_N_E.float().sum(-1)
-        return none_N, none_N.detach() if entropy else None
-    return torch.cat([lp for lp, _ in parts]), torch.cat([e for _, e in parts]) if entropy else None
+    return linear_logprobs(_linear_head(forward.model, hidden_N_E), hidden_N_E, targets_N, entropy)
 
 
-def _chunk_logprobs(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden_C_E: torch.Tensor, targets_C: torch.Tensor, entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logprobs_C_V = head(hidden_C_E).float().log_softmax(-1)
-    logprobs_C = logprobs_C_V.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
-    if not entropy:
-        return logprobs_C, None
-    # From the detached logprobs, after the gather: nothing here is saved for backward, so a
-    # checkpointed chunk's recomputation stops before it (torch's checkpoint early stop).
-    detached_C_V = logprobs_C_V.detach()
-    return logprobs_C, -(detached_C_V.exp() * detached_C_V).sum(-1)
+def _linear_head(model: Any, hidden_N_E: torch.Tensor) -> LinearHead:
+    """The model's output layer as a linear map of ``hidden_N_E`` (its LoRA adapter's term
+    included): what :meth:`TransformersForward.head` and peft compute, taken apart for the fused head."""
+    layer = model.get_output_embeddings()
+    low_rank = None
+    if hasattr(layer, "lora_A"):
+        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+        if layer.merged and layer.disable_adapters:
+            raise PluginError("the output layer's LoRA adapter is merged into it and disabled: unmerge it before scoring")
+        if adapters and not layer.merged and not layer.disable_adapters:
+            if len(adapters) > 1 or adapters[0] in layer.lora_variant or layer.fan_in_fan_out:
+                raise PluginError(f"the output layer's LoRA adapters {adapters} are not one plain LoRA adapter")
+            (name,) = adapters
+            down, up = layer.lora_A[name], layer.lora_B[name]
+            if not isinstance(layer.lora_dropout[name], torch.nn.Identity) or up.bias is not None:
+                raise PluginError("the output layer's LoRA adapter has dropout or a bias: grpo-core's adapters have neither")
+            low_rank = LowRank(down(hidden_N_E.to(down.weight.dtype)), up.weight, layer.scaling[name])
+        layer = layer.get_base_layer()
+    if not isinstance(layer, torch.nn.Linear):
+        raise PluginError(f"the output layer is a {type(layer).__name__}, not a linear layer: grpo-core's fused logprobs need one")
+    return LinearHead(layer.weight, layer.bias, low_rank, getattr(model.config, "final_logit_softcapping", None))
 
 
 def trained_entropy_sum(datums: Sequence[tinker.Datum], entropy_by_datum: Sequence[torch.Tensor]) -> tuple[float, float]:

@@ -356,14 +356,14 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, m
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
 def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, chunk_rows, monkeypatch):
-    from grpo_core.plugins.backends import local
+    from grpo_core.plugins.backends import fused_logprobs, local
 
     _, _, trainer, _ = make(tiny_model_dir)
     vocab = trainer.model.config.vocab_size
-    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * chunk_rows)
+    monkeypatch.setattr(fused_logprobs, "CPU_CHUNK_BYTES", 4 * vocab * chunk_rows)
     heads = []
-    original_chunk = local._chunk_logprobs
-    monkeypatch.setattr(local, "_chunk_logprobs", lambda head, h, t, e: heads.append(h.shape[0]) or original_chunk(head, h, t, e))
+    original_logits = fused_logprobs._logits
+    monkeypatch.setattr(fused_logprobs, "_logits", lambda h, *a: heads.append(len(range(h.shape[0])[a[-1]])) or original_logits(h, *a))
     torch.manual_seed(0)
     hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
     targets_N = torch.randint(vocab, (7,))
@@ -384,17 +384,19 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
 
 
 def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model_dir, monkeypatch):
-    from grpo_core.plugins.backends import local
+    from grpo_core.plugins.backends import fused_logprobs, local
 
     _, _, trainer, _ = make(tiny_model_dir)
     vocab = trainer.model.config.vocab_size
-    monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * vocab * 2)
+    monkeypatch.setattr(fused_logprobs, "CPU_CHUNK_BYTES", 4 * vocab * 2)
     saved = []
     hidden_N_E = torch.randn(16, trainer.model.config.hidden_size, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)), entropy=True)
     assert saved, "nothing saved for backward: the test sees no graph"
-    assert all(vocab not in shape for shape in saved), saved
+    # The output layer's weight is saved as itself (no copy); nothing else of the vocabulary's size.
+    weight = trainer.model.lm_head.weight
+    assert all(vocab not in t.shape for t in saved if t is not weight), [t.shape for t in saved]
 
 
 def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):

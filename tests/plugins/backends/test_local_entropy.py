@@ -25,11 +25,13 @@ def exact_entropy(trainer, samples) -> float:
 
 @pytest.mark.parametrize("path", ["shared_prefix", "one_pass", "packed", "checkpointed", "small_chunks"])
 def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_model_dir, path, monkeypatch):
-    from grpo_core.plugins.backends import local
+    import inspect
+
+    from grpo_core.plugins.backends import fused_logprobs, local
 
     _, _, trainer, sampler = make(tiny_model_dir, gradient_checkpointing=path == "checkpointed", padding_free=path == "packed")
     if path == "small_chunks":
-        monkeypatch.setattr(local, "LOGITS_CHUNK_BYTES", 4 * trainer.model.config.vocab_size * 3)
+        monkeypatch.setattr(fused_logprobs, "CPU_CHUNK_BYTES", 4 * trainer.model.config.vocab_size * 3)
     prompts = prompts_of(trainer.tokenizer)
     # Two samples per prompt share their prefix; one sample per prompt does not.
     samples = to_samples(prompts, sampler.sample(prompts, 1 if path in ("one_pass", "packed") else 2, SamplingParams(max_tokens=6)))
@@ -42,23 +44,22 @@ def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_m
     for name in ("_logprobs_shared_prefix", "_logprobs_packed"):
         monkeypatch.setattr(local, name, counted(name, getattr(local, name)))
     chunks = []
-    original_chunk = local._chunk_logprobs
+    original_logits = fused_logprobs._logits
 
-    def chunk(*args):
-        chunks.append("called")
-        scored = original_chunk(*args)
-        chunks.append("returned")
-        return scored
+    def logits(*args):
+        chunks.append(inspect.stack()[1].function)  # the fused head's forward or backward
+        return original_logits(*args)
 
-    monkeypatch.setattr(local, "_chunk_logprobs", chunk)
+    monkeypatch.setattr(fused_logprobs, "_logits", logits)
 
     out = trainer.forward_backward_custom([sample_to_datum(s) for s in samples], lambda d, lps: (sum(lp.sum() for lp in lps), {}))
     expected = {"shared_prefix": "_logprobs_shared_prefix", "small_chunks": "_logprobs_shared_prefix", "packed": "_logprobs_packed"}
     assert calls == ([expected[path]] if path in expected else [])
     assert out.metrics["policy/entropy"] == pytest.approx(exact_entropy(trainer, samples), rel=1e-5)
-    # Backward recomputes each checkpointed chunk's logprobs and stops there, before its entropy.
-    forward = chunks.count("returned")
-    assert forward > 0 and chunks == ["called", "returned"] * forward + ["called"] * forward
+    # Each chunk's logits are computed once in forward (logprob and entropy together) and once
+    # more in backward, for the gradient only.
+    forward = chunks.count("forward")
+    assert forward >= (3 if path == "small_chunks" else 1) and chunks == ["forward"] * forward + ["backward"] * forward
 
 
 def test_no_trained_token_has_no_entropy(tiny_model_dir):
