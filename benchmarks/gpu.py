@@ -337,6 +337,11 @@ def format_report(saved: dict[str, Any]) -> str:
         f"{'contender':<16} {'step s':>7} {'sampling s':>10} {'ms/decode':>9} {'training s':>10} {'train MFU':>9} {'peak GiB':>8}"
         f" {'step x':>7} {'sampl x':>7} {'train x':>7} {'mem x':>6}"
     )
+    versions: dict[str, str] = {}
+    for r in saved["runs"]:
+        versions.update(r.get("row", {}).get("versions", {}))
+    if versions:
+        lines.insert(1, "versions: " + ", ".join(f"{name} {version}" for name, version in sorted(versions.items())))
     for key, spec in saved["specs"].items():
         runs = [r for r in saved["runs"] if r["key"] == key]
         base = next((r["row"] for r in runs if r["contender"] == BASELINE and r["status"] == "ok"), None)
