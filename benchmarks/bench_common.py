@@ -141,14 +141,14 @@ def build_model(path: Path, name: str, seed: int = SEED) -> Path:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
     assert tokenizer.eos_token_id == vocab and tokenizer.pad_token_id == 0
     torch.manual_seed(seed)
+    # A configuration's model table may set these two as well (the GPU shapes: Qwen3-8B's LM head is untied).
+    shape = {"max_position_embeddings": 512, "tie_word_embeddings": True, **CONFIGS[name]["model"]}
     config = Qwen3Config(
         vocab_size=vocab,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        **CONFIGS[name]["model"],
+        **shape,
     )
     path.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
