@@ -21,13 +21,13 @@ import attrs
 
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.run_dir import TMP_PREFIX
 from grpo_core.types import LoopState
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 TRAINER_STATE = "trainer"
 """What ``trainer.save_state`` writes in a checkpoint (the local trainer: a folder of weights and optimizer state)."""
-TMP_PREFIX = ".tmp-"
 UNOBSERVED_FILE = "unobserved.json"
 """In a checkpoint of a step that was counted but not observed (a plugin's ``on_step`` or the
 weight sync failed): the step's metrics, which the resumed run gives its plugins first."""
