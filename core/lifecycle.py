@@ -101,17 +101,41 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     # stops at once (the checkpoint is written first: --resume then writes final/ only).
     restore_signals = stop_on_signals(state)
     try:
-        checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
-        final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+        checkpoint, unsaved = last_checkpoint(state, config, r.trainer)
+        final = save_final(r, config, unsaved)
     finally:
         restore_signals()
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    if unsaved is not None:
+        raise CheckpointError(
+            f"{unsaved}; the trained policy of step {state.step} is saved in {final} (its weights, without the optimizer "
+            f"state: load it as a model, or train on from it with --model {final} and another --run-dir)"
+        )
     problem = nothing_trained(r)
     if problem:
         raise PluginError(problem)
     return summary
+
+
+def last_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> tuple[Path | None, CheckpointError | None]:
+    """The run's last checkpoint, or why it could not be written: the policy is saved either way."""
+    try:
+        return (write_checkpoint(state, config, trainer) if state.step else None), None
+    except CheckpointError as exc:
+        return None, exc
+
+
+def save_final(r: Run, config: RunConfig, unsaved: CheckpointError | None) -> str:
+    """``final/``: after a checkpoint that failed (a full disk: its partial write is gone, and the
+    policy alone is smaller), the one copy of the trained weights."""
+    try:
+        return save_policy(r.state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+    except CheckpointError as exc:
+        if unsaved is None:
+            raise
+        raise CheckpointError(f"{unsaved}; {exc}: the weights trained since then are lost") from exc
 
 
 def nothing_trained(r: Run) -> str | None:
