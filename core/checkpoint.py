@@ -101,9 +101,9 @@ def save_checkpoint(
     # A checkpoint is as large as the one before it: one that cannot fit is not begun (a full disk
     # stops whatever else writes there).
     needed = folder_bytes(previous[-1]) if previous else None
+    estimate = f"about {human(needed)} (the size of {previous[-1].name})" if needed is not None else None
     if needed is not None and needed > free:
-        space = no_space(where, f"about {human(needed)} (the size of {previous[-1].name})", free)
-        raise CheckpointError(f"could not write checkpoint {final.name}: {space}; {kept}")
+        raise CheckpointError(f"could not write checkpoint {final.name}: {no_space(where, estimate, free)}; {kept}")
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -125,7 +125,7 @@ def save_checkpoint(
             raise
         cause = f"{type(exc).__name__}: {exc}"
         if full:
-            space = no_space(where, f"about {human(needed)}" if needed is not None else f"more than {human(written)}", free)
+            space = no_space(where, estimate or f"more than {human(written)}", free)
             # torch's C++ writer says "unexpected pos" or "file write failed": the space says what happened.
             cause = f"{cause}; {space}" if isinstance(exc, OSError) else space
         raise CheckpointError(f"could not write checkpoint {final.name}: {cause}; {kept}") from exc

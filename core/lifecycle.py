@@ -102,17 +102,19 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     restore_signals = stop_on_signals(state)
     try:
         checkpoint, unsaved = last_checkpoint(state, config, r.trainer)
-        final = save_final(r, config, unsaved)
+        try:
+            final = save_final(state, config, r.trainer)
+        except CheckpointError as exc:
+            if unsaved is None:
+                raise
+            raise CheckpointError(f"{unsaved}; {exc}: the weights trained since are lost") from exc
     finally:
         restore_signals()
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
     if unsaved is not None:
-        raise CheckpointError(
-            f"{unsaved}; the trained policy of step {state.step} is saved in {final} (its weights, without the optimizer "
-            f"state: load it as a model, or train on from it with --model {final} and another --run-dir)"
-        )
+        raise CheckpointError(f"{unsaved}; {policy_saved(state, final)}")
     problem = nothing_trained(r)
     if problem:
         raise PluginError(problem)
@@ -127,15 +129,17 @@ def last_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> tuple[P
         return None, exc
 
 
-def save_final(r: Run, config: RunConfig, unsaved: CheckpointError | None) -> str:
-    """``final/``: after a checkpoint that failed (a full disk: its partial write is gone, and the
-    policy alone is smaller), the one copy of the trained weights."""
-    try:
-        return save_policy(r.state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
-    except CheckpointError as exc:
-        if unsaved is None:
-            raise
-        raise CheckpointError(f"{unsaved}; {exc}: the weights trained since then are lost") from exc
+def save_final(state: RunState, config: RunConfig, trainer: Any) -> str:
+    """``final/``; after a checkpoint that failed (a full disk: its partial write is gone, and the
+    policy alone is smaller) the one copy of the trained weights."""
+    return save_policy(state.run_dir / "final", lambda path: save_for_sampler(trainer, config, path))
+
+
+def policy_saved(state: RunState, final: str) -> str:
+    return (
+        f"the trained policy of step {state.step} is saved in {final} (its weights, without the optimizer state: "
+        f"load it as a model, or train on from it with --model {final} and another --run-dir)"
+    )
 
 
 def nothing_trained(r: Run) -> str | None:
@@ -214,7 +218,9 @@ class StartUp:
     def undo(self) -> None:
         if self.begun or not self.path.is_dir():
             return
-        keep = (self.before - set(self.replaced)) | {LOCK_FILE} | ({self.aside.name} if self.aside else set())
+        # Names of the old run moved aside that are here again were written by this invocation.
+        moved = {*self.replaced, self.aside.name} if self.aside is not None else set()
+        keep = (self.before - moved) | {LOCK_FILE} | ({self.aside.name} if self.aside is not None else set())
         for entry in self.path.iterdir():
             if entry.name not in keep:
                 remove(entry)
@@ -440,7 +446,12 @@ def save_after_failure(state: RunState, config: RunConfig, trainer: Any) -> str:
         path = write_checkpoint(state, config, trainer)
     except PluginError as exc:
         valid = complete_checkpoints(state.run_dir)
-        return f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
+        said = f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
+        try:
+            final = save_final(state, config, trainer)
+        except CheckpointError as policy_exc:
+            return f"{said}; {policy_exc}: the weights trained since are lost"
+        return f"{said}; {policy_saved(state, final)}"
     return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core run --resume {state.run_dir}"
 
 
