@@ -8,11 +8,13 @@ that config.json names them and the run resumes like any other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -66,9 +68,14 @@ def run(
         with provided_plugins(instances):
             return run_loop(resumed, resume=True, overwrite=False)
     resolved = _config(config, rows)
-    resolved = _select(resolved, instances, weights)
-    with provided_plugins(instances):
-        return run_loop(resolved, resume=False, overwrite=overwrite)
+    try:
+        resolved = _select(resolved, instances, weights)
+        with provided_plugins(instances):
+            return run_loop(resolved, resume=False, overwrite=overwrite)
+    except BaseException:
+        if rows is not None:
+            forget_rows(resolved.dataset)
+        raise
 
 
 def plugin_name(instance: Any) -> str:
@@ -108,11 +115,16 @@ def _config(config: RunConfig | Mapping[str, Any] | None, rows: Sequence[Mapping
         if given.get("dataset", DEFAULT) != DEFAULT:
             raise PluginError("rows= is the dataset: do not name a dataset in the config too")
         data["dataset"], data["run_dir"] = save_rows(rows, given.get("run_dir"))
-    if isinstance(config, RunConfig):
-        resolved = attrs.evolve(config, **data)
-    else:
-        # Read as a TOML file's keys are; without a dataset the embedded task's preset applies.
-        resolved = load(None, {**given, **data}, {})
+    try:
+        if isinstance(config, RunConfig):
+            resolved = attrs.evolve(config, **data)
+        else:
+            # Read as a TOML file's keys are; without a dataset the embedded task's preset applies.
+            resolved = load(None, {**given, **data}, {})
+    except BaseException:
+        if data:
+            forget_rows(data["dataset"])
+        raise
     resolved.plugin_options = {kind: {name: dict(o) for name, o in by.items()} for kind, by in plugin_options.items()}
     return resolved
 
@@ -161,3 +173,23 @@ def save_rows(rows: Sequence[Mapping[str, Any]], requested_run_dir: str | None) 
         tmp.write_text(text)
         os.replace(tmp, path)
     return str(path), str(run_dir)
+
+
+def forget_rows(saved: str) -> None:
+    """A run that failed before it became a run (refused: its folder holds no config.json naming
+    its rows) leaves no rows behind: their file, and the folders made for it once empty. Rows a
+    run names stay, for its ``--resume``."""
+    path = Path(saved)
+    if any(named_dataset(run / "config.json") == saved for run in path.parent.parent.iterdir() if run.is_dir()):
+        return
+    path.unlink(missing_ok=True)
+    for folder in (path.parent, path.parent.parent):
+        with contextlib.suppress(OSError):  # not empty: kept
+            folder.rmdir()
+
+
+def named_dataset(config_file: Path) -> str | None:
+    try:
+        return json.loads(config_file.read_text()).get("dataset")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None

@@ -72,9 +72,6 @@ def run_async(config: RunConfig, resume: bool = False, overwrite: bool = False) 
     started = time.perf_counter()
     check_async_settings(config)
     r = start_run(config, resume, overwrite)
-    if not declared(r.sampler, "sampler object", "own_weights"):
-        sampler = config.sampler or f"the {config.backend} backend's default"
-        raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler}) shares the trainer's weights")
     state = r.state
     loop = AsyncLoop(config, r)
     with guard_run(state, config, r.trainer):

@@ -4,11 +4,14 @@
 so a remote trainer checkpoints remotely), the sampler's state (its RNG, and its weights when
 it keeps a copy of its own), every process RNG, the loop's counters and the prompt settings.
 A checkpoint is written into a temporary folder, fsynced and renamed: a folder named
-``step-*`` is complete, whatever happened while it was written.
+``step-*`` is complete, whatever happened while it was written, and the previous ones are only
+pruned once it is. A write that fails for lack of space says so (the filesystem, the space
+needed and free), not the writer's own error.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -21,13 +24,13 @@ import attrs
 
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.run_dir import TMP_PREFIX
 from grpo_core.types import LoopState
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
 TRAINER_STATE = "trainer"
 """What ``trainer.save_state`` writes in a checkpoint (the local trainer: a folder of weights and optimizer state)."""
-TMP_PREFIX = ".tmp-"
 UNOBSERVED_FILE = "unobserved.json"
 """In a checkpoint of a step that was counted but not observed (a plugin's ``on_step`` or the
 weight sync failed): the step's metrics, which the resumed run gives its plugins first."""
@@ -91,6 +94,16 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, loop.step)
     if (final / STATE_FILE).is_file():
         return final  # this step is saved already (a periodic checkpoint that is also the last)
+    previous = complete_checkpoints(run_dir)
+    kept = f"the previous checkpoint {previous[-1].name} is intact" if previous else "no earlier checkpoint exists"
+    where = final.parent if final.parent.is_dir() else run_dir
+    free = free_bytes(where)
+    # A checkpoint is as large as the one before it: one that cannot fit is not begun (a full disk
+    # stops whatever else writes there).
+    needed = folder_bytes(previous[-1]) if previous else None
+    estimate = f"about {human(needed)} (the size of {previous[-1].name})" if needed is not None else None
+    if needed is not None and needed > free:
+        raise CheckpointError(f"could not write checkpoint {final.name}: {no_space(where, estimate, free)}; {kept}")
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -105,15 +118,58 @@ def save_checkpoint(
         os.replace(tmp, final)
         fsync_dir(final.parent)
     except BaseException as exc:
+        written = folder_bytes(tmp)
+        full = out_of_space(exc) or free_bytes(where) < FULL_BELOW  # measured before the partial write is removed
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, Exception):
             raise
-        previous = [p.name for p in complete_checkpoints(run_dir)]
-        kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(f"could not write checkpoint {final.name}: {type(exc).__name__}: {exc}; {kept}") from exc
+        cause = f"{type(exc).__name__}: {exc}"
+        if full:
+            space = no_space(where, estimate or f"more than {human(written)}", free)
+            # torch's C++ writer says "unexpected pos" or "file write failed": the space says what happened.
+            cause = f"{cause}; {space}" if isinstance(exc, OSError) else space
+        raise CheckpointError(f"could not write checkpoint {final.name}: {cause}; {kept}") from exc
     for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+FULL_BELOW = 64 * 2**20
+"""Free bytes under which a failed write is taken for a full disk (a C++ writer's error carries no errno)."""
+
+
+def free_bytes(folder: Path) -> int:
+    """What an unprivileged process may still write on ``folder``'s filesystem."""
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is the filesystem's "no space" or "quota"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def no_space(folder: Path, needed: str, free: int) -> str:
+    mount = folder.resolve()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return f"no space left on {mount}: needed {needed}, free {human(free)}"
+
+
+def human(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale / 10:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
 
 
 def load_checkpoint(path: Path, trainer: Any, sampler: Any) -> LoopState:

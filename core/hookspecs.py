@@ -349,6 +349,9 @@ def loss(inputs: LossInputs) -> LossOutput:
 def on_run_start(config: RunConfig, run_dir: Path, total_steps: int | None, start_step: int) -> None:
     """Called once before the first step on every active plugin (loggers open their outputs).
 
+    Plugins other than loggers start first, before the run folder changes (a refusal there leaves
+    it untouched); loggers once config.json is written. A start refused later is undone.
+
     :param config: the resolved run configuration.
     :param run_dir: where the run writes its config, metrics and final policy.
     :param total_steps: the number of steps the run will take, when known.

@@ -9,6 +9,7 @@ and ``grpo_core.async_loop`` only schedule steps.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import math
 import random
@@ -42,7 +43,20 @@ from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins_manager import write_config
-from grpo_core.run_dir import check_new_run_dir, check_same_data, choose_run_dir, clear_run_dir, is_run_config, locked, record_data
+from grpo_core.run_dir import (
+    DATA_FILE,
+    LOCK_FILE,
+    check_new_run_dir,
+    check_same_data,
+    choose_run_dir,
+    entries_read,
+    is_run_config,
+    locked,
+    move_aside,
+    record_data,
+    remove,
+    restore,
+)
 from grpo_core.selection import select_plugins
 from grpo_core.types import RunState, SamplingParams
 
@@ -87,17 +101,45 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     # stops at once (the checkpoint is written first: --resume then writes final/ only).
     restore_signals = stop_on_signals(state)
     try:
-        checkpoint = write_checkpoint(state, config, r.trainer) if state.step else None
-        final = save_policy(state.run_dir / "final", lambda path: save_for_sampler(r.trainer, config, path))
+        checkpoint, unsaved = last_checkpoint(state, config, r.trainer)
+        try:
+            final = save_final(state, config, r.trainer)
+        except CheckpointError as exc:
+            if unsaved is None:
+                raise
+            raise CheckpointError(f"{unsaved}; {exc}: the weights trained since are lost") from exc
     finally:
         restore_signals()
     summary = summarize(state, started, final, checkpoint)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    if unsaved is not None:
+        raise CheckpointError(f"{unsaved}; {policy_saved(state, final)}")
     problem = nothing_trained(r)
     if problem:
         raise PluginError(problem)
     return summary
+
+
+def last_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> tuple[Path | None, CheckpointError | None]:
+    """The run's last checkpoint, or why it could not be written: the policy is saved either way."""
+    try:
+        return (write_checkpoint(state, config, trainer) if state.step else None), None
+    except CheckpointError as exc:
+        return None, exc
+
+
+def save_final(state: RunState, config: RunConfig, trainer: Any) -> str:
+    """``final/``; after a checkpoint that failed (a full disk: its partial write is gone, and the
+    policy alone is smaller) the one copy of the trained weights."""
+    return save_policy(state.run_dir / "final", lambda path: save_for_sampler(trainer, config, path))
+
+
+def policy_saved(state: RunState, final: str) -> str:
+    return (
+        f"the trained policy of step {state.step} is saved in {final} (its weights, without the optimizer state: "
+        f"load it as a model, or train on from it with --model {final} and another --run-dir)"
+    )
 
 
 def nothing_trained(r: Run) -> str | None:
@@ -144,22 +186,96 @@ class Run:
     no samples; a group filter's name), by this process's steps."""
 
 
+@attrs.define
+class StartUp:
+    """What this invocation changes in its run folder until training begins: a start refused or
+    failed before then undoes it (:meth:`undo`), so the folder is as it was and the corrected
+    command runs as if the failed one never had. Only what this invocation wrote is removed: a
+    resumed run's folder stays, and its files are put back as they were."""
+
+    path: Path
+    before: set[str]
+    """Top-level names the folder held when this invocation took it."""
+    replaced: list[str] = attrs.field(factory=list)
+    """The old run's entries that ``--overwrite`` replaces: moved aside at start, deleted once training begins."""
+    kept: dict[str, bytes] = attrs.field(factory=dict)
+    """A resumed run's files that its start rewrites (config.json, data.json), as they were."""
+    aside: Path | None = None
+    begun: bool = False
+
+    def replace_old_run(self) -> None:
+        """Move the old run out of the way (a rename: its files stay until training begins)."""
+        if self.replaced:
+            self.aside = move_aside(self.path, self.replaced)
+
+    def begin(self) -> None:
+        """Training begins: from here a failure keeps what the run wrote (see :func:`guard_run`)."""
+        self.begun = True
+        if self.aside is not None:
+            remove(self.aside)
+            self.aside = None
+
+    def undo(self) -> None:
+        if self.begun or not self.path.is_dir():
+            return
+        # Names of the old run moved aside that are here again were written by this invocation.
+        moved = {*self.replaced, self.aside.name} if self.aside is not None else set()
+        keep = (self.before - moved) | {LOCK_FILE} | ({self.aside.name} if self.aside is not None else set())
+        for entry in self.path.iterdir():
+            if entry.name not in keep:
+                remove(entry)
+        if self.aside is not None:
+            restore(self.path, self.aside)
+        for name, content in self.kept.items():
+            file = self.path / name
+            if not file.is_file() or file.read_bytes() != content:  # untouched: left as it is (its time too)
+                file.write_bytes(content)
+
+
+STARTING: contextvars.ContextVar[StartUp] = contextvars.ContextVar("STARTING")
+"""The start of the run this thread is running: ``own_run_dir`` opens it, ``start_run`` writes
+through it, ``guard_run`` closes it (the loops call the three in turn)."""
+
+
 @contextlib.contextmanager
 def own_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Iterator[None]:
     """Hold the run folder for the run's whole lifetime (see ``grpo_core.run_dir``); from here on
-    ``config.run_dir`` names it. A new run's folder is checked here: empty, or a run to overwrite."""
+    ``config.run_dir`` names it. A new run's folder is checked here: empty but for what the run
+    reads, or a run to overwrite. A refusal before training begins undoes what this invocation wrote."""
     path = choose_run_dir(config.run_dir)
     config.run_dir = str(path)
     with locked(path):
-        if not resume:
-            check_new_run_dir(path, overwrite)
-        yield
+        start = StartUp(path, {p.name for p in path.iterdir()} - {LOCK_FILE})
+        if resume:
+            start.kept = {name: (path / name).read_bytes() for name in ("config.json", DATA_FILE) if (path / name).is_file()}
+        else:
+            start.replaced = check_new_run_dir(path, overwrite, entries_read(path, config_strings(config.to_dict())))
+        token = STARTING.set(start)
+        try:
+            yield
+        except BaseException:
+            start.undo()
+            raise
+        finally:
+            STARTING.reset(token)
+
+
+def config_strings(value: Any) -> list[str]:
+    """Every string in a config's values (nested): where it may name a file the run reads."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [s for item in value for s in config_strings(item)]
+    return []
 
 
 def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     """Check every input before anything heavy loads, then build the models and, when resuming,
     restore the newest checkpoint. The loop has checked its settings (``check_settings``) and
-    holds the run folder (``own_run_dir``); nothing in it changes before every check passed."""
+    holds the run folder (``own_run_dir``); nothing in it changes before every check passed and
+    every plugin but the loggers started (what a refusal after that wrote is undone, see :class:`StartUp`)."""
     seed_everything(config.seed, config.threads)
     check_model_folder(config.model)
     selection = select_plugins(config)
@@ -179,27 +295,34 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     check_router_replay(config, trainer, sampler)
-    if newest is not None:
-        remove_partial(run_dir)
-    elif overwrite:
-        clear_run_dir(run_dir)  # only now that the new run has loaded: a failed start keeps the old run
+    if config.loop == "async" and not declared(sampler, "sampler object", "own_weights"):
+        sampler_name = config.sampler or f"the {config.backend} backend's default"
+        raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler_name}) shares the trainer's weights")
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
     unobserved = None
     if newest is not None:
         state.loop = load_checkpoint(newest, trainer, sampler)
         selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
         unobserved = read_unobserved(newest)
+    observed = state.step - 1 if unobserved is not None else state.step
+    start_args = dict(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
+    # Plugins start (a teacher, a reward model load and check) before the folder changes; loggers,
+    # which write in it, once config.json is there (wandb records it).
+    loggers = [id(p) for p in selection.plugins.get("logger", [])]
+    start_plugins(pm, lambda plugin: id(plugin) not in loggers, start_args)
+    if newest is not None:
+        remove_partial(run_dir)
+    STARTING.get().replace_old_run()
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
     write_config(config, run_dir / "config.json", run_info)
     record_data(run_dir, *rows)
+    start_plugins(pm, lambda plugin: id(plugin) in loggers, start_args)
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
     r.start_step = state.step
     if evaluator is not None:
         evaluator.sampler = sampler
-    observed = state.step - 1 if unobserved is not None else state.step
-    pm.hook.on_run_start(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
     if unobserved is not None:
         # The stopped run counted this step but failed before every plugin observed it: they do now
         # (its metrics as recorded; its samples are not kept), so each step is recorded once.
@@ -209,6 +332,14 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
     return r
+
+
+def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:
+    """``on_run_start`` of the plugins ``chosen`` picks, in the order pluggy calls them (plugins are
+    attrs classes, unhashable: ``subset_hook_caller`` cannot take them)."""
+    for impl in reversed(pm.hook.on_run_start.get_hookimpls()):
+        if chosen(impl.plugin):
+            impl.function(*(args[name] for name in impl.argnames))
 
 
 def count_step(state: RunState, selection: Any, metrics: dict[str, float], max_nonfinite: int) -> None:
@@ -295,6 +426,7 @@ def write_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> Path:
 def guard_run(state: RunState, config: RunConfig, trainer: Any) -> Iterator[None]:
     """SIGINT and SIGTERM end the run after the current step (a second one at once); any error
     after the first step leaves a checkpoint of the last completed step and says how to resume."""
+    STARTING.get().begin()
     restore_signals = stop_on_signals(state)
     try:
         yield
@@ -314,7 +446,12 @@ def save_after_failure(state: RunState, config: RunConfig, trainer: Any) -> str:
         path = write_checkpoint(state, config, trainer)
     except PluginError as exc:
         valid = complete_checkpoints(state.run_dir)
-        return f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
+        said = f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
+        try:
+            final = save_final(state, config, trainer)
+        except CheckpointError as policy_exc:
+            return f"{said}; {policy_exc}: the weights trained since are lost"
+        return f"{said}; {policy_saved(state, final)}"
     return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core run --resume {state.run_dir}"
 
 

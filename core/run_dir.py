@@ -5,7 +5,8 @@ The holder keeps an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` (the file hol
 the run's lifetime; the kernel drops the lock when the process dies, however it dies, so a lock
 left by a killed run is free to take (and its PID, left in the file, tells it was killed).
 ``--overwrite`` replaces only a folder holding a grpo-core run (its ``config.json``), never the
-working directory or a folder above it.
+working directory or a folder above it, and within it only what grpo-core writes (:data:`WRITTEN`,
+by name): a file the new run reads stays, anything else is refused, named, before anything changes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from grpo_core.errors import PluginError
 LOCK_FILE = ".lock"
 DATA_FILE = "data.json"
 """The rows a run started on: the dataset's name, how many prompts, the sha256 of its rows."""
+TMP_PREFIX = ".tmp-"
+"""Temporary names (a checkpoint, ``final/`` or a replaced run being written or moved aside)."""
+WRITTEN = frozenset(
+    {LOCK_FILE, "config.json", DATA_FILE, "summary.json", "traceback.txt", "checkpoints", "final", "async"}
+    # The built-in plugins' defaults: the jsonl logger, tensorboard, wandb, the vllm weight sync.
+    | {"metrics.jsonl", "samples.jsonl", "tensorboard", "wandb", "wandb_run_id", "sampler-weights"}
+)
+"""What grpo-core writes in a run folder (top-level names), all it may replace on ``--overwrite``."""
+NAMED_OUTPUTS = {("logger", "jsonl"): ("filename", "samples_filename"), ("logger", "tensorboard"): ("log_dir",)}
+"""Options of built-in plugins that name what they write in the run folder, when set otherwise."""
 RUN_CONFIG_KEYS = frozenset({"model", "dataset", "backend", "rollout", "reward", "advantage", "loss", "plugin_options"})
 """Keys every grpo-core ``config.json`` holds (a model folder's ``config.json`` holds none of them)."""
 
@@ -65,7 +76,8 @@ def locked(path: Path) -> Iterator[None]:
     """Hold ``path``'s lock (creating the folder) until the block ends; refused while another process holds it."""
     if path.exists() and not path.is_dir():
         raise PluginError(f"run directory {path} is a file")
-    created, lock_created = not path.exists(), not (path / LOCK_FILE).exists()
+    created = [p for p in (path, *path.parents) if not p.exists()]  # the folder, and those above it made for it
+    lock_created = not (path / LOCK_FILE).exists()
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -85,6 +97,9 @@ def locked(path: Path) -> Iterator[None]:
             # A refused or failed start leaves the place as it found it.
             if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
                 shutil.rmtree(path)
+                for parent in created[1:]:
+                    with contextlib.suppress(OSError):  # not empty: something else is there now
+                        parent.rmdir()
             elif lock_created:
                 (path / LOCK_FILE).unlink(missing_ok=True)
             raise
@@ -125,49 +140,119 @@ def is_run_config(path: Path) -> bool:
     return isinstance(stored, dict) and RUN_CONFIG_KEYS <= stored.keys()
 
 
-def check_new_run_dir(path: Path, overwrite: bool) -> None:
-    """A new run goes into an empty folder, or replaces a grpo-core run with ``--overwrite``.
+def check_new_run_dir(path: Path, overwrite: bool, read: set[str] = frozenset()) -> list[str]:
+    """A new run goes into a folder holding nothing but what it reads (``read``: top-level names,
+    see :func:`entries_read`), or replaces a grpo-core run with ``--overwrite``. Returns what
+    ``--overwrite`` replaces (the old run's entries, by name).
 
-    Refused (nothing is touched): a folder holding anything but a run, the working directory
-    or a folder above it, whatever it holds.
+    Refused (nothing is touched): a folder holding anything grpo-core did not write besides what
+    the run reads, a file the run reads under a name grpo-core writes (the run would replace it),
+    the working directory or a folder above it, whatever it holds.
     """
     entries = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE) if path.is_dir() else []
-    if not entries:
-        return
-    refusal = overwrite_refusal(path, entries)
+    if not [name for name in entries if name not in read]:
+        return []
+    refusal = overwrite_refusal(path, entries, read)
     if not overwrite:
+        # A run refused or failed before its first checkpoint cannot be resumed: no advice to.
+        resumable = refusal is None and any((path / "checkpoints").glob("step-*/state.json"))
         raise PluginError(
             f"run directory {path} is not empty: "
-            + (f"continue that run with --resume {path}, start over with --overwrite, " if refusal is None else "")
-            + ("or " if refusal is None else "")
+            + (f"continue that run with --resume {path}, " if resumable else "")
+            + ("start over with --overwrite, or " if refusal is None else "")
             + "choose another --run-dir"
         )
     if refusal is not None:
         raise PluginError(refusal)
+    return [name for name in entries if name not in read]
 
 
-def overwrite_refusal(path: Path, entries: list[str]) -> str | None:
-    """Why ``--overwrite`` may not empty ``path`` (None when it holds a grpo-core run)."""
+def overwrite_refusal(path: Path, entries: list[str], read: set[str] = frozenset()) -> str | None:
+    """Why ``--overwrite`` may not replace what ``path`` holds (None when it holds a grpo-core run
+    and, besides, only what the new run reads)."""
     cwd, target = Path.cwd().resolve(), path.resolve()
     if target == cwd or target in cwd.parents:
         return f"--overwrite never empties the working directory or a folder above it ({path}); choose another --run-dir"
     if not is_run_config(path / "config.json"):
-        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
         return (
-            f"--overwrite only replaces a grpo-core run, and {path} holds no run's config.json (it holds {shown}); choose another --run-dir"
+            f"--overwrite only replaces a grpo-core run, and {path} holds no run's config.json (it holds {shown(entries)}); "
+            "choose another --run-dir"
+        )
+    written = written_names(path)
+    others = [name for name in entries if name not in written and name not in read and not name.startswith(TMP_PREFIX)]
+    if others:
+        return (
+            f"--overwrite only replaces what grpo-core wrote, and {path} also holds {shown(others)}, which it did not write: "
+            f"move {'it' if len(others) == 1 else 'them'} out of {path}, or choose another --run-dir"
+        )
+    clash = sorted(read & written)
+    if clash:
+        return (
+            f"--overwrite would replace {path / clash[0]}, which this run reads: "
+            f"copy it out of {path} and name the copy, or choose another --run-dir"
         )
     return None
 
 
-def clear_run_dir(path: Path) -> None:
-    """Empty a run folder for ``--overwrite`` (checked by :func:`check_new_run_dir`), keeping the lock it holds."""
-    for entry in path.iterdir():
-        if entry.name == LOCK_FILE:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
+def shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def written_names(path: Path) -> set[str]:
+    """What grpo-core wrote in the run folder ``path``: :data:`WRITTEN`, and the names its run's
+    config.json gave the built-in plugins' outputs."""
+    names = set(WRITTEN)
+    try:
+        options = json.loads((path / "config.json").read_text()).get("plugin_options") or {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return names
+    for (kind, plugin), keys in NAMED_OUTPUTS.items():
+        given = options.get(kind, {}).get(plugin, {}) if isinstance(options.get(kind), dict) else {}
+        for key in keys:
+            value = given.get(key) if isinstance(given, dict) else None
+            if isinstance(value, str) and value and not Path(value).is_absolute():
+                names.add(Path(value).parts[0])
+    return names
+
+
+def entries_read(path: Path, values: list[str]) -> set[str]:
+    """The top-level entries of the folder ``path`` that hold a path among ``values`` (every
+    string of a run's config: its dataset, model, a plugin's file), which the run reads."""
+    root = path.resolve()
+    found = set()
+    for value in values:
+        # A dataset folder may be given with its split (FOLDER:SPLIT).
+        for candidate in {value, value.rpartition(":")[0]} - {""}:
+            try:
+                inside = Path(candidate).resolve().relative_to(root)
+            except (ValueError, OSError, RuntimeError):
+                continue
+            if inside.parts and (root / inside.parts[0]).exists():
+                found.add(inside.parts[0])
+    return found
+
+
+def move_aside(path: Path, names: list[str]) -> Path:
+    """Move the entries ``names`` of ``path`` into a temporary folder inside it (kept until
+    :func:`restore` or deletion): a refused start puts the old run back."""
+    aside = path / f"{TMP_PREFIX}replaced-{os.getpid()}"
+    aside.mkdir()
+    for name in names:
+        os.replace(path / name, aside / name)
+    return aside
+
+
+def restore(path: Path, aside: Path) -> None:
+    for entry in aside.iterdir():
+        os.replace(entry, path / entry.name)
+    aside.rmdir()
+
+
+def remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink(missing_ok=True)
 
 
 def record_data(path: Path, dataset: str, prompts: int, sha256: str) -> None:

@@ -4,6 +4,7 @@ and never writes a secret."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -270,3 +271,143 @@ def test_a_secret_typed_on_the_command_line_is_not_in_what_wandb_records(plugin_
     recorded = b"".join(p.read_bytes() for p in (run_dir / "wandb").rglob("*") if p.is_file())
     assert b"api_key=***" in recorded  # W&B keeps the command line: with the secret as config.json shows it
     assert b"sk-test-123" not in recorded + b"".join(p.read_bytes() for p in run_dir.rglob("*") if p.is_file())
+
+
+def tree(folder):
+    """Every file under ``folder`` with its bytes (the lock file is the lock's bookkeeping)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_overwrite_replaces_only_what_grpo_core_wrote_and_keeps_the_data_the_run_reads(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "r"
+    data = run_dir / "mydata.jsonl"
+    args = small_run_args(tiny_model_dir, data, run_dir, "--checkpoint-every", "1")
+    run_dir.mkdir()
+    data.write_bytes(tiny_dataset.read_bytes())  # a folder holding only what the run reads is a new run's
+    assert grpo_core_in_process(*args).returncode == 0
+    (run_dir / "notes").mkdir()
+    (run_dir / "notes" / "todo.txt").write_text("mine")
+    before = tree(run_dir)
+    out = grpo_core_in_process(*args, "--overwrite")
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: --overwrite only replaces what grpo-core wrote, and {run_dir} also holds notes, which it did not write: "
+         f"move it out of {run_dir}, or choose another --run-dir"],
+    )  # fmt: skip
+    assert tree(run_dir) == before
+    (run_dir / "notes" / "todo.txt").rename(tmp_path / "todo.txt")
+    (run_dir / "notes").rmdir()
+    before = tree(run_dir)
+    # The trained policy as the new run's model: --overwrite would replace it.
+    out = grpo_core_in_process(*small_run_args(run_dir / "final", data, run_dir, "--overwrite"))
+    assert out.stderr.strip().splitlines() == [
+        f"error: --overwrite would replace {run_dir / 'final'}, which this run reads: copy it out of {run_dir} "
+        "and name the copy, or choose another --run-dir"
+    ]
+    assert tree(run_dir) == before
+    out = grpo_core_in_process(*args, "--overwrite", "--max-steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert data.read_bytes() == tiny_dataset.read_bytes()
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()] == [1]
+    assert not [p for p in run_dir.iterdir() if p.name.startswith(".tmp-")]  # the old run is gone once training began
+    resumed = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert steps_in(run_dir) == 2 and data.read_bytes() == tiny_dataset.read_bytes()
+
+
+def refusing_plugins(tmp_path):
+    """Flags of plugins that refuse in their start (on_run_start, once the models have loaded)."""
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    return {
+        "distill": (  # the embedded model's tokenizer is not the tiny model's
+            ["--advantage", "distill", "--advantage-opt", "teacher=default"],
+            "error: distill: the teacher 'default' and the policy",
+        ),
+        "reward_model": (
+            ["--reward", "reward_model", "--reward-opt", f"model={tmp_path / 'empty'}"],
+            "error: reward_model: cannot load",
+        ),
+    }
+
+
+@pytest.mark.parametrize("plugin", ["distill", "reward_model"])
+def test_a_plugin_refusing_at_start_leaves_the_folder_as_it_was_and_the_corrected_command_runs(
+    tiny_model_dir, tiny_dataset, tmp_path, plugin
+):
+    flags, message = refusing_plugins(tmp_path)[plugin]
+    run_dir = tmp_path / "runs" / "new"
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *flags))
+    assert out.returncode == 1 and any(line.startswith(message) for line in out.stderr.splitlines()), out.stderr
+    assert not (tmp_path / "runs").exists()  # nor the folder made to hold it
+    fixed = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir))
+    assert fixed.returncode == 0, fixed.stderr
+
+    before = tree(run_dir)
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", *flags, "--overwrite"))
+    assert out.returncode == 1 and any(line.startswith(message) for line in out.stderr.splitlines()), out.stderr
+    assert tree(run_dir) == before  # the run it was to replace is back, whole
+
+
+def test_a_resumed_run_refused_at_start_keeps_its_folder_and_files_as_they_were(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core.errors import PluginError
+    from grpo_core.plugins.loggers import jsonl
+
+    run_dir = tmp_path / "r"
+    assert grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--logger", "jsonl")).returncode == 0
+    before = tree(run_dir)
+
+    def refuse(*args, **kwargs):  # a logger refusing once config.json and data.json are rewritten
+        raise PluginError("the metrics file is read-only")
+
+    monkeypatch.setattr(jsonl, "keep_lines_up_to", refuse)
+    out = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "3")
+    assert (out.returncode, out.stderr.strip().splitlines()[-1]) == (1, "error: the metrics file is read-only")
+    assert tree(run_dir) == before  # config.json does not say max_steps 3
+
+
+@pytest.mark.parametrize("checkpoint_every", ["1", "0"])  # the last step's own checkpoint, or the run's end's
+def test_the_end_of_a_run_keeps_the_trained_policy_when_its_checkpoint_finds_no_space(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, checkpoint_every
+):
+    import errno
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    clean = tmp_path / "clean"
+    assert grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, clean)).returncode == 0
+    real_save = torch.save
+
+    def disk_full_at_the_last_optimizer_state(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt") and ".tmp-step-000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_at_the_last_optimizer_state)
+    run_dir = tmp_path / "r"
+    if checkpoint_every == "0":  # a first checkpoint, then none until the end
+        assert grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1")).returncode == 0
+        out = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "2", "--checkpoint-every", "0")
+    else:
+        out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--checkpoint-every", "1"))
+    monkeypatch.undo()
+    final = run_dir / "final"
+    full = (
+        r"could not write checkpoint step-000002: OSError: \[Errno 28\] No space left on device; no space left on /\S*: "
+        r"needed about [\d.]+ [kMG]B \(the size of step-000001\), free [\d.]+ [kMG]B; the previous checkpoint step-000001 is intact"
+    )
+    kept = (
+        rf"the trained policy of step 2 is saved in {re.escape(str(final))} \(its weights, without the optimizer state: load it as "
+        rf"a model, or train on from it with --model {re.escape(str(final))} and another --run-dir\)"
+    )
+    assert out.returncode == 1
+    said = out.stderr.strip().splitlines()[-1]
+    if checkpoint_every == "0":
+        assert re.fullmatch(f"error: {full}; {kept}", said), out.stderr
+        assert json.loads((run_dir / "summary.json").read_text())["checkpoint"] is None
+    else:  # the failure path: the step's checkpoint, tried again
+        assert re.fullmatch(rf"  no checkpoint written \({full}\); the newest valid one is \S+step-000001; {kept}", said), out.stderr
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000001"]
+    kept_weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(clean / "final").state_dict()
+    assert kept_weights.keys() == trained.keys() and all(torch.equal(kept_weights[k], trained[k]) for k in kept_weights)

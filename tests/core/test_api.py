@@ -123,3 +123,29 @@ def test_settings_are_validated_as_the_cli_validates_them(tiny_model_dir, tmp_pa
 
 def test_instances_are_named_after_their_class():
     assert plugin_name(CountingRollout()) == "counting_rollout" and plugin_name(LengthReward()) == "length_reward"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(temperature=0.0), "--temperature must be > 0"),  # refused by the loop, before anything loads
+        (dict(max_step=3), "unknown config key 'max_step'"),  # refused as the config is read
+        (dict(reward={"reward_model": 1.0}), "reward_model: cannot load"),  # refused at the plugins' start, once models loaded
+    ],
+)
+def test_a_refused_python_run_leaves_nothing(tiny_model_dir, tmp_path, monkeypatch, change, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    config = {**settings(tiny_model_dir, "unused"), "plugin_options": {"reward": {"reward_model": {"model": str(tmp_path / "empty")}}}}
+    del config["run_dir"]  # the default: runs/<time>, rows in runs/rows
+    with pytest.raises(PluginError, match=message):
+        grpo_core.run({**config, **change}, rows=ROWS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_rows_a_run_names_stay_when_another_run_on_them_is_refused(tiny_model_dir, tmp_path):
+    grpo_core.run(settings(tiny_model_dir, tmp_path / "a", max_steps=1), rows=ROWS, reward=[LengthReward()])
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())["dataset"]
+    with pytest.raises(PluginError, match="--temperature must be > 0"):
+        grpo_core.run(settings(tiny_model_dir, tmp_path / "b", temperature=0.0), rows=ROWS, reward=[LengthReward()])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "rows"] and json.loads(open(saved).readline()) == ROWS[0]

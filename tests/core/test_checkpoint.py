@@ -159,3 +159,71 @@ def test_a_policy_folder_is_replaced_whole_or_not_at_all(tmp_path):
     save_policy(final, write(b"v2"))
     assert (final / "model.safetensors").read_bytes() == b"v2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def fake_free_space(monkeypatch, free: list[int]):
+    """``os.statvfs`` reporting ``free[0]`` bytes available (what a test changes as its disk fills)."""
+    real = checkpoint.os.statvfs
+
+    class Stat:
+        f_frsize = 1
+
+        @property
+        def f_bavail(self):
+            return free[0]
+
+    monkeypatch.setattr(checkpoint.os, "statvfs", lambda path: Stat() if real(path) else None)
+
+
+def test_a_checkpoint_that_cannot_fit_is_not_begun_and_says_how_much_space_it_needs(tmp_path, monkeypatch):
+    save(tmp_path, 2)
+    size = sum(p.stat().st_size for p in (tmp_path / "checkpoints" / "step-000002").rglob("*") if p.is_file())
+    fake_free_space(monkeypatch, [size - 1])
+    with pytest.raises(CheckpointError) as raised:
+        save(tmp_path, 4)
+    assert str(raised.value) == (
+        f"could not write checkpoint step-000004: no space left on {mount_of(tmp_path)}: needed about {checkpoint.human(size)} "
+        f"(the size of step-000002), free {checkpoint.human(size - 1)}; the previous checkpoint step-000002 is intact"
+    )
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]
+    monkeypatch.undo()
+    trainer = FakeTrainer(0.0)
+    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0)).step == 2
+    assert torch.equal(trainer.weights, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("free_after", [10, 10**9])
+def test_a_writers_own_error_on_a_full_disk_is_said_as_no_space(tmp_path, monkeypatch, free_after):
+    """torch.save's C++ writer fails with "unexpected pos" and no errno: the free space tells."""
+    free = [10**9]
+    fake_free_space(monkeypatch, free)
+
+    class FillingTrainer(FakeTrainer):
+        def save_state(self, path: str) -> None:
+            with open(path, "wb") as f:
+                f.write(b"x" * 3000)
+            free[0] = free_after
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4416 vs 4310")
+
+    with pytest.raises(CheckpointError) as raised:
+        save(tmp_path, 1, trainer=FillingTrainer())
+    if free_after == 10:
+        assert str(raised.value) == (
+            f"could not write checkpoint step-000001: no space left on {mount_of(tmp_path)}: needed more than 3.0 kB, "
+            "free 1.0 GB; no earlier checkpoint exists"
+        )
+    else:  # the disk is not full: the writer's error is what happened
+        assert str(raised.value) == (
+            "could not write checkpoint step-000001: RuntimeError: [enforce fail at inline_container.cc:664] . unexpected pos 4416 "
+            "vs 4310; no earlier checkpoint exists"
+        )
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+
+
+def mount_of(path):
+    import os
+
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
