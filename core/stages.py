@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -273,9 +274,22 @@ def train_step(
                 routes = recorded[start : start + n] if recorded is not None else None
                 trained = train_on_groups(pm, view, reference, share, config, learning_rate, routes)
                 if epoch:
-                    trained.entries.pop("train/samples", None)  # the step's samples, each counted once
+                    for once in ("train/samples", "train/tokens"):  # the step's samples and tokens, each counted once
+                        trained.entries.pop(once, None)
                 metrics.merge(trained)
     return metrics
+
+
+def warn_untrained(step: int, metrics: Mapping[str, float], config: RunConfig) -> None:
+    """The console line of a step whose samples had no token to train: it took no optimizer step."""
+    if metrics.get("optim/updates") or not metrics.get("optim/skipped_no_trained_tokens"):
+        return
+    samples, masked = metrics.get("train/samples", 0.0), metrics.get("completion/masked_truncated", 0.0)
+    limit = config.max_completion_tokens
+    why = f"{masked:g} of its {samples:g} samples were cut at --max-completion-tokens {limit} and --mask-truncated masks them"
+    if not masked:
+        why = f"the loss masks of its {samples:g} samples are all 0"
+    print(f"warning: step {step} trained no token ({why}): it took no optimizer step", file=sys.stderr)
 
 
 def untrained_if_truncated(sample: Sample) -> Sample:
@@ -314,7 +328,8 @@ def train_on_groups(
     learning_rate: float,
     recorded_routes: Sequence[Any] | None = None,
 ) -> Metrics:
-    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step.
+    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step; none
+    when no token of theirs is trained (all masked: ``optim/skipped_no_trained_tokens``).
 
     A loss's metrics are token-weighted means over its calls, but for those its output declares
     summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
@@ -329,14 +344,21 @@ def train_on_groups(
             record("train/skipped", 1, "sum")
             record("optim/updates", 0, "sum")
             return metrics
-        datums = step_datums(samples, config.router_replay, recorded_routes)
         mask = [torch.tensor(s.loss_mask[1:]) for s in samples]
+        num_tokens = float(sum(m.sum() for m in mask))
+        record("train/samples", len(samples), "sum")
+        record("train/tokens", num_tokens, "sum")
+        if not num_tokens:
+            # A zero gradient still moves AdamW's weights (decay, momentum): no step at all.
+            record("optim/skipped_no_trained_tokens", 1, "sum")
+            record("optim/updates", 0, "sum")
+            return metrics
+        datums = step_datums(samples, config.router_replay, recorded_routes)
         sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
         advantages = [torch.tensor(s.advantages[1:]) for s in samples]
         ref = reference.forward(datums) if reference is not None else None
         old = anchor_logprobs(trainer, datums, samples, sampling, config.anchor)
         num_sequences = sum(int(m.sum() > 0) for m in mask)
-        num_tokens = float(sum(m.sum() for m in mask))
         for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
             loss_fn = StepLoss(
                 pm=pm,
@@ -372,7 +394,6 @@ def train_on_groups(
         record("optim/skipped_nonfinite", skipped, "sum")
         record("optim/updates", 0 if skipped else 1, "sum")
         metrics.update(optim, "mean")
-        record("train/samples", len(samples), "sum")
     return metrics
 
 
