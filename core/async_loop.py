@@ -46,6 +46,7 @@ from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.stages import (
+    check_router_replay_model,
     check_sampling_settings,
     compute_advantages,
     learning_rate,
@@ -112,6 +113,7 @@ def check_async_settings(config: RunConfig) -> None:
             f"--max-head-offpolicy-versions must be at least {behind}"
         )
     check_sampling_settings(config)
+    check_router_replay_model(config)
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
 

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import pluggy
 
 from grpo_core.backend import PolicyScorer, Reference, Trainer, routes_data, sample_to_datum
-from grpo_core.config import RunConfig
+from grpo_core.config import DEFAULT, DEFAULT_PRESET, RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
@@ -220,6 +222,45 @@ def check_sampling_settings(config: RunConfig) -> None:
         )
     if not config.dynamic_sampling and config.max_sampling_rounds != RunConfig().max_sampling_rounds:
         raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
+
+
+def check_router_replay_model(config: RunConfig) -> None:
+    """--router-replay on a model whose config.json names no experts, refused before any model
+    loads (both loops); a model whose config is not on this machine is checked once loaded."""
+    from grpo_core.plugins.backends.moe_routing import EXPERT_COUNT_FIELDS
+
+    if config.router_replay == "off":
+        return
+    path = model_config_file(config.model)
+    try:
+        model_config = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with it
+    if not isinstance(model_config, dict):
+        return
+    text_config = model_config.get("text_config") or model_config
+    if any(text_config.get(name) for name in EXPERT_COUNT_FIELDS):
+        return
+    raise PluginError(
+        f"--router-replay {config.router_replay}: model type '{text_config.get('model_type')}' has no mixture-of-experts layers "
+        f"({path} names no experts), so there is no routing to replay: use --router-replay off"
+    )
+
+
+def model_config_file(model: str) -> Path | None:
+    """The config.json of ``--model`` on this machine (the embedded model's, a folder's, a hub
+    name's in the local cache), or None; asks no server."""
+    if model == DEFAULT:
+        return DEFAULT_PRESET.parent / "config.json"
+    if Path(model).is_dir():
+        return Path(model) / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a hub name either
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def updates_per_step(config: RunConfig) -> int:
