@@ -295,10 +295,12 @@ def train_step(
         if config.mask_truncated:
             record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
         recorded = old = None
-        if config.router_replay == "R2" and samples:
+        # With no token to train, the step takes no optimizer step: no pi_old forward either.
+        untrained = not any(m for s in samples for m in s.loss_mask[1:])
+        if config.router_replay == "R2" and samples and not untrained:
             # pi_old's forward records the routing every update of the step replays.
             old, recorded = trainer.forward_routed([sample_to_datum(s) for s in samples])
-        if len(shares) * config.ppo_epochs <= 1:
+        if len(shares) * config.ppo_epochs <= 1 or untrained:
             metrics.merge(train_on_groups(pm, trainer, reference, groups, config, learning_rate, recorded))
             return metrics
         if config.anchor != "old_policy":

@@ -215,8 +215,8 @@ def test_weight_sync_interval_0_is_refused_by_the_async_loop(tiny_model_dir, tin
         run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop="async", weight_sync_interval=0))
 
 
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_model_dir, tiny_dataset, tmp_path, loop):
+@pytest.mark.parametrize(("loop", "split"), [("sync", []), ("async", []), ("sync", ["--minibatches-per-step", "2", "--ppo-epochs", "2"])])
+def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_model_dir, tiny_dataset, tmp_path, loop, split):
     from safetensors.torch import load_file
 
     from tests.test_cli import grpo_core_in_process, small_run_args
@@ -225,7 +225,7 @@ def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_mod
     # Every completion is cut at 2 tokens and masked: no token is trained. Weight decay would
     # shrink the weights if AdamW stepped on the zero gradient.
     args = small_run_args(tiny_model_dir, tiny_dataset, r, "--loop", loop, "--mask-truncated", "--max-completion-tokens", "2")
-    out = grpo_core_in_process(*args, "--weight-decay", "0.5", "--learning-rate", "0.1", "--logger", "jsonl")
+    out = grpo_core_in_process(*args, *split, "--weight-decay", "0.5", "--learning-rate", "0.1", "--logger", "jsonl")
     assert out.returncode == 1, out.stdout + out.stderr
     metrics = metrics_of(r)
     assert len(metrics) == 2 and json.loads((r / "summary.json").read_text())["steps"] == 2
