@@ -45,7 +45,16 @@ from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.stages import check_sampling_settings, compute_advantages, learning_rate, score_groups, train_step, updates_per_step
+from grpo_core.stages import (
+    check_router_replay_model,
+    check_sampling_settings,
+    compute_advantages,
+    learning_rate,
+    score_groups,
+    train_step,
+    updates_per_step,
+    warn_untrained,
+)
 from grpo_core.types import Prompt
 
 ASYNC_DIR = "async"
@@ -101,6 +110,7 @@ def check_async_settings(config: RunConfig) -> None:
             f"--max-head-offpolicy-versions must be at least {behind}"
         )
     check_sampling_settings(config)
+    check_router_replay_model(config)
     if not 0.0 < config.max_rollout_failure_rate <= 1.0:
         raise PluginError(f"--max-rollout-failure-rate must be in (0, 1], got {config.max_rollout_failure_rate}")
 
@@ -564,6 +574,7 @@ class AsyncLoop:
             t1 = time.perf_counter()
             with self.trainer_lock:
                 metrics = train_step(self.pm, trainer, self.r.reference, kept, config, learning_rate(config, step - 1, state.total_steps))
+            warn_untrained(step, metrics.as_dict(), config)
             t2 = time.perf_counter()
             window = t2 - last
             busy = self.sampler.busy_seconds

@@ -20,7 +20,7 @@ import tomllib
 
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
-from grpo_core.options import KINDS, REDACTED, coerce, is_secret
+from grpo_core.options import DEFAULT_CHOICE, DEFAULTED_KINDS, KINDS, REDACTED, coerce, is_secret
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
@@ -449,6 +449,16 @@ def check_given(config: RunConfig, given: Iterable[str]) -> None:
         flag = f"--{key.replace('_', '-')}"
         if sections.get(key) == ASYNC and key != "loop" and config.loop != "async":
             raise PluginError(f"{flag} belongs to the asynchronous loop (--loop async); under --loop {config.loop} it would do nothing")
+        if key in ("max_concurrent", "max_head_offpolicy_versions") and config.synchronous_training:
+            raise PluginError(
+                f"{flag} bounds the rollouts that overlap training; --synchronous-training runs one batch at a time, "
+                "none while a step trains, so it would do nothing"
+            )
+        if key == "min_samples_per_fwd_bwd" and config.max_samples_per_fwd_bwd is None:
+            raise PluginError(
+                f"{flag} joins a short last forward/backward call to the one before; without --max-samples-per-fwd-bwd "
+                "a step is one call, so it would do nothing"
+            )
         if sections.get(key) == LORA and key != "lora_rank" and config.lora_rank == 0:
             raise PluginError(f"{flag} sets LoRA adapters, which only --lora-rank > 0 trains; without it, it would do nothing")
 
@@ -470,8 +480,11 @@ def given_value(field: attrs.Attribute, value: Any) -> Any:
     return typed_value(field, from_text(value) if from_text is not None and isinstance(value, str) else value)
 
 
-def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[str, dict[str, Any]]:
-    """``["eps_high=0.28"]`` or ``["gsm8k.strict=true"]`` -> {plugin: {option: value}}."""
+def parse_plugin_opts(kind: str, items: list[str], selected: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``["eps_high=0.28"]`` or ``["gsm8k.strict=true"]`` -> {plugin: {option: value}}.
+
+    ``selected`` None: the kind's default plugin, named later (``DEFAULT_CHOICE`` holds its options).
+    """
     result: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -480,19 +493,23 @@ def parse_plugin_opts(kind: str, items: list[str], selected: list[str]) -> dict[
         plugin, dot, option = key.partition(".")
         # An error quotes what was typed, with a secret's value as *** (config.json's rule).
         shown = f"{key}={REDACTED if is_secret(option or plugin) else value}"
+        if selected == []:
+            flag = "--group-filter" if kind == "group_filter" else f"--{kind.replace('_', '-')}"
+            raise PluginError(f"--{kind}-opt '{shown}': no {kind} plugin is selected, so it would do nothing; select one with {flag} NAME")
         if not dot:
-            if len(selected) != 1:
+            if selected is not None and len(selected) != 1:
                 raise PluginError(
                     f"--{kind}-opt '{shown}': several {kind} plugins are selected ({', '.join(selected)}); write NAME.{shown}"
                 )
-            plugin, option = selected[0], key
-        elif plugin not in selected:
+            plugin, option = DEFAULT_CHOICE if selected is None else selected[0], key
+        elif selected is not None and plugin not in selected:
             raise PluginError(f"--{kind}-opt '{shown}': {kind} '{plugin}' is not selected ({', '.join(selected)})")
         result.setdefault(plugin, {})[option] = value
     return result
 
 
-def selected_names(config: RunConfig, kind: str) -> list[str]:
+def selected_names(config: RunConfig, kind: str) -> list[str] | None:
+    """The plugins of ``kind`` the config names; None for a default yet to be named (``DEFAULTED_KINDS``)."""
     return selected_names_from(attrs.asdict(config), kind)
 
 
@@ -526,11 +543,15 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
         raise PluginError(f"--resume continues the run as it was configured: {', '.join(refused)} cannot change (allowed: {allowed})")
     options: dict[str, dict[str, dict[str, Any]]] = stored.pop("plugin_options", {}) or {}
     for kind, items in plugin_opts.items():
-        for name, given in parse_plugin_opts(kind, items, selected_names_from(stored, kind)).items():
+        # A default plugin (--sampler not given) is named in config.json by its options, if it had any.
+        selected = selected_names_from(stored, kind)
+        selected = (list(options.get(kind, {})) or None) if selected is None else selected
+        for name, given in parse_plugin_opts(kind, items, selected).items():
             for key, value in given.items():
                 if options.get(kind, {}).get(name, {}).get(key) != REDACTED:
+                    option = key if name == DEFAULT_CHOICE else f"{name}.{key}"
                     raise PluginError(
-                        f"--resume: --{kind}-opt {name}.{key} cannot change; only secret options, which are not saved, are given again"
+                        f"--resume: --{kind}-opt {option} cannot change; only secret options, which are not saved, are given again"
                     )
                 options[kind][name][key] = value
     missing = [f"{kind}.{name}.{key}" for kind, by in options.items() for name, o in by.items() for key, v in o.items() if v == REDACTED]
@@ -557,10 +578,10 @@ def read_stored_config(path: Path) -> dict[str, Any]:
     return stored
 
 
-def selected_names_from(stored: dict[str, Any], kind: str) -> list[str]:
+def selected_names_from(stored: dict[str, Any], kind: str) -> list[str] | None:
     value = stored.get(kind)
     if value is None:
-        return []
+        return None if kind in DEFAULTED_KINDS else []
     return list(value) if isinstance(value, (list, dict)) else [value]
 
 

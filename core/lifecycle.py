@@ -143,11 +143,23 @@ def policy_saved(state: RunState, final: str) -> str:
 
 
 def nothing_trained(r: Run) -> str | None:
-    """Why a run that ended without training one group is a failure (None when it trained, was
+    """Why a run that ended without training one token is a failure (None when it trained, was
     interrupted, or is a resumed run whose earlier steps may have trained)."""
     state, dropped = r.state, r.groups_dropped
-    if r.groups_trained or state.interrupted or state.step == r.start_step:
+    if r.tokens_trained or state.interrupted or state.step == r.start_step:
         return None
+    steps = "its one step" if state.step == 1 else f"all {state.step} steps"
+    if r.groups_trained:
+        if r.start_step:
+            return None
+        masked, limit = r.samples_masked_truncated, r.config.max_completion_tokens
+        why = f"{masked:g} of them were cut at --max-completion-tokens {limit} and --mask-truncated masks them"
+        fix = "raise --max-completion-tokens or drop --mask-truncated"
+        if masked < r.samples_kept:
+            why = f"{why}; the loss masks of {r.samples_kept - masked:g} are all 0" if masked else "their loss masks are all 0"
+            fix = "check the rollout's loss masks" + (f", {fix}" if masked else "")
+        kept = f"{r.groups_trained:g} groups of {r.samples_kept:g} samples"
+        return f"nothing was trained: {steps} kept {kept}, but no token of theirs was trained ({why}); {fix}"
     if dropped.get("failed"):
         return (
             f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
@@ -157,7 +169,6 @@ def nothing_trained(r: Run) -> str | None:
         return None
     said = {"zero_variance": "had equal rewards: no signal", "skipped": "had no samples"}
     reasons = ", ".join(f"{count:g} {said.get(name, f'by the group filter {name!r}')}" for name, count in dropped.items() if count)
-    steps = "its one step" if state.step == 1 else f"all {state.step} steps"
     return (
         f"nothing was trained: {steps} dropped every group ({reasons}); make the rewards within a group "
         "differ (more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit)"
@@ -184,6 +195,11 @@ class Run:
     groups_dropped: dict[str, float] = attrs.field(factory=dict)
     """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; ``skipped``:
     no samples; a group filter's name), by this process's steps."""
+    samples_kept: float = 0.0
+    samples_masked_truncated: float = 0.0
+    tokens_trained: float = 0.0
+    """The kept groups' samples, those of them --mask-truncated masked, and the tokens trained, by
+    this process's steps: a run whose kept samples had no token to train trained nothing."""
 
 
 @attrs.define
@@ -394,6 +410,9 @@ def end_step(
             state.rng = capture_rng(sampler)
     metrics.update(synced.as_dict())
     r.groups_trained += metrics.get("groups/kept", 0.0)
+    r.samples_kept += metrics.get("train/samples", 0.0)
+    r.samples_masked_truncated += metrics.get("completion/masked_truncated", 0.0)
+    r.tokens_trained += metrics.get("train/tokens", 0.0)
     for key, count in metrics.items():
         if key.startswith("groups/dropped_") or key == "groups/skipped":
             reason = key.removeprefix("groups/dropped_").removeprefix("groups/")

@@ -16,7 +16,15 @@ from grpo_core.config import RunConfig
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, own_run_dir, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, scope
-from grpo_core.stages import check_sampling_settings, compute_advantages, learning_rate, score_groups, train_step
+from grpo_core.stages import (
+    check_router_replay_model,
+    check_sampling_settings,
+    compute_advantages,
+    learning_rate,
+    score_groups,
+    train_step,
+    warn_untrained,
+)
 from grpo_core.types import Sample
 
 
@@ -32,6 +40,7 @@ def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]
     started = time.perf_counter()
     check_settings(config)
     check_sampling_settings(config)
+    check_router_replay_model(config)
     r = start_run(config, resume, overwrite)
     pm, state = r.selection.manager, r.state
 
@@ -49,6 +58,7 @@ def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]
                 break
             t2 = time.perf_counter()
             metrics.merge(train_step(pm, r.trainer, r.reference, kept, config, learning_rate(config, step - 1, state.total_steps)))
+            warn_untrained(step, metrics.as_dict(), config)
             t3 = time.perf_counter()
             metrics.update(
                 {"time/sample": t2 - t0 - reward_seconds, "time/reward": reward_seconds, "time/train": t3 - t2, "time/step": t3 - t0}, "sum"

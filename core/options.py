@@ -25,6 +25,11 @@ SECRET_NAME = re.compile(
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
 )
 """Option names that hold secrets even when not declared ``secret=True`` (``max_tokens`` does not match)."""
+DEFAULTED_KINDS = ("sampler", "weight_sync")
+"""Kinds whose plugin, when not given, is a default the selected plugins declare (the backend's sampler)."""
+DEFAULT_CHOICE = "(default)"
+"""Where ``--sampler-opt KEY=VALUE`` waits for the default's name, which the plugin catalog knows
+(``grpo_core.selection``), not the config; no entry point can be named so."""
 REDACTED = "***"
 ENV_PREFIX = "env:"
 

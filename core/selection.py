@@ -12,7 +12,7 @@ import pluggy
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.options import coerce_options, instantiate
+from grpo_core.options import DEFAULT_CHOICE, DEFAULTED_KINDS, coerce_options, instantiate
 from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper, plugin_class, provided
 
 
@@ -87,6 +87,11 @@ def select_plugins(config: RunConfig) -> Selection:
     if not config.reward:
         raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
     names["reward"] = list(config.reward)
+    for kind in DEFAULTED_KINDS:
+        # --sampler-opt KEY=VALUE without --sampler: the options of the default, now named.
+        by_name = config.plugin_options.get(kind, {})
+        if DEFAULT_CHOICE in by_name:
+            by_name[names[kind][0]] = {**by_name.pop(DEFAULT_CHOICE), **by_name.get(names[kind][0], {})}
 
     plugins: dict[str, dict[str, Any]] = {}
     typed_options: dict[str, dict[str, dict[str, Any]]] = {}
@@ -114,6 +119,7 @@ def select_plugins(config: RunConfig) -> Selection:
 
     rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items()]
     check_conversation(config, plugins, rewards)
+    check_per_trajectory(config, plugins["rollout"][config.rollout])
     loss = next(p for p in plugins["loss"].values() if not is_wrapper(p, "loss"))
     manager = build_manager(p for by_name in plugins.values() for p in by_name.values())
     return Selection(
@@ -140,6 +146,20 @@ def check_conversation(config: RunConfig, plugins: dict[str, dict[str, Any]], re
     needing_env = [r.name for r in rewards if declared(r.plugin, "reward", "needs_env")]
     if needing_env and not config.env:
         raise PluginError(f"reward {', '.join(needing_env)} scores what an environment gave: select one with --env NAME")
+
+
+def check_per_trajectory(config: RunConfig, rollout: Any) -> None:
+    """A rollout's ``per_trajectory`` given as an option only changes the async loop's scheduling,
+    which --loop sync and --synchronous-training do not have: each rolls out a whole batch per call."""
+    if "per_trajectory" not in config.options_for("rollout", config.rollout) or not declared(rollout, "rollout", "per_trajectory"):
+        return
+    if config.loop == "async" and not config.synchronous_training:
+        return
+    mode = "--synchronous-training" if config.loop == "async" else f"--loop {config.loop}"
+    raise PluginError(
+        f"--rollout-opt per_trajectory=true makes the async loop roll out each conversation as its own task; {mode} rolls out "
+        "a step's batch in one call, so it would do nothing: drop it, or use --loop async without --synchronous-training"
+    )
 
 
 def tools_by_name(tools: dict[str, Any]) -> dict[str, Any]:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import pluggy
 
 from grpo_core.backend import PolicyScorer, Reference, Trainer, routes_data, sample_to_datum
-from grpo_core.config import RunConfig
+from grpo_core.config import DEFAULT, DEFAULT_PRESET, RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
@@ -221,6 +224,45 @@ def check_sampling_settings(config: RunConfig) -> None:
         raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
 
 
+def check_router_replay_model(config: RunConfig) -> None:
+    """--router-replay on a model whose config.json names no experts, refused before any model
+    loads (both loops); a model whose config is not on this machine is checked once loaded."""
+    from grpo_core.plugins.backends.moe_routing import EXPERT_COUNT_FIELDS
+
+    if config.router_replay == "off":
+        return
+    path = model_config_file(config.model)
+    try:
+        model_config = json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return  # loading the model says what is wrong with it
+    if not isinstance(model_config, dict):
+        return
+    text_config = model_config.get("text_config") or model_config
+    if any(text_config.get(name) for name in EXPERT_COUNT_FIELDS):
+        return
+    raise PluginError(
+        f"--router-replay {config.router_replay}: model type '{text_config.get('model_type')}' has no mixture-of-experts layers "
+        f"({path} names no experts), so there is no routing to replay: use --router-replay off"
+    )
+
+
+def model_config_file(model: str) -> Path | None:
+    """The config.json of ``--model`` on this machine (the embedded model's, a folder's, a hub
+    name's in the local cache), or None; asks no server."""
+    if model == DEFAULT:
+        return DEFAULT_PRESET.parent / "config.json"
+    if Path(model).is_dir():
+        return Path(model) / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a hub name either
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def updates_per_step(config: RunConfig) -> int:
     """Optimizer steps (policy versions) one step takes: ``ppo_epochs`` passes over its groups,
     each split into ``minibatches_per_step`` shares."""
@@ -253,10 +295,12 @@ def train_step(
         if config.mask_truncated:
             record("completion/masked_truncated", sum(s.finish_reason == "length" for g in groups for s in g), "sum")
         recorded = old = None
-        if config.router_replay == "R2" and samples:
+        # With no token to train, the step takes no optimizer step: no pi_old forward either.
+        untrained = not any(m for s in samples for m in s.loss_mask[1:])
+        if config.router_replay == "R2" and samples and not untrained:
             # pi_old's forward records the routing every update of the step replays.
             old, recorded = trainer.forward_routed([sample_to_datum(s) for s in samples])
-        if len(shares) * config.ppo_epochs <= 1:
+        if len(shares) * config.ppo_epochs <= 1 or untrained:
             metrics.merge(train_on_groups(pm, trainer, reference, groups, config, learning_rate, recorded))
             return metrics
         if config.anchor != "old_policy":
@@ -273,9 +317,22 @@ def train_step(
                 routes = recorded[start : start + n] if recorded is not None else None
                 trained = train_on_groups(pm, view, reference, share, config, learning_rate, routes)
                 if epoch:
-                    trained.entries.pop("train/samples", None)  # the step's samples, each counted once
+                    for once in ("train/samples", "train/tokens"):  # the step's samples and tokens, each counted once
+                        trained.entries.pop(once, None)
                 metrics.merge(trained)
     return metrics
+
+
+def warn_untrained(step: int, metrics: Mapping[str, float], config: RunConfig) -> None:
+    """The console line of a step whose samples had no token to train: it took no optimizer step."""
+    if metrics.get("optim/updates") or not metrics.get("optim/skipped_no_trained_tokens"):
+        return
+    samples, masked = metrics.get("train/samples", 0.0), metrics.get("completion/masked_truncated", 0.0)
+    limit = config.max_completion_tokens
+    why = f"{masked:g} of its {samples:g} samples were cut at --max-completion-tokens {limit} and --mask-truncated masks them"
+    if not masked:
+        why = f"the loss masks of its {samples:g} samples are all 0"
+    print(f"warning: step {step} trained no token ({why}): it took no optimizer step", file=sys.stderr)
 
 
 def untrained_if_truncated(sample: Sample) -> Sample:
@@ -314,7 +371,8 @@ def train_on_groups(
     learning_rate: float,
     recorded_routes: Sequence[Any] | None = None,
 ) -> Metrics:
-    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step.
+    """Forward/backward over the kept samples (in chunks if asked), then one optimizer step; none
+    when no token of theirs is trained (all masked: ``optim/skipped_no_trained_tokens``).
 
     A loss's metrics are token-weighted means over its calls, but for those its output declares
     summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
@@ -329,14 +387,21 @@ def train_on_groups(
             record("train/skipped", 1, "sum")
             record("optim/updates", 0, "sum")
             return metrics
-        datums = step_datums(samples, config.router_replay, recorded_routes)
         mask = [torch.tensor(s.loss_mask[1:]) for s in samples]
+        num_tokens = float(sum(m.sum() for m in mask))
+        record("train/samples", len(samples), "sum")
+        record("train/tokens", num_tokens, "sum")
+        if not num_tokens:
+            # A zero gradient still moves AdamW's weights (decay, momentum): no step at all.
+            record("optim/skipped_no_trained_tokens", 1, "sum")
+            record("optim/updates", 0, "sum")
+            return metrics
+        datums = step_datums(samples, config.router_replay, recorded_routes)
         sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
         advantages = [torch.tensor(s.advantages[1:]) for s in samples]
         ref = reference.forward(datums) if reference is not None else None
         old = anchor_logprobs(trainer, datums, samples, sampling, config.anchor)
         num_sequences = sum(int(m.sum() > 0) for m in mask)
-        num_tokens = float(sum(m.sum() for m in mask))
         for idx in fwd_bwd_chunks(len(samples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
             loss_fn = StepLoss(
                 pm=pm,
@@ -372,7 +437,6 @@ def train_on_groups(
         record("optim/skipped_nonfinite", skipped, "sum")
         record("optim/updates", 0 if skipped else 1, "sum")
         metrics.update(optim, "mean")
-        record("train/samples", len(samples), "sum")
     return metrics
 
 

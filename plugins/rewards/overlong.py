@@ -17,13 +17,16 @@ class OverlongReward:
 
     Add it beside a correctness reward (`--reward gsm8k --reward overlong`): a completion that runs
     into the length limit is punished by how far into the buffer it went, rather than all at once,
-    so the policy learns to finish within the limit. Counts every trained token of a sample (all
-    its turns, in a multi-turn rollout). `max_tokens` 0 is the run's `--max-completion-tokens`
-    (`grpo-core eval` needs it given); `buffer` 0 is a fifth of it (DAPO: 4096 of 20480).
+    so the policy learns to finish within the limit. Each turn is measured on its own, as
+    `--max-completion-tokens` limits each: a multi-turn sample gets its longest turn's penalty.
+    `max_tokens` 0 is the run's `--max-completion-tokens` (`grpo-core eval` needs it given);
+    `buffer` 0 is a fifth of it (DAPO: 4096 of 20480).
     """
 
     max_tokens: int = option(
-        0, help="L_max: completion tokens at which the penalty is whole (0 = --max-completion-tokens)", validator=validate_non_negative
+        0,
+        help="L_max: tokens of one completion (one turn) at which the penalty is whole (0 = --max-completion-tokens)",
+        validator=validate_non_negative,
     )
     buffer: int = option(
         0, help="L_cache: tokens before max_tokens over which the penalty grows (0 = max_tokens // 5)", validator=validate_non_negative
@@ -43,7 +46,14 @@ class OverlongReward:
         buffer = self.buffer or max(1, limit // 5)
         if buffer > limit:
             raise PluginError(f"reward overlong: buffer {buffer} is longer than max_tokens {limit}")
-        return [self.penalty * overlong_punishment(s.num_completion_tokens, limit, buffer) for s in samples]
+        return [self.penalty * overlong_punishment(longest_turn(s), limit, buffer) for s in samples]
+
+
+def longest_turn(sample: Sample) -> int:
+    """The most tokens the policy generated in one turn of ``sample`` (its completion, single-turn)."""
+    if not sample.turns:
+        return sample.num_completion_tokens
+    return max(turn.end - turn.start for turn in sample.turns)
 
 
 def overlong_punishment(length: int, max_tokens: int, buffer: int) -> float:

@@ -235,3 +235,40 @@ def test_resuming_a_run_stored_before_a_setting_existed_refuses_that_setting_cle
         load_resumed(run_dir, {"lora_rank": "8"}, {})
     resumed = load_resumed(run_dir, {"threads": "2"}, {})
     assert (resumed.threads, resumed.lora_rank) == (2, 0)
+
+
+def test_options_of_the_default_sampler_reach_it_and_a_kind_with_none_selected_says_so():
+    from grpo_core.selection import select_plugins
+
+    # --sampler not given: the backend's default (local) takes them, and says which it has.
+    config = load(None, {}, {"sampler": ["batch_size=4"]})
+    select_plugins(config)
+    assert config.plugin_options["sampler"] == {"local": {"batch_size": 4}}
+    with pytest.raises(PluginError, match=r"^unknown option 'concurrency' for sampler.local options: batch_size$"):
+        select_plugins(load(None, {}, {"sampler": ["concurrency=auto"]}))
+    with pytest.raises(PluginError, match=r"options given for plugins that are not selected: sampler.openai"):
+        select_plugins(load(None, {}, {"sampler": ["openai.concurrency=auto"]}))
+    for kind, flag in (("env", "--env"), ("tool", "--tool"), ("group_filter", "--group-filter")):
+        with pytest.raises(
+            PluginError, match=rf"^--{kind}-opt 'x=1': no {kind} plugin is selected, so it would do nothing; select one with {flag} NAME$"
+        ):
+            load(None, {}, {kind: ["x=1"]})
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (
+            {"loop": "async", "synchronous_training": True, "max_concurrent": 4},
+            "--max-concurrent bounds the rollouts that overlap training",
+        ),
+        ({"loop": "async", "synchronous_training": True, "max_head_offpolicy_versions": 2}, "--max-head-offpolicy-versions bounds the"),
+        ({"min_samples_per_fwd_bwd": 2}, "--min-samples-per-fwd-bwd joins a short last forward/backward call to the one before; without"),
+    ],
+)
+def test_settings_that_do_nothing_with_the_rest_are_refused(given, message):
+    with pytest.raises(PluginError, match=f"^{message}.* it would do nothing$"):
+        load(None, given, {})
+    # Where they do something, they are taken.
+    taken = {**given, "max_samples_per_fwd_bwd": 4} | ({"synchronous_training": False} if "loop" in given else {})
+    load(None, taken, {})

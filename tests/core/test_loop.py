@@ -213,3 +213,29 @@ def test_weight_sync_interval_0_never_syncs_and_anchors_every_later_step_on_the_
 def test_weight_sync_interval_0_is_refused_by_the_async_loop(tiny_model_dir, tiny_dataset, tmp_path):
     with pytest.raises(PluginError, match="--weight-sync-interval 0 never syncs the sampler"):
         run(config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop="async", weight_sync_interval=0))
+
+
+@pytest.mark.parametrize(("loop", "split"), [("sync", []), ("async", []), ("sync", ["--minibatches-per-step", "2", "--ppo-epochs", "2"])])
+def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_model_dir, tiny_dataset, tmp_path, loop, split):
+    from safetensors.torch import load_file
+
+    from tests.test_cli import grpo_core_in_process, small_run_args
+
+    r = tmp_path / "r"
+    # Every completion is cut at 2 tokens and masked: no token is trained. Weight decay would
+    # shrink the weights if AdamW stepped on the zero gradient.
+    args = small_run_args(tiny_model_dir, tiny_dataset, r, "--loop", loop, "--mask-truncated", "--max-completion-tokens", "2")
+    out = grpo_core_in_process(*args, *split, "--weight-decay", "0.5", "--learning-rate", "0.1", "--logger", "jsonl")
+    assert out.returncode == 1, out.stdout + out.stderr
+    metrics = metrics_of(r)
+    assert len(metrics) == 2 and json.loads((r / "summary.json").read_text())["steps"] == 2
+    for m in metrics:
+        assert m["train/tokens"] == 0 and m["optim/updates"] == 0 and m["optim/skipped_no_trained_tokens"] == 1
+        assert m["completion/masked_truncated"] == m["train/samples"] == 8 and m["policy/version"] == 0
+    assert "warning: step 1 trained no token (8 of its 8 samples were cut at --max-completion-tokens 2" in out.stderr
+    assert (
+        "error: nothing was trained: all 2 steps kept 4 groups of 16 samples, but no token of theirs was trained (16 of them were cut "
+        "at --max-completion-tokens 2 and --mask-truncated masks them); raise --max-completion-tokens or drop --mask-truncated"
+    ) in out.stderr
+    before, after = load_file(tiny_model_dir / "model.safetensors"), weights_of(r)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -165,3 +165,28 @@ def test_tools_are_known_by_the_names_in_their_specs(monkeypatch):
         "calculator",
         "other",
     ]
+
+
+@pytest.mark.parametrize(
+    ("loop", "mode"), [(["--loop", "sync"], "--loop sync"), (["--loop", "async", "--synchronous-training"], "--synchronous-training")]
+)
+def test_per_trajectory_is_refused_where_a_step_rolls_out_its_batch_in_one_call(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, loop, mode
+):
+    from grpo_core.plugins.backends import local
+
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    args = small_run_args(
+        tiny_model_dir, tiny_dataset, tmp_path / "r", "--rollout", "multi_turn", "--rollout-opt", "per_trajectory=true", *loop
+    )
+    out = grpo_core_in_process(*args)
+    assert out.returncode == 1
+    assert (
+        f"error: --rollout-opt per_trajectory=true makes the async loop roll out each conversation as its own task; {mode} rolls out a "
+        "step's batch in one call, so it would do nothing: drop it, or use --loop async without --synchronous-training"
+    ) in out.stderr
+    # false, or the async loop's own scheduling, is taken.
+    config = load(None, {"rollout": "multi_turn"}, {"rollout": ["per_trajectory=false"]})
+    select_plugins(config)
+    config = load(None, {"rollout": "multi_turn", "loop": "async"}, {"rollout": ["per_trajectory=true"]})
+    assert select_plugins(config).plugins["rollout"][0].per_trajectory is True

@@ -236,7 +236,25 @@ def test_off_does_not_replay(moe_dir, tiny_dataset, tmp_path, monkeypatch):
     assert metrics[0]["moe/router_agreement"] == 1.0  # fp32: the trainer routes as the sampler did
 
 
-def test_a_dense_model_is_refused(tiny_model_dir, tiny_dataset, tmp_path):
+@pytest.mark.parametrize("loop", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["R2", "R3"])
+def test_a_dense_model_is_refused_from_its_config_before_any_model_loads(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, mode, loop):
+    from grpo_core.plugins.backends import local
+
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("a model loaded before the refusal"))
+    expected = (
+        rf"^--router-replay {mode}: model type 'qwen3' has no mixture-of-experts layers \({tiny_model_dir}/config.json names no "
+        r"experts\), so there is no routing to replay: use --router-replay off$"
+    )
+    with pytest.raises(PluginError, match=expected):
+        run_moe(tiny_model_dir, tiny_dataset, tmp_path / "run", router_replay=mode, loop=loop)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_a_dense_model_whose_config_is_elsewhere_is_refused_once_loaded(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    from grpo_core import stages
+
+    monkeypatch.setattr(stages, "model_config_file", lambda model: None)  # a hub model not in the local cache
     with pytest.raises(PluginError, match=r"^--router-replay R3: model type 'qwen3' has no mixture-of-experts layers \(--backend local\)$"):
         run_moe(tiny_model_dir, tiny_dataset, tmp_path / "run", router_replay="R3")
 

@@ -52,3 +52,25 @@ def test_a_run_scores_completions_that_reach_the_limit(tiny_model_dir, tiny_data
     # buffer 1 of 5: a completion of 5 tokens (cut at the limit) gets -1, a shorter one 0.
     assert rows and all(row["reward/overlong"] == (-1.0 if row["tokens"] == 5 else 0.0) for row in rows)
     assert any(row["reward/overlong"] == -1.0 for row in rows)
+
+
+def conversation(*turn_lengths, observation=3):
+    """A multi-turn sample: a 2-token prompt, then each policy turn followed by an observation."""
+    from grpo_core.types import Turn
+
+    tokens, mask, turns = [1, 1], [0.0, 0.0], []
+    for n in turn_lengths:
+        turns.append(Turn(start=len(tokens), end=len(tokens) + n, context_end=len(tokens) + n + observation))
+        tokens += [1] * (n + observation)
+        mask += [1.0] * n + [0.0] * observation
+    return Sample(prompt=Prompt(id="p", text="q"), tokens=tokens, sampling_logprobs=[0.0] * len(tokens), loss_mask=mask, text="",
+                  finish_reason="stop", policy_version=0, turns=turns)  # fmt: skip
+
+
+def test_each_turn_is_limited_not_the_conversation(tmp_path):
+    # --max-completion-tokens limits each turn: three turns of 8 within 10 are not overlong, though
+    # 24 policy tokens in all; a conversation gets its longest turn's penalty.
+    reward = make_plugin("reward.overlong")
+    reward.on_run_start(config=RunConfig(max_completion_tokens=10), run_dir=tmp_path, total_steps=1, start_step=0)
+    scored = [conversation(8, 8, 8), conversation(8, 9, 2), conversation(3, 10), conversation(9), *samples(9)]
+    assert reward.reward(prompt=None, samples=scored) == [0.0, -0.5, -1.0, -0.5, -0.5]
