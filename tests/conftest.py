@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+# The shared helpers assert too: rewritten like the test modules, their failures show the values.
+pytest.register_assert_rewrite("tests.helpers")
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
 """Data the tests read, shipped in the repository (each folder with its license)."""

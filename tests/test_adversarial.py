@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.test_cli import grpo_core, make_plugin_package, small_run_args
+from tests.helpers import grpo_core, make_plugin_package, small_run_args
 
 USER_ERROR, USAGE_ERROR = 1, 2
 
@@ -614,7 +614,7 @@ def test_a_run_folder_held_by_another_process_is_refused_naming_it(world, tmp_pa
 
 
 def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
-    from tests.test_cli import grpo_core_in_process
+    from tests.helpers import grpo_core_in_process
 
     text = " ".join(grpo_core_in_process("run", "--help").stdout.split())
     assert "A run holds a lock on its folder (RUN_DIR/.lock, with its PID) while it runs" in text
@@ -625,7 +625,7 @@ def test_run_help_describes_the_lock_the_deadlines_and_the_exit_codes():
 
 
 def test_eval_refuses_a_pass_threshold_that_is_no_number():
-    from tests.test_cli import grpo_core_in_process
+    from tests.helpers import grpo_core_in_process
 
     out = grpo_core_in_process("eval", "--pass-threshold", "nan")
     assert out.returncode == USAGE_ERROR

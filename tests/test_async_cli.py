@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.test_cli import grpo_core, grpo_core_in_process, signal_after_two_steps, small_run_args
+from tests.helpers import grpo_core, grpo_core_in_process, signal_after_two_steps, small_run_args
 
 
 def metrics_of(run_dir):

@@ -3,65 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-TEMPLATE = "Question: {prompt}\nAnswer:"
-
-
-def grpo_core(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_core.cli", *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-        timeout=timeout,
-    )
-
-
-def grpo_core_in_process(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``grpo_core(...)`` without a new interpreter: the same command line, exit code, stdout and
-    stderr, minus the ~20 s of imports a subprocess pays. ``env`` is set for the call; a
-    ``PYTHONPATH`` in it goes on ``sys.path`` and the plugin catalog is read again, as a new process
-    would. For what needs a real process (signals, kills, import-time settings) use ``grpo_core``."""
-    from click.testing import CliRunner
-
-    from grpo_core.cli import main
-    from grpo_core.plugins_manager import catalog
-
-    env = dict(env or {})
-    paths = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
-    saved_path, saved_cwd = list(sys.path), os.getcwd()
-    sys.path[:0] = paths
-    catalog.cache_clear()
-    try:
-        if cwd is not None:
-            os.chdir(cwd)
-        result = CliRunner().invoke(main, list(args), env=env, prog_name="grpo-core")
-    finally:
-        os.chdir(saved_cwd)
-        sys.path[:] = saved_path
-        catalog.cache_clear()
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(["grpo-core", *args], result.exit_code, result.stdout, result.stderr)
-
-
-def small_run_args(model: Path, dataset: Path, run_dir: Path, *extra: str) -> list[str]:
-    """A two-step run of the tiny model. Its rewards are all equal (0: random tokens solve
-    nothing), so its groups are trained as they are (--no-drop-zero-variance-groups): dropped as
-    zero-variance, the run would train nothing and end in exit 1 (``tests/test_adversarial.py``)."""
-    return [
-        "run", "--model", str(model), "--dataset", str(dataset), "--prompt-template", TEMPLATE,
-        "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
-        "--max-completion-tokens", "6", "--no-drop-zero-variance-groups", "--run-dir", str(run_dir), *extra,
-    ]  # fmt: skip
+from tests.helpers import (
+    SIGNAL,
+    captured_run_config,
+    grpo_core,
+    grpo_core_in_process,
+    make_plugin_package,
+    safetensors_of,
+    signal_after_two_steps,
+    small_run_args,
+)
 
 
 def test_version_and_fast_help():
@@ -163,29 +119,6 @@ def test_plugins_lists_builtins_with_options_and_json():
     assert options["kl_estimator"]["type"] == "Literal['k1', 'k2', 'k3']" and options["kl_estimator"]["default"] == "k3"
 
 
-def make_plugin_package(root: Path, name: str, body: str, entry_points: dict[str, str]) -> Path:
-    pkg = root / name
-    (pkg / name.replace("-", "_")).mkdir(parents=True)
-    (pkg / name.replace("-", "_") / "__init__.py").write_text(textwrap.dedent(body))
-    eps = "\n".join(f'"{k}" = "{v}"' for k, v in entry_points.items())
-    (pkg / "pyproject.toml").write_text(
-        textwrap.dedent(
-            f"""
-            [build-system]
-            requires = ["setuptools"]
-            build-backend = "setuptools.build_meta"
-            [project]
-            name = "{name}"
-            version = "1.2.3"
-            [project.entry-points.grpo_core]
-            """
-        )
-        + eps
-        + "\n"
-    )
-    return pkg
-
-
 @pytest.mark.slow
 def test_a_separately_installed_plugin_is_listed_and_selectable_and_a_broken_one_is_reported(tiny_model_dir, tiny_dataset, tmp_path):
     good = make_plugin_package(
@@ -251,28 +184,6 @@ def test_every_loss_trains_end_to_end(tiny_model_dir, tiny_dataset, tmp_path, lo
     assert all("loss/total" in m and "tis/weight_mean" in m for m in metrics)
 
 
-def signal_after_two_steps(args: list[str], run_dir: Path, signum: str, code: int) -> int:
-    """Start an endless run, send ``signum`` once two steps are logged, check the exit code and
-    the summary line; returns the number of steps it completed."""
-    import signal
-    import time
-
-    # Far more steps than can run before the signal: the run must end by the interrupt, not by itself.
-    args = [*args, "--max-steps", "1000000", "--epochs", "100000"]
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_core.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.2)
-    proc.send_signal(getattr(signal, signum))
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
-    assert "stopped: interrupted after step" in stdout
-    steps = len(metrics.read_text().splitlines())
-    assert 2 <= steps < 1000000
-    return steps
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(tiny_model_dir, tiny_dataset, tmp_path, signum, code):
@@ -286,14 +197,6 @@ def test_a_signal_ends_the_run_with_a_checkpoint_the_policy_and_its_exit_code(ti
 
 LORA_LEARNING_RATE = "1e-3"
 """For rank 8 on the embedded task; measured: 2e-3 gained less (+0.18), 5e-3 collapsed the reward to 0, rank 32 at 2e-3 gained +0.19."""
-SIGNAL = ("--reward", "format", "--reward-opt", r"pattern=\d", "--learning-rate", "3e-2")
-"""A reward the random tiny model earns about half the time, and a step large enough to show."""
-
-
-def safetensors_of(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(folder / "model.safetensors"))
 
 
 @pytest.mark.slow
@@ -409,19 +312,6 @@ def test_run_help_lists_every_option_in_its_section_in_order():
     assert flags[PLUGINS][-2:] == ["--loss-opt", "--logger-opt"] and "  --reward NAME[:WEIGHT] " in text
     assert flags["Run directory, checkpoints, resume"][-3:] == ["--config", "--resume", "--overwrite"]
     assert flags["Machine"][-1] == "--debug"
-
-
-def captured_run_config(monkeypatch, *args: str) -> tuple[int, str, object]:
-    """What ``grpo-core run ARGS`` hands the training loop (which is not started), with its exit code and output."""
-    from click.testing import CliRunner
-
-    import grpo_core.loop
-    from grpo_core.cli import main
-
-    seen = []
-    monkeypatch.setattr(grpo_core.loop, "run", lambda config, **kwargs: seen.append(config) or {"exit_code": 0})
-    out = CliRunner().invoke(main, ["run", *args])
-    return out.exit_code, out.output, (seen[0] if seen else None)
 
 
 def test_reward_weights_from_flags_and_from_a_toml_table_reach_the_run_as_the_same_value(monkeypatch, tmp_path):

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.test_cli import grpo_core
+from tests.helpers import grpo_core
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from grpo_core import hookimpl, option
 from grpo_core.plugins.loggers.console import ConsoleLogger
 from tests.conftest import REPO
-from tests.test_cli import grpo_core_in_process
+from tests.helpers import grpo_core_in_process
 
 
 @pytest.fixture(scope="module")

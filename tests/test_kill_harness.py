@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.test_cli import grpo_core, grpo_core_in_process, make_plugin_package, small_run_args
+from tests.helpers import grpo_core, grpo_core_in_process, make_plugin_package, small_run_args
 
 STEPS = 30  # the tiny dataset has 18 steps an epoch: resumes cross into the second
 

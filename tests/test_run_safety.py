@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.test_cli import grpo_core, grpo_core_in_process, make_plugin_package, small_run_args
+from tests.helpers import grpo_core, grpo_core_in_process, make_plugin_package, small_run_args
 
 PLUGINS = '''
 import os

@@ -309,7 +309,7 @@ def test_prompt_settings_round_trip(tmp_path):
 
 
 def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(tiny_model_dir, tiny_dataset, tmp_path):
-    from tests.test_cli import grpo_core_in_process, small_run_args
+    from tests.helpers import grpo_core_in_process, small_run_args
 
     good = tiny_dataset.read_bytes()
     for bad_row, message in [
@@ -448,7 +448,7 @@ def test_a_hub_name_loads_through_datasets_with_config_and_split(monkeypatch, gi
 
 @pytest.mark.slow
 def test_a_hub_name_fails_clearly_offline(tmp_path):
-    from tests.test_cli import grpo_core, small_run_args
+    from tests.helpers import grpo_core, small_run_args
 
     offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     out = grpo_core(*small_run_args(tmp_path / "no-model", "someone/no-such-data:test", tmp_path / "r"), env=offline)
@@ -489,7 +489,7 @@ def test_without_the_datasets_extra_the_message_names_it(tmp_path, monkeypatch, 
 
 
 def test_a_run_stops_on_a_bad_parquet_row_before_the_model_loads(tmp_path):
-    from tests.test_cli import grpo_core_in_process, small_run_args
+    from tests.helpers import grpo_core_in_process, small_run_args
 
     data = write_parquet(
         tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}]

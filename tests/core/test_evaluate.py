@@ -10,7 +10,7 @@ from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE, resolve_template, write_prompt_settings
 from grpo_core.evaluate import eval_config
 from grpo_core.measure import pass_at_k
-from tests.test_cli import TEMPLATE, grpo_core_in_process
+from tests.helpers import TEMPLATE, grpo_core_in_process
 
 
 @pytest.mark.parametrize(

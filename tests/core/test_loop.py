@@ -219,7 +219,7 @@ def test_weight_sync_interval_0_is_refused_by_the_async_loop(tiny_model_dir, tin
 def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_model_dir, tiny_dataset, tmp_path, loop, split):
     from safetensors.torch import load_file
 
-    from tests.test_cli import grpo_core_in_process, small_run_args
+    from tests.helpers import grpo_core_in_process, small_run_args
 
     r = tmp_path / "r"
     # Every completion is cut at 2 tokens and masked: no token is trained. Weight decay would

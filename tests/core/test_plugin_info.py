@@ -10,7 +10,7 @@ import pytest
 from grpo_core import option, plugin_info
 from grpo_core.plugin_info import describe_all, render
 from grpo_core.plugins_manager import PluginEntry
-from tests.test_cli import grpo_core_in_process, make_plugin_package, small_run_args
+from tests.helpers import grpo_core_in_process, make_plugin_package, small_run_args
 
 
 @attrs.define

@@ -9,7 +9,7 @@ from grpo_core import PluginError, hookimpl, plugins_manager
 from grpo_core.config import load
 from grpo_core.plugins_manager import PluginEntry, catalog
 from grpo_core.selection import select_plugins
-from tests.test_cli import grpo_core_in_process, small_run_args
+from tests.helpers import grpo_core_in_process, small_run_args
 
 
 def test_options_are_stored_typed_whether_from_flags_or_toml(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import grpo_core_in_process, small_run_args
+from tests.helpers import grpo_core_in_process, small_run_args
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "examples" / "grpo-plugins-example"

@@ -13,8 +13,8 @@ from grpo_core.config import RunConfig
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import compute_advantages
 from tests.conftest import REPO
+from tests.helpers import grpo_core
 from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
-from tests.test_cli import grpo_core
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ import re
 import pytest
 
 from grpo_core import Prompt, Sample, make_plugin
+from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
-from tests.test_cli import TEMPLATE, grpo_core
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -24,8 +24,8 @@ from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import OpenAISampler, ServerResponseError, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
-from tests.test_cli import TEMPLATE, grpo_core
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

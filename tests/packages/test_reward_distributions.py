@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import grpo_core_in_process, small_run_args
 from tests.packages.conftest import PACKAGES
-from tests.test_cli import grpo_core_in_process, small_run_args
 
 # (reward name, distribution, its options in order)
 DISTRIBUTIONS = [

@@ -174,7 +174,7 @@ def test_distillation_lowers_the_reverse_kl_to_a_briefly_trained_teacher(tmp_pat
     import runpy
 
     from tests.conftest import REPO
-    from tests.test_cli import grpo_core_in_process
+    from tests.helpers import grpo_core_in_process
 
     build_teacher = runpy.run_path(str(REPO / "scripts" / "build_distill_teacher.py"))["build_teacher"]
     teacher = build_teacher(tmp_path / "teacher", steps=60)
@@ -192,7 +192,7 @@ def test_distillation_lowers_the_reverse_kl_to_a_briefly_trained_teacher(tmp_pat
 
 @pytest.mark.parametrize("loop", ["sync", "async"])
 def test_a_run_in_either_loop_records_the_reverse_kl(teacher_dir, tiny_model_dir, tiny_dataset, tmp_path, loop):
-    from tests.test_cli import grpo_core_in_process, small_run_args
+    from tests.helpers import grpo_core_in_process, small_run_args
 
     run_dir = tmp_path / "run"
     out = grpo_core_in_process(

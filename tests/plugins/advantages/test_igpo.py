@@ -282,7 +282,7 @@ def test_options_reach_the_plugin_by_name():
 def test_a_run_through_the_cli_scores_turns_and_trains(tiny_model_dir, tmp_path):
     import json
 
-    from tests.test_cli import grpo_core_in_process
+    from tests.helpers import grpo_core_in_process
 
     dataset = tmp_path / "games.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in (3, 11, 7, 16)))

@@ -396,7 +396,7 @@ def test_lora_rank_8_trains_a_moe_model_from_the_command_line(family_dirs, tiny_
     """`grpo-core run --lora-rank 8` on a MoE model: adapters where the targets say (every expert's
     own trained on auto, none on auto-no-experts, never the router), and final/ (the merged policy,
     also what `grpo-core export` writes from the last checkpoint) is the adapted model."""
-    from tests.test_cli import SIGNAL, grpo_core_in_process, small_run_args
+    from tests.helpers import SIGNAL, grpo_core_in_process, small_run_args
 
     model_dir, run_dir = family_dirs(family), tmp_path / "run"
     choice = [] if targets == "auto" else ["--lora-target-modules", targets]

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.test_cli import SIGNAL, grpo_core, small_run_args
+from tests.helpers import SIGNAL, grpo_core, small_run_args
 
 FSDP = ("--backend", "fsdp", "--backend-opt", "nproc=2")
 

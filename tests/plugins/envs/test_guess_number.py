@@ -129,7 +129,7 @@ def test_the_shipped_model_plays_through_the_multi_turn_rollout_token_for_token(
 @pytest.mark.slow
 def test_rl_on_the_shipped_model_wins_more_games(tmp_path):
     """Measured (docs/igpo.md): outcome-only GRPO, seeds 0-2, goes from ~0.22 to ~0.33 in 60 steps."""
-    from tests.test_cli import grpo_core
+    from tests.helpers import grpo_core
 
     run_dir = tmp_path / "run"
     out = grpo_core(

@@ -20,7 +20,7 @@ from grpo_core import PluginError, Prompt
 from grpo_core.data import dataset_source, load_prompts
 from grpo_core.plugins.envs.verifiers import INDEX_FIELD, VerifiersEnv, check_seat, main
 from grpo_core.types import EnvStep
-from tests.test_cli import grpo_core_in_process
+from tests.helpers import grpo_core_in_process
 
 vf = pytest.importorskip("verifiers.v1")
 

@@ -103,7 +103,7 @@ def test_without_the_extra_the_message_names_it(monkeypatch):
 
 
 def test_a_run_with_logger_tensorboard_logs_what_metrics_jsonl_holds(tiny_model_dir, tiny_dataset, tmp_path):
-    from tests.test_cli import grpo_core_in_process, small_run_args
+    from tests.helpers import grpo_core_in_process, small_run_args
 
     run_dir = tmp_path / "run"
     out = grpo_core_in_process(

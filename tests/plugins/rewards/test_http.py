@@ -20,8 +20,8 @@ from grpo_core.plugins_manager import redact
 from grpo_core.selection import Selection, WeightedReward
 from grpo_core.stages import RewardError, score_groups
 from tests.conftest import REPO
+from tests.helpers import grpo_core_in_process, small_run_args
 from tests.plugins.rewards.json_server import Reply, elapsed, json_server
-from tests.test_cli import grpo_core_in_process, small_run_args
 
 PROMPT = Prompt(id="p1", text="what is 2 plus 3?", answer="#### 5", metadata={"question": "what is 2 plus 3?", "level": 1})
 

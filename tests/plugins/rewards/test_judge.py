@@ -12,8 +12,8 @@ from grpo_core.config import RunConfig
 from grpo_core.plugins.rewards.http import RewardServiceError
 from grpo_core.plugins.rewards.judge import GROUP_RUBRIC, POINTWISE_RUBRIC, parse_group_scores, parse_score
 from grpo_core.plugins_manager import redact
+from tests.helpers import grpo_core_in_process, small_run_args
 from tests.plugins.rewards.json_server import Reply, elapsed, json_server
-from tests.test_cli import grpo_core_in_process, small_run_args
 
 PROMPT = Prompt(id="p", text="What is 2 + 3?", answer="#### 5")
 

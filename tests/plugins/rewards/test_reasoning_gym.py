@@ -7,7 +7,7 @@ import pytest
 
 from grpo_core import PluginError, Prompt, Sample, make_plugin
 from grpo_core.data import dataset_source, load_prompts
-from tests.test_cli import grpo_core_in_process
+from tests.helpers import grpo_core_in_process
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

@@ -10,7 +10,7 @@ import torch
 from grpo_core import PluginError, Prompt, Sample, make_plugin
 from grpo_core.config import RunConfig
 from tests.conftest import build_tiny_tokenizer
-from tests.test_cli import grpo_core_in_process, small_run_args
+from tests.helpers import grpo_core_in_process, small_run_args
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 

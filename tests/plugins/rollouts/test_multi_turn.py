@@ -14,7 +14,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
-from tests.test_cli import grpo_core, grpo_core_in_process, small_run_args
+from tests.helpers import grpo_core, grpo_core_in_process, small_run_args
 
 QWEN_TEMPLATE = """
 {%- if tools %}
