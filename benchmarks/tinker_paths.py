@@ -32,7 +32,7 @@ def client_main(url: str, losses: list[str], steps: int) -> dict:
     import torch
 
     from tests.integration.test_tinker import MAPPED, _datums, _trainer
-    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+    from tests.plugins.backends.tinker_losses import step_loss as make_step_loss
 
     adam = tinker.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, grad_clip_norm=0.0)
     out = {}

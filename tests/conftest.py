@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 # The shared helpers assert too: rewritten like the test modules, their failures show the values.
-pytest.register_assert_rewrite("tests.helpers")
+pytest.register_assert_rewrite("tests.helpers", "tests.plugins.backends.routed_samples")
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"

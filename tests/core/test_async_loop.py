@@ -27,7 +27,7 @@ from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.types import Prompt, Sample
-from tests.core.test_loop import config as sync_config
+from tests.core.tiny_runs import config as sync_config
 
 
 @attrs.define

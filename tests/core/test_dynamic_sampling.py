@@ -12,7 +12,7 @@ from grpo_core import PluginError, hookimpl, selection
 from grpo_core.lifecycle import RunFailed
 from grpo_core.loop import run
 from grpo_core.plugins_manager import PluginEntry
-from tests.core.test_loop import config, metrics_of, weights_of
+from tests.core.tiny_runs import config, metrics_of, weights_of
 
 
 def line_of(prompt) -> int:

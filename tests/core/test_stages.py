@@ -8,42 +8,9 @@ import pytest
 from grpo_core import Prompt, Sample, hookimpl
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 from grpo_core.plugins_manager import build_manager
-from grpo_core.selection import Selection, WeightedReward
+from grpo_core.selection import WeightedReward
 from grpo_core.stages import RewardError, compute_advantages, score_groups
-
-
-def group(texts, prompt_id="p"):
-    prompt = Prompt(id=prompt_id, text="q", answer="1")
-    return [
-        Sample(
-            prompt=prompt,
-            tokens=[1, 2, 3],
-            sampling_logprobs=[0.0, -1.0, -1.0],
-            loss_mask=[0.0, 1.0, 1.0],
-            text=t,
-            finish_reason="stop",
-            policy_version=0,
-        )
-        for t in texts
-    ]
-
-
-@attrs.define
-class TableReward:
-    """Looks the score up by text; raises on 'boom'."""
-
-    table: dict
-
-    @hookimpl
-    def reward(self, prompt, samples):
-        if any(s.text == "boom" for s in samples):
-            raise RuntimeError("scorer crashed")
-        return [self.table.get(s.text) for s in samples]
-
-
-def selection_of(*rewards):
-    plugins = [r.plugin for r in rewards]
-    return Selection(manager=build_manager(plugins), plugins={"reward": plugins}, rewards=list(rewards), loss=None)
+from tests.core.table_rewards import TableReward, group, selection_of
 
 
 def test_weighted_sum_and_per_reward_metrics():

@@ -17,7 +17,7 @@ from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
 from grpo_core.stages import compute_advantages, fwd_bwd_chunks, score_groups, train_on_groups
 from grpo_core.types import Turn
-from tests.core.test_stages import TableReward, group, selection_of
+from tests.core.table_rewards import TableReward, group, selection_of
 
 
 @attrs.define

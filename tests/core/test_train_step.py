@@ -14,6 +14,7 @@ from grpo_core.loss import AGGREGATIONS
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import fwd_bwd_chunks, train_on_groups
+from tests.core.off_policy import LOSS_CONFIGS, off_policy_samples, samples_for
 
 
 def test_greedy_chunks():
@@ -22,26 +23,6 @@ def test_greedy_chunks():
     assert fwd_bwd_chunks(10, 3, 4) == [range(0, 4), range(4, 10)]
     assert fwd_bwd_chunks(8, 3, 4) == [range(0, 4), range(4, 8)]
     assert fwd_bwd_chunks(1, 3, 4) == [range(0, 1)]
-
-
-def samples_for(tokenizer):
-    gen = torch.Generator().manual_seed(0)
-    prompt = Prompt(id="p", text="x")
-    samples = []
-    for i in range(7):
-        n_prompt, n_completion = 2 + i % 3, 1 + (5 * i) % 7
-        tokens = torch.randint(3, len(tokenizer), (n_prompt + n_completion,), generator=gen).tolist()
-        mask = [0.0] * n_prompt + [1.0] * n_completion
-        if i == 3:
-            mask = [0.0] * len(tokens)  # an all-masked sequence counts in no normalizer
-        adv = float(torch.randn(1, generator=gen))
-        samples.append(
-            Sample(
-                prompt=prompt, tokens=tokens, sampling_logprobs=[-1.0] * len(tokens), loss_mask=mask,
-                text="", finish_reason="stop", policy_version=0, advantages=[adv] * len(tokens),
-            )
-        )  # fmt: skip
-    return samples
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
@@ -96,28 +77,6 @@ def test_num_sequences_counts_only_sequences_with_a_trained_token(tiny_model_dir
     calls = [7] if max_per_call is None else [3, 3, 1]
     # 7 sequences, one of them all-masked: N = 6 in every call, Σm the whole step's.
     assert spy.seen == [(n, 6, trained_tokens) for n in calls]
-
-
-def off_policy_samples(tokenizer, seed=0):
-    """samples_for's sequences with sampler logprobs spread around the model's (ratios and TIS
-    weights on both sides of 1) and advantages of both signs."""
-    gen = torch.Generator().manual_seed(seed)
-    samples = samples_for(tokenizer)
-    for i, s in enumerate(samples):
-        s.sampling_logprobs = (-5.7 + 0.6 * torch.randn(len(s.tokens), generator=gen)).tolist()
-        s.advantages = [(-1.0) ** i * (0.5 + 0.1 * i)] * len(s.tokens)
-    return samples
-
-
-LOSS_CONFIGS = {
-    "grpo": {"kl_beta": 0.05},
-    "dapo": {"dual_clip": 2.0},
-    "gspo": {"eps_low": 0.2, "eps_high": 0.2},
-    "cispo": {},
-    "importance_sampling": {"clip_rho": 2.0},
-    "dro": {},
-    "reinforce": {"kl_beta": 0.05},
-}
 
 
 @pytest.mark.parametrize("anchor", ["sampling", "stale"])

@@ -14,7 +14,7 @@ from grpo_core.loop import run
 from grpo_core.measure import training_eval
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.selection import select_plugins
-from tests.core.test_loop import config, metrics_of, weights_of
+from tests.core.tiny_runs import config, metrics_of, weights_of
 
 KILL_AT_STEP: dict[str, int] = {}
 

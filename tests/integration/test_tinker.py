@@ -316,7 +316,7 @@ def check_paths(url: str, loss: str, options: dict, on_policy: bool, wrappers: l
     import tinker
     import torch
 
-    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+    from tests.plugins.backends.tinker_losses import step_loss as make_step_loss
 
     names = [loss, *(wrappers or [])]
     plugin_options = {"loss": {loss: options}}
@@ -366,7 +366,7 @@ def check_loss_falls(url: str, loss: str, builtin: bool, steps: int) -> dict:
     import tinker
     import torch
 
-    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+    from tests.plugins.backends.tinker_losses import step_loss as make_step_loss
 
     trainer, _ = _trainer(url, loss=[loss], seed=5)
     if not builtin:
@@ -413,7 +413,7 @@ def check_written_model(url: str, folder: str) -> dict:
     import tinker
     import torch
 
-    from tests.plugins.backends.test_tinker import step_loss as make_step_loss
+    from tests.plugins.backends.tinker_losses import step_loss as make_step_loss
 
     trainer, _ = _trainer(url, loss=["importance_sampling"])
     pairs = _datums(trainer.tokenizer, 8)

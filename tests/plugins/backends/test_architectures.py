@@ -375,7 +375,7 @@ def test_the_saved_policy_carries_its_attention_to_eval_and_export(family_dirs, 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_packs_sequences_exactly(family_dirs, family):
     from grpo_core.plugins.backends.local import TransformersForward, _first_trained, target_logprobs
-    from tests.plugins.backends.test_local_packing import ragged_datums
+    from tests.plugins.backends.ragged_datums import ragged_datums
 
     model, _ = load_model(str(family_dirs(family)), torch.device("cpu"), "auto")
     forward = TransformersForward(model, padding_free=True)

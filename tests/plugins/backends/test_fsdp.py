@@ -16,7 +16,7 @@ from grpo_core.plugins.backends.fsdp import FSDPBackend, shares
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import train_on_groups
-from tests.core.test_train_step import LOSS_CONFIGS, off_policy_samples
+from tests.core.off_policy import LOSS_CONFIGS, off_policy_samples
 
 LEARNING_RATE = 1e-3
 

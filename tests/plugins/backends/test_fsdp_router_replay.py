@@ -12,7 +12,7 @@ from grpo_core.plugins.backends.fsdp import FSDPBackend
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from tests.plugins.backends.moe_models import build_tiny_moe
-from tests.plugins.backends.test_router_replay import loss_fn, sampled, with_routes
+from tests.plugins.backends.routed_samples import loss_fn, sampled, with_routes
 
 
 @pytest.fixture(scope="module")

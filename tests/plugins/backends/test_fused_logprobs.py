@@ -202,7 +202,7 @@ def test_a_trainer_step_on_the_tiny_model_equals_the_checkpointed_chunks(tiny_mo
     from grpo_core import SamplingParams
     from grpo_core.backend import sample_to_datum
     from grpo_core.plugins.backends import local
-    from tests.plugins.backends.test_local import make, prompts_of, to_samples
+    from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
     _, _, trainer, sampler = make(tiny_model_dir, padding_free=padding_free)
     assert trainer.model.lm_head.weight is trainer.model.get_input_embeddings().weight

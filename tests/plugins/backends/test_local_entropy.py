@@ -7,7 +7,7 @@ import torch
 
 from grpo_core import SamplingParams
 from grpo_core.backend import sample_to_datum
-from tests.plugins.backends.test_local import make, prompts_of, to_samples
+from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
 
 def exact_entropy(trainer, samples) -> float:

@@ -3,36 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import tinker
 import torch
 
 from grpo_core.config import RunConfig
 from grpo_core.plugins.backends import local
 from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, packed_layout, target_logprobs
-from tests.core.test_loop import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
-
-
-def datum(tokens, first_trained, gap=None):
-    """A datum over ``tokens`` trained from target ``first_trained`` on (``gap``: one untrained target inside)."""
-    weights = [0.0] * first_trained + [1.0] * (len(tokens) - 1 - first_trained)
-    if gap is not None:
-        weights[gap] = 0.0
-    return tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}
-    )
-
-
-def ragged_datums():
-    """Distinct prompts (no shared prefix) of very different lengths: 3 to 40 tokens."""
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(12, 28), (3, 5), (7, 2), (20, 9), (4, 30), (2, 1)]
-    datums = []
-    for i, (prompt, completion) in enumerate(shapes):
-        tokens = torch.randint(2, 290, (prompt + completion,), generator=gen).tolist()
-        datums.append(datum(tokens, prompt - 1, gap=prompt + 1 if i == 0 else None))
-    # No trained target at all: its logprobs are all 0.
-    datums.append(datum(torch.randint(2, 290, (6,), generator=gen).tolist(), 5))
-    return datums
+from tests.core.tiny_runs import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
+from tests.plugins.backends.ragged_datums import datum, ragged_datums
 
 
 def spy(monkeypatch, *names):
@@ -238,7 +215,7 @@ def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_me
     import json
 
     from grpo_core.loop import run
-    from tests.core.test_loop import config, metrics_of
+    from tests.core.tiny_runs import config, metrics_of
 
     run_dir = tmp_path / "run"
     run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2, plugin_options={"backend": {"local": options}}))

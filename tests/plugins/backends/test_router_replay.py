@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import tinker
 import torch
 
 from grpo_core import Sample, SamplingParams
-from grpo_core.backend import routes_data, sample_to_datum
+from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.lifecycle import check_router_replay
@@ -19,7 +18,7 @@ from grpo_core.plugins.backends.local import LocalBackend, LocalTrainer
 from grpo_core.plugins.backends.moe_routing import routers
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
 from tests.plugins.backends.moe_models import MOE_FAMILIES, build_tiny_moe
-from tests.plugins.backends.test_local import prompts_of, to_samples
+from tests.plugins.backends.routed_samples import loss_fn, sampled, with_routes
 
 FAMILIES = sorted(MOE_FAMILIES)
 
@@ -36,22 +35,6 @@ def make(model_dir, **config):
     trainer = LocalBackend().make_trainer(config=cfg)
     sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
     return trainer, sampler
-
-
-def sampled(trainer, sampler, G=3):
-    """Samples of two prompts of different lengths (left padding) whose completions end at different lengths."""
-    prompts = prompts_of(trainer.tokenizer)
-    params = SamplingParams(max_tokens=10, stop_token_ids=list(range(0, len(trainer.tokenizer), 7)))
-    samples = to_samples(prompts, sampler.sample(prompts, G, params))
-    assert len({len(s.tokens) for s in samples}) > 2, "the test needs ragged lengths"
-    return samples
-
-
-def with_routes(samples, routes):
-    return [
-        tinker.Datum(model_input=d.model_input, loss_fn_inputs={**d.loss_fn_inputs, "routed_experts": routes_data(r)})
-        for d, r in zip((sample_to_datum(s) for s in samples), routes)
-    ]
 
 
 def test_the_sampler_records_what_the_trainer_routes_exactly_in_fp32(moe_dir):
@@ -72,10 +55,6 @@ def test_a_dense_model_samples_without_routes(tiny_model_dir):
     sample = Sample(None, [1, 2, 3, 4], [0.0] * 4, [0.0, 0.0, 1.0, 1.0], "", "stop", 0)
     with pytest.raises(ValueError, match="datums carry routed_experts to replay, but model type 'qwen3' has no"):
         trainer.forward(with_routes([sample], [torch.zeros(3, 2, 2, dtype=torch.uint8)]))
-
-
-def loss_fn(datums, logprobs):
-    return sum(lp.sum() for lp in logprobs), {}
 
 
 def test_the_trainer_forces_the_routes_a_datum_carries_and_the_router_keeps_a_gradient(moe_dir):

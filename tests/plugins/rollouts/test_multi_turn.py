@@ -3,18 +3,27 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
-from typing import Any
 
 import attrs
 import pytest
 
-from grpo_core import Completion, PluginError, Prompt, SamplingParams, make_plugin
+from grpo_core import PluginError, Prompt, make_plugin
 from grpo_core.embedded import ASSETS
-from grpo_core.metrics import Metrics, scope
+from grpo_core.metrics import scope
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
 from tests.helpers import grpo_core, grpo_core_in_process, small_run_args
+from tests.plugins.rollouts.scripted_rollouts import (
+    EOS,
+    RECORDED,
+    Endless,
+    FakeTool,
+    ScriptedSampler,
+    ids,
+    policy_logprobs,
+    retry_math,
+    run,
+)
 
 QWEN_TEMPLATE = """
 {%- if tools %}
@@ -76,76 +85,6 @@ def qwen_tokenizer():
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
     tokenizer.chat_template = QWEN_TEMPLATE
     return tokenizer
-
-
-@attrs.define
-class ScriptedSampler:
-    """Answers each round of a rollout from a script: round r, conversation i -> a text, or
-    (tokens, finish reason).
-
-    A text ending in ``EOS`` ends with the tokenizer's eos token (finish "stop"); one ending in
-    ``</tool_call>`` stops there ("stop", as the stop string does); any other is cut ("length"),
-    as is a reply longer than the round's max_tokens. Each sampled token's logprob is
-    -(its position + 1) / 100, so tests can find them.
-    """
-
-    tokenizer: Any
-    script: list[list[str | tuple[list[int], str]]]
-    max_context: int | None = None
-    version: int = 0
-    calls: list[tuple[list[list[int]], int, SamplingParams]] = attrs.field(factory=list)
-
-    def sample(self, prompts, num_samples, params):
-        round_ = self.script[len(self.calls)]
-        self.calls.append(([list(p) for p in prompts], num_samples, params))
-        replies = iter(round_)
-        groups = []
-        for _ in prompts:
-            group = []
-            for _ in range(num_samples):
-                reply = next(replies)
-                tokens, finish = reply if isinstance(reply, tuple) else self.encode(reply)
-                if len(tokens) > params.max_tokens:
-                    tokens, finish = tokens[: params.max_tokens], "length"
-                group.append(Completion(tokens=tokens, logprobs=[-(i + 1) / 100 for i in range(len(tokens))], finish_reason=finish))
-            groups.append(group)
-        return groups
-
-    def encode(self, text: str) -> tuple[list[int], str]:
-        if text.endswith(EOS):
-            return self.tokenizer(text[: -len(EOS)], add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id], "stop"
-        tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokens, "stop" if text.endswith("</tool_call>") else "length"
-
-
-EOS = "<EOS>"
-
-
-def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def policy_logprobs(n: int) -> list[float]:
-    return [-(i + 1) / 100 for i in range(n)]
-
-
-RECORDED: list[Metrics] = []
-"""What each ``run`` below recorded for the step's metrics, the last one last."""
-
-
-def run(rollout, prompts, num_samples, sampler, env=None, tools=None, max_tokens=32, **params):
-    with scope() as recorded:
-        groups = rollout.rollout(
-            prompts=prompts, num_samples=num_samples, sampler=sampler,
-            params=SamplingParams(max_tokens=max_tokens, **params), env=env, tools=tools or {},
-        )  # fmt: skip
-    RECORDED.append(recorded)
-    return groups
-
-
-def retry_math(**options):
-    env = make_plugin("retry_math", **options)
-    return lambda prompt: env.env_reset(prompt=prompt)
 
 
 QUESTION = "Question: Mia has 18 marbles. She buys 34 more. How many marbles does Mia have now?\nAnswer:"
@@ -316,18 +255,6 @@ def test_openings_that_differ_within_a_group_are_sampled_one_by_one(embedded_tok
     assert [s.env_reward for s in group] == [1.0, 1.0]
 
 
-@attrs.define
-class Endless:
-    """An environment that never ends the episode and answers each turn with one short line."""
-
-    messages: list = attrs.field(factory=lambda: [{"role": "user", "content": "Question: count\nAnswer:"}])
-    steps: int = 0
-
-    def step(self, text, tokens):
-        self.steps += 1
-        return EnvStep(messages=[{"role": "user", "content": "more\nAnswer:"}], reward=0.25)
-
-
 def test_max_turns_ends_a_conversation(embedded_tokenizer):
     sampler = ScriptedSampler(embedded_tokenizer, [[" 1" + EOS]] * 3)
     episode = Endless()
@@ -376,23 +303,6 @@ def test_the_model_context_is_the_default_limit_and_an_opening_must_leave_room(e
     assert len(sample.tokens) == n + 2 and sample.finish_reason == "length"
     with pytest.raises(PluginError, match=rf"prompt c: its conversation opens with {n} tokens, which leaves no room within {n}"):
         run(make_plugin("multi_turn", max_total_tokens=n), [Prompt(id="c", text="c")], 1, sampler, env=lambda p: Endless())
-
-
-@attrs.define
-class FakeTool:
-    name: str = "fake"
-    delay: float = 0.0
-    calls: list = attrs.field(factory=list)
-
-    def tool_spec(self):
-        return {"name": self.name, "description": "test", "parameters": {"type": "object", "properties": {}}}
-
-    def tool_call(self, arguments):
-        self.calls.append(arguments)
-        if arguments.get("fail"):
-            raise ValueError("asked to fail")
-        time.sleep(self.delay)
-        return f"got {json.dumps(arguments, sort_keys=True)}"
 
 
 def tool_conversation(tok, replies, tools, **options):
@@ -611,7 +521,7 @@ def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_o
 ):
     from grpo_core.async_loop import SharedSampler
     from grpo_core.loop import run
-    from tests.core.test_loop import config
+    from tests.core.tiny_runs import config
 
     calls = []
     original = SharedSampler.sample

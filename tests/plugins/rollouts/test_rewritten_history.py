@@ -12,7 +12,7 @@ from grpo_core import PluginError, Prompt, make_plugin
 from grpo_core.plugins.rollouts.multi_turn import PrefixMismatch
 from grpo_core.types import Turn
 from tests.plugins.rollouts.chat_templates import QWEN3, build_chat_model, build_chat_tokenizer
-from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, Endless, ScriptedSampler, ids, policy_logprobs, retry_math, run
+from tests.plugins.rollouts.scripted_rollouts import EOS, RECORDED, Endless, ScriptedSampler, ids, policy_logprobs, retry_math, run
 
 QUESTION = [{"role": "user", "content": "what is 1 plus 2?"}]
 
@@ -295,7 +295,7 @@ def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritt
 @pytest.mark.parametrize("per_turn_samples", [False, True])
 def test_a_run_with_a_qwen3_thinking_template_trains_three_turns_per_conversation(tmp_path, per_turn_samples):
     from grpo_core.loop import run as run_loop
-    from tests.core.test_loop import config, metrics_of
+    from tests.core.tiny_runs import config, metrics_of
 
     dataset = tmp_path / "guess.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number", "answer": str(n)}) + "\n" for n in range(1, 9)))

@@ -13,7 +13,7 @@ from grpo_core import Completion, PluginError, Prompt, hookimpl, make_plugin
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, detect
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from tests.plugins.rollouts.chat_templates import FAMILIES, build_chat_model, build_chat_tokenizer
-from tests.plugins.rollouts.test_multi_turn import EOS, RECORDED, FakeTool, ScriptedSampler, ids, run
+from tests.plugins.rollouts.scripted_rollouts import EOS, RECORDED, FakeTool, ScriptedSampler, ids, run
 
 ADD = {"expression": "18 + 34"}
 CALL = ToolCall(name="calculator", arguments=ADD)
@@ -325,7 +325,7 @@ def test_a_three_step_run_whose_calls_reach_the_calculator(family, tmp_path, mon
     from grpo_core import plugins_manager
     from grpo_core.loop import run as run_loop
     from grpo_core.plugins_manager import PluginEntry, catalog
-    from tests.core.test_loop import config, metrics_of
+    from tests.core.tiny_runs import config, metrics_of
 
     builtins = catalog()
     entry = PluginEntry("sampler", "first_turn_calls", f"{__name__}:FirstTurnCallsSampler", "grpo-test", "0.1")
