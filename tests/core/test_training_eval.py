@@ -47,7 +47,7 @@ def test_plugins(monkeypatch):
     ours = {
         ("logger", "kill"): f"{__name__}:KillAfterStep",
         ("logger", "recorder"): f"{__name__}:EvalRecorder",
-        ("reward", "length"): "tests.core.test_loop:LengthReward",
+        ("reward", "length"): "tests.core.tiny_runs:LengthReward",
     }
 
     def find(name, kind=None):

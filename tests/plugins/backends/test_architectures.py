@@ -104,7 +104,7 @@ def test_plugins(monkeypatch):
     entries = {
         (kind, name): PluginEntry(kind=kind, name=name, target=target, distribution="tests", version="0")
         for kind, name, target in (
-            ("reward", "length", "tests.core.test_loop:LengthReward"),
+            ("reward", "length", "tests.core.tiny_runs:LengthReward"),
             ("loss", "gap", f"{__name__}:SamplerTrainerGap"),
         )
     }
