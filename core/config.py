@@ -20,7 +20,7 @@ import tomllib
 
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
-from grpo_core.hookspecs import KIND_TABLE
+from grpo_core.kinds import KIND_TABLE
 from grpo_core.options import DEFAULT_CHOICE, REDACTED, coerce, is_secret
 
 DEFAULT = "default"

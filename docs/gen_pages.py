@@ -105,10 +105,11 @@ def _cell(text: str) -> str:
 def hook_reference() -> str:
     """The hooks page: core/hookspecs.py's module docstring, then each hook's signature and docstring."""
     from grpo_core import hookspecs
-    from grpo_core.hookspecs import PROJECT
-    from grpo_core.hookspecs import KIND_TABLE
+    from grpo_core.hookspecs import KIND_TABLE, PROJECT
 
-    kinds_of = {hook: [kind for kind, spec in KIND_TABLE.items() if hook in spec.hooks] for spec in KIND_TABLE.values() for hook in spec.hooks}
+    kinds_of = {
+        hook: [kind for kind, spec in KIND_TABLE.items() if hook in spec.hooks] for spec in KIND_TABLE.values() for hook in spec.hooks
+    }
     lines = [
         "# Hooks",
         "",

@@ -106,7 +106,9 @@ def test_a_weight_sync_reaches_a_sampler_only_through_its_declared_attributes():
     assert InProcessWeightSync().weight_sync(trainer, sampler, 1) == 3 and loaded == [trainer]
     with pytest.raises(PluginError, match=r"--weight-sync in_process hands weights to a sampler in this process; a SimpleNamespace needs"):
         InProcessWeightSync().weight_sync(trainer, SimpleNamespace(version=0), 1)
-    with pytest.raises(PluginError, match=r"SimpleNamespace.load_weights_from must be callable \| None \(declared in grpo_core.hookspecs\)"):
+    with pytest.raises(
+        PluginError, match=r"SimpleNamespace.load_weights_from must be callable \| None \(declared in grpo_core.hookspecs\)"
+    ):
         InProcessWeightSync().weight_sync(trainer, SimpleNamespace(load_weights_from="weights"), 1)
     # The tinker sampler holds a sampling client of its own: no server client for vllm to reload.
     tinker = TinkerSampler(tokenizer=[0, 1, 2])

@@ -335,7 +335,10 @@ def judge_kind(monkeypatch):
     module = types.ModuleType("toy_judges")
     module.Picky, module.Silent = Picky, Silent
     monkeypatch.setitem(sys.modules, "toy_judges", module)
-    toy = [metadata.EntryPoint(name, f"toy_judges:{cls}", manager.GROUP) for name, cls in (("judge.picky", "Picky"), ("judge.silent", "Silent"))]
+    toy = [
+        metadata.EntryPoint(name, f"toy_judges:{cls}", manager.GROUP)
+        for name, cls in (("judge.picky", "Picky"), ("judge.silent", "Silent"))
+    ]
     real = metadata.entry_points
     monkeypatch.setattr(manager.metadata, "entry_points", lambda group: [*real(group=group), *toy])
     catalog.cache_clear()
