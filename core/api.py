@@ -21,12 +21,10 @@ import attrs
 
 from grpo_core.config import DEFAULT, RunConfig, load, load_resumed
 from grpo_core.errors import PluginError
-from grpo_core.options import KINDS
+from grpo_core.hookspecs import KIND_TABLE
 
 ROWS_DIR = "rows"
 """Where rows given in memory are saved: ``<the run directory's parent>/rows/<content hash>.jsonl``."""
-SINGLE_KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "advantage")
-LIST_KINDS = ("tool", "group_filter", "logger")
 
 
 def run(
@@ -83,27 +81,33 @@ def plugin_name(instance: Any) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", type(instance).__name__).lower()
 
 
-def _instances(plugins: Mapping[str, Any]) -> tuple[dict[tuple[str, str], Any], dict[str, float]]:
-    unknown = [kind for kind in plugins if kind not in KINDS]
+def _instances(plugins: Mapping[str, Any]) -> tuple[dict[tuple[str, str], Any], dict[str, dict[str, float]]]:
+    unknown = [kind for kind in plugins if kind not in KIND_TABLE]
     if unknown:
-        raise PluginError(f"unknown plugin kind {', '.join(map(repr, unknown))}; kinds: {', '.join(KINDS)}")
+        raise PluginError(f"unknown plugin kind {', '.join(map(repr, unknown))}; kinds: {', '.join(KIND_TABLE)}")
     instances: dict[tuple[str, str], Any] = {}
-    weights: dict[str, float] = {}
+    weights: dict[str, dict[str, float]] = {}  # per weighted kind (reward): each instance's weight
     for kind, given in plugins.items():
-        listed = [given] if kind in SINGLE_KINDS else (list(given) if isinstance(given, (list, tuple)) else [given])
-        if kind in SINGLE_KINDS and isinstance(given, (list, tuple)):
+        single = _names_one(kind)
+        listed = [given] if single else (list(given) if isinstance(given, (list, tuple)) else [given])
+        if single and isinstance(given, (list, tuple)):
             raise PluginError(f"{kind}=: one instance (a run has exactly one {kind})")
         for item in listed:
-            instance, weight = item if kind == "reward" and isinstance(item, tuple) else (item, 1.0)
+            instance, weight = item if KIND_TABLE[kind].weighted and isinstance(item, tuple) else (item, 1.0)
             if isinstance(instance, (str, type)):
                 raise PluginError(f"{kind}=: pass an instance ({kind}=MyPlugin()); a plugin is named in config instead")
             name = plugin_name(instance)
             if (kind, name) in instances:
                 raise PluginError(f"two {kind} instances are both named '{name}' (after their class)")
             instances[kind, name] = instance
-            if kind == "reward":
-                weights[name] = float(weight)
+            if KIND_TABLE[kind].weighted:
+                weights.setdefault(kind, {})[name] = float(weight)
     return instances, weights
+
+
+def _names_one(kind: str) -> bool:
+    """The config names one plugin of ``kind`` (``--rollout NAME``), not a list or weights."""
+    return not KIND_TABLE[kind].listed and not KIND_TABLE[kind].weighted
 
 
 def _config(config: RunConfig | Mapping[str, Any] | None, rows: Sequence[Mapping[str, Any]] | None) -> RunConfig:
@@ -129,22 +133,25 @@ def _config(config: RunConfig | Mapping[str, Any] | None, rows: Sequence[Mapping
     return resolved
 
 
-def _select(config: RunConfig, instances: dict[tuple[str, str], Any], weights: dict[str, float]) -> RunConfig:
+def _select(config: RunConfig, instances: dict[tuple[str, str], Any], weights: dict[str, dict[str, float]]) -> RunConfig:
     from grpo_core.plugins_manager import is_wrapper
 
     changes: dict[str, Any] = {}
     for (kind, name), instance in instances.items():
-        if kind in SINGLE_KINDS:
+        spec = KIND_TABLE[kind]
+        if _names_one(kind):
             changes[kind] = name
-        elif kind in LIST_KINDS:
+        elif spec.wrapped:
+            wrapper = is_wrapper(instance, spec.hooks[0])
+            kept = changes.get(kind, getattr(config, kind) if wrapper else [])
+            changes[kind] = [*kept, name] if wrapper else [name, *kept]
+        elif spec.listed:
             changes[kind] = [*changes.get(kind, getattr(config, kind)), name]
-        elif kind == "loss":
-            kept = changes.get("loss", config.loss if is_wrapper(instance, "loss") else [])
-            changes["loss"] = [*kept, name] if is_wrapper(instance, "loss") else [name, *kept]
-    if weights:
-        default_reward = attrs.evolve(config, reward={}).reward
-        base = {} if config.reward == default_reward else dict(config.reward)
-        changes["reward"] = {**base, **weights}
+    for kind, by_name in weights.items():
+        # Instances replace the default choice, else join the config's.
+        default = getattr(attrs.evolve(config, **{kind: {}}), kind)
+        base = {} if getattr(config, kind) == default else dict(getattr(config, kind))
+        changes[kind] = {**base, **by_name}
     return attrs.evolve(config, **changes)
 
 

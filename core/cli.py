@@ -20,7 +20,7 @@ import click
 from grpo_core import __version__
 from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, cli_fields
 from grpo_core.errors import PluginError
-from grpo_core.options import KINDS
+from grpo_core.hookspecs import KIND_TABLE
 
 EXIT_ERROR = 1
 """A run that the user can fix: bad config, data or plugin; a training failure it explains."""
@@ -106,7 +106,7 @@ def _run_options(func: Any) -> Any:
         section=RUN_DIRECTORY,
         help="TOML file of settings and [kind.name] option tables",
     )(func)
-    for kind in reversed(KINDS):
+    for kind in reversed(KIND_TABLE):
         func = click.option(
             *(f"{flag}-opt" for flag in _flags(kind)),
             f"{kind}_opt",
@@ -175,7 +175,7 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
     """
     from grpo_core import config as config_module
 
-    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KINDS}
+    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KIND_TABLE}
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
     run_dir: str | None = resume or overrides.get("run_dir")

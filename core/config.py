@@ -20,12 +20,11 @@ import tomllib
 
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
-from grpo_core.options import DEFAULT_CHOICE, DEFAULTED_KINDS, KINDS, REDACTED, coerce, is_secret
+from grpo_core.kinds import KIND_TABLE
+from grpo_core.options import DEFAULT_CHOICE, REDACTED, coerce, is_secret
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
-MULTI_KINDS = ("loss", "logger", "tool", "group_filter")
-"""Kinds a TOML file selects as a list; rewards are selected with their weights."""
 
 
 MODEL_AND_DATA = "Model and data"
@@ -429,6 +428,13 @@ class RunConfig:
     def is_default_model(self) -> bool:
         return self.model == DEFAULT
 
+    @property
+    def sampling_runs_ahead(self) -> bool:
+        """Sampling may run on weights older than the trainer's (a weight-sync interval over 1, or the
+        async loop): an in-process sampler then samples from a copy of its own, never the trainer's.
+        Core decides it, so a sampler needs to know no loop."""
+        return self.weight_sync_interval != 1 or self.loop == "async"
+
     def options_for(self, kind: str, name: str) -> dict[str, Any]:
         return dict(self.plugin_options.get(kind, {}).get(name, {}))
 
@@ -509,7 +515,7 @@ def parse_plugin_opts(kind: str, items: list[str], selected: list[str] | None) -
 
 
 def selected_names(config: RunConfig, kind: str) -> list[str] | None:
-    """The plugins of ``kind`` the config names; None for a default yet to be named (``DEFAULTED_KINDS``)."""
+    """The plugins of ``kind`` the config names; None for a default yet to be named (a kind's ``default_from``)."""
     return selected_names_from(attrs.asdict(config), kind)
 
 
@@ -581,7 +587,7 @@ def read_stored_config(path: Path) -> dict[str, Any]:
 def selected_names_from(stored: dict[str, Any], kind: str) -> list[str] | None:
     value = stored.get(kind)
     if value is None:
-        return None if kind in DEFAULTED_KINDS else []
+        return None if KIND_TABLE[kind].default_from else []
     return list(value) if isinstance(value, (list, dict)) else [value]
 
 
@@ -602,7 +608,7 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         except tomllib.TOMLDecodeError as exc:
             raise PluginError(f"{path}: invalid TOML: {exc}") from None
         for key, value in data.items():
-            if key in KINDS and isinstance(value, dict):
+            if key in KIND_TABLE and isinstance(value, dict):
                 # [loss.cispo] both selects a plugin and sets its options; a reward table may
                 # carry its weight.
                 for name, opts in value.items():
@@ -612,11 +618,11 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
                             f'(an empty one selects it); or select it with {key} = ["{name}"]'
                         )
                 table_opts[key] = {name: dict(opts) for name, opts in value.items()}
-                if key == "reward":
+                if KIND_TABLE[key].weighted:
                     values[key] = {name: opts.pop("weight", 1.0) for name, opts in table_opts[key].items()}
                 else:
                     names = list(value)
-                    values[key] = names if key in MULTI_KINDS else (names[0] if len(names) == 1 else names)
+                    values[key] = names if KIND_TABLE[key].listed else (names[0] if len(names) == 1 else names)
             else:
                 values[key] = value
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -640,7 +646,7 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         raise PluginError(f"config: {exc}") from None
     check_given(config, kwargs)
     merged: dict[str, dict[str, dict[str, Any]]] = {}
-    for kind in KINDS:
+    for kind in KIND_TABLE:
         selected = selected_names(config, kind) if hasattr(config, kind) else []
         opts = {name: dict(o) for name, o in table_opts.get(kind, {}).items()}
         for name, o in parse_plugin_opts(kind, plugin_opts.get(kind, []), selected).items():

@@ -4,7 +4,9 @@ A plugin is a class. Its attrs fields are its options, its docstring is its help
 method marked ``@hookimpl`` implements the hook of the same name below. A run instantiates
 only the plugins its config names and registers those instances on a fresh plugin manager.
 
-Selection, checked at start-up by ``grpo_core.plugins_manager``:
+``KIND_TABLE`` says, per plugin kind, which hooks its plugins implement, how many a run
+selects and what core reads from them besides hooks; the catalog, the checks at start-up
+(``grpo_core.plugins_manager``), the selection, the config and the Python API all derive from it:
 - single-choice stages (backend, sampler, weight_sync, rollout, advantage, loss) have exactly one
   implementation; their hooks are ``firstresult``.
 - ``env`` (``--env NAME``) is at most one environment; ``tool`` (``--tool NAME``, repeatable) any
@@ -20,10 +22,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
 import pluggy
 
-from grpo_core.errors import PluginError
+# The kind table and the declared attributes are part of this contract, and read from here; they
+# live in grpo_core.kinds so that the config, which the signatures below name, can read the table.
+from grpo_core.kinds import (  # noqa: F401
+    ACCEPTS,
+    ATTRIBUTES,
+    KIND_TABLE,
+    OBJECT_ATTRIBUTES,
+    Attribute,
+    Kind,
+    attributes_of,
+    declared,
+)
 
 if TYPE_CHECKING:
     from grpo_core.backend import PolicyScorer, Reference, Sampler, Trainer
@@ -34,117 +46,6 @@ if TYPE_CHECKING:
 PROJECT = "grpo_core"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
-
-
-# Declared attributes: besides hook arguments and results, core reads these (and only these) from a
-# plugin (a class attribute, an option or a property) or from the sampler a sampler plugin makes.
-# A plugin that does not set one gets its default; ``grpo_core.plugins_manager.plugin_problems``
-# refuses a plugin class that sets one with the wrong type, and :func:`declared` an instance.
-
-ACCEPTS: dict[str, Callable[[Any], bool]] = {
-    "bool": lambda v: isinstance(v, bool),
-    "bool | None": lambda v: v is None or isinstance(v, bool),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "str": lambda v: isinstance(v, str),
-    "str | None": lambda v: v is None or isinstance(v, str),
-    "callable | None": lambda v: v is None or callable(v),
-    "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
-}
-
-
-@attrs.frozen
-class Attribute:
-    """One declared attribute: its type, its default, and what core does with it."""
-
-    type: str
-    """A key of ``ACCEPTS``."""
-    default: Any
-    doc: str
-
-    def accepts(self, value: Any) -> bool:
-        return ACCEPTS[self.type](value)
-
-
-ATTRIBUTES: dict[str, dict[str, Attribute]] = {
-    "backend": {
-        "default_sampler": Attribute("str", "local", "the sampler plugin a run uses when --sampler is not given"),
-        "default_weight_sync": Attribute(
-            "str", "in_process", "the weight sync a run uses when neither --weight-sync nor the sampler plugin names one"
-        ),
-        "serve_rank": Attribute(
-            "callable | None",
-            None,
-            "serve_rank(config) -> exit code: what a process torchrun started as a rank other than 0 runs instead of the loop; "
-            "None: the backend trains in one process, and torchrun is refused",
-        ),
-    },
-    "sampler": {
-        "default_weight_sync": Attribute(
-            "str | None", None, "the weight sync that reaches this sampler (a server's: vllm); None: the backend's"
-        ),
-    },
-    "rollout": {
-        "per_trajectory": Attribute(
-            "bool", False, "--loop async calls it with one prompt and num_samples=1, G calls per group (see the rollout hook)"
-        ),
-        "encode": Attribute(
-            "callable | None", None, "encode(tokenizer, prompt) -> token ids: every prompt is measured against the context at start"
-        ),
-        "long_prompts": Attribute("str", "error", "'skip': a prompt too long for the context is skipped (counted), else refused"),
-        "chat_template": Attribute("bool | None", None, "whether it wraps plain prompts in the chat template (eval says so)"),
-    },
-    "reward": {
-        "needs_answer": Attribute("bool", False, "every dataset row must carry a reference answer"),
-        "needs_env": Attribute("bool", False, "it scores what an environment gave: a run refuses it without --env"),
-    },
-    "env": {
-        "needs_answer": Attribute("bool", False, "every dataset row must carry a reference answer"),
-    },
-    "loss": {
-        "needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)"),
-    },
-    "trainer object": {
-        "run_info": Attribute(
-            "dict[str, str]", {}, "how it trains (its forward, padding...), in words: written to config.json's run_info.trainer"
-        ),
-        "routing_problem": Attribute(
-            "str | None",
-            "the backend does not force or return mixture-of-experts routing",
-            "why --router-replay is refused (None: forward_backward_custom forces the routes a datum carries in "
-            "loss_fn_inputs['routed_experts'] and returns each datum's routing, used and chosen, in its outputs; "
-            "forward_routed(datums) -> (logprobs, routes) records)",
-        ),
-    },
-    "sampler object": {
-        "run_info": Attribute("dict[str, str]", {}, "how it samples (its forward...), in words: written to config.json's run_info.sampler"),
-        "own_weights": Attribute("bool", True, "False: it samples from the trainer's own weights (shared), which --loop async refuses"),
-        "concurrent_samples": Attribute("int", 1, "how many sample calls the async loop's workers may make at once"),
-        "routing_problem": Attribute(
-            "str | None",
-            "the sampler does not return the experts it routed each token to",
-            "why --router-replay R3 is refused (None: a mixture-of-experts model's completions carry routed_experts)",
-        ),
-        "stateless": Attribute(
-            "bool",
-            False,
-            "True for a server: it checkpoints nothing, and the run sends it the weights it must sample from at start, "
-            "on resume and at the end; False: it has state_dict() and load_state_dict(state) (its RNG, version, own weights)",
-        ),
-    },
-}
-"""Per plugin kind (``"trainer object"``, ``"sampler object"``: what ``make_trainer``, ``make_sampler``
-return), the attributes core reads."""
-
-
-def declared(obj: Any, kind: str, name: str) -> Any:
-    """The declared attribute ``name`` of a plugin of ``kind`` (or of a ``"sampler object"``):
-    its value, or its default when ``obj`` does not set it; a PluginError when the value has
-    another type than declared."""
-    attribute = ATTRIBUTES[kind][name]
-    value = getattr(obj, name, attribute.default)
-    if not attribute.accepts(value):
-        raise PluginError(f"{type(obj).__name__}.{name} must be {attribute.type} (declared in grpo_core.hookspecs), got {value!r}")
-    return value
 
 
 @hookspec(firstresult=True)

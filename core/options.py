@@ -19,14 +19,11 @@ import attrs
 
 from grpo_core.errors import PluginError
 
-KINDS = ("backend", "sampler", "weight_sync", "rollout", "env", "tool", "reward", "advantage", "group_filter", "loss", "logger")
 SECRET_NAME = re.compile(
     r"^(.*_)?(api_?key|password|passwd|secret|secret_key|access_key|private_key|credentials?)$"
     r"|^((auth|access|api|bearer|hf|refresh|secret)_)?token$"
 )
 """Option names that hold secrets even when not declared ``secret=True`` (``max_tokens`` does not match)."""
-DEFAULTED_KINDS = ("sampler", "weight_sync")
-"""Kinds whose plugin, when not given, is a default the selected plugins declare (the backend's sampler)."""
 DEFAULT_CHOICE = "(default)"
 """Where ``--sampler-opt KEY=VALUE`` waits for the default's name, which the plugin catalog knows
 (``grpo_core.selection``), not the config; no entry point can be named so."""

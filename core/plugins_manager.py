@@ -30,27 +30,9 @@ if TYPE_CHECKING:
     from grpo_core.config import RunConfig
     from grpo_core.loss import LossInputs, LossOutput
 
-from grpo_core.options import ENV_PREFIX, KINDS, REDACTED, instantiate, is_secret, option_fields
+from grpo_core.options import ENV_PREFIX, REDACTED, instantiate, is_secret, option_fields
 
 GROUP = "grpo_core"
-SINGLE_CHOICE = ("backend", "sampler", "weight_sync", "rollout", "advantage", "loss")
-KIND_HOOKS = {
-    "backend": ("load_tokenizer", "make_trainer", "make_reference"),
-    "sampler": ("make_sampler",),
-    "weight_sync": ("weight_sync",),
-    "rollout": ("rollout",),
-    "env": ("env_reset",),
-    "tool": ("tool_spec", "tool_call"),
-    "reward": ("reward",),
-    "advantage": ("advantage", "prepare_advantages"),
-    "group_filter": ("keep_group",),
-    "loss": ("loss",),
-    "logger": ("on_run_start", "on_step", "on_run_end"),
-}
-"""The hooks a plugin of each kind may implement; it must implement at least one of them."""
-REQUIRED_HOOKS = {"backend": ("load_tokenizer", "make_trainer"), "tool": ("tool_spec", "tool_call"), "advantage": ("advantage",)}
-"""Kinds that need more than one of their hooks (a run checks prompts with the tokenizer, then
-trains; a tool is described to the policy, then called)."""
 
 
 @attrs.frozen
@@ -107,7 +89,7 @@ def catalog() -> tuple[PluginEntry, ...]:
     entries: dict[tuple[str, str, str, str], PluginEntry] = {}
     for ep in metadata.entry_points(group=GROUP):
         kind, dot, name = ep.name.partition(".")
-        if not dot or kind not in KINDS:
+        if not dot or kind not in hookspecs.KIND_TABLE:
             continue
         dist = ep.dist
         entry = PluginEntry(
@@ -119,15 +101,16 @@ def catalog() -> tuple[PluginEntry, ...]:
         )
         # One distribution found twice on the path (an editable install and a copy) is one plugin.
         entries[(kind, name, entry.target, entry.distribution)] = entry
-    return tuple(sorted(entries.values(), key=lambda e: (KINDS.index(e.kind), e.name)))
+    order = list(hookspecs.KIND_TABLE)
+    return tuple(sorted(entries.values(), key=lambda e: (order.index(e.kind), e.name)))
 
 
 def find(name: str, kind: str | None = None) -> PluginEntry:
     """The entry for ``name`` (or ``kind.name``), with a did-you-mean error when unknown."""
     if kind is None and "." in name:
         kind, name = name.split(".", 1)
-    if kind is not None and kind not in KINDS:
-        raise PluginError(f"unknown plugin kind '{kind}'; kinds: {', '.join(KINDS)}")
+    if kind is not None and kind not in hookspecs.KIND_TABLE:
+        raise PluginError(f"unknown plugin kind '{kind}'; kinds: {', '.join(hookspecs.KIND_TABLE)}")
     candidates = [e for e in catalog() if kind is None or e.kind == kind]
     matches = [e for e in candidates if e.name == name]
     if len(matches) == 1:
@@ -317,8 +300,8 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
     except pluggy.PluginValidationError as exc:
         problems.append(_validation_reason(exc))
     problems.extend(attribute_problems(kind, cls))
-    own = KIND_HOOKS[kind]
-    required = REQUIRED_HOOKS.get(kind, ())
+    own = hookspecs.KIND_TABLE[kind].hooks
+    required = hookspecs.KIND_TABLE[kind].required
     if not any(hook in marked for hook in own) or any(hook not in marked for hook in required):
         needs = required or own
         how = "all of" if required else ("one of" if len(needs) > 1 else "")
@@ -330,11 +313,11 @@ def plugin_problems(kind: str, cls: type, name: str) -> list[str]:
 
 
 def attribute_problems(kind: str, cls: type) -> list[str]:
-    """A declared attribute (``hookspecs.ATTRIBUTES``) the class sets with a value of another type:
+    """A declared attribute (``hookspecs.KIND_TABLE``) the class sets with a value of another type:
     a class attribute, or an option's default. A property is read, and checked, on the instance."""
     problems = []
     fields = {f.name: f for f in attrs.fields(cls)} if attrs.has(cls) else {}
-    for name, attribute in hookspecs.ATTRIBUTES.get(kind, {}).items():
+    for name, attribute in hookspecs.attributes_of(kind).items():
         if name in fields:
             value = fields[name].default
             if value is attrs.NOTHING or isinstance(value, attrs.Factory):  # type: ignore[arg-type]
@@ -356,16 +339,19 @@ def is_wrapper(plugin: Any, hook: str) -> bool:
 
 
 def check_single_choice(selected: dict[str, dict[str, Any]]) -> None:
-    """Each single-choice stage must have exactly one (non-wrapper) implementation.
+    """Each kind of which one plugin runs (``hookspecs.KIND_TABLE``) has exactly one (non-wrapper)
+    implementation of its own hook, a kind of which at most one runs no more than one.
 
     ``selected``: kind -> {name users typed: instance}.
     """
-    for kind in SINGLE_CHOICE:
-        hook = {"backend": "make_trainer", "sampler": "make_sampler"}.get(kind, kind)
+    for kind, spec in hookspecs.KIND_TABLE.items():
+        if spec.runs not in ("one", "at most one"):
+            continue
         by_name = selected.get(kind, {})
-        impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, hook)]
-        if len(impls) != 1:
+        impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, spec.hooks[0])]
+        if len(impls) != 1 and (spec.runs == "one" or impls):
             wrappers = [name for name in by_name if name not in impls]
             names = ", ".join(impls) or "none"
             besides = f"; {', '.join(wrappers)} only wrap{'s' if len(wrappers) == 1 else ''} one" if wrappers else ""
-            raise PluginError(f"exactly one {kind} plugin must be selected, got {len(impls)} ({names}{besides})")
+            exactly = "exactly" if spec.runs == "one" else "at most"
+            raise PluginError(f"{exactly} one {kind} plugin must be selected, got {len(impls)} ({names}{besides})")

@@ -9,10 +9,10 @@ from typing import Any
 import attrs
 import pluggy
 
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, selected_names_from
 from grpo_core.errors import PluginError
-from grpo_core.hookspecs import declared
-from grpo_core.options import DEFAULT_CHOICE, DEFAULTED_KINDS, coerce_options, instantiate
+from grpo_core.hookspecs import KIND_TABLE, declared
+from grpo_core.options import DEFAULT_CHOICE, coerce_options, instantiate
 from grpo_core.plugins_manager import build_manager, check_single_choice, find, is_wrapper, plugin_class, provided
 
 
@@ -69,33 +69,32 @@ def select_plugins(config: RunConfig) -> Selection:
     Each plugin's options are stored back into ``config.plugin_options`` converted to their
     types, so config.json holds ``0.3`` whether the option came from a flag or a TOML file.
     """
-    names: dict[str, list[str]] = {
-        "backend": [config.backend],
-        "rollout": [config.rollout],
-        "env": [config.env] if config.env else [],
-        "tool": list(config.tool),
-        "advantage": [config.advantage],
-        "group_filter": list(config.group_filter),
-        "loss": list(config.loss),
-        "logger": list(config.logger),
-    }
-    backend_cls = plugin_class(config.backend, "backend")
-    names["sampler"] = [config.sampler or declared(backend_cls, "backend", "default_sampler")]
-    sampler_cls = plugin_class(names["sampler"][0], "sampler")
-    default_sync = declared(sampler_cls, "sampler", "default_weight_sync") or declared(backend_cls, "backend", "default_weight_sync")
-    names["weight_sync"] = [config.weight_sync or default_sync]
-    if not config.reward:
-        raise PluginError("no reward selected: pass --reward NAME[:WEIGHT]")
-    names["reward"] = list(config.reward)
-    for kind in DEFAULTED_KINDS:
-        # --sampler-opt KEY=VALUE without --sampler: the options of the default, now named.
-        by_name = config.plugin_options.get(kind, {})
-        if DEFAULT_CHOICE in by_name:
-            by_name[names[kind][0]] = {**by_name.pop(DEFAULT_CHOICE), **by_name.get(names[kind][0], {})}
+    given = attrs.asdict(config)
+    names: dict[str, list[str]] = {}
+    classes: dict[str, type] = {}
+    for kind, spec in KIND_TABLE.items():
+        chosen = selected_names_from(given, kind)
+        if spec.default_from:
+            # The kinds that name the default come earlier in the table, so their names are known.
+            for source in spec.default_from:
+                classes.setdefault(source, plugin_class(names[source][0], source))
+            if chosen is None:
+                chosen = [next(d for source in spec.default_from if (d := declared(classes[source], source, f"default_{kind}")))]
+            # --sampler-opt KEY=VALUE without --sampler: the options of the default, now named.
+            by_name = config.plugin_options.get(kind, {})
+            if DEFAULT_CHOICE in by_name:
+                by_name[chosen[0]] = {**by_name.pop(DEFAULT_CHOICE), **by_name.get(chosen[0], {})}
+        if spec.runs == "one or more" and not chosen:
+            weight = "[:WEIGHT]" if spec.weighted else ""
+            raise PluginError(f"no {kind} selected: pass --{kind.replace('_', '-')} NAME{weight}")
+        names[kind] = chosen or []
 
     plugins: dict[str, dict[str, Any]] = {}
     typed_options: dict[str, dict[str, dict[str, Any]]] = {}
-    for kind, kind_names in names.items():
+    # Registered in this order, which decides the order hooks every plugin implements run in
+    # (pluggy calls the last registered first): the config's own choices, then defaults, then rewards.
+    for kind in sorted(names, key=lambda kind: (bool(KIND_TABLE[kind].default_from), KIND_TABLE[kind].weighted)):
+        kind_names = names[kind]
         if len(set(kind_names)) != len(kind_names):
             raise PluginError(f"{kind} plugins selected twice: {', '.join(kind_names)}")
         for name in kind_names:

@@ -46,7 +46,7 @@ BUILT_IN = "grpo-core"
 
 def plugin_reference(infos: list[dict[str, Any]] | None = None) -> str:
     """The plugin reference page of ``infos`` (default: the installed built-ins, as ``grpo-core plugins`` lists them)."""
-    from grpo_core.options import KINDS
+    from grpo_core.hookspecs import KIND_TABLE
 
     if infos is None:
         from grpo_core.plugin_info import describe_all
@@ -61,7 +61,7 @@ def plugin_reference(infos: list[dict[str, Any]] | None = None) -> str:
         "or in a `[KIND.NAME]` table of a TOML config.",
         "",
     ]
-    for kind in KINDS:
+    for kind in KIND_TABLE:
         title = KIND_TITLES.get(kind, kind)  # a kind added to the core is listed even before it has a title
         of_kind = [info for info in infos if info["kind"] == kind]
         if not of_kind:
@@ -105,10 +105,11 @@ def _cell(text: str) -> str:
 def hook_reference() -> str:
     """The hooks page: core/hookspecs.py's module docstring, then each hook's signature and docstring."""
     from grpo_core import hookspecs
-    from grpo_core.hookspecs import PROJECT
-    from grpo_core.plugins_manager import KIND_HOOKS
+    from grpo_core.hookspecs import KIND_TABLE, PROJECT
 
-    kinds_of = {hook: [kind for kind, hooks in KIND_HOOKS.items() if hook in hooks] for hooks in KIND_HOOKS.values() for hook in hooks}
+    kinds_of = {
+        hook: [kind for kind, spec in KIND_TABLE.items() if hook in spec.hooks] for spec in KIND_TABLE.values() for hook in spec.hooks
+    }
     lines = [
         "# Hooks",
         "",

@@ -19,6 +19,7 @@ from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.loss import LossInputs, aggregate, validate_positive
 from grpo_core.plugins.backends import tinker_sdk as sdk
 from grpo_core.plugins.backends.local import model_path
@@ -156,16 +157,16 @@ def builtin_loss(config: RunConfig) -> BuiltinLoss | None:
         return None
     name = config.loss[0]
     loss = make_plugin(name, kind="loss", **config.plugin_options.get("loss", {}).get(name, {}))
-    if getattr(loss, "kl_beta", 0.0) > 0:
+    if declared(loss, "loss", "needs_reference"):
         return None
+    # The service computes grpo-core's own losses, whose options are read as they are declared;
+    # a subclass, or another loss, may compute something else: its loss hook does.
     kind = type(loss)
-    if kind is ImportanceSamplingLoss and loss.clip_rho is None:
-        return BuiltinLoss("importance_sampling", loss.agg)
-    clip = {"clip_low_threshold": 1.0 - getattr(loss, "eps_low", 0.0), "clip_high_threshold": 1.0 + getattr(loss, "eps_high", 0.0)}
-    if kind is CISPOLoss:
-        return BuiltinLoss("cispo", loss.agg, clip)
-    if (kind is DAPOLoss and loss.dual_clip is None) or kind is GRPOLoss:
-        return BuiltinLoss("ppo", loss.agg, clip)
+    if kind is ImportanceSamplingLoss:
+        return BuiltinLoss("importance_sampling", loss.agg) if loss.clip_rho is None else None
+    if kind is CISPOLoss or kind is GRPOLoss or (kind is DAPOLoss and loss.dual_clip is None):
+        clip = {"clip_low_threshold": 1.0 - loss.eps_low, "clip_high_threshold": 1.0 + loss.eps_high}
+        return BuiltinLoss("cispo" if kind is CISPOLoss else "ppo", loss.agg, clip)
     return None
 
 

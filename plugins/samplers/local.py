@@ -13,6 +13,7 @@ import torch
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import (
@@ -49,8 +50,7 @@ class LocalSamplerPlugin:
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
             )
         print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
-        # Sampling may only run ahead of training on its own copy of the weights.
-        own_weights = config.weight_sync_interval != 1 or config.loop == "async"
+        own_weights = config.sampling_runs_ahead
         return LocalSampler(
             model=frozen_copy(trainer.model) if own_weights else trainer.model,
             tokenizer=trainer.tokenizer,
@@ -67,7 +67,8 @@ def local_policy(trainer: Any) -> Any:
     """The local trainer whose model the sampler generates with: the trainer itself, or the whole
     copy a trainer that is not local keeps in this process for sampling (``local_policy()``: the
     fsdp trainer's, on rank 0)."""
-    return trainer.local_policy() if hasattr(trainer, "local_policy") else trainer
+    policy = declared(trainer, "trainer object", "local_policy")
+    return policy() if policy is not None else trainer
 
 
 @attrs.define(eq=False)

@@ -12,6 +12,7 @@ import attrs
 from grpo_core import Completion, SamplingParams, hookimpl
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.plugins.backends import tinker_sdk as sdk
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
@@ -30,7 +31,7 @@ class TinkerSamplerPlugin:
 
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> TinkerSampler:
-        if not hasattr(trainer, "sampling_client"):
+        if declared(trainer, "trainer object", "sampling_client") is None:
             raise PluginError(
                 f"the tinker sampler samples the tinker trainer's weights, not a {type(trainer).__name__}'s; choose another --sampler"
             )
@@ -50,7 +51,9 @@ class TinkerSampler:
     max_context: int | None = None
     version: int = -1
     """-1 until the first weight sync opens a sampling client."""
-    client: Any = None
+    sampling_client: Any = None
+    """The service's sampling client of the weights it samples (not a ServerClient, so named apart
+    from the declared ``client`` of a server sampler)."""
     vocab_size: int = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -60,11 +63,11 @@ class TinkerSampler:
     """No state_dict: the weights live on the service, so the run syncs them at start and on resume."""
 
     def load_weights_from(self, trainer: Any) -> None:
-        self.client = trainer.sampling_client()
+        self.sampling_client = declared(trainer, "trainer object", "sampling_client")()
         self.version = trainer.version
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
-        if self.client is None:
+        if self.sampling_client is None:
             raise PluginError("the tinker sampler has no weights yet: a weight sync opens its sampling client")
         futures = []
         for i, prompt in enumerate(prompts):
@@ -80,7 +83,9 @@ class TinkerSampler:
                 random.randrange(2**31),
             )
             futures.append(
-                self.client.sample(prompt=sdk.tinker.ModelInput.from_ints(list(prompt)), num_samples=num_samples, sampling_params=request)
+                self.sampling_client.sample(
+                    prompt=sdk.tinker.ModelInput.from_ints(list(prompt)), num_samples=num_samples, sampling_params=request
+                )
             )
         return [self._completions(sdk.resolved(f), num_samples, params.temperature == 0) for f in futures]
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import attrs
 
 from grpo_core import PluginError, hookimpl
+from grpo_core.hookspecs import declared
 
 
 @attrs.define
@@ -14,10 +15,11 @@ class InProcessWeightSync:
 
     @hookimpl
     def weight_sync(self, trainer, sampler, step: int) -> int:
-        if not hasattr(sampler, "load_weights_from"):
+        load_weights_from = declared(sampler, "sampler object", "load_weights_from")
+        if load_weights_from is None:
             raise PluginError(
                 f"--weight-sync in_process hands weights to a sampler in this process; "
                 f"a {type(sampler).__name__} needs its own (e.g. --weight-sync vllm)"
             )
-        sampler.load_weights_from(trainer)
+        load_weights_from(trainer)
         return sampler.version

@@ -11,6 +11,7 @@ import attrs
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.backend import sample_to_datum
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
 
@@ -72,8 +73,10 @@ class VLLMWeightSync:
     @hookimpl
     def weight_sync(self, trainer: Any, sampler: Any, step: int) -> int:
         started = time.perf_counter()
-        if not hasattr(sampler, "client"):
-            raise PluginError("weight sync 'vllm' needs a server sampler (--sampler openai)")
+        if not isinstance(declared(sampler, "sampler object", "client"), ServerClient):
+            raise PluginError(
+                f"weight sync 'vllm' needs a server sampler (--sampler openai): a {type(sampler).__name__}'s client is no ServerClient"
+            )
         # A restarted server serves the weights it was started with: sync it before it samples again.
         sampler.client.on_reconnect = lambda: self.sync(trainer, sampler)
         worst, repairs = self.sync(trainer, sampler)

@@ -93,3 +93,65 @@ def test_every_declared_attribute_is_documented():
         for name, attribute in attributes.items():
             assert f"`{name}`" in page, (kind, name)
             assert attribute.accepts(attribute.default), (kind, name)
+
+
+def test_a_weight_sync_reaches_a_sampler_only_through_its_declared_attributes():
+    from grpo_core.plugins.samplers.tinker import TinkerSampler
+    from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
+    from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync
+
+    trainer = SimpleNamespace(version=3)
+    loaded = []
+    sampler = SimpleNamespace(version=0, load_weights_from=lambda t: (loaded.append(t), setattr(sampler, "version", t.version)))
+    assert InProcessWeightSync().weight_sync(trainer, sampler, 1) == 3 and loaded == [trainer]
+    with pytest.raises(PluginError, match=r"--weight-sync in_process hands weights to a sampler in this process; a SimpleNamespace needs"):
+        InProcessWeightSync().weight_sync(trainer, SimpleNamespace(version=0), 1)
+    with pytest.raises(
+        PluginError, match=r"SimpleNamespace.load_weights_from must be callable \| None \(declared in grpo_core.hookspecs\)"
+    ):
+        InProcessWeightSync().weight_sync(trainer, SimpleNamespace(load_weights_from="weights"), 1)
+    # The tinker sampler holds a sampling client of its own: no server client for vllm to reload.
+    tinker = TinkerSampler(tokenizer=[0, 1, 2])
+    with pytest.raises(PluginError, match=r"weight sync 'vllm' needs a server sampler \(--sampler openai\): a TinkerSampler's client"):
+        VLLMWeightSync().weight_sync(trainer, tinker, 1)
+    with pytest.raises(PluginError, match="weight sync 'vllm' needs a server sampler"):
+        VLLMWeightSync().weight_sync(trainer, SimpleNamespace(client=object()), 1)
+
+
+def test_a_sampler_reaches_the_trainer_only_through_its_declared_attributes():
+    from grpo_core.plugins.samplers.local import local_policy
+    from grpo_core.plugins.samplers.tinker import TinkerSamplerPlugin
+
+    inner = SimpleNamespace()
+    assert local_policy(SimpleNamespace(local_policy=lambda: inner)) is inner
+    alone = SimpleNamespace()
+    assert local_policy(alone) is alone
+    with pytest.raises(PluginError, match=r"SimpleNamespace.local_policy must be callable \| None"):
+        local_policy(SimpleNamespace(local_policy=inner))
+    with pytest.raises(PluginError, match="the tinker sampler samples the tinker trainer's weights, not a SimpleNamespace's"):
+        TinkerSamplerPlugin().make_sampler(None, SimpleNamespace(tokenizer=[0]))
+    with pytest.raises(PluginError, match=r"SimpleNamespace.sampling_client must be callable \| None"):
+        TinkerSamplerPlugin().make_sampler(None, SimpleNamespace(tokenizer=[0], sampling_client="tinker://weights"))
+
+
+def test_core_decides_whether_sampling_runs_ahead_so_no_sampler_reads_the_loop():
+    from pathlib import Path
+
+    from grpo_core.config import RunConfig
+
+    assert RunConfig().sampling_runs_ahead is False
+    assert RunConfig(weight_sync_interval=2).sampling_runs_ahead is True
+    assert RunConfig(loop="async").sampling_runs_ahead is True
+    samplers = Path(__file__).resolve().parents[2] / "plugins" / "samplers"
+    assert not [path.name for path in samplers.glob("*.py") if ".loop" in path.read_text()]
+
+
+def test_no_plugin_probes_another_for_an_undeclared_attribute():
+    """The plugin-to-plugin contracts are declared: no hasattr/getattr on them anywhere in plugins/."""
+    import re
+    from pathlib import Path
+
+    plugins = Path(__file__).resolve().parents[2] / "plugins"
+    contract = ["load_weights_from", "client", "sampling_client", "local_policy", "kl_beta", "eps_low", "eps_high", "needs_reference"]
+    probe = re.compile(r"(hasattr|getattr)\([^)]*[\"'](" + "|".join(contract) + r")[\"']")
+    assert [f"{path.name}:{m.group(0)}" for path in plugins.rglob("*.py") for m in probe.finditer(path.read_text())] == []

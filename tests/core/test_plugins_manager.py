@@ -295,3 +295,125 @@ def test_a_tool_needs_both_its_hooks_and_an_env_its_reset():
         "method 'env_rest' is marked @hookimpl but no hook has that name (did you mean 'env_reset'?)",
         "an env plugin must implement @hookimpl def env_reset(self, prompt) (missing: env_reset)",
     ]
+
+
+@attrs.define
+class Picky:
+    """A plugin of a kind the table gains in a test."""
+
+    strict: str = option("yes", help="declared bool by the toy kind, so wrongly typed")
+
+    @hookimpl
+    def keep_group(self, prompt, samples):
+        return True
+
+
+@attrs.define
+class Silent:
+    @hookimpl
+    def on_step(self, step, metrics, state):
+        pass
+
+
+@pytest.fixture
+def judge_kind(monkeypatch):
+    """A kind added the way CONTRIBUTING says: one entry in the kind table, with an installed plugin of it."""
+    import sys
+    import types
+    from importlib import metadata
+
+    from grpo_core import hookspecs
+    from grpo_core import plugins_manager as manager
+
+    monkeypatch.setitem(
+        hookspecs.KIND_TABLE,
+        "judge",
+        hookspecs.Kind(
+            hooks=("keep_group",), runs="at most one", attributes={"strict": hookspecs.Attribute("bool", False, "judges strictly")}
+        ),
+    )
+    module = types.ModuleType("toy_judges")
+    module.Picky, module.Silent = Picky, Silent
+    monkeypatch.setitem(sys.modules, "toy_judges", module)
+    toy = [
+        metadata.EntryPoint(name, f"toy_judges:{cls}", manager.GROUP)
+        for name, cls in (("judge.picky", "Picky"), ("judge.silent", "Silent"))
+    ]
+    real = metadata.entry_points
+    monkeypatch.setattr(manager.metadata, "entry_points", lambda group: [*real(group=group), *toy])
+    catalog.cache_clear()
+    yield
+    catalog.cache_clear()
+
+
+def test_a_kind_added_to_the_table_is_cataloged_listed_and_checked(judge_kind):
+    from grpo_core.plugin_info import describe_all
+
+    entries = [(e.kind, e.name) for e in catalog()]
+    # Listed after the kinds before it in the table, like every kind.
+    assert entries[-2:] == [("judge", "picky"), ("judge", "silent")]
+    assert find("picky", "judge").target == "toy_judges:Picky"
+    with pytest.raises(PluginError, match=r"unknown plugin kind 'jduge'; kinds: backend, sampler, .*, logger, judge"):
+        find("picky", "jduge")
+    infos = {info["name"]: info for info in describe_all() if info["kind"] == "judge"}
+    assert infos["picky"]["problems"] == ["attribute 'strict' must be bool (declared in grpo_core.hookspecs), got 'yes'"]
+    assert infos["silent"]["problems"] == [
+        "a judge plugin must implement @hookimpl def keep_group(self, prompt, samples) (missing: keep_group)"
+    ]
+    with pytest.raises(PluginError, match=r"judge plugin 'silent' .* cannot be used: a judge plugin must implement"):
+        make_plugin("judge.silent")
+
+
+def test_how_many_of_a_kind_run_comes_from_the_table(judge_kind):
+    from grpo_core.hookspecs import KIND_TABLE
+
+    one_each = {kind: {"x": object()} for kind, spec in KIND_TABLE.items() if spec.runs == "one"}
+    check_single_choice({**one_each, "judge": {"a": Picky()}})
+    check_single_choice(one_each)  # at most one: none is fine
+    with pytest.raises(PluginError, match=r"^at most one judge plugin must be selected, got 2 \(a, b\)$"):
+        check_single_choice({**one_each, "judge": {"a": Picky(), "b": Picky()}})
+    with pytest.raises(PluginError, match=r"^exactly one rollout plugin must be selected, got 0 \(none\)$"):
+        check_single_choice({**one_each, "rollout": {}})
+
+
+def test_the_config_cli_api_and_docs_follow_the_kind_table():
+    """Every place that names kinds agrees with the table: the config's selection settings have the
+    shape the table gives, the CLI has --KIND-opt for each, and CONTRIBUTING's table says the same."""
+    import re
+    import typing
+    from pathlib import Path
+
+    from grpo_core.cli import run as run_command
+    from grpo_core.config import RunConfig
+    from grpo_core.hookspecs import KIND_TABLE
+
+    fields = {f.name: f.type for f in attrs.fields(RunConfig)}
+    for kind, spec in KIND_TABLE.items():
+        shape = typing.get_origin(fields[kind]) or fields[kind]
+        if spec.weighted:
+            assert shape is dict, kind
+        elif spec.listed:
+            assert shape is list, kind
+        elif spec.default_from or spec.runs == "at most one":
+            assert set(typing.get_args(fields[kind])) == {str, type(None)}, kind
+        else:
+            assert fields[kind] is str, kind
+    opts = {p.name for p in run_command.params}
+    assert {f"{kind}_opt" for kind in KIND_TABLE} <= opts
+    page = (Path(__file__).resolve().parents[2] / "CONTRIBUTING.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (.*?) \| .* \|$", page.split("## Write a plugin")[1].split("\n\n")[2], re.M)
+    assert [kind for kind, _ in rows[1:]] == list(KIND_TABLE)
+    for kind, hooks in rows[1:]:
+        assert set(re.findall(r"`(\w+)`", hooks)) == set(KIND_TABLE[kind].hooks), kind
+
+
+def test_every_default_is_named_by_a_kind_that_declares_it():
+    from grpo_core.hookspecs import KIND_TABLE
+
+    for kind, spec in KIND_TABLE.items():
+        for source in spec.default_from:
+            assert list(KIND_TABLE).index(source) < list(KIND_TABLE).index(kind), (kind, source)
+            assert f"default_{kind}" in KIND_TABLE[source].attributes, (kind, source)
+        if spec.default_from:
+            # The last one always names one, so a run always has its plugin.
+            assert KIND_TABLE[spec.default_from[-1]].attributes[f"default_{kind}"].type == "str", kind
