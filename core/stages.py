@@ -19,7 +19,8 @@ from grpo_core.config import DEFAULT, DEFAULT_PRESET, RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.plugins_manager import is_wrapper, plugin_label
+from grpo_core.plugins_manager import is_wrapper, make_plugin, plugin_label
+from grpo_core.routes import EXPERT_COUNT_FIELDS, agreement
 from grpo_core.types import Sample
 
 if TYPE_CHECKING:
@@ -149,9 +150,8 @@ def compute_advantages(
     advantages are all 0 (for an outcome-only advantage: equal rewards; igpo may see signal where
     the outcome rewards are equal). A dropped group's samples keep no advantages.
     """
-    from grpo_core.plugins.group_filters.zero_variance import ZeroVarianceFilter
-
-    filters = {"zero_variance": ZeroVarianceFilter()} if drop_zero_variance else {}
+    # Found by name like any group filter: the core imports no plugin.
+    filters = {"zero_variance": make_plugin("zero_variance", "group_filter")} if drop_zero_variance else {}
     filters.update(group_filters or {})
     with scope() as metrics:
         kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
@@ -227,8 +227,6 @@ def check_sampling_settings(config: RunConfig) -> None:
 def check_router_replay_model(config: RunConfig) -> None:
     """--router-replay on a model whose config.json names no experts, refused before any model
     loads (both loops); a model whose config is not on this machine is checked once loaded."""
-    from grpo_core.plugins.backends.moe_routing import EXPERT_COUNT_FIELDS
-
     if config.router_replay == "off":
         return
     path = model_config_file(config.model)
@@ -536,8 +534,6 @@ def record_router_agreement(samples: Sequence[Sample], result: Any) -> None:
     R3); ``moe/router_agreement_chosen``: where the trainer's routers chose them themselves (what
     replay corrects). Only where the sampler recorded routing and the trainer returned its own."""
     import torch
-
-    from grpo_core.plugins.backends.moe_routing import agreement
 
     if all(s.routed_experts is None for s in samples):
         return
