@@ -21,7 +21,7 @@ from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins_manager import is_wrapper, make_plugin, plugin_label
 from grpo_core.routes import EXPERT_COUNT_FIELDS, agreement
-from grpo_core.types import Sample
+from grpo_core.types import RewardFailures, Sample
 
 if TYPE_CHECKING:
     from grpo_core.selection import Selection
@@ -63,12 +63,20 @@ def call_with_timeout(fn: Callable[[], T], timeout: float) -> T:
     return outcome["value"]
 
 
-def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int, timeout: float = 0.0) -> Metrics:
+def score_groups(
+    selection: Selection,
+    groups: Sequence[Sequence[Sample]],
+    max_failures_in_a_row: float,
+    timeout: float = 0.0,
+    failures: RewardFailures | None = None,
+) -> Metrics:
     """Weighted sum of every reward; a None/NaN, a raising or a timed-out reward marks the sample failed.
 
     A failed sample is not trained on; the run stops once ``max_failures_in_a_row`` samples
-    in a row have failed, with the last error. ``timeout`` bounds each reward call (0 = none).
+    in a row have failed (counted in ``failures``, which goes on across calls: the run's), with
+    the last error. ``timeout`` bounds each reward call (0 = none).
     """
+    failures = failures if failures is not None else RewardFailures()
     failed = errors = timeouts = 0
     per_reward: dict[str, list[float]] = {r.name: [] for r in selection.rewards}
     for group in groups:
@@ -80,11 +88,11 @@ def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_f
             except CallTimeout as exc:
                 scores = [None] * len(group)
                 timeouts += 1
-                selection.last_reward_error = f"reward '{r.name}' {exc}"
+                failures.last_error = f"reward '{r.name}' {exc}"
             except Exception as exc:  # a reward's bug must not lose the run: the group is marked failed
                 scores = [None] * len(group)
                 errors += 1
-                selection.last_reward_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
+                failures.last_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
                 raise RewardError(f"reward '{r.name}' returned {len(scores)} scores for {len(group)} samples")
             wrong = next((s for s in scores if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)))), None)
@@ -102,15 +110,15 @@ def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_f
             if any(sample.rewards[r.name] is None for r in selection.rewards):
                 sample.reward = None
                 failed += 1
-                selection.reward_failures_in_a_row += 1
-                if selection.reward_failures_in_a_row >= max_failures_in_a_row:
+                failures.in_a_row += 1
+                if failures.in_a_row >= max_failures_in_a_row:
                     raise RewardError(
-                        f"rewards failed on {selection.reward_failures_in_a_row} samples in a row; "
-                        f"last: {selection.last_reward_error or 'a reward returned None/NaN'}"
+                        f"rewards failed on {failures.in_a_row} samples in a row; "
+                        f"last: {failures.last_error or 'a reward returned None/NaN'}"
                     )
             else:
                 sample.reward = sum(r.weight * sample.rewards[r.name] for r in selection.rewards)
-                selection.reward_failures_in_a_row = 0
+                failures.in_a_row = 0
     totals = [s.reward for g in groups for s in g if s.reward is not None]
     samples = [s for g in groups for s in g]
     with scope() as metrics:

@@ -40,7 +40,6 @@ ROUTER_RULES = {
 ``forward(hidden) -> (logits, top-k weights, top-k indices)``)."""
 
 
-
 def routers(model: Any) -> list[Any]:
     """The model's routers that :data:`ROUTER_RULES` knows, in layer order."""
     return [m for m in model.modules() if type(m).__name__ in ROUTER_RULES]
