@@ -68,7 +68,7 @@ def wrap_common() -> None:
 
 
 def wrap_grpo_core() -> None:
-    from grpo_core import loop
+    from grpo_core import loop, produce, stages
     from grpo_core.plugins.backends import local
     from grpo_core.plugins.backends.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
@@ -79,9 +79,9 @@ def wrap_grpo_core() -> None:
     wrap(local_sampler.LocalSampler, "_generate", "sample:  LocalSampler._generate")
     wrap(local_sampler.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, inverse-CDF draw)")
     wrap(FastDecoder, "__call__", "{phase}: model forward (FastDecoder)")
-    wrap(loop, "score_groups", "reward: score_groups", phase="reward")
-    wrap(loop, "compute_advantages", "reward: compute_advantages", phase="reward")
-    wrap(loop, "train_on_groups", "train: train_on_groups (total)", phase="train")
+    wrap(produce, "score_groups", "reward: score_groups", phase="reward")
+    wrap(produce, "compute_advantages", "reward: compute_advantages", phase="reward")
+    wrap(stages, "train_on_groups", "train: train_on_groups (total)", phase="train")
     wrap(local, "target_logprobs", "train:  target_logprobs (forward + log_softmax)")
     wrap(local.LocalTrainer, "forward_backward_custom", "train:  forward_backward_custom")
     wrap(GRPOLoss, "loss", "train:   loss hook (pad + surrogate)")

@@ -44,13 +44,12 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
-from grpo_core.metrics import Metrics, record, scope
+from grpo_core.metrics import Metrics, record
+from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_stream, roll
 from grpo_core.stages import (
     check_router_replay_model,
     check_sampling_settings,
-    compute_advantages,
     learning_rate,
-    score_groups,
     train_step,
     updates_per_step,
     warn_untrained,
@@ -287,16 +286,6 @@ class Call:
     done: bool = False
 
 
-@attrs.define
-class Taken:
-    """A prompt taken from the run's order: ``index`` is its place there (unique across epochs)."""
-
-    index: int
-    prompt: Prompt
-    requeued: int = 0
-    """Times its group came back too stale; from the first, the trainer waits for it rather than go past its bound."""
-
-
 @attrs.define(eq=False)
 class InFlight:
     """Admitted prompts being rolled out: in ``calls`` rollout calls (one per trajectory for a
@@ -339,43 +328,6 @@ class Finished:
     failed: str | None = None
 
 
-class PromptQueue:
-    """Prompts in the run's order, after the ones to sample again (stale or in flight at a checkpoint)."""
-
-    def __init__(self, stream: Iterator[Taken], cursor: int, again: list[Taken]) -> None:
-        self.stream = stream
-        self.cursor = cursor
-        self.again: collections.deque[Taken] = collections.deque(again)
-        self.peeked: Taken | None = None
-
-    def has_more(self) -> bool:
-        if self.again or self.peeked:
-            return True
-        self.peeked = next(self.stream, None)
-        return self.peeked is not None
-
-    def take(self, n: int) -> list[Taken]:
-        taken: list[Taken] = []
-        while len(taken) < n and self.has_more():
-            if self.again:
-                taken.append(self.again.popleft())
-            else:
-                taken.append(self.peeked)
-                self.peeked = None
-                self.cursor += 1
-        return taken
-
-
-def prompt_stream(r: Run, groups_per_step: int, cursor: int) -> Iterator[Taken]:
-    """The run's prompt order from ``cursor`` on; ``r.batches`` starts after the completed steps' batches."""
-    index = r.state.step * groups_per_step
-    for batch in r.batches:
-        for prompt in batch:
-            if index >= cursor:
-                yield Taken(index, prompt)
-            index += 1
-
-
 class AsyncLoop:
     def __init__(self, config: RunConfig, r: Run) -> None:
         self.config, self.r = config, r
@@ -386,7 +338,7 @@ class AsyncLoop:
         saved = read_async_state(self.folder, r.state.step) if r.state.step else None
         cursor = saved["cursor"] if saved else r.state.step * config.prompt_groups_per_step
         again = [Taken(i, Prompt(**p)) for i, p in saved["again"]] if saved else []
-        self.queue = PromptQueue(prompt_stream(r, config.prompt_groups_per_step, cursor), cursor, again)
+        self.queue = PromptQueue(prompt_stream(r.batches, r.state.step * config.prompt_groups_per_step, cursor), cursor, again)
         trim_ledger(self.folder / LEDGER, r.state.step)
         self.ledger = (self.folder / LEDGER).open("a")
         drain = config.synchronous_training
@@ -418,6 +370,10 @@ class AsyncLoop:
         self.trainer_lock = threading.Lock()
         """Held while a step changes the trainer's weights; the policy scorer an advantage gets
         (``prepare_advantages``) takes it too, so its scores come from one version."""
+        # Rewards and their failure counter are shared by every worker.
+        self.scorer = Scorer.for_training(
+            config, r.selection, r.state.reward_failures, r.trainer, lock=self.score_lock, trainer_lock=self.trainer_lock
+        )
         if r.evaluator is not None:
             r.evaluator.share(self.sampler, self.score_lock)
         self.threads = [
@@ -493,11 +449,7 @@ class AsyncLoop:
             self.sampler.begin_rollout()
             try:
                 # What the rollout and the sampler record in this thread; a failed attempt's records go with it.
-                with scope() as metrics:
-                    groups = self.pm.hook.rollout(
-                        prompts=[t.prompt for t in group.taken], num_samples=num_samples, sampler=self.sampler,
-                        params=self.r.params, **self.r.selection.rollout_args,
-                    )  # fmt: skip
+                groups, metrics = roll(self.r.selection, [t.prompt for t in group.taken], num_samples, self.sampler, self.r.params)
                 break
             except RETRYABLE as exc:
                 if attempt == config.rollout_retries:
@@ -508,7 +460,7 @@ class AsyncLoop:
 
     def finish(self, group: InFlight) -> Finished:
         """The group's scored samples, from all its calls; a group with a failed call fails."""
-        config, parts = self.config, group.parts
+        parts = group.parts
         retries, seconds = sum(p.retries for p in parts), sum(p.seconds for p in parts)
         failed = next((p.failed for p in parts if p.failed is not None), None)
         if failed is not None:
@@ -518,14 +470,7 @@ class AsyncLoop:
         dropped = sum(s is None for g in groups for s in g)
         groups = [[s for s in g if s is not None] for g in groups]
         t1 = time.perf_counter()
-        # Rewards and their failure counter are shared by every worker.
-        with self.score_lock:
-            metrics = score_groups(self.r.selection, groups, config.max_reward_failures_in_a_row, config.reward_timeout)
-            kept, advantage_metrics = compute_advantages(
-                self.pm, groups, config.drop_zero_variance_groups, self.r.trainer, config.max_samples_per_fwd_bwd, self.trainer_lock,
-                self.r.selection.group_filters,
-            )  # fmt: skip
-        metrics.merge(advantage_metrics)
+        kept, metrics = self.scorer(groups)
         for part in parts:
             metrics.merge(part.metrics)
         return Finished(

@@ -20,12 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.run_dir import TMP_PREFIX
-from grpo_core.types import LoopState
+from grpo_core.types import CHECKPOINTED, RunState
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "state.json"
@@ -76,22 +74,17 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def save_checkpoint(
-    run_dir: Path,
-    loop: LoopState,
-    trainer: Any,
-    rng: dict[str, Any],
-    write_extra: Callable[[Path], Any],
-    keep: int,
-) -> Path:
-    """Write the checkpoint of ``loop.step`` atomically and keep the newest ``keep``.
+def save_checkpoint(state: RunState, trainer: Any, write_extra: Callable[[Path], Any], keep: int) -> Path:
+    """Write the checkpoint of ``state.step`` atomically (its :data:`CHECKPOINTED` fields and
+    ``state.rng``) and keep the newest ``keep``.
 
     ``write_extra(folder)`` adds what other modules own (the prompt settings). A failure leaves
     the previous checkpoints as they were.
     """
     import torch
 
-    final = checkpoint_dir(run_dir, loop.step)
+    run_dir = state.run_dir
+    final = checkpoint_dir(run_dir, state.step)
     if (final / STATE_FILE).is_file():
         return final  # this step is saved already (a periodic checkpoint that is also the last)
     previous = complete_checkpoints(run_dir)
@@ -109,10 +102,11 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         trainer.save_state(str(tmp / TRAINER_STATE))
-        torch.save(rng, tmp / "rng.pt")
+        torch.save(state.rng or {}, tmp / "rng.pt")
         write_extra(tmp)
         # state.json last: its presence inside a step-* folder marks a whole checkpoint.
-        (tmp / STATE_FILE).write_text(json.dumps(attrs.asdict(loop), indent=1) + "\n")
+        record = {name: getattr(state, name) for name in CHECKPOINTED}
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
         fsync_tree(tmp)
         shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of that name
         os.replace(tmp, final)
@@ -172,17 +166,23 @@ def human(size: int) -> str:
     return f"{size} bytes"
 
 
-def load_checkpoint(path: Path, trainer: Any, sampler: Any) -> LoopState:
-    """Restore trainer, sampler and RNGs from ``path``; returns the loop's counters."""
+def load_checkpoint(path: Path, trainer: Any, sampler: Any, state: RunState) -> RunState:
+    """Restore trainer, sampler and RNGs from ``path``, and ``state``'s checkpointed fields (those
+    a checkpoint written before a field existed lacks keep their defaults); returns ``state``."""
     import torch
 
     try:
-        loop = LoopState(**json.loads((path / STATE_FILE).read_text()))
+        record = json.loads((path / STATE_FILE).read_text())
+        unknown = sorted(set(record) - set(CHECKPOINTED)) if isinstance(record, dict) else None
+        if unknown is None or unknown:
+            raise ValueError(f"{STATE_FILE} holds {unknown or type(record).__name__}, not the fields {', '.join(CHECKPOINTED)}")
         trainer.load_state(str(path / TRAINER_STATE))
         restore_rng(torch.load(path / "rng.pt", weights_only=False), sampler)
     except Exception as exc:
         raise CheckpointError(f"cannot resume from {path}: {type(exc).__name__}: {exc}") from exc
-    return loop
+    for name, value in record.items():
+        setattr(state, name, value)
+    return state
 
 
 def remove_partial(run_dir: Path) -> None:

@@ -88,14 +88,14 @@ def sync_weights(r: Run, step: int) -> Metrics:
     start and at the end for a server). Returns what the sync recorded (``sync/*``,
     ``time/weight_sync``)."""
     with scope() as metrics:
-        r.state.loop.policy_version = r.selection.manager.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
+        r.state.policy_version = r.selection.manager.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
     return metrics
 
 
 def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     """The last checkpoint, ``final/``, the summary (also as summary.json), and the loggers' end."""
     state = r.state
-    if keeps_no_state(r.sampler) and state.loop.policy_version != r.trainer.version:
+    if keeps_no_state(r.sampler) and state.policy_version != r.trainer.version:
         sync_weights(r, state.step)  # a server goes on serving the final policy
     # Under the same signal rule as a step: a signal lets final/ be written whole, a second one
     # stops at once (the checkpoint is written first: --resume then writes final/ only).
@@ -145,27 +145,28 @@ def policy_saved(state: RunState, final: str) -> str:
 def nothing_trained(r: Run) -> str | None:
     """Why a run that ended without training one token is a failure (None when it trained, was
     interrupted, or is a resumed run whose earlier steps may have trained)."""
-    state, dropped = r.state, r.groups_dropped
-    if r.tokens_trained or state.interrupted or state.step == r.start_step:
+    state = r.state
+    dropped = state.groups_dropped
+    if state.tokens_trained or state.interrupted or state.step == state.start_step:
         return None
     steps = "its one step" if state.step == 1 else f"all {state.step} steps"
-    if r.groups_trained:
-        if r.start_step:
+    if state.groups_trained:
+        if state.start_step:
             return None
-        masked, limit = r.samples_masked_truncated, r.config.max_completion_tokens
+        masked, limit = state.samples_masked_truncated, r.config.max_completion_tokens
         why = f"{masked:g} of them were cut at --max-completion-tokens {limit} and --mask-truncated masks them"
         fix = "raise --max-completion-tokens or drop --mask-truncated"
-        if masked < r.samples_kept:
-            why = f"{why}; the loss masks of {r.samples_kept - masked:g} are all 0" if masked else "their loss masks are all 0"
+        if masked < state.samples_kept:
+            why = f"{why}; the loss masks of {state.samples_kept - masked:g} are all 0" if masked else "their loss masks are all 0"
             fix = "check the rollout's loss masks" + (f", {fix}" if masked else "")
-        kept = f"{r.groups_trained:g} groups of {r.samples_kept:g} samples"
+        kept = f"{state.groups_trained:g} groups of {state.samples_kept:g} samples"
         return f"nothing was trained: {steps} kept {kept}, but no token of theirs was trained ({why}); {fix}"
     if dropped.get("failed"):
         return (
             f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
-            f"reward failed (last: {r.selection.last_reward_error or 'a reward returned None/NaN'}); fix the reward and start again"
+            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); fix the reward and start again"
         )
-    if r.start_step:
+    if state.start_step:
         return None
     said = {"zero_variance": "had equal rewards: no signal", "skipped": "had no samples"}
     reasons = ", ".join(f"{count:g} {said.get(name, f'by the group filter {name!r}')}" for name, count in dropped.items() if count)
@@ -177,7 +178,7 @@ def nothing_trained(r: Run) -> str | None:
 
 @attrs.define
 class Run:
-    """Everything a run's steps use, ready to go."""
+    """Everything a run's steps use, ready to go; what changes as it goes is in ``state``."""
 
     config: RunConfig
     selection: Any
@@ -189,17 +190,6 @@ class Run:
     params: SamplingParams
     evaluator: TrainingEval | None = None
     """``--eval-every``: what evaluates the policy between steps."""
-    start_step: int = 0
-    """The step a resumed run continued from (0 for a new run)."""
-    groups_trained: float = 0.0
-    groups_dropped: dict[str, float] = attrs.field(factory=dict)
-    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; ``skipped``:
-    no samples; a group filter's name), by this process's steps."""
-    samples_kept: float = 0.0
-    samples_masked_truncated: float = 0.0
-    tokens_trained: float = 0.0
-    """The kept groups' samples, those of them --mask-truncated masked, and the tokens trained, by
-    this process's steps: a run whose kept samples had no token to train trained nothing."""
 
 
 @attrs.define
@@ -317,8 +307,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
     unobserved = None
     if newest is not None:
-        state.loop = load_checkpoint(newest, trainer, sampler)
-        selection.reward_failures_in_a_row = state.loop.reward_failures_in_a_row
+        load_checkpoint(newest, trainer, sampler, state)
+        state.reward_failures.in_a_row = state.reward_failures_in_a_row
+        state.start_step = state.step
         unobserved = read_unobserved(newest)
     observed = state.step - 1 if unobserved is not None else state.step
     start_args = dict(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
@@ -336,7 +327,6 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     state.rng = capture_rng(sampler)
     order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
-    r.start_step = state.step
     if evaluator is not None:
         evaluator.sampler = sampler
     if unobserved is not None:
@@ -358,19 +348,19 @@ def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) 
             impl.function(*(args[name] for name in impl.argnames))
 
 
-def count_step(state: RunState, selection: Any, metrics: dict[str, float], max_nonfinite: int) -> None:
+def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int) -> None:
     """The step's weights are in place: count it (or stop the run after too many skipped ones)."""
     skipped = metrics.get("optim/skipped_nonfinite", 0.0) > 0
-    state.loop.nonfinite_in_a_row = state.loop.nonfinite_in_a_row + 1 if skipped else 0
-    if state.loop.nonfinite_in_a_row >= max_nonfinite:
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
+    if state.nonfinite_in_a_row >= max_nonfinite:
         raise NonFiniteSteps(
-            f"the loss or gradient norm was non-finite in {state.loop.nonfinite_in_a_row} steps in a row "
+            f"the loss or gradient norm was non-finite in {state.nonfinite_in_a_row} steps in a row "
             f"(those optimizer steps were skipped); last: loss {metrics.get('loss/total')}, grad norm {metrics.get('optim/grad_norm')}"
         )
-    state.loop.step += 1
-    state.loop.reward_failures_in_a_row = selection.reward_failures_in_a_row
+    state.step += 1
+    state.reward_failures_in_a_row = state.reward_failures.in_a_row
     reward = metrics["reward/total"]
-    state.loop.history.append(reward if math.isfinite(reward) else None)
+    state.history.append(reward if math.isfinite(reward) else None)
 
 
 def end_step(
@@ -401,7 +391,7 @@ def end_step(
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
-        count_step(state, r.selection, metrics, config.max_nonfinite_steps_in_a_row)
+        count_step(state, metrics, config.max_nonfinite_steps_in_a_row)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
         try:
             if config.weight_sync_interval and step % config.weight_sync_interval == 0:
@@ -409,14 +399,14 @@ def end_step(
         finally:
             state.rng = capture_rng(sampler)
     metrics.update(synced.as_dict())
-    r.groups_trained += metrics.get("groups/kept", 0.0)
-    r.samples_kept += metrics.get("train/samples", 0.0)
-    r.samples_masked_truncated += metrics.get("completion/masked_truncated", 0.0)
-    r.tokens_trained += metrics.get("train/tokens", 0.0)
+    state.groups_trained += metrics.get("groups/kept", 0.0)
+    state.samples_kept += metrics.get("train/samples", 0.0)
+    state.samples_masked_truncated += metrics.get("completion/masked_truncated", 0.0)
+    state.tokens_trained += metrics.get("train/tokens", 0.0)
     for key, count in metrics.items():
         if key.startswith("groups/dropped_") or key == "groups/skipped":
             reason = key.removeprefix("groups/dropped_").removeprefix("groups/")
-            r.groups_dropped[reason] = r.groups_dropped.get(reason, 0.0) + count
+            state.groups_dropped[reason] = state.groups_dropped.get(reason, 0.0) + count
     if counted is not None:
         counted()
     if r.evaluator is not None and r.evaluator.due(step):
@@ -432,10 +422,8 @@ def end_step(
 
 def write_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> Path:
     return save_checkpoint(
-        state.run_dir,
-        state.loop,
+        state,
         trainer,
-        state.rng or {},
         lambda folder: (write_prompt_settings(folder, config), write_unobserved(folder, state.unobserved)),
         config.keep_checkpoints,
     )
@@ -619,7 +607,7 @@ def sampling_params(config: RunConfig) -> SamplingParams:
 
 def summarize(state: RunState, started: float, final: str, checkpoint: Path | None) -> dict[str, Any]:
     """The run's outcome; a short run compares two halves that do not overlap (up to 10 steps each)."""
-    history = [r for r in state.loop.history if r is not None and math.isfinite(r)]
+    history = [r for r in state.history if r is not None and math.isfinite(r)]
     window = min(10, len(history) // 2)
     return {
         "steps": state.step,

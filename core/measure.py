@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -18,8 +17,8 @@ from grpo_core.data import check_prompt_lengths, load_dataset
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
-from grpo_core.stages import score_groups
-from grpo_core.types import Prompt, SamplingParams
+from grpo_core.produce import Scorer, roll_and_score
+from grpo_core.types import Prompt, RewardFailures, SamplingParams
 
 if TYPE_CHECKING:
     from grpo_core.selection import Selection
@@ -50,21 +49,18 @@ def measure(
     """Mean reward, failed scores, pass@1 and pass@num_samples of ``prompts``, rolled out
     ``batch_size`` prompts at a time; a sample passes when its total reward reaches ``threshold``.
 
-    Scores are taken under ``score_lock`` (the async loop's workers score meanwhile) and never
-    count in the training's count of failed rewards in a row."""
-    pm = selection.manager
+    Scores are taken under ``score_lock`` (the async loop's workers score meanwhile) and counted
+    apart from the training's failed rewards in a row; no advantage is computed."""
+    scorer = Scorer(selection, RewardFailures(), math.inf, reward_timeout, advantages=False, lock=score_lock)
     rewards: list[float] = []
     passes: dict[int, list[float]] = {1: [], num_samples: []}
     failed = 0
     with scope():  # what the rollout and the rewards record is not a training step's
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
-            groups = pm.hook.rollout(prompts=batch, num_samples=num_samples, sampler=sampler, params=params, **selection.rollout_args)
-            with score_lock if score_lock is not None else contextlib.nullcontext():
-                failures_in_a_row = selection.reward_failures_in_a_row
-                failed += int(score_groups(selection, groups, math.inf, reward_timeout)["reward/failed"])
-                selection.reward_failures_in_a_row = failures_in_a_row
-            for group in groups:
+            produced = roll_and_score(scorer, batch, num_samples, sampler, params)
+            failed += int(produced.metrics["reward/failed"])
+            for group in produced.groups:
                 scores = [s.reward for s in group if s.reward is not None]
                 rewards.extend(scores)
                 correct = sum(score >= threshold for score in scores)

@@ -36,8 +36,6 @@ class Selection:
     """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
     group_filters: dict[str, Any] = attrs.field(factory=dict)
     """The selected group filters by name, in the order given (``--group-filter``)."""
-    reward_failures_in_a_row: int = 0
-    last_reward_error: str | None = None
 
     @property
     def env(self) -> Callable[[Any], Any] | None:

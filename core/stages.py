@@ -19,8 +19,9 @@ from grpo_core.config import DEFAULT, DEFAULT_PRESET, RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.plugins_manager import is_wrapper, plugin_label
-from grpo_core.types import Sample
+from grpo_core.plugins_manager import is_wrapper, make_plugin, plugin_label
+from grpo_core.routes import EXPERT_COUNT_FIELDS, agreement
+from grpo_core.types import RewardFailures, Sample
 
 if TYPE_CHECKING:
     from grpo_core.selection import Selection
@@ -62,12 +63,20 @@ def call_with_timeout(fn: Callable[[], T], timeout: float) -> T:
     return outcome["value"]
 
 
-def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_failures_in_a_row: int, timeout: float = 0.0) -> Metrics:
+def score_groups(
+    selection: Selection,
+    groups: Sequence[Sequence[Sample]],
+    max_failures_in_a_row: float,
+    timeout: float = 0.0,
+    failures: RewardFailures | None = None,
+) -> Metrics:
     """Weighted sum of every reward; a None/NaN, a raising or a timed-out reward marks the sample failed.
 
     A failed sample is not trained on; the run stops once ``max_failures_in_a_row`` samples
-    in a row have failed, with the last error. ``timeout`` bounds each reward call (0 = none).
+    in a row have failed (counted in ``failures``, which goes on across calls: the run's), with
+    the last error. ``timeout`` bounds each reward call (0 = none).
     """
+    failures = failures if failures is not None else RewardFailures()
     failed = errors = timeouts = 0
     per_reward: dict[str, list[float]] = {r.name: [] for r in selection.rewards}
     for group in groups:
@@ -79,11 +88,11 @@ def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_f
             except CallTimeout as exc:
                 scores = [None] * len(group)
                 timeouts += 1
-                selection.last_reward_error = f"reward '{r.name}' {exc}"
+                failures.last_error = f"reward '{r.name}' {exc}"
             except Exception as exc:  # a reward's bug must not lose the run: the group is marked failed
                 scores = [None] * len(group)
                 errors += 1
-                selection.last_reward_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
+                failures.last_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
                 raise RewardError(f"reward '{r.name}' returned {len(scores)} scores for {len(group)} samples")
             wrong = next((s for s in scores if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)))), None)
@@ -101,15 +110,15 @@ def score_groups(selection: Selection, groups: Sequence[Sequence[Sample]], max_f
             if any(sample.rewards[r.name] is None for r in selection.rewards):
                 sample.reward = None
                 failed += 1
-                selection.reward_failures_in_a_row += 1
-                if selection.reward_failures_in_a_row >= max_failures_in_a_row:
+                failures.in_a_row += 1
+                if failures.in_a_row >= max_failures_in_a_row:
                     raise RewardError(
-                        f"rewards failed on {selection.reward_failures_in_a_row} samples in a row; "
-                        f"last: {selection.last_reward_error or 'a reward returned None/NaN'}"
+                        f"rewards failed on {failures.in_a_row} samples in a row; "
+                        f"last: {failures.last_error or 'a reward returned None/NaN'}"
                     )
             else:
                 sample.reward = sum(r.weight * sample.rewards[r.name] for r in selection.rewards)
-                selection.reward_failures_in_a_row = 0
+                failures.in_a_row = 0
     totals = [s.reward for g in groups for s in g if s.reward is not None]
     samples = [s for g in groups for s in g]
     with scope() as metrics:
@@ -149,9 +158,8 @@ def compute_advantages(
     advantages are all 0 (for an outcome-only advantage: equal rewards; igpo may see signal where
     the outcome rewards are equal). A dropped group's samples keep no advantages.
     """
-    from grpo_core.plugins.group_filters.zero_variance import ZeroVarianceFilter
-
-    filters = {"zero_variance": ZeroVarianceFilter()} if drop_zero_variance else {}
+    # Found by name like any group filter: the core imports no plugin.
+    filters = {"zero_variance": make_plugin("zero_variance", "group_filter")} if drop_zero_variance else {}
     filters.update(group_filters or {})
     with scope() as metrics:
         kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
@@ -227,8 +235,6 @@ def check_sampling_settings(config: RunConfig) -> None:
 def check_router_replay_model(config: RunConfig) -> None:
     """--router-replay on a model whose config.json names no experts, refused before any model
     loads (both loops); a model whose config is not on this machine is checked once loaded."""
-    from grpo_core.plugins.backends.moe_routing import EXPERT_COUNT_FIELDS
-
     if config.router_replay == "off":
         return
     path = model_config_file(config.model)
@@ -536,8 +542,6 @@ def record_router_agreement(samples: Sequence[Sample], result: Any) -> None:
     R3); ``moe/router_agreement_chosen``: where the trainer's routers chose them themselves (what
     replay corrects). Only where the sampler recorded routing and the trainer returned its own."""
     import torch
-
-    from grpo_core.plugins.backends.moe_routing import agreement
 
     if all(s.routed_experts is None for s in samples):
         return

@@ -152,26 +152,35 @@ class SamplingParams:
 
 
 @attrs.define
-class LoopState:
-    """The loop's counters that a resumed run must continue from."""
+class RewardFailures:
+    """Samples whose rewards failed in a row, and the last reward error: what stops a run at
+    ``--max-reward-failures-in-a-row``. An evaluation scores with its own, never the training's."""
 
+    in_a_row: int = 0
+    last_error: str | None = None
+
+
+CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken")
+"""The fields of :class:`RunState` a checkpoint holds (its ``state.json``, in this order)."""
+
+
+@attrs.define
+class RunState:
+    """The run's one state: what the loops, the evaluation and the checkpoints read and write, and
+    what on_step plugins may read and change while the run goes on."""
+
+    run_dir: Path
+    total_steps: int = 0
     step: int = 0
     policy_version: int = 0
     reward_failures_in_a_row: int = 0
+    """``reward_failures.in_a_row`` when the last step was counted: what its checkpoint holds
+    (the async loop's rollouts go on scoring the next steps' groups meanwhile)."""
     nonfinite_in_a_row: int = 0
     history: list[float | None] = attrs.field(factory=list)
     """``reward/total`` of every step so far (the summary compares its first and last steps)."""
     prompts_taken: int = 0
     """``--dynamic-sampling``: prompts the sync loop took from the run's order (a step may take more than its batch)."""
-
-
-@attrs.define
-class RunState:
-    """What on_step plugins may read and change while the run goes on."""
-
-    run_dir: Path
-    total_steps: int = 0
-    loop: LoopState = attrs.field(factory=LoopState)
     stop_reason: str | None = None
     signal: int | None = None
     """The signal (SIGINT, SIGTERM) that asked the run to stop."""
@@ -182,14 +191,19 @@ class RunState:
     unobserved: dict[str, float] | None = None
     """The metrics of the step counted last while not every plugin has observed it yet (a
     checkpoint written meanwhile keeps them, for the resumed run to record)."""
-
-    @property
-    def step(self) -> int:
-        return self.loop.step
-
-    @property
-    def policy_version(self) -> int:
-        return self.loop.policy_version
+    reward_failures: RewardFailures = attrs.field(factory=RewardFailures)
+    """The training's reward failures as its scoring counts them."""
+    start_step: int = 0
+    """The step a resumed run continued from (0 for a new run)."""
+    groups_trained: float = 0.0
+    groups_dropped: dict[str, float] = attrs.field(factory=dict)
+    """Prompt groups trained on, and dropped by reason (``failed``: their reward failed; ``skipped``:
+    no samples; a group filter's name), by this process's steps."""
+    samples_kept: float = 0.0
+    samples_masked_truncated: float = 0.0
+    tokens_trained: float = 0.0
+    """The kept groups' samples, those of them --mask-truncated masked, and the tokens trained, by
+    this process's steps: a run whose kept samples had no token to train trained nothing."""
 
     @property
     def interrupted(self) -> bool:

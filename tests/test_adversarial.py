@@ -417,14 +417,18 @@ def test_a_run_in_which_one_group_trained_ends_well(world, tmp_path):
 
 
 def test_nothing_trained_names_every_reason_and_spares_a_resumed_or_interrupted_run():
+    import signal
+
     from grpo_core.lifecycle import nothing_trained
+    from grpo_core.types import RunState
 
     def run(step=3, start_step=0, trained=0.0, interrupted=False, **dropped):
-        state = SimpleNamespace(step=step, interrupted=interrupted)
-        selection = SimpleNamespace(last_reward_error=None)
         # A trained group here had tokens trained (test_a_run_that_trains_no_token_* covers kept groups with none).
-        counts = {"groups_trained": trained, "tokens_trained": trained * 10, "groups_dropped": dropped}
-        return SimpleNamespace(state=state, start_step=start_step, selection=selection, **counts)
+        state = RunState(
+            run_dir=Path("."), step=step, start_step=start_step, signal=signal.SIGINT if interrupted else None,
+            groups_trained=trained, tokens_trained=trained * 10, groups_dropped=dropped,
+        )  # fmt: skip
+        return SimpleNamespace(state=state)
 
     assert nothing_trained(run(zero_variance=4.0, no_threes=2.0, skipped=1.0, failed=0.0)) == (
         "nothing was trained: all 3 steps dropped every group (4 had equal rewards: no signal, 2 by the group filter "

@@ -18,6 +18,8 @@ from typing import Any
 import attrs
 import torch
 
+from grpo_core.routes import EXPERT_COUNT_FIELDS
+
 
 @attrs.frozen
 class RouterRule:
@@ -36,8 +38,6 @@ ROUTER_RULES = {
 }
 """The routers whose selection can be recorded and forced, by class name (transformers 5.x:
 ``forward(hidden) -> (logits, top-k weights, top-k indices)``)."""
-
-EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
 def routers(model: Any) -> list[Any]:
@@ -157,13 +157,6 @@ def tapped(model: Any) -> Iterator[RoutingTap]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def agreement(used_N_L_K: torch.Tensor, reference_N_L_K: torch.Tensor) -> torch.Tensor:
-    """Per (position, layer): whether both selected the same set of experts (order aside), ``[N, L]``."""
-    a = used_N_L_K.long().sort(dim=-1).values
-    b = reference_N_L_K.long().sort(dim=-1).values
-    return (a == b).all(dim=-1)
 
 
 def load_max_over_mean(routes_N_L_K: torch.Tensor, num_experts: int) -> torch.Tensor:

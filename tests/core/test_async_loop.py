@@ -259,7 +259,7 @@ def test_a_sync_waits_for_the_generation_in_flight_and_reports_that_wait_with_th
     with scope() as metrics, shared.exclusive():
         metrics.merge(sync_weights(r, 7))
     thread.join()
-    assert r.state.loop.policy_version == 7
+    assert r.state.policy_version == 7
     assert metrics["sync/logprob_max_abs_diff"] == 0.0
     assert 0.2 < metrics["time/wait_sync"] < 0.6
 

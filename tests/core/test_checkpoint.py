@@ -11,7 +11,6 @@ import torch
 from grpo_core import checkpoint
 from grpo_core.checkpoint import (
     CheckpointError,
-    LoopState,
     capture_rng,
     complete_checkpoints,
     load_checkpoint,
@@ -19,6 +18,7 @@ from grpo_core.checkpoint import (
     save_checkpoint,
     save_policy,
 )
+from grpo_core.types import RunState
 
 
 class FakeTrainer:
@@ -46,15 +46,9 @@ class FakeSampler:
 
 
 def save(run_dir, step, trainer=None, keep=5, sampler=None):
-    loop = LoopState(step=step, policy_version=step, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * step)
-    return save_checkpoint(
-        run_dir,
-        loop,
-        trainer or FakeTrainer(step),
-        capture_rng(sampler or FakeSampler(0)),
-        lambda d: (d / "extra.json").write_text("{}"),
-        keep,
-    )
+    state = RunState(run_dir, step=step, policy_version=step, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * step)
+    state.rng = capture_rng(sampler or FakeSampler(0))
+    return save_checkpoint(state, trainer or FakeTrainer(step), lambda d: (d / "extra.json").write_text("{}"), keep)
 
 
 def test_a_checkpoint_restores_weights_counters_and_every_rng(tmp_path):
@@ -68,8 +62,9 @@ def test_a_checkpoint_restores_weights_counters_and_every_rng(tmp_path):
     torch.rand(5, generator=sampler.generator)
 
     trainer = FakeTrainer(0.0)
-    loop = load_checkpoint(path, trainer, sampler)
-    assert loop == LoopState(step=4, policy_version=4, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * 4)
+    state = RunState(tmp_path)
+    load_checkpoint(path, trainer, sampler, state)
+    assert state == RunState(tmp_path, step=4, policy_version=4, reward_failures_in_a_row=2, nonfinite_in_a_row=1, history=[0.5] * 4)
     assert torch.equal(trainer.weights, torch.full((3,), 4.0))
     got = (random.random(), torch.rand(2), torch.rand(2, generator=sampler.generator))
     assert got[0] == expected[0] and torch.equal(got[1], expected[1]) and torch.equal(got[2], expected[2])
@@ -98,7 +93,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint_valid_and_says_so(tmp_pat
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002"]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]  # no temporary folder left
     trainer = FakeTrainer(0.0)
-    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0)).step == 2
+    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0), RunState(tmp_path)).step == 2
     assert torch.equal(trainer.weights, torch.full((3,), 2.0))
 
 
@@ -131,7 +126,7 @@ def test_a_checkpoint_that_cannot_be_read_is_a_clear_error(tmp_path):
     path = save(tmp_path, 2)
     (path / "rng.pt").write_bytes(b"not a torch file")
     with pytest.raises(CheckpointError, match="cannot resume from .*step-000002"):
-        load_checkpoint(path, FakeTrainer(), FakeSampler(0))
+        load_checkpoint(path, FakeTrainer(), FakeSampler(0), RunState(tmp_path))
 
 
 def test_a_policy_folder_is_replaced_whole_or_not_at_all(tmp_path):
@@ -188,7 +183,7 @@ def test_a_checkpoint_that_cannot_fit_is_not_begun_and_says_how_much_space_it_ne
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]
     monkeypatch.undo()
     trainer = FakeTrainer(0.0)
-    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0)).step == 2
+    assert load_checkpoint(complete_checkpoints(tmp_path)[-1], trainer, FakeSampler(0), RunState(tmp_path)).step == 2
     assert torch.equal(trainer.weights, torch.full((3,), 2.0))
 
 

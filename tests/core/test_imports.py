@@ -1,12 +1,15 @@
-"""The modules of core/ import each other without a circle, counting every import: at the top,
-under ``TYPE_CHECKING`` and inside functions."""
+"""The modules of core/ import each other without a circle, and no plugin or engine code, counting
+every import: at the top, under ``TYPE_CHECKING``, inside functions, and by name
+(``importlib.import_module``)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[2] / "core"
+ROOT = Path(__file__).resolve().parents[2]
+CORE = ROOT / "core"
+ENGINE = ROOT / "engine"
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -65,3 +68,79 @@ def test_core_has_no_import_circle():
 
 def test_a_circle_is_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def imported_modules(source: str) -> set[str]:
+    """Every module ``source`` imports, wherever the import stands, and every module it names to
+    ``importlib.import_module``/``__import__``: ``from grpo_core import plugins`` counts as
+    ``grpo_core.plugins``."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if called in ("import_module", "__import__"):
+                found.add(node.args[0].value)
+    return found
+
+
+def forbidden(folder: Path, packages: tuple[str, ...]) -> dict[str, list[str]]:
+    """The modules under ``folder`` that import one of ``packages`` or a module in them, with what they import."""
+    problems = {}
+    for path in sorted(folder.rglob("*.py")):
+        bad = sorted(m for m in imported_modules(path.read_text()) if any(m == p or m.startswith(p + ".") for p in packages))
+        if bad:
+            problems[str(path.relative_to(folder))] = bad
+    return problems
+
+
+def test_core_imports_no_plugin_and_no_engine():
+    """Plugins and the engine build on the core: the core reaches plugins through hooks and entry points only."""
+    assert forbidden(CORE, ("grpo_core.plugins", "grpo_core.engine")) == {}
+
+
+def test_engine_imports_no_plugin():
+    # The engine (in-process PyTorch code that plugins share) is a package of its own once it exists.
+    if ENGINE.is_dir():
+        assert forbidden(ENGINE, ("grpo_core.plugins",)) == {}
+
+
+def test_every_kind_of_import_is_found(tmp_path):
+    (tmp_path / "m.py").write_text(
+        """import importlib
+from typing import TYPE_CHECKING
+
+from grpo_core.plugins_manager import find  # a core module whose name starts the same
+
+if TYPE_CHECKING:
+    import grpo_core.engine.models
+
+
+def f():
+    from grpo_core.plugins.group_filters.zero_variance import ZeroVarianceFilter
+
+
+def g():
+    from grpo_core import plugins
+
+
+def h():
+    return importlib.import_module("grpo_core.plugins.backends.moe_routing")
+
+
+DOC = "grpo_core.plugins.losses.cispo:CISPOLoss in a string is no import"
+"""
+    )
+    assert forbidden(tmp_path, ("grpo_core.plugins", "grpo_core.engine")) == {
+        "m.py": [
+            "grpo_core.engine.models",
+            "grpo_core.plugins",
+            "grpo_core.plugins.backends.moe_routing",
+            "grpo_core.plugins.group_filters.zero_variance",
+            "grpo_core.plugins.group_filters.zero_variance.ZeroVarianceFilter",
+        ]
+    }

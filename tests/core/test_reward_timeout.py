@@ -11,6 +11,7 @@ import pytest
 from grpo_core import Prompt, Sample
 from grpo_core.selection import Selection, WeightedReward
 from grpo_core.stages import CallTimeout, RewardError, call_with_timeout, score_groups
+from grpo_core.types import RewardFailures
 
 
 def test_call_with_timeout_returns_raises_and_gives_up():
@@ -47,12 +48,13 @@ def test_a_hung_reward_fails_its_group_only_and_is_counted_with_its_name():
     release = threading.Event()
     selection = Selection(manager=None, plugins={}, rewards=[WeightedReward("slow", 1.0, HangsOnSecondGroup(release))], loss=None)
     groups = [group(4, "p1"), group(4, "p2"), group(4, "p3")]
-    metrics = score_groups(selection, groups, max_failures_in_a_row=100, timeout=0.3)
+    failures = RewardFailures()
+    metrics = score_groups(selection, groups, max_failures_in_a_row=100, timeout=0.3, failures=failures)
     release.set()
     assert metrics["reward/timeouts"] == 1.0 and metrics["reward/failed"] == 4.0 and metrics["reward/errors"] == 0.0
     assert [s.reward for s in groups[1]] == [None] * 4
     assert [s.reward for s in groups[0]] == [0.0, 1.0, 0.0, 1.0] == [s.reward for s in groups[2]]
-    assert selection.last_reward_error == "reward 'slow' did not return within 0.3 s"
+    assert failures.last_error == "reward 'slow' did not return within 0.3 s"
 
 
 def test_timeouts_count_towards_failures_in_a_row():

@@ -10,6 +10,7 @@ from grpo_core.plugins.advantages.grpo import GRPOAdvantage
 from grpo_core.plugins_manager import build_manager
 from grpo_core.selection import WeightedReward
 from grpo_core.stages import RewardError, compute_advantages, score_groups
+from grpo_core.types import RewardFailures
 from tests.core.table_rewards import TableReward, group, selection_of
 
 
@@ -30,9 +31,10 @@ def test_weighted_sum_and_per_reward_metrics():
 def test_none_nan_and_exceptions_fail_samples_and_groups_keep_the_scored():
     sel = selection_of(WeightedReward("a", 1.0, TableReward({"x": 1.0, "y": 0.0, "nan": math.nan})))
     groups = [group(["x", "y", "none", "nan"], "g1"), group(["boom", "x"], "g2")]
-    metrics = score_groups(sel, groups, max_failures_in_a_row=10)
+    failures = RewardFailures()
+    metrics = score_groups(sel, groups, max_failures_in_a_row=10, failures=failures)
     assert metrics["reward/failed"] == 4.0 and metrics["reward/errors"] == 1.0
-    assert sel.last_reward_error == "reward 'a' raised RuntimeError: scorer crashed"
+    assert failures.last_error == "reward 'a' raised RuntimeError: scorer crashed"
     kept, adv_metrics = compute_advantages(build_manager([GRPOAdvantage()]), groups, drop_zero_variance=True)
     assert [[s.text for s in g] for g in kept] == [["x", "y"]]
     assert adv_metrics == {"groups/kept": 1.0, "groups/dropped_zero_variance": 0.0, "groups/dropped_failed": 1.0, "groups/skipped": 0.0}

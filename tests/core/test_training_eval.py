@@ -170,11 +170,12 @@ def test_eval_scores_never_count_in_the_trainings_failures_in_a_row(tiny_model_d
     chosen = select_plugins(config)
     trainer = chosen.manager.hook.make_trainer(config=config)
     sampler = chosen.manager.hook.make_sampler(config=config, trainer=trainer)
-    chosen.reward_failures_in_a_row = 5
     prompts = load_dataset(attrs.evolve(config, max_rows=3)).prompts
     result = measure(chosen, sampler, prompts, 2, sampling_params(config), 2, 1.0, 0.0)
     assert result["reward/failed"] == 6 and result["pass@1"] == 0.0
-    assert chosen.reward_failures_in_a_row == 5
+    # The training's count lives in its RunState (reward_failures), which an evaluation never gets:
+    # nothing shared to save and put back around it.
+    assert not {"reward_failures_in_a_row", "last_reward_error"} & set(attrs.fields_dict(type(chosen)))
 
 
 @pytest.mark.parametrize(

@@ -152,12 +152,6 @@ def test_routes_are_uint8_up_to_256_experts_then_int16():
     assert moe_routing.route_dtype(257) == torch.int16
 
 
-def test_agreement_compares_sets_of_experts_per_layer():
-    a = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
-    b = torch.tensor([[[1, 0], [2, 4]], [[4, 5], [7, 6]]])
-    assert moe_routing.agreement(a, b).tolist() == [[True, False], [True, True]]
-
-
 def test_load_max_over_mean():
     # Layer 0: all 4 selections on experts 0 and 1 of 4 (max share 2 of 4, mean 1): 2. Layer 1: even: 1.
     routes = torch.tensor([[[0, 1], [0, 1]], [[0, 1], [2, 3]]])

@@ -19,6 +19,7 @@ from grpo_core.plugins.rewards.http import RewardServiceError, parse_headers
 from grpo_core.plugins_manager import redact
 from grpo_core.selection import Selection, WeightedReward
 from grpo_core.stages import RewardError, score_groups
+from grpo_core.types import RewardFailures
 from tests.conftest import REPO
 from tests.helpers import grpo_core_in_process, small_run_args
 from tests.plugins.rewards.json_server import Reply, elapsed, json_server
@@ -216,12 +217,13 @@ def test_in_a_run_slow_failing_and_malformed_answers_are_counted_never_a_crash_o
     with json_server(mixed) as server:
         reward = started(make_plugin("http", url=server.url, retries=1, backoff=0.0), reward_timeout=1.0)
         selection = selection_of(reward)
-        metrics, seconds = elapsed(lambda: score_groups(selection, groups, max_failures_in_a_row=100, timeout=1.0))
+        failures = RewardFailures()
+        metrics, seconds = elapsed(lambda: score_groups(selection, groups, max_failures_in_a_row=100, timeout=1.0, failures=failures))
     assert seconds < 6.0
     assert [[s.reward for s in g] for g in groups] == [[0.5, 0.5]] + [[None, None]] * 4 + [[0.5, 0.5]]
     # slow, failing and malformed raise (errors), or the run's timer fires first; null only fails its samples
     assert metrics["reward/failed"] == 8.0 and metrics["reward/errors"] + metrics["reward/timeouts"] == 3.0
-    assert selection.reward_failures_in_a_row == 0
+    assert failures.in_a_row == 0
 
 
 def test_a_service_that_keeps_failing_trips_the_runs_circuit_breaker():
