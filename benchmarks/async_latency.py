@@ -109,7 +109,7 @@ MODES = {
 
 def run_mode(name: str, args: argparse.Namespace, model: Path, dataset: Path, server_url: str | None) -> dict[str, Any]:
     from grpo_core.config import RunConfig
-    from grpo_core.loop import run
+    from grpo_core.train import run
 
     server = {"sampler": "openai", "weight_sync": "vllm"} if server_url else {}
     settings = dict(MODES[name])

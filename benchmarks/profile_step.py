@@ -113,7 +113,7 @@ def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: C
         from run_grpo_core import make_config, register_plugins
 
         register_plugins(Path(spec["work_dir"]) / "grpo_core_site")
-        from grpo_core.loop import run as grpo_run
+        from grpo_core.train import run as grpo_run
 
         bench_plugins.ON_STEP.append(on_step)
         grpo_run(make_config(spec), overwrite=True)

@@ -1,4 +1,4 @@
-"""Benchmark worker: grpo-core's synchronous loop, ``grpo_core.loop.run`` in this process.
+"""Benchmark worker: grpo-core's synchronous loop, ``grpo_core.train.run`` in this process.
 
 ``python run_grpo_core.py SPEC.json RESULT.json [--transformers-forward] [--dtype D]
 [--gradient-checkpointing] [--lora-rank R]`` (run.py writes the spec). A flag whose RunConfig field
@@ -117,7 +117,7 @@ def main(spec_path: str, result_path: str, *flags: str) -> None:
 
     import grpo_core
     from grpo_core.config import RunConfig
-    from grpo_core.loop import run
+    from grpo_core.train import run
 
     overrides = run_overrides(parse_flags(list(flags)))
     unknown = sorted(set(overrides) - set(attrs.fields_dict(RunConfig)))

@@ -52,8 +52,8 @@ def run(
         config's loss (a loss wrapper joins it); rewards replace the default reward, else join
         the config's; loggers, tools and group filters join the config's.
     """
-    from grpo_core.loop import run as run_loop
     from grpo_core.plugins_manager import provided_plugins
+    from grpo_core.train import run as run_loop
 
     instances, weights = _instances(plugins)
     if resume is not None:

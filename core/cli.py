@@ -188,7 +188,7 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
             config = config_module.load(config_file, overrides, plugin_opts)
         if int(os.environ.get("RANK", "0")) > 0:
             sys.exit(_serve_rank(config))
-        from grpo_core.loop import run as run_loop
+        from grpo_core.train import run as run_loop
 
         summary = run_loop(config, resume=bool(resume), overwrite=overwrite)
     except Exception as exc:

@@ -12,24 +12,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from grpo_core.async_loop import run_async
 from grpo_core.config import RunConfig
-from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, own_run_dir, start_run
+from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics
 from grpo_core.produce import PromptQueue, Scorer, prompt_stream, roll_and_score
 from grpo_core.stages import check_router_replay_model, check_sampling_settings, learning_rate, train_step, warn_untrained
 
 
-def run(config: RunConfig, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Train; the run folder is held, locked, from the first check to the summary (both loops)."""
-    with own_run_dir(config, resume, overwrite):
-        if config.loop == "async":
-            return run_async(config, resume, overwrite)
-        return run_sync(config, resume, overwrite)
-
-
 def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]:
+    """The synchronous loop of a run whose folder ``grpo_core.train.run`` holds."""
     started = time.perf_counter()
     check_settings(config)
     check_sampling_settings(config)

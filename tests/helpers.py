@@ -133,11 +133,11 @@ def captured_run_config(monkeypatch, *args: str) -> tuple[int, str, object]:
     """What ``grpo-core run ARGS`` hands the training loop (which is not started), with its exit code and output."""
     from click.testing import CliRunner
 
-    import grpo_core.loop
+    import grpo_core.train
     from grpo_core.cli import main
 
     seen = []
-    monkeypatch.setattr(grpo_core.loop, "run", lambda config, **kwargs: seen.append(config) or {"exit_code": 0})
+    monkeypatch.setattr(grpo_core.train, "run", lambda config, **kwargs: seen.append(config) or {"exit_code": 0})
     out = CliRunner().invoke(main, ["run", *args])
     return out.exit_code, out.output, (seen[0] if seen else None)
 

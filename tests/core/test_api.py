@@ -11,8 +11,8 @@ import grpo_core
 from grpo_core import PluginError, hookimpl
 from grpo_core.api import plugin_name
 from grpo_core.config import RunConfig
-from grpo_core.loop import run as run_loop
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+from grpo_core.train import run as run_loop
 from tests.core.tiny_runs import LengthReward, length_reward  # noqa: F401  (the fixture registers reward 'length')
 
 ROWS = [{"question": f"what is {a} plus {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]

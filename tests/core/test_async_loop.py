@@ -22,10 +22,10 @@ from grpo_core.async_loop import (
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.lifecycle import RunFailed, sync_weights
-from grpo_core.loop import run
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 from grpo_core.plugins_manager import PluginEntry
+from grpo_core.train import run
 from grpo_core.types import Prompt, Sample
 from tests.core.tiny_runs import config as sync_config
 

@@ -10,8 +10,8 @@ import torch
 
 from grpo_core import PluginError, hookimpl, selection
 from grpo_core.lifecycle import RunFailed
-from grpo_core.loop import run
 from grpo_core.plugins_manager import PluginEntry
+from grpo_core.train import run
 from tests.core.tiny_runs import config, metrics_of, weights_of
 
 

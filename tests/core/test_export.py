@@ -12,8 +12,8 @@ from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE
 from grpo_core.errors import PluginError
 from grpo_core.export import export_policy, read_run_config
-from grpo_core.loop import run
 from grpo_core.plugins.backends.local import LocalBackend, read_trainer_state
+from grpo_core.train import run
 
 TEMPLATE = "Question: {prompt}\nAnswer:"
 PROBE = "Question: what is 3 plus 4?\nAnswer: 3 + 4 = 7\n#### 7"

@@ -64,6 +64,9 @@ def test_core_has_no_import_circle():
     # The contract and the data types import no loop.
     assert not graph["hookspecs"] & {"loop", "async_loop", "lifecycle", "stages"}
     assert graph["types"] == set() and graph["errors"] == set()
+    # The two loops are siblings: only ``train`` chooses between them.
+    assert "async_loop" not in graph["loop"] and "loop" not in graph["async_loop"]
+    assert {name for name, imported in graph.items() if {"loop", "async_loop"} & imported} == {"train"}
 
 
 def test_a_circle_is_found():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_core.errors import PluginError
-from grpo_core.loop import run
+from grpo_core.train import run
 from tests.core.tiny_runs import (
     config,
     length_reward,  # noqa: F401 (autouse: the runs below score with the "length" reward)

@@ -10,10 +10,10 @@ from grpo_core import PluginError, hookimpl, selection
 from grpo_core.config import RunConfig
 from grpo_core.data import load_dataset
 from grpo_core.lifecycle import sampling_params
-from grpo_core.loop import run
 from grpo_core.measure import training_eval
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.selection import select_plugins
+from grpo_core.train import run
 from tests.core.tiny_runs import config, metrics_of, weights_of
 
 KILL_AT_STEP: dict[str, int] = {}

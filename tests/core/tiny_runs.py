@@ -1,4 +1,4 @@
-"""Short runs of the tiny model through ``grpo_core.loop.run`` for the tests of the loop and of what it drives.
+"""Short runs of the tiny model through ``grpo_core.train.run`` for the tests of the loop and of what it drives.
 
 - ``length_reward``: an autouse fixture that makes reward 'length' (``LengthReward``: longer completions score
   higher, a learning signal for the random model) selectable; import it into a test module to use it there.

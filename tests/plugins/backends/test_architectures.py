@@ -14,10 +14,10 @@ import transformers
 from grpo_core import hookimpl, selection
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
-from grpo_core.loop import run
 from grpo_core.plugins.backends import architectures
 from grpo_core.plugins.backends.local import LocalBackend, adapters_disabled, load_model
 from grpo_core.plugins_manager import PluginEntry
+from grpo_core.train import run
 from tests.conftest import build_tiny_tokenizer
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

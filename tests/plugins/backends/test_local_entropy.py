@@ -77,7 +77,7 @@ def test_a_run_logs_the_entropy_every_step(tiny_model_dir, tiny_dataset, tmp_pat
     import math
 
     from grpo_core.config import RunConfig
-    from grpo_core.loop import run
+    from grpo_core.train import run
 
     r = tmp_path / "r"
     run(RunConfig(model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Q: {prompt}\nA:", max_steps=2,

@@ -214,7 +214,7 @@ def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_me
 ):
     import json
 
-    from grpo_core.loop import run
+    from grpo_core.train import run
     from tests.core.tiny_runs import config, metrics_of
 
     run_dir = tmp_path / "run"

@@ -41,7 +41,7 @@ def test_bad_settings_are_refused():
 
 
 def test_a_run_scores_completions_that_reach_the_limit(tiny_model_dir, tiny_dataset, tmp_path):
-    from grpo_core.loop import run
+    from grpo_core.train import run
 
     r = tmp_path / "r"
     run(RunConfig(model=str(tiny_model_dir), dataset=str(tiny_dataset), prompt_template="Q: {prompt}\nA:", max_steps=1,

@@ -520,7 +520,7 @@ def test_per_trajectory_makes_the_async_loop_roll_out_each_conversation_on_its_o
     tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, per_trajectory
 ):
     from grpo_core.async_loop import SharedSampler
-    from grpo_core.loop import run
+    from grpo_core.train import run
     from tests.core.tiny_runs import config
 
     calls = []

@@ -294,7 +294,7 @@ def test_the_trainer_scores_the_samplers_tokens_with_its_logprobs_across_rewritt
 
 @pytest.mark.parametrize("per_turn_samples", [False, True])
 def test_a_run_with_a_qwen3_thinking_template_trains_three_turns_per_conversation(tmp_path, per_turn_samples):
-    from grpo_core.loop import run as run_loop
+    from grpo_core.train import run as run_loop
     from tests.core.tiny_runs import config, metrics_of
 
     dataset = tmp_path / "guess.jsonl"

@@ -323,8 +323,8 @@ class FirstTurnCalls:
 @pytest.mark.parametrize("family", list(RUN_CALLS))
 def test_a_three_step_run_whose_calls_reach_the_calculator(family, tmp_path, monkeypatch):
     from grpo_core import plugins_manager
-    from grpo_core.loop import run as run_loop
     from grpo_core.plugins_manager import PluginEntry, catalog
+    from grpo_core.train import run as run_loop
     from tests.core.tiny_runs import config, metrics_of
 
     builtins = catalog()

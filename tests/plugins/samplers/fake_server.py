@@ -201,7 +201,7 @@ def run_through_fake_server(
     from transformers import AutoModelForCausalLM
 
     from grpo_core.config import RunConfig
-    from grpo_core.loop import run
+    from grpo_core.train import run
 
     fake = FakeVLLM(tokenizer, model=AutoModelForCausalLM.from_pretrained(model_dir).eval())
     server = LocalHTTPServer(fake)
