@@ -108,7 +108,8 @@ class FSDPBackend:
     """
 
     nproc: int = option(
-        0, help="ranks to start on this machine, at least 2 (one GPU each on CUDA); 0 = torchrun started them; --resume may change it",
+        0,
+        help="ranks to start on this machine, at least 2 (one GPU each on CUDA); 0 = torchrun started them; --resume may change it",
         validator=_validate_nproc,
         resumable=True,
     )

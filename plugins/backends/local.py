@@ -507,11 +507,14 @@ def computing_in_float32(model: Any) -> Iterator[None]:
     held: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}
     upcast_by: dict[int, list[int]] = {}
 
+    def low_precision(p: torch.nn.Parameter | None) -> bool:
+        return p is not None and p.dtype in (torch.bfloat16, torch.float16)
+
     def upcast(module: Any, args: Any) -> None:
         mine = upcast_by.setdefault(id(module), [])
         for p in module._parameters.values():
             # A weight two modules share (tied embeddings) is upcast by the first and put back by it.
-            if p is not None and p.dtype in (torch.bfloat16, torch.float16) and id(p) not in held:
+            if low_precision(p) and id(p) not in held:
                 held[id(p)] = (p, p.data)
                 p.data = p.data.float()
                 mine.append(id(p))
@@ -521,7 +524,7 @@ def computing_in_float32(model: Any) -> Iterator[None]:
             p, original = held.pop(key)
             p.data = original
 
-    owners = [m for m in model.modules() if any(p is not None and p.dtype in (torch.bfloat16, torch.float16) for p in m._parameters.values())]
+    owners = [m for m in model.modules() if any(low_precision(p) for p in m._parameters.values())]
     handles = [h for m in owners for h in (m.register_forward_pre_hook(upcast), m.register_forward_hook(put_back))]
     try:
         yield

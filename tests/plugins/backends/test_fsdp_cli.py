@@ -154,7 +154,7 @@ def test_the_embedded_default_with_seed_1_ends_where_the_local_backend_ends(tmp_
 
 
 @pytest.mark.slow
-def test_a_run_killed_at_two_ranks_resumes_at_three_and_ends_where_the_unbroken_run_ends(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+def test_a_run_killed_at_two_ranks_resumes_on_three_where_the_unbroken_run_ends(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
     base, _ = whole_runs
     killed = tmp_path / "killed"
     proc = start([*run_args(tiny_model_dir, tiny_dataset, killed), *FSDP])
