@@ -1,16 +1,18 @@
-"""Peak memory per rank and step time of the fsdp backend at world 2 against the local backend
-(world 1), on the Qwen3-0.6B shape, on a CPU.
+"""Peak memory per process and step time of the fsdp backend on 2 ranks against the local backend
+(one process), on the Qwen3-0.6B shape, on a CPU.
 
     flock /tmp/grpo-bigmem.lock python benchmarks/fsdp_memory.py [--layers 28] [--steps 3] [--batch 8] [--tokens 64]
 
 Builds the model once (scripts/build_shape_model.py: Qwen3-0.6B's shape, float32, the embedded
-vocabulary) under benchmarks/.cache, then runs each world size in its own process: ``--steps``
+vocabulary) under benchmarks/.cache, then runs each backend in its own process: ``--steps``
 training steps (one forward/backward of a custom loss over ``--batch`` sequences of ``--tokens``
-tokens, then AdamW) after one warm-up step. Prints, per world size, the step time (median) and
-each rank's peak resident memory (VmHWM), beside what the sharded state alone needs: weights,
-gradients and AdamW's two moments in float32, 16 bytes per parameter, divided by the world size.
+tokens, then AdamW) after one warm-up step. Measured: the step time (median) and each process's
+peak resident memory (VmHWM). Computed, not measured, beside them: what the training state alone
+takes per process by arithmetic (weights, gradients and AdamW's two moments in float32, 16 bytes
+per parameter; divided by the number of ranks for fsdp, which shards it).
 
-``python benchmarks/fsdp_memory.py --worker WORLD MODEL ...`` is one run (what the script starts).
+``python benchmarks/fsdp_memory.py --worker PROCESSES MODEL ...`` is one run (what the script starts;
+1 process: the local backend, more: fsdp with that many ranks).
 """
 
 from __future__ import annotations
@@ -105,15 +107,21 @@ def main() -> None:
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         if out.returncode != 0:
-            sys.exit(f"world {world} failed:\n{out.stderr[-3000:]}")
+            sys.exit(f"{backend_of(world)} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"Qwen3-0.6B shape, {args.layers} layers, {results[0]['parameters'] / 1e6:.0f}M parameters, float32, CPU, 1 thread per rank")
-    print(f"batch {args.batch} x {args.tokens} tokens; median of {args.steps} steps after a warm-up")
-    print(f"{'world':>5}  {'backend':<7}  {'step s':>7}  {'sharded state GiB/rank':>22}  peak RSS GiB per rank")
+    print(f"Qwen3-0.6B shape, {args.layers} layers, {results[0]['parameters'] / 1e6:.0f}M parameters, float32, CPU, 1 thread per process")
+    print(f"batch {args.batch} x {args.tokens} tokens; measured: median step time of {args.steps} steps after a warm-up, peak RSS")
+    print("computed (arithmetic, not measured): training state = 16 B per parameter (float32 weights, gradients, AdamW moments) / ranks")
+    header = f"{'backend':<16}  {'measured step s':>15}  {'measured peak RSS GiB per process':<34}  computed state GiB per process"
+    print(header)
     for r in results:
         state = 16 * r["parameters"] / r["world"] / 2**30
-        backend = "local" if r["world"] == 1 else "fsdp"
-        print(f"{r['world']:>5}  {backend:<7}  {r['step_s']:>7.2f}  {state:>22.2f}  {', '.join(f'{g:.2f}' for g in r['peak_gib'])}")
+        peaks = ", ".join(f"{g:.2f}" for g in r["peak_gib"])
+        print(f"{backend_of(r['world']):<16}  {r['step_s']:>15.2f}  {peaks:<34}  {state:.2f}")
+
+
+def backend_of(processes: int) -> str:
+    return "local, 1 process" if processes == 1 else f"fsdp, {processes} ranks"
 
 
 if __name__ == "__main__":

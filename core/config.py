@@ -519,6 +519,19 @@ def selected_names(config: RunConfig, kind: str) -> list[str] | None:
     return selected_names_from(attrs.asdict(config), kind)
 
 
+def resumable_option(kind: str, name: str, key: str) -> Callable[[Any], Any] | None:
+    """How to read a value of option ``key`` of plugin ``name`` that ``--resume`` may change
+    (declared ``resumable``), or None."""
+    from grpo_core.options import coerce_options, option_fields
+    from grpo_core.plugins_manager import plugin_class
+
+    cls = plugin_class(name, kind)
+    field = option_fields(cls).get(key)
+    if field is None or not field.metadata.get("resumable"):
+        return None
+    return lambda value: coerce_options(cls, f"{kind} '{name}'", {key: value})[key]
+
+
 def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
     """The config of the run in ``run_dir``, with the changes ``--resume`` allows.
 
@@ -554,12 +567,14 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
         selected = (list(options.get(kind, {})) or None) if selected is None else selected
         for name, given in parse_plugin_opts(kind, items, selected).items():
             for key, value in given.items():
-                if options.get(kind, {}).get(name, {}).get(key) != REDACTED:
+                resumable = resumable_option(kind, name, key)
+                if options.get(kind, {}).get(name, {}).get(key) != REDACTED and resumable is None:
                     option = key if name == DEFAULT_CHOICE else f"{name}.{key}"
                     raise PluginError(
-                        f"--resume: --{kind}-opt {option} cannot change; only secret options, which are not saved, are given again"
+                        f"--resume: --{kind}-opt {option} cannot change; only secret options, which are not saved, "
+                        "and options that do not change what a step computes (as fsdp's nproc) are given again"
                     )
-                options[kind][name][key] = value
+                options.setdefault(kind, {}).setdefault(name, {})[key] = value if resumable is None else resumable(value)
     missing = [f"{kind}.{name}.{key}" for kind, by in options.items() for name, o in by.items() for key, v in o.items() if v == REDACTED]
     if missing:
         raise PluginError(f"--resume: secret options were not saved; give them again ({', '.join(missing)}), e.g. as env:VARIABLE")

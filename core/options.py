@@ -31,15 +31,16 @@ REDACTED = "***"
 ENV_PREFIX = "env:"
 
 
-def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = None, **kwargs: Any) -> Any:
+def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = None, resumable: bool = False, **kwargs: Any) -> Any:
     """A plugin option: an attrs field whose help shows in ``grpo-core plugins``.
 
     ``secret=True`` keeps the value out of config.json and logs (``***``) and lets the user
     give it as ``env:NAME`` (read from the environment when the plugin is made). Options
     named like ``api_key``, ``token``, ``password`` or ``secret`` are secret unless
-    ``secret=False``.
+    ``secret=False``. ``resumable=True``: ``--resume`` may change it (it does not change what
+    a step computes, as the fsdp backend's number of ranks).
     """
-    return attrs.field(default=default, metadata={"help": help, "secret": secret}, **kwargs)
+    return attrs.field(default=default, metadata={"help": help, "secret": secret, "resumable": resumable}, **kwargs)
 
 
 def is_secret(name: str, field: attrs.Attribute | None = None) -> bool:

@@ -108,7 +108,10 @@ class FSDPBackend:
     """
 
     nproc: int = option(
-        0, help="ranks to start on this machine, at least 2 (one GPU each on CUDA); 0 = torchrun started them", validator=_validate_nproc
+        0,
+        help="ranks to start on this machine, at least 2 (one GPU each on CUDA); 0 = torchrun started them; --resume may change it",
+        validator=_validate_nproc,
+        resumable=True,
     )
     attn_implementation: str = option(AUTO, help="transformers attention implementation (as --backend local's)")
 
@@ -668,18 +671,24 @@ def shard(model: Any, device: torch.device, mixed: bool, compute: torch.dtype) -
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if mixed:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+    def policy(cast_forward_inputs: bool) -> dict[str, Any]:
+        if not mixed:
+            return {"mesh": mesh}
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs)
+        return {"mesh": mesh, "mp_policy": mp}
+
     names = layer_classes(model)
     for module in model.modules():
         if type(module).__name__ in names:
-            fully_shard(module, **kwargs)
+            fully_shard(module, **policy(cast_forward_inputs=True))
     root = LogprobsRoot(model)
     # Resharded after each call like the layers (FSDP keeps a root gathered by default): the
     # embedding and the output layer are whole only within a command, and the optimizer steps
-    # the sharded parameters.
-    fully_shard(root, reshard_after_forward=True, **kwargs)
+    # the sharded parameters. Its inputs are left alone: they are a function and tinker.Datum
+    # objects, which FSDP's input cast would rebuild field by field (and fail on); the tensors
+    # the model computes from them are in the compute dtype already (the embedding's weight is).
+    fully_shard(root, reshard_after_forward=True, **policy(cast_forward_inputs=False))
     return root
 
 

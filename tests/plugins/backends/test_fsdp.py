@@ -196,6 +196,20 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
         FSDPBackend(**options).load_tokenizer(config=config)
 
 
+def test_resume_may_change_nproc_and_no_other_option_of_the_backend(tmp_path):
+    from grpo_core.config import load, load_resumed
+    from grpo_core.plugins_manager import write_config
+
+    opts = ["nproc=2", "attn_implementation=eager"]
+    write_config(load(None, {"backend": "fsdp"}, {"backend": opts}), tmp_path / "config.json")
+    resumed = load_resumed(str(tmp_path), {}, {"backend": ["nproc=3"]})
+    assert resumed.plugin_options["backend"]["fsdp"] == {"nproc": 3, "attn_implementation": "eager"}
+    with pytest.raises(PluginError, match="option 'nproc' of backend 'fsdp': expected an integer, got 'many'"):
+        load_resumed(str(tmp_path), {}, {"backend": ["nproc=many"]})
+    with pytest.raises(PluginError, match="fsdp.attn_implementation cannot change"):
+        load_resumed(str(tmp_path), {}, {"backend": ["attn_implementation=sdpa"]})
+
+
 def test_a_negative_nproc_is_refused():
     with pytest.raises(ValueError, match="nproc must be >= 2"):
         FSDPBackend(nproc=-1)

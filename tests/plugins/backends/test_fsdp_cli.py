@@ -153,6 +153,49 @@ def test_the_embedded_default_with_seed_1_ends_where_the_local_backend_ends(tmp_
     assert worst <= 1e-3, worst
 
 
+@pytest.mark.slow
+def test_a_run_killed_at_two_ranks_resumes_on_three_where_the_unbroken_run_ends(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
+    base, _ = whole_runs
+    killed = tmp_path / "killed"
+    proc = start([*run_args(tiny_model_dir, tiny_dataset, killed), *FSDP])
+    wait_for(killed / "checkpoints" / "step-000001" / "state.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = grpo_core("run", "--resume", str(killed), "--backend-opt", "nproc=3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "trainer: fsdp, 3 ranks" in resumed.stderr
+    assert re.search(r"written by 2 ranks: resharded for 3", resumed.stderr), resumed.stderr
+    ours, unbroken = final_weights(killed), final_weights(base / "fsdp")
+    # DCP reads the shards back exactly; the steps after it sum 3 ranks' gradients instead of 2:
+    # float32 rounding of the reduction, within 1e-5 after AdamW's steps of about lr = 1e-3.
+    worst = max(float((ours[k] - unbroken[k]).abs().max()) for k in unbroken)
+    assert worst <= 1e-5, worst
+    refused = grpo_core("run", "--resume", str(killed), "--backend-opt", "attn_implementation=eager", "--max-steps", "4")
+    assert refused.returncode != 0 and "fsdp.attn_implementation cannot change" in refused.stderr
+
+
+@pytest.mark.slow
+def test_bf16_runs_on_two_ranks_and_ends_within_bf16_rounding_of_the_local_bf16_run(tiny_model_dir, tiny_dataset, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.plugins.backends.test_fsdp_bf16 import assert_bf16_weights_close
+
+    steps = 2
+    for name, extra in (("local", ()), ("fsdp", FSDP)):
+        out = grpo_core(*run_args(tiny_model_dir, tiny_dataset, tmp_path / name, steps=steps), "--dtype", "bfloat16", *extra)
+        assert out.returncode == 0, out.stderr
+    ours, theirs = final_weights(tmp_path / "fsdp"), final_weights(tmp_path / "local")
+    assert all(w.dtype == torch.bfloat16 for w in ours.values())
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert_bf16_weights_close(ours, theirs, initial, 1e-3, steps)
+    metrics = [[json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("fsdp", "local")]
+    for a, b in zip(*metrics):  # the same samples (seed 3); bf16 logprobs within rounding
+        assert a["reward/total"] == b["reward/total"]
+        assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-2, abs=1e-3)
+
+
 RESHARD = """
 import sys, torch, tinker
 from grpo_core.config import RunConfig

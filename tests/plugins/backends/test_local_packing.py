@@ -150,18 +150,51 @@ def test_packed_sequences_are_scored_under_gradient_checkpointing_too(tiny_model
         assert torch.allclose(g["logprobs"].to_torch()[first:], w[first:], atol=1e-6)
 
 
-def test_a_model_that_lets_packed_sequences_see_each_other_is_padded_with_the_reason(tiny_model_dir, monkeypatch, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_a_model_that_lets_packed_sequences_see_each_other_is_padded_with_the_reason(tiny_model_dir, monkeypatch, capsys, model, dtype):
     import transformers.masking_utils
 
     # What an attention path without packed-sequence support does: one causal mask over the row.
+    # On the embedded model in bfloat16 the leak (0.045, 3 bf16 units of the largest hidden value
+    # 1.9) hid under a bound of 16 bf16 units; the check computes in float32.
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-    trainer = make_trainer(tiny_model_dir)
+    path = str(tiny_model_dir) if model == "tiny" else "default"
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=path, dtype=dtype))
     reason = "sdpa attention lets sequences packed in one row see each other in this qwen3 model"
     assert trainer.forward_fn.packing_problem == reason
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"; sequences are padded ({reason})")
     paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
     trainer.forward(ragged_datums())
     assert paths == ["_logprobs_one_pass"]
+
+
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_the_bfloat16_check_computes_in_float32_packs_an_isolating_model_and_leaves_its_weights_as_they_were(tiny_model_dir, model):
+    path = str(tiny_model_dir) if model == "tiny" else local.model_path("default")
+    lm, _ = load_model(path, torch.device("cpu"), "sdpa", dtype=torch.bfloat16)
+    before = {k: v.clone() for k, v in lm.state_dict().items()}
+    dtypes = []
+    # A hook after the call registered before the check's: it runs before the weight is put back.
+    q_proj = lm.model.layers[0].self_attn.q_proj
+    hook = q_proj.register_forward_hook(lambda m, args, out: dtypes.append((m.weight.dtype, args[0].dtype, out.dtype)))
+    assert TransformersForward(lm, padding_free=True).packing_problem is None
+    hook.remove()
+    assert set(dtypes[-3:]) == {(torch.float32,) * 3}  # the check's three forwards (the head check runs in bf16)
+    after = lm.state_dict()
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], v) for k, v in before.items())
+    assert all(p.dtype == torch.bfloat16 for p in lm.parameters())
+
+    def fail(module, args):
+        raise RuntimeError("a forward that fails midway")
+
+    # Registered first, so it runs after the upcast of the layer's input norm and q_proj's own.
+    hook = lm.model.layers[0].self_attn.o_proj.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="midway"), local.computing_in_float32(lm):
+        lm(torch.tensor([[1, 2]]))
+    hook.remove()
+    assert all(p.dtype == torch.bfloat16 for p in lm.parameters())  # put back all the same
+    assert all(torch.equal(lm.state_dict()[k], v) for k, v in before.items())
 
 
 def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
