@@ -130,6 +130,18 @@ ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "True for a server: it checkpoints nothing, and the run sends it the weights it must sample from at start, "
             "on resume and at the end; False: it has state_dict() and load_state_dict(state) (its RNG, version, own weights)",
         ),
+        "load_weights": Attribute(
+            "callable | None",
+            None,
+            "load_weights(weights, max_staged_bytes) -> bytes loaded: an engine in this process loads weights() (checkpoint "
+            "names, tensors) in place, read by weight sync vllm_engine; None: it takes no weights from memory",
+        ),
+        "prompt_logprobs": Attribute(
+            "callable | None",
+            None,
+            "prompt_logprobs(tokens) -> the engine's logprob of each token given those before (0.0 first): the check after "
+            "weight sync vllm_engine; None: it scores no prompts",
+        ),
     },
 }
 """Per plugin kind (``"trainer object"``, ``"sampler object"``: what ``make_trainer``, ``make_sampler``
