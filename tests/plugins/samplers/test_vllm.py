@@ -183,7 +183,7 @@ def test_sampling_again_before_a_sync_wakes_level_1_and_reloads_level_2(tokenize
     sampler.sample([[1]], 2, params)
     sampler.sample([[1]], 2, params)  # level 2 freed them: the last sync's weights are loaded again
     reloaded = ["wake_up(weights)", "reload_weights", "wake_up(kv_cache)", "reset_prefix_cache"]
-    assert llm.calls[-7:] == ["generate", "sleep(2)", *reloaded, "generate"]
+    assert llm.calls[-8:] == ["generate", "sleep(2)", *reloaded, "generate", "sleep(2)"]
 
 
 def test_no_sleep_means_no_sleep_calls(tokenizer):
