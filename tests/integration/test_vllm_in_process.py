@@ -68,6 +68,7 @@ def state_bytes(model_dir: Path, names=None) -> int:
 
 
 def assert_every_sync_checked(lines: list[dict], steps: int) -> None:
+    print([{k: m[k] for k in ("step", "sync/logprob_max_abs_diff", "sync/bytes", "sync/seconds", "optim/grad_norm")} for m in lines])
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     for m in lines:
         assert m["sync/logprob_max_abs_diff"] < TOLERANCE and m["sync/repairs"] == 0.0, m
