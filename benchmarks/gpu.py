@@ -80,8 +80,10 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
     # TRL's defaults: fp32 weights and AdamW state under bf16 autocast, gradient checkpointing, generate
     "TRL": ("trl", ["--bf16", "--gradient-checkpointing"]),
     "TRL-vllm": ("trl", ["--bf16", "--gradient-checkpointing", "--vllm-colocate"]),
+    # A vLLM engine in grpo-core's process, weights loaded from memory, asleep while training.
+    "grpo-core+vllm": ("grpo-core", ["--sampler", "vllm"]),
 }
-DEFAULT_CONTENDERS = {"cuda": "grpo-core,TRL,grpo-core-gc,TRL-vllm", "cpu": "grpo-core,TRL"}
+DEFAULT_CONTENDERS = {"cuda": "grpo-core,TRL,grpo-core-gc,TRL-vllm,grpo-core+vllm", "cpu": "grpo-core,TRL"}
 """On a CPU, where the tiny run is a smoke test of both contenders, the GPU variants are left out."""
 BASELINE = "TRL"
 """The row every ratio is taken against."""
@@ -428,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(CONTENDERS[c][0] == "trl" for c in contenders):
         trl_python, trl_missing = trl_interpreter(args.device)
     vllm_reason = vllm_missing(trl_python, args.device) if trl_python and "TRL-vllm" in contenders else None
+    engine_reason = None
+    if "grpo-core+vllm" in contenders and importlib.util.find_spec("vllm") is None:
+        engine_reason = f'vllm is not importable by {sys.executable} (pip install "grpo-core[vllm]")'
 
     log("matmul probe ...")
     probe = matmul_probe(args.device)
@@ -463,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 left = args.budget - (time.monotonic() - started) if args.budget else float("inf")
                 skip = trl_missing if kind == "trl" else None
                 skip = skip or (vllm_reason if contender == "TRL-vllm" else None)
+                skip = skip or (engine_reason if contender == "grpo-core+vllm" else None)
                 if skip:
                     entry.update(status="skipped", reason=skip)
                 elif left < 30:

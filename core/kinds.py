@@ -199,6 +199,18 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "the ServerClient (grpo_core.plugins.samplers.openai) of the OpenAI-compatible server it samples from, which "
             "weight sync vllm reloads and checks; None: it samples from no such server",
         ),
+        "load_weights": Attribute(
+            "callable | None",
+            None,
+            "load_weights(weights, max_staged_bytes) -> bytes loaded: an engine in this process loads weights() (checkpoint "
+            "names, tensors) in place, read by weight sync vllm_engine; None: it takes no weights from memory",
+        ),
+        "prompt_logprobs": Attribute(
+            "callable | None",
+            None,
+            "prompt_logprobs(tokens) -> the engine's logprob of each token given those before (0.0 first): the check after "
+            "weight sync vllm_engine; None: it scores no prompts",
+        ),
     },
 }
 """What core and plugins read from the objects ``make_trainer`` and ``make_sampler`` return."""
