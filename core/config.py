@@ -435,6 +435,12 @@ class RunConfig:
         Core decides it, so a sampler needs to know no loop."""
         return self.weight_sync_interval != 1 or self.loop == "async"
 
+    @property
+    def samples_while_training(self) -> bool:
+        """Rollouts run while the trainer trains (the async loop): an engine that shares the device
+        with the trainer never idles, so it can never free its memory between steps."""
+        return self.loop == "async"
+
     def options_for(self, kind: str, name: str) -> dict[str, Any]:
         return dict(self.plugin_options.get(kind, {}).get(name, {}))
 

@@ -70,7 +70,7 @@ class VLLMSamplerPlugin:
         """The level the engine sleeps at while training (0: it never sleeps); refuses what cannot be honoured."""
         if self.sleep_mode == "off":
             return 0
-        if config.loop == "async":
+        if config.samples_while_training:
             if self.sleep_mode == "on":
                 raise PluginError(
                     "--sampler-opt sleep_mode=on: --loop async samples while the trainer trains, so the engine never idles "
