@@ -196,7 +196,9 @@ SKIPPED = {
         'grpo-core run --model Qwen/Qwen3-0.6B --dataset gsm8k.jsonl --prompt-template "{prompt}" --learning-rate 1e-6': NETWORK,
         'pip install -e ".[tensorboard]"': PIP,
         'pip install -e ".[wandb]"': PIP,
-        "grpo-core run --logger console --logger jsonl --logger wandb --logger-opt wandb.project=my-project": "logs to wandb.ai (network, an account)",
+        "grpo-core run --logger console --logger jsonl --logger wandb --logger-opt wandb.project=my-project": (
+            "logs to wandb.ai (network, an account)"
+        ),
         "grpo-core eval --model runs/<time>/final --dataset test.jsonl --reward gsm8k -n 4": USER_FILE,
     },
     "docs/rewards.md": {
