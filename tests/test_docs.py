@@ -18,7 +18,7 @@ import pytest
 from grpo_core import hookimpl, option
 from grpo_core.plugins.loggers.console import ConsoleLogger
 from tests.conftest import REPO
-from tests.test_cli import grpo_core_in_process
+from tests.test_cli import grpo_core, grpo_core_in_process
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +270,10 @@ def run_command(command: str, cwd) -> subprocess.CompletedProcess:
     assert args[0] == "grpo-core", command
     if args[1] == "run" and "--max-steps" not in args:
         args += DEFAULT_STEPS
+    if "fsdp" in args or "--resume" in args:
+        # fsdp's process group lives as long as its process, as in a shell where each command is
+        # one; a resumed run may be an fsdp one.
+        return grpo_core(*args[1:], env=settings, cwd=cwd)
     return grpo_core_in_process(*args[1:], env=settings, cwd=cwd)
 
 
