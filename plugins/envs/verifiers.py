@@ -75,6 +75,8 @@ class VerifiersEnv:
     env: Any = attrs.field(init=False, repr=False)
     """The verifiers Env playing each task, or None (a taskset: one policy turn)."""
     loop: EventLoop | None = attrs.field(init=False, default=None, repr=False)
+    rollout_turns: int | None = attrs.field(init=False, default=None, repr=False)
+    """The multi_turn rollout's max_turns: the policy turn after which the rollout stops asking."""
 
     def __attrs_post_init__(self) -> None:
         if self.environment:
@@ -86,6 +88,14 @@ class VerifiersEnv:
         else:
             self.env = None
             self.tasks = load_tasks(self.taskset)
+
+    @hookimpl
+    def on_run_start(self, config: Any) -> None:
+        if config.rollout == "multi_turn":
+            from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout  # noqa: PLC0415 (its default, read where it is set)
+
+            turns = config.options_for("rollout", "multi_turn").get("max_turns", attrs.fields(MultiTurnRollout).max_turns.default)
+            self.rollout_turns = int(turns)
 
     @hookimpl
     def env_reset(self, prompt: Prompt) -> VerifiersEpisode:
@@ -101,7 +111,7 @@ class VerifiersEnv:
             raise PluginError(f"verifiers: row {prompt.id} names task {index}, but the {kind} {spec} has {len(self.tasks)}")
         if self.loop is None:
             self.loop = EventLoop()
-        return VerifiersEpisode(self.loop, self.tasks[index], self.env)
+        return VerifiersEpisode(self.loop, self.tasks[index], self.env, self.rollout_turns)
 
 
 class EventLoop:
@@ -119,6 +129,8 @@ class Channel:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.out_of_turns = False
+        """The rollout takes no more policy turns: the seat's next turn ends the exchange."""
         self.asked: concurrent.futures.Future[tuple[list[dict[str, Any]], asyncio.Future[str]]] = concurrent.futures.Future()
 
     async def ask(self, messages: list[dict[str, Any]]) -> str:
@@ -131,9 +143,11 @@ class VerifiersEpisode:
     """One task played to its end: each seat turn's new messages are an observation, the
     policy's turn its reply; the reward comes when the environment's run is over."""
 
-    def __init__(self, loop: EventLoop, task: Any, env: Any) -> None:
+    def __init__(self, loop: EventLoop, task: Any, env: Any, rollout_turns: int | None = None) -> None:
         check_task(task)
         self.loop = loop.loop
+        self.rollout_turns = rollout_turns
+        self.turns = 0
         self.channel = Channel(self.loop)
         self.play = asyncio.run_coroutine_threadsafe(play(task, env, self.channel), self.loop)
         # A conversation the rollout ends early leaves its run waiting for a reply: cancel it.
@@ -145,6 +159,11 @@ class VerifiersEpisode:
     def step(self, text: str, tokens: list[int]) -> EnvStep:
         _, reply = self.channel.asked.result()
         self.channel.asked = concurrent.futures.Future()
+        self.turns += 1
+        # The rollout's last turn: end the exchange as verifiers ends a seat out of turns (its
+        # next turn() comes back terminated), so the environment's run, finalize and the task's
+        # rubric score the conversation instead of leaving it unscored.
+        self.channel.out_of_turns = self.rollout_turns is not None and self.turns >= self.rollout_turns
         self.loop.call_soon_threadsafe(reply.set_result, text)
         messages, done = self.advance()
         return EnvStep(messages=messages, reward=self.play.result() if done else 0.0, done=done)
@@ -283,7 +302,7 @@ class PolicyInteraction:
             new.append({"role": "user", "content": message})
         elif message is not None:
             new += [wire(m) for m in message]
-        if self.max_turns is not None and self.trace.num_turns >= self.max_turns:
+        if self.channel.out_of_turns or (self.max_turns is not None and self.trace.num_turns >= self.max_turns):
             self.over = True
             return vf.Segment(messages=[], terminated=True)
         for m in new:

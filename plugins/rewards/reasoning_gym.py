@@ -6,8 +6,11 @@ from typing import Any
 
 import attrs
 
-from grpo_core import Prompt, Sample, hookimpl, option
+from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.data import import_extra
+from grpo_core.plugins.rewards import gsm8k
+
+ANSWER_FORMATS = ("tag", "number")
 
 
 def _tag_name(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -20,8 +23,11 @@ class ReasoningGymReward:
     """A reasoning-gym task's own scorer: the score its ``score_answer`` gives the completion's answer.
 
     The answer is the text inside the completion's last <answer>...</answer> pair, stripped
-    (reasoning-gym's ``extract_answer``; answer_tag names another tag); a completion without
-    one scores 0, and so does an answer the task's scorer raises on (a few parse it without
+    (reasoning-gym's ``extract_answer``; answer_tag names another tag), or, with
+    ``answer_format=number``, the completion's final number as the gsm8k reward reads it
+    (``#### N``, ``The answer is N``, ``\\boxed{N}``, else its last number): for tasks whose
+    answers are numbers and policies that do not write tags (the embedded model writes
+    ``#### N``). A completion without an answer scores 0, and so does an answer the task's scorer raises on (a few parse it without
     checking: prime_factorization, boxnet). The scorer is that of the task named by the row's
     ``metadata.source_dataset``, given the row as the entry it scores: the rows of
     ``--dataset reasoning_gym:TASK`` are such entries, and so are reasoning-gym entries written
@@ -34,10 +40,17 @@ class ReasoningGymReward:
     needs_answer = False
 
     answer_tag: str = option("answer", help="the tag around the final answer: <answer_tag>...</answer_tag>", validator=_tag_name)
+    answer_format: str = option(
+        "tag",
+        help="tag: the text inside the last answer_tag pair; number: the final number as the gsm8k reward reads it (#### N, ...)",
+        validator=attrs.validators.in_(ANSWER_FORMATS),
+    )
     _reasoning_gym: Any = attrs.field(init=False, default=None)
     _scorers: dict[str, Callable[[str | None, dict[str, Any]], float]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        if self.answer_format == "number" and self.answer_tag != "answer":
+            raise PluginError("reasoning_gym reward: answer_tag is read only with answer_format=tag; drop one of them")
         self._reasoning_gym = import_extra("reasoning_gym", "reasoning-gym", "the reasoning_gym reward")
 
     def _scorer(self, prompt: Prompt) -> Callable[[str | None, dict[str, Any]], float]:
@@ -57,8 +70,12 @@ class ReasoningGymReward:
     @hookimpl
     def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float | None]:
         score_answer = self._scorer(prompt)
-        extract = self._reasoning_gym.utils.extract_answer
-        return [_score(score_answer, extract(sample.text, tag_name=self.answer_tag), prompt.metadata) for sample in samples]
+        return [_score(score_answer, self._answer(sample.text), prompt.metadata) for sample in samples]
+
+    def _answer(self, text: str) -> str | None:
+        if self.answer_format == "number":
+            return gsm8k.extract_answer(text)
+        return self._reasoning_gym.utils.extract_answer(text, tag_name=self.answer_tag)
 
 
 def _score(score_answer: Callable[[str | None, dict[str, Any]], float], answer: str | None, entry: dict[str, Any]) -> float:

@@ -208,6 +208,17 @@ def test_the_seats_max_turns_ends_the_conversation_and_it_is_scored(game):
     assert [episode.step(guess, [1]).reward for guess in "1x1x"] == [0.0, 0.0, 0.0, 0.5]
 
 
+def test_the_rollouts_last_turn_ends_the_conversation_as_the_seats_would_and_it_is_scored(game):
+    """The rollout stops asking after its max_turns (2 here, the seat allows 4): the exchange ends
+    as verifiers ends a seat out of turns, and the task's rubric and the env's finalize score it."""
+    game.rollout_turns = 2
+    episode = play(game, 1)
+    assert episode.step("1", [1]) == EnvStep(messages=[{"role": "user", "content": "Higher."}], reward=0.0, done=False)
+    # unsolved: 1 of 2 guesses with a digit (0.5 * 0.5) + the env's finalize reward (0.25)
+    assert episode.step("x", [1]) == EnvStep(messages=[], reward=0.5, done=True)
+    assert play(game, 1).step("5", [1]) == EnvStep(messages=[], reward=1.75, done=True)  # solved before the limit
+
+
 def test_an_environment_may_open_a_task_without_prompt(game):
     class UserOpens(type(game.env)):
         async def run(self, task, agents):
@@ -333,6 +344,27 @@ def test_the_rows_of_an_environment(tmp_path, monkeypatch, capsys):
     assert prompts[2].messages == [
         {"role": "system", "content": "Answer with one digit."}, {"role": "user", "content": "Guess my number, 1 to 9."}
     ]  # fmt: skip
+
+
+def test_a_run_whose_rollout_cuts_the_game_short_scores_every_conversation(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    sys.path.insert(0, str(ENVIRONMENTS))
+    try:
+        assert main(["--environment", GAME, str(rows)]) == 0
+    finally:
+        sys.path.remove(str(ENVIRONMENTS))
+    out = grpo_core_in_process(
+        "run", "--dataset", str(rows), "--rollout", "multi_turn", "--env", "verifiers", "--env-opt", f"environment={GAME}",
+        "--rollout-opt", "max_turns=2",  # the game's seat allows 4
+        "--max-steps", "2", "--prompt-groups-per-step", "1", "--completions-per-prompt", "4", "--max-completion-tokens", "4",
+        "--run-dir", str(tmp_path / "run"), "--no-drop-zero-variance-groups", env={"PYTHONPATH": str(ENVIRONMENTS)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["multi_turn/turns_mean"] <= 2 for s in steps), steps
+    # Every conversation was scored: at least the env's finalize reward (0.25), never the unscored 0.
+    assert all(0.25 <= s["reward/env"] <= 1.75 and s["reward/failed"] == 0 for s in steps), steps
 
 
 def test_a_three_step_run_plays_the_environment_over_several_turns(tmp_path):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import pytest
@@ -45,6 +46,23 @@ def test_answer_tag_option_is_the_tag_read():
         make_plugin("reasoning_gym", answer_tag="<answer>")
 
 
+def test_answer_format_number_reads_the_final_number_as_the_gsm8k_reward_does():
+    prompt = rows("reasoning_gym:letter_counting:1")[0]
+    answer = int(prompt.metadata["answer"])
+    texts = [f"h h h\n#### {answer}", f"#### {answer + 1}", f"I count {answer + 1}, no: {answer}", "no number", f"#### {answer}.0"]
+    reward = make_plugin("reasoning_gym", answer_format="number")
+    assert reward.reward(prompt=prompt, samples=samples(prompt, *texts)) == [1.0, 0.0, 1.0, 0.0, 1.0]
+    # The default reads tags only: the same completions score nothing.
+    assert make_plugin("reasoning_gym").reward(prompt=prompt, samples=samples(prompt, *texts)) == [0.0] * 5
+
+
+def test_answer_format_is_checked_and_answer_tag_is_refused_where_it_is_not_read():
+    with pytest.raises(PluginError, match="answer_format"):
+        make_plugin("reasoning_gym", answer_format="boxed")
+    with pytest.raises(PluginError, match="answer_tag is read only with answer_format=tag"):
+        make_plugin("reasoning_gym", answer_format="number", answer_tag="final")
+
+
 def test_partial_credit_and_a_scorer_that_raises_on_the_answer():
     prompt = rows("reasoning_gym:prime_factorization:1")[0]
     reward = make_plugin("reasoning_gym")
@@ -80,7 +98,7 @@ def test_without_the_extra_the_reward_says_how_to_install_it(monkeypatch):
 def test_listed_by_grpo_core_plugins():
     infos = json.loads(grpo_core_in_process("plugins", "--json").stdout)
     info = next(i for i in infos if (i["kind"], i["name"]) == ("reward", "reasoning_gym"))
-    assert info["distribution"] == "grpo-core" and [o["name"] for o in info["options"]] == ["answer_tag"]
+    assert info["distribution"] == "grpo-core" and [o["name"] for o in info["options"]] == ["answer_tag", "answer_format"]
     assert "score_answer" in info["help"] and "<answer>" in info["help"]
 
 
@@ -93,6 +111,22 @@ def test_a_three_step_run_on_the_embedded_model(tmp_path):
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert all("reward/reasoning_gym" in s and s["reward/failed"] == 0 for s in steps)
+
+
+@pytest.mark.slow
+def test_the_documented_command_shows_a_non_zero_reward(tmp_path):
+    """docs/multi-turn.md's embedded-model command, run as written (in an empty folder: its run
+    lands in runs/<time> there), trains and scores some completion above 0."""
+    from tests.test_docs import documented_commands
+
+    (command,) = [c for page, c in documented_commands() if page == "docs/multi-turn.md" and "reasoning_gym" in c and "--max-steps 3" in c]
+    out = grpo_core_in_process(*shlex.split(command)[1:], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert max(s["reward/reasoning_gym"] for s in steps) > 0
+    assert all(s["reward/failed"] == 0 for s in steps)
 
 
 def test_without_the_extra_a_run_is_one_line_and_exit_1(monkeypatch, tmp_path):
