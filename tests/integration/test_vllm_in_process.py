@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.vllm_in_process import ensure_grpo_core_in_vllm_venv, read_trace, traced_run
 from tests.integration.vllm_server import build_server_model
-from tests.test_cli import TEMPLATE
+from tests.helpers import TEMPLATE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
