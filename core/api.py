@@ -19,9 +19,10 @@ from typing import Any
 
 import attrs
 
-from grpo_core.config import DEFAULT, RunConfig, load, load_resumed
+from grpo_core.config import DEFAULT, RunConfig, load
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import KIND_TABLE
+from grpo_core.resume import load_resumed
 
 ROWS_DIR = "rows"
 """Where rows given in memory are saved: ``<the run directory's parent>/rows/<content hash>.jsonl``."""

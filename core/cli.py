@@ -174,6 +174,7 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
     written to the run directory); 130 Ctrl-C; 143 SIGTERM.
     """
     from grpo_core import config as config_module
+    from grpo_core.resume import load_resumed
 
     plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KIND_TABLE}
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
@@ -183,7 +184,7 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
         if resume:
             if config_file:
                 raise PluginError("--resume uses the run's own config.json: --config cannot be given with it")
-            config = config_module.load_resumed(resume, overrides, plugin_opts)
+            config = load_resumed(resume, overrides, plugin_opts)
         else:
             config = config_module.load(config_file, overrides, plugin_opts)
         if int(os.environ.get("RANK", "0")) > 0:

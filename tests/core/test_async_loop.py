@@ -459,7 +459,7 @@ def test_synchronous_training_resumes_exactly(tiny_model_dir, tiny_dataset, tmp_
     whole, split = tmp_path / "whole", tmp_path / "split"
     run(config(tiny_model_dir, tiny_dataset, whole, synchronous_training=True, max_steps=4))
     run(config(tiny_model_dir, tiny_dataset, split, synchronous_training=True, max_steps=2))
-    from grpo_core.config import load_resumed
+    from grpo_core.resume import load_resumed
 
     run(load_resumed(str(split), {"max_steps": 4}, {}), resume=True)
     assert shared_metrics(metrics_of(split)) == shared_metrics(metrics_of(whole))
@@ -727,7 +727,7 @@ def test_resume_samples_the_in_flight_prompts_again_and_skips_none(tiny_model_di
     # Prompts were taken beyond the three steps: in flight or ready when the run stopped.
     assert state["cursor"] > 6 and state["again"]
     assert {i for i, _ in state["again"]}.isdisjoint(trained_indices(first))
-    from grpo_core.config import load_resumed
+    from grpo_core.resume import load_resumed
 
     Script.calls.clear()
     summary = run(load_resumed(str(r), {"max_steps": 100}, {}), resume=True)

@@ -152,7 +152,7 @@ def stored_run(tmp_path, **values):
 
 
 def test_resume_changes_only_resumable_settings_and_compares_the_rest_as_typed(tmp_path):
-    from grpo_core.config import load_resumed
+    from grpo_core.resume import load_resumed
 
     run_dir = stored_run(tmp_path, reward=["gsm8k", "format:0.5"], prompt_template=r"Q: {prompt}\nA:", max_steps=3)
     resumed = load_resumed(run_dir, {"max_steps": "8", "keep_checkpoints": 4}, {})
@@ -170,7 +170,7 @@ def test_resume_changes_only_resumable_settings_and_compares_the_rest_as_typed(t
 
 
 def test_a_stored_template_is_read_as_saved_not_decoded_again(tmp_path):
-    from grpo_core.config import load_resumed
+    from grpo_core.resume import load_resumed
 
     run_dir = stored_run(tmp_path, prompt_template=r"a\\nb {prompt}")
     assert load(None, {"prompt_template": r"a\\nb {prompt}"}, {}).prompt_template == "a\\nb {prompt}"
@@ -225,7 +225,7 @@ def test_a_bad_weight_in_a_toml_table_is_a_clear_error(tmp_path):
 def test_resuming_a_run_stored_before_a_setting_existed_refuses_that_setting_clearly(tmp_path):
     import json
 
-    from grpo_core.config import load_resumed
+    from grpo_core.resume import load_resumed
 
     run_dir = stored_run(tmp_path)
     stored = json.loads((tmp_path / "config.json").read_text())

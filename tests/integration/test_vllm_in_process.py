@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import TEMPLATE
 from tests.integration.vllm_in_process import ensure_grpo_core_in_vllm_venv, read_trace, traced_run
 from tests.integration.vllm_server import build_server_model
-from tests.helpers import TEMPLATE
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -197,8 +197,9 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
 
 
 def test_resume_may_change_nproc_and_no_other_option_of_the_backend(tmp_path):
-    from grpo_core.config import load, load_resumed
+    from grpo_core.config import load
     from grpo_core.plugins_manager import write_config
+    from grpo_core.resume import load_resumed
 
     opts = ["nproc=2", "attn_implementation=eager"]
     write_config(load(None, {"backend": "fsdp"}, {"backend": opts}), tmp_path / "config.json")

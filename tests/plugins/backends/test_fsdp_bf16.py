@@ -12,7 +12,7 @@ from grpo_core.plugins.backends.fsdp import FSDPBackend
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import train_on_groups
-from tests.core.test_train_step import off_policy_samples
+from tests.core.off_policy import off_policy_samples
 
 LEARNING_RATE = 1e-3
 BF16_UNIT = torch.finfo(torch.bfloat16).eps
