@@ -510,7 +510,7 @@ def computing_in_float32(model: Any) -> Iterator[None]:
     def low_precision(p: torch.nn.Parameter | None) -> bool:
         return p is not None and p.dtype in (torch.bfloat16, torch.float16)
 
-    def upcast(module: Any, args: Any) -> None:
+    def upcast(module: Any, args: Any) -> tuple:
         mine = upcast_by.setdefault(id(module), [])
         for p in module._parameters.values():
             # A weight two modules share (tied embeddings) is upcast by the first and put back by it.
@@ -518,6 +518,9 @@ def computing_in_float32(model: Any) -> Iterator[None]:
                 held[id(p)] = (p, p.data)
                 p.data = p.data.float()
                 mine.append(id(p))
+        # Its inputs too: a caller may have cast them to this module's dtype before its call
+        # upcast it (peft casts a LoRA layer's input to its adapter's dtype).
+        return tuple(a.float() if isinstance(a, torch.Tensor) and low_precision(a) else a for a in args)
 
     def put_back(module: Any, args: Any, output: Any) -> None:
         for key in upcast_by.pop(id(module), []):
