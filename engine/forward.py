@@ -67,7 +67,7 @@ class TransformersForward:
         self.cache_argument = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
         self._check_head()
         self.packing_problem = self._packing_problem() if padding_free else "--backend-opt padding_free=false"
-        """Why sequences are not packed (None: they are, :func:`_logprobs_packed`)."""
+        """Why sequences are not packed (None: they are, :mod:`grpo_core.engine.logprobs`)."""
         text = model.config.get_text_config()
         heads = text.num_attention_heads
         tables = {id(e.weight): e.weight.numel() for e in (model.get_input_embeddings(), model.get_output_embeddings()) if e is not None}
