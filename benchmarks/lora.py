@@ -58,7 +58,7 @@ def worker(spec_path: str, result_path: str, variant_json: str) -> None:
     import bench_plugins
     import torch
 
-    from grpo_core.plugins.backends.local import read_trainer_state
+    from grpo_core.engine.trainer import read_trainer_state
     from grpo_core.train import run
 
     started, started_cpu = time.perf_counter(), time.process_time()

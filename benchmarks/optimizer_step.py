@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from grpo_core.plugins.backends.local import make_optimizer
-from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+from grpo_core.engine.optim import StochasticRoundingAdamW, make_optimizer
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 1024, 3072, 16, 8, 128
 

@@ -69,7 +69,7 @@ def wrap_common() -> None:
 
 def wrap_grpo_core() -> None:
     from grpo_core import loop, produce, stages
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import trainer
     from grpo_core.plugins.backends.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
     from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
@@ -82,10 +82,10 @@ def wrap_grpo_core() -> None:
     wrap(produce, "score_groups", "reward: score_groups", phase="reward")
     wrap(produce, "compute_advantages", "reward: compute_advantages", phase="reward")
     wrap(stages, "train_on_groups", "train: train_on_groups (total)", phase="train")
-    wrap(local, "target_logprobs", "train:  target_logprobs (forward + log_softmax)")
-    wrap(local.LocalTrainer, "forward_backward_custom", "train:  forward_backward_custom")
+    wrap(trainer, "target_logprobs", "train:  target_logprobs (forward + log_softmax)")
+    wrap(trainer.LocalTrainer, "forward_backward_custom", "train:  forward_backward_custom")
     wrap(GRPOLoss, "loss", "train:   loss hook (pad + surrogate)")
-    wrap(local.LocalTrainer, "optim_step", "train:  optim_step")
+    wrap(trainer.LocalTrainer, "optim_step", "train:  optim_step")
     wrap(loop, "learning_rate", "train: learning_rate")
 
 

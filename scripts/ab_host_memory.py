@@ -26,7 +26,7 @@ def main() -> None:
     from grpo_core import Sample
     from grpo_core.backend import sample_to_datum
     from grpo_core.config import RunConfig
-    from grpo_core.plugins.backends.host_memory import set_mmap_threshold
+    from grpo_core.engine.host_memory import set_mmap_threshold
     from grpo_core.plugins.backends.local import LocalBackend
 
     config = RunConfig(model=args.model, dtype=args.dtype)

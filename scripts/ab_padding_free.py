@@ -34,7 +34,9 @@ def main() -> None:
     import tinker
     import torch
 
-    from grpo_core.plugins.backends.local import TransformersForward, load_model, packed_layout, target_logprobs
+    from grpo_core.engine.forward import TransformersForward
+    from grpo_core.engine.logprobs import packed_layout, target_logprobs
+    from grpo_core.engine.models import load_model
 
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.model, torch.device("cpu"), "auto")

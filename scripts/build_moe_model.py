@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from grpo_core.embedded import ASSETS
-from grpo_core.plugins.backends.moe_routing import load_max_over_mean, tapped
+from grpo_core.engine.moe_routing import load_max_over_mean, tapped
 
 
 def rows(split: str) -> list[str]:

@@ -27,7 +27,8 @@ def main() -> None:
 
     from grpo_core import SamplingParams
     from grpo_core.config import RunConfig
-    from grpo_core.plugins.backends.local import LocalBackend, target_logprobs
+    from grpo_core.engine.logprobs import target_logprobs
+    from grpo_core.plugins.backends.local import LocalBackend
     from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
     torch.set_num_threads(1)

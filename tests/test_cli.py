@@ -213,7 +213,7 @@ def test_lora_run_checkpoints_adapters_only_and_resumes_exactly(tiny_model_dir, 
     whole = tmp_path / "whole"
     out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, whole, *args))
     assert out.returncode == 0, out.stderr
-    from grpo_core.plugins.backends.local import read_trainer_state
+    from grpo_core.engine.trainer import read_trainer_state
 
     state = read_trainer_state(whole / "checkpoints" / "step-000004" / "trainer")
     assert set(state) == {"adapter", "optimizer", "version"} and all("lora_" in k for k in state["adapter"])
@@ -289,7 +289,7 @@ def test_lora_run_on_the_embedded_task_learns(tmp_path):
     assert summary["steps"] == 100 and summary["reward_last"] - summary["reward_first"] >= 0.15
 
     checkpoint = max((tmp_path / "run" / "checkpoints").iterdir())
-    from grpo_core.plugins.backends.local import read_trainer_state
+    from grpo_core.engine.trainer import read_trainer_state
 
     assert set(read_trainer_state(checkpoint / "trainer")) == {"adapter", "optimizer", "version"}
 

@@ -94,7 +94,7 @@ class DistillAdvantage:
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
         from transformers import AutoTokenizer
 
-        from grpo_core.plugins.backends.local import model_path
+        from grpo_core.engine.models import model_path
 
         self._device = config.device
         teacher, teacher_tokenizer = self._teacher_model()
@@ -164,8 +164,9 @@ class DistillAdvantage:
     def _load(self) -> tuple[Any, Any]:
         if self.teacher_url:
             return ServerTeacher(self.teacher_url, self.teacher, self.retry_deadline), None
-        from grpo_core.plugins.backends.architectures import AUTO
-        from grpo_core.plugins.backends.local import LocalReference, load_model, resolve_precision
+        from grpo_core.engine.architectures import AUTO
+        from grpo_core.engine.models import load_model, resolve_precision
+        from grpo_core.engine.trainer import LocalReference
 
         device, dtype, _ = resolve_precision(self._device, self.dtype)
         try:

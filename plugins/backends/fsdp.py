@@ -34,34 +34,32 @@ import torch.distributed as dist
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.errors import PluginError
-from grpo_core.metrics import record
-from grpo_core.plugins.backends.architectures import AUTO
-from grpo_core.plugins.backends.local import (
+from grpo_core.engine.architectures import AUTO
+from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
+from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
+from grpo_core.engine.models import (
     SHARD_SIZE,
-    TRAINER_FORWARD,
-    DatumRouting,
-    LocalBackend,
-    LocalTrainer,
-    TransformersForward,
+    enable_activation_checkpointing,
+    load_model,
+    resolve_precision,
+    shared_storage_aliases,
+    train_mode,
+)
+from grpo_core.engine.moe_routing import num_experts, routing_problem, tapped
+from grpo_core.engine.optim import (
     all_finite,
     clip_and_step,
-    enable_activation_checkpointing,
     forward_backward_output,
     load_metrics,
-    load_model,
     make_optimizer,
-    mean_entropy,
     nonfinite_step_message,
-    resolve_precision,
     routing_outputs,
-    shared_storage_aliases,
     step_metrics,
-    target_logprobs,
-    train_mode,
-    trained_entropy_sum,
 )
-from grpo_core.plugins.backends.moe_routing import num_experts, routing_problem, tapped
+from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.errors import PluginError
+from grpo_core.metrics import record
+from grpo_core.plugins.backends.local import LocalBackend
 
 STATE_FORMAT = "grpo-core-fsdp-1"
 STATE_INFO = "fsdp.json"

@@ -18,11 +18,11 @@ import torch
 from grpo_core import hookimpl, option
 from grpo_core.backend import CustomLossFn
 from grpo_core.config import RunConfig
+from grpo_core.engine.models import model_path
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.loss import LossInputs, aggregate, validate_positive
 from grpo_core.plugins.backends import tinker_sdk as sdk
-from grpo_core.plugins.backends.local import model_path
 from grpo_core.plugins_manager import make_plugin
 
 STATE_FORMAT = "grpo-core-tinker-state-1"

@@ -97,7 +97,7 @@ class RewardModelReward:
     def _build(self) -> tuple[Any, Any, Any]:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from grpo_core.plugins.backends.local import model_path, resolve_precision
+        from grpo_core.engine.models import model_path, resolve_precision
 
         device, dtype, _ = resolve_precision(self._device, self.dtype)
         path = model_path(self.model)

@@ -12,22 +12,15 @@ import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
+from grpo_core.engine.logprobs import left_padded_positions, pad_rows
+from grpo_core.engine.lora import frozen_copy, load_trained_state_dict, trained_state_dict
+from grpo_core.engine.moe_routing import RoutingTap, routing_problem, tapped
+from grpo_core.engine.trainer import LocalTrainer
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
-from grpo_core.plugins.backends.local import (
-    LocalTrainer,
-    ModelForward,
-    _pad,
-    _positions,
-    forward_path,
-    frozen_copy,
-    load_trained_state_dict,
-    model_forward,
-    trained_state_dict,
-)
-from grpo_core.plugins.backends.moe_routing import RoutingTap, routing_problem, tapped
+from grpo_core.plugins.backends.local import ModelForward, forward_path, model_forward
 
 
 @attrs.define
@@ -165,9 +158,9 @@ class LocalSampler:
         sequences leave the batch, so they stop costing compute. With a ``tap`` (a mixture-of-experts
         model) each forwarded token's experts are recorded.
         """
-        input_ids, attention = _pad(prompts, left=True, pad=self.tokenizer.pad_token_id or 0)
+        input_ids, attention = pad_rows(prompts, left=True, pad=self.tokenizer.pad_token_id or 0)
         U, P = input_ids.shape
-        position_ids = _positions(attention, U, P).to(self.device)
+        position_ids = left_padded_positions(attention, U, P).to(self.device)
         attention = None if attention is None else attention.to(self.device)
         # Fused once per call: in-process weight sync means the weights may have changed since.
         weights = self.forward_fn.layer_weights()

@@ -672,7 +672,7 @@ def decode_routes(encoded: str | None, rows: int) -> Any:
     import numpy as np
     import torch
 
-    from grpo_core.plugins.backends.moe_routing import route_dtype
+    from grpo_core.engine.moe_routing import route_dtype
 
     if encoded is None:
         raise ServerResponseError(

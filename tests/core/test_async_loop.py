@@ -757,7 +757,7 @@ def test_a_resumed_run_drops_the_group_records_after_its_checkpoint_and_a_torn_l
 def test_turn_scores_are_never_taken_while_a_step_changes_the_weights(tiny_model_dir, tmp_path, monkeypatch):
     """IGPO scores with the trainer from a rollout worker: those forwards wait for the step."""
     from grpo_core import async_loop
-    from grpo_core.plugins.backends.local import LocalTrainer
+    from grpo_core.engine.trainer import LocalTrainer
 
     dataset = tmp_path / "games.jsonl"
     dataset.write_text("".join(json.dumps({"question": "Guess my number from 1 to 16.", "answer": str(n)}) + "\n" for n in range(1, 13)))

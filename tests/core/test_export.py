@@ -10,9 +10,10 @@ import torch
 from grpo_core.checkpoint import checkpoint_dir
 from grpo_core.config import load
 from grpo_core.data import PROMPT_SETTINGS_FILE
+from grpo_core.engine.trainer import read_trainer_state
 from grpo_core.errors import PluginError
 from grpo_core.export import export_policy, read_run_config
-from grpo_core.plugins.backends.local import LocalBackend, read_trainer_state
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.train import run
 
 TEMPLATE = "Question: {prompt}\nAnswer:"

@@ -12,8 +12,8 @@ import torch
 from grpo_core import LossOutput, hookimpl, selection
 from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig
+from grpo_core.engine.trainer import read_trainer_state
 from grpo_core.lifecycle import NonFiniteSteps, RunFailed
-from grpo_core.plugins.backends.local import read_trainer_state
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.train import run
 

@@ -28,7 +28,7 @@ def test_greedy_chunks():
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo", "cispo"])
 def test_split_step_gradient_equals_one_call(tiny_model_dir, agg, loss_name, monkeypatch):
-    from grpo_core.plugins.backends.local import LocalTrainer
+    from grpo_core.engine.trainer import LocalTrainer
 
     captured: dict = {}
     monkeypatch.setattr(

@@ -12,7 +12,7 @@ import sys
 import vllm
 
 from grpo_core.cli import main
-from grpo_core.plugins.backends.local import LocalTrainer
+from grpo_core.engine.trainer import LocalTrainer
 
 TRACE = os.environ["GRPO_CORE_ENGINE_TRACE"]
 

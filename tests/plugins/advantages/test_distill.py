@@ -10,9 +10,9 @@ import torch
 
 from grpo_core import PluginError, Prompt, Sample, make_plugin
 from grpo_core.config import RunConfig
+from grpo_core.engine.trainer import LocalReference
 from grpo_core.plugins.advantages.distill import same_tokenizer
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
-from grpo_core.plugins.backends.local import LocalReference
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import compute_advantages
 from tests.conftest import build_tiny_model, build_tiny_tokenizer

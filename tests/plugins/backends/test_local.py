@@ -9,7 +9,8 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
-from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
+from grpo_core.engine.forward import TransformersForward
+from grpo_core.plugins.backends.local import LocalBackend
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
 
@@ -289,12 +290,12 @@ def test_grad_clip_norm_rescales_the_gradient_to_the_limit(tiny_model_dir, clip_
 
 @pytest.mark.parametrize(("padding_free", "path"), [(True, "_logprobs_packed"), (False, "_logprobs_one_pass")])
 def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, monkeypatch, padding_free, path):
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import logprobs as engine_logprobs
 
     paths = []
     for name in ("_logprobs_one_pass", "_logprobs_shared_prefix", "_logprobs_packed"):
-        original = getattr(local, name)
-        monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
+        original = getattr(engine_logprobs, name)
+        monkeypatch.setattr(engine_logprobs, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
     _, _, trainer, sampler = make(tiny_model_dir, padding_free=padding_free)
     tok = trainer.tokenizer
     prompts = [tok("Question: what is 3 plus 4?\nAnswer:")["input_ids"], tok("what is 1?")["input_ids"], tok("12 plus 9")["input_ids"]]
@@ -327,7 +328,8 @@ def test_one_pass_logprobs_and_gradients_match_direct_autograd(tiny_model_dir, m
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
 def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_dir, chunk_rows, monkeypatch):
-    from grpo_core.plugins.backends import fused_logprobs, local
+    from grpo_core.engine import fused_logprobs
+    from grpo_core.engine.logprobs import token_logprobs
 
     _, _, trainer, _ = make(tiny_model_dir)
     vocab = trainer.model.config.vocab_size
@@ -339,7 +341,7 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
     hidden_N_E = torch.randn(7, trainer.model.config.hidden_size, requires_grad=True)
     targets_N = torch.randint(vocab, (7,))
 
-    got, entropy = local.token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
+    got, entropy = token_logprobs(trainer.forward_fn, hidden_N_E, targets_N)
     assert entropy is None  # not asked for
     assert max(heads) == min(chunk_rows, 7)  # never more than one chunk of logits at once
     got.sum().backward()
@@ -355,7 +357,8 @@ def test_chunked_logprobs_and_gradients_equal_the_full_log_softmax(tiny_model_di
 
 
 def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model_dir, monkeypatch):
-    from grpo_core.plugins.backends import fused_logprobs, local
+    from grpo_core.engine import fused_logprobs
+    from grpo_core.engine.logprobs import token_logprobs
 
     _, _, trainer, _ = make(tiny_model_dir)
     vocab = trainer.model.config.vocab_size
@@ -363,7 +366,7 @@ def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model
     saved = []
     hidden_N_E = torch.randn(16, trainer.model.config.hidden_size, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        local.token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)), entropy=True)
+        token_logprobs(trainer.forward_fn, hidden_N_E, torch.randint(vocab, (16,)), entropy=True)
     assert saved, "nothing saved for backward: the test sees no graph"
     # The output layer's weight is saved as itself (no copy); nothing else of the vocabulary's size.
     weight = trainer.model.lm_head.weight
@@ -371,10 +374,10 @@ def test_chunked_logprobs_keep_no_full_vocabulary_tensor_for_backward(tiny_model
 
 
 def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine.logprobs import token_logprobs
 
     _, _, trainer, _ = make(tiny_model_dir)
-    got, entropy = local.token_logprobs(
+    got, entropy = token_logprobs(
         trainer.forward_fn, torch.zeros(0, trainer.model.config.hidden_size), torch.zeros(0, dtype=torch.long), entropy=True
     )
     assert got.shape == entropy.shape == (0,) and got.dtype == torch.float32
@@ -384,7 +387,7 @@ def test_chunked_logprobs_of_no_positions_are_empty(tiny_model_dir):
 
 
 def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
-    from grpo_core.plugins.backends.local import resolve_precision
+    from grpo_core.engine.models import resolve_precision
 
     device, dtype, why = resolve_precision("cpu", "auto")
     assert (device.type, dtype) == ("cpu", torch.float32)
@@ -402,7 +405,7 @@ def test_precision_auto_is_float32_on_cpu_and_each_choice_says_why():
 
 @pytest.mark.parametrize("reference_place", ["memory", "offload"])
 def test_bfloat16_holds_weights_reference_and_sampler_in_bf16_and_trains(tiny_model_dir, capsys, reference_place):
-    from grpo_core.plugins.backends.stochastic_rounding_adamw import StochasticRoundingAdamW
+    from grpo_core.engine.optim import StochasticRoundingAdamW
 
     cfg, _, trainer, sampler = make(tiny_model_dir, dtype="bfloat16")
     assert "precision: bfloat16 weights" in capsys.readouterr().err
@@ -505,9 +508,10 @@ def train_one_step(trainer, sampler):
 def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(tiny_model_dir, tmp_path, dtype, monkeypatch):
     from safetensors import safe_open
 
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import trainer as engine_trainer
 
-    monkeypatch.setattr(local, "SHARD_SIZE", "40KB")
+    # save_state looks SHARD_SIZE up in engine/trainer.py
+    monkeypatch.setattr(engine_trainer, "SHARD_SIZE", "40KB")
     _, _, trainer, sampler = make(tiny_model_dir, dtype=dtype)
     datums = train_one_step(trainer, sampler)
     trainer.save_state(str(tmp_path / "trainer"))
@@ -518,7 +522,7 @@ def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(ti
     for shard in shards:
         with safe_open(tmp_path / "trainer" / shard, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16" if dtype == "bfloat16" else "F32"}
-    saved = local.read_trainer_state(tmp_path / "trainer")
+    saved = engine_trainer.read_trainer_state(tmp_path / "trainer")
     assert saved["version"] == 1
     assert torch.equal(saved["model"]["lm_head.weight"], saved["model"]["model.embed_tokens.weight"])
     stored = [k for shard in shards for k in safe_open(tmp_path / "trainer" / shard, "pt").keys()]

@@ -27,7 +27,8 @@ def exact_entropy(trainer, samples) -> float:
 def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_model_dir, path, monkeypatch):
     import inspect
 
-    from grpo_core.plugins.backends import fused_logprobs, local
+    from grpo_core.engine import fused_logprobs
+    from grpo_core.engine import logprobs as engine_logprobs
 
     _, _, trainer, sampler = make(tiny_model_dir, gradient_checkpointing=path == "checkpointed", padding_free=path == "packed")
     if path == "small_chunks":
@@ -42,7 +43,7 @@ def test_the_training_forward_reports_the_exact_entropy_of_trained_tokens(tiny_m
         return lambda *a: calls.append(name) or original(*a)
 
     for name in ("_logprobs_shared_prefix", "_logprobs_packed"):
-        monkeypatch.setattr(local, name, counted(name, getattr(local, name)))
+        monkeypatch.setattr(engine_logprobs, name, counted(name, getattr(engine_logprobs, name)))
     chunks = []
     original_logits = fused_logprobs._logits
 

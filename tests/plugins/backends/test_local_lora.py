@@ -11,17 +11,14 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.forward import TransformersForward
+from grpo_core.engine.lora import adapters_disabled
+from grpo_core.engine.models import load_model
+from grpo_core.engine.trainer import LocalReference, read_trainer_state
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
-from grpo_core.plugins.backends.local import (
-    LocalBackend,
-    LocalReference,
-    TransformersForward,
-    adapters_disabled,
-    load_model,
-    read_trainer_state,
-)
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
 
@@ -296,12 +293,14 @@ def test_saved_policy_is_the_merged_model_in_a_plain_folder(tiny_model_dir, tmp_
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_merged_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(tiny_model_dir, tmp_path, monkeypatch, dtype):
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import lora as engine_lora
 
     _, trainer = make_trainer(tiny_model_dir, dtype=dtype)
     randomize_adapters(trainer.model)
     # What was written before: every merged weight built at once, then saved.
-    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    trainer.model.save_pretrained(
+        tmp_path / "whole", state_dict=engine_lora.merged_state_dict(trainer.model), max_shard_size=engine_lora.SHARD_SIZE
+    )
     made = []
 
     def watched(model, base):
@@ -310,8 +309,8 @@ def test_the_merged_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict
             made.append(weakref.ref(merged))
             yield key, merged
 
-    merged_weights = local.merged_weights
-    monkeypatch.setattr(local, "merged_weights", watched)
+    merged_weights = engine_lora.merged_weights
+    monkeypatch.setattr(engine_lora, "merged_weights", watched)
     trainer.save_weights_for_sampler(str(tmp_path / "streamed"))
     assert len(made) == 2 * len(ALL_PROJECTIONS)  # every adapted layer of both blocks
     whole = sorted(f.name for f in (tmp_path / "whole").iterdir())
@@ -321,13 +320,15 @@ def test_the_merged_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict
 
 
 def test_a_layout_one_merged_weight_cannot_make_is_written_whole(tiny_model_dir, tmp_path, monkeypatch):
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import lora as engine_lora
 
     _, trainer = make_trainer(tiny_model_dir)
     randomize_adapters(trainer.model)
-    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    trainer.model.save_pretrained(
+        tmp_path / "whole", state_dict=engine_lora.merged_state_dict(trainer.model), max_shard_size=engine_lora.SHARD_SIZE
+    )
     # As where saving would join several of the model's weights into one stored tensor.
-    monkeypatch.setattr(local, "as_saved", lambda model, key, weight: {f"{key}.joined": weight})
+    monkeypatch.setattr(engine_lora, "as_saved", lambda model, key, weight: {f"{key}.joined": weight})
     trainer.save_weights_for_sampler(str(tmp_path / "written"))
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "written" / name).read_bytes(), name

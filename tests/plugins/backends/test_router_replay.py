@@ -11,10 +11,11 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.moe_routing import routers
+from grpo_core.engine.trainer import LocalTrainer
 from grpo_core.errors import PluginError
 from grpo_core.lifecycle import check_router_replay
-from grpo_core.plugins.backends.local import LocalBackend, LocalTrainer
-from grpo_core.plugins.backends.moe_routing import routers
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
 from grpo_core.train import run
 from tests.plugins.backends.moe_models import MOE_FAMILIES, build_tiny_moe

@@ -13,8 +13,9 @@ import torch
 from grpo_core import PluginError, Prompt, Sample
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.lora import merged_state_dict
 from grpo_core.metrics import scope
-from grpo_core.plugins.backends.local import LocalBackend, merged_state_dict
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.weight_sync.vllm import WeightSyncMismatch
 from grpo_core.plugins.weight_sync.vllm_engine import VLLMEngineWeightSync, module_group, policy_weights
 

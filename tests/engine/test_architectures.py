@@ -1,5 +1,5 @@
 """Every architecture family trains on defaults: LoRA target presets, attention chosen per
-architecture, sampler and trainer scoring one policy (plugins/backends/architectures.py)."""
+architecture, sampler and trainer scoring one policy (engine/architectures.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import transformers
 
 from grpo_core import hookimpl, selection
 from grpo_core.config import RunConfig
+from grpo_core.engine import architectures
+from grpo_core.engine.lora import adapters_disabled
+from grpo_core.engine.models import load_model
 from grpo_core.errors import PluginError
-from grpo_core.plugins.backends import architectures
-from grpo_core.plugins.backends.local import LocalBackend, adapters_disabled, load_model
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.train import run
 from tests.conftest import build_tiny_tokenizer
@@ -374,8 +376,9 @@ def test_the_saved_policy_carries_its_attention_to_eval_and_export(family_dirs, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_packs_sequences_exactly(family_dirs, family):
-    from grpo_core.plugins.backends.local import TransformersForward, _first_trained, target_logprobs
-    from tests.plugins.backends.ragged_datums import ragged_datums
+    from grpo_core.engine.forward import TransformersForward
+    from grpo_core.engine.logprobs import first_trained, target_logprobs
+    from tests.engine.ragged_datums import ragged_datums
 
     model, _ = load_model(str(family_dirs(family)), torch.device("cpu"), "auto")
     forward = TransformersForward(model, padding_free=True)
@@ -384,7 +387,7 @@ def test_every_family_packs_sequences_exactly(family_dirs, family):
     with torch.no_grad():
         packed, padded = (target_logprobs(forward, datums, torch.device("cpu"), one_pass=True, packed=p)[0] for p in (True, False))
     for d, got, want in zip(datums, packed, padded):
-        first = _first_trained(d.loss_fn_inputs["weights"].data)
+        first = first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6), float((got - want)[first:].abs().max())
 
 
@@ -447,7 +450,7 @@ def test_a_moe_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(
     each merged expert weight goes into those places, not through the whole merged state dict."""
     import weakref
 
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import lora as engine_lora
 
     trainer = make_trainer(family_dirs(family), dtype=dtype)
     gen = torch.Generator().manual_seed(1)
@@ -455,9 +458,11 @@ def test_a_moe_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    trainer.model.save_pretrained(tmp_path / "whole", state_dict=local.merged_state_dict(trainer.model), max_shard_size=local.SHARD_SIZE)
+    trainer.model.save_pretrained(
+        tmp_path / "whole", state_dict=engine_lora.merged_state_dict(trainer.model), max_shard_size=engine_lora.SHARD_SIZE
+    )
     made = []
-    merged_weights = local.merged_weights
+    merged_weights = engine_lora.merged_weights
 
     def watched(model, base):
         for key, merged in merged_weights(model, base):
@@ -468,8 +473,8 @@ def test_a_moe_policy_is_written_a_weight_at_a_time_as_the_whole_state_dict_was(
     def refused(model):
         raise AssertionError("the merged state dict was built whole")
 
-    monkeypatch.setattr(local, "merged_weights", watched)
-    monkeypatch.setattr(local, "merged_state_dict", refused)
+    monkeypatch.setattr(engine_lora, "merged_weights", watched)
+    monkeypatch.setattr(engine_lora, "merged_state_dict", refused)
     trainer.save_weights_for_sampler(str(tmp_path / "streamed"))
     assert len(made) == 2 * (4 + 2)  # both layers' attention projections and expert weights
     whole = sorted(f.name for f in (tmp_path / "whole").iterdir())

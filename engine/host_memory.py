@@ -35,7 +35,7 @@ def _libc() -> ctypes.CDLL | None:
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def malloc_trim() -> Callable[[int], int] | None:
     libc = _libc()
     return libc.malloc_trim if libc is not None else None
 
@@ -51,6 +51,6 @@ def set_mmap_threshold(nbytes: int) -> bool:
 def release_freed_memory(device: torch.device) -> None:
     """Return the free pages of the C heap to the operating system (glibc; a CPU device only:
     CUDA tensors live in the device's own caching allocator)."""
-    trim = _malloc_trim()
+    trim = malloc_trim()
     if device.type == "cpu" and trim is not None:
         trim(0)

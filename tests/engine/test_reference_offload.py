@@ -12,11 +12,13 @@ import torch
 from grpo_core import Sample
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.host_memory import malloc_trim
+from grpo_core.engine.lora import frozen_copy
+from grpo_core.engine.reference_offload import HostTensors, OffloadedWeights
+from grpo_core.engine.trainer import LocalReference
 from grpo_core.errors import PluginError
 from grpo_core.options import instantiate
-from grpo_core.plugins.backends.host_memory import _malloc_trim
-from grpo_core.plugins.backends.local import LocalBackend, LocalReference, frozen_copy
-from grpo_core.plugins.backends.reference_offload import HostTensors, OffloadedWeights
+from grpo_core.plugins.backends.local import LocalBackend
 
 
 def datums_of(tokenizer):
@@ -138,7 +140,7 @@ def test_reference_place_is_checked(tiny_model_dir):
 RELEASE_CHECK = """
 import ctypes, torch
 from pathlib import Path
-from grpo_core.plugins.backends.host_memory import release_freed_memory
+from grpo_core.engine.host_memory import release_freed_memory
 
 def resident():
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
@@ -161,7 +163,7 @@ print(before >> 20, unchanged >> 20, resident() >> 20)
 """
 
 
-@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc): the call is a no-op there")
+@pytest.mark.skipif(malloc_trim() is None, reason="the C library has no malloc_trim (not glibc): the call is a no-op there")
 def test_released_memory_leaves_the_process():
     # In a fresh interpreter: what this one freed before would blur the measurement.
     before, unchanged, after = map(

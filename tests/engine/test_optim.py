@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_core.plugins.backends import stochastic_rounding_adamw
-from grpo_core.plugins.backends.stochastic_rounding_adamw import (
+from grpo_core.engine import optim
+from grpo_core.engine.optim import (
     StochasticRoundingAdamW,
     add_element_noise,
     noise_key,
@@ -67,7 +67,7 @@ def test_noise_is_the_documented_integer_hash_exactly(monkeypatch):
     keys = {noise_key(7, 3, 2, 0), noise_key(7, 4, 2, 0), noise_key(7, 3, 3, 0), noise_key(7, 3, 2, 1), noise_key(8, 3, 2, 0)}
     assert len(keys) == 5 and all(0 <= k < 1 << 32 for k in keys)
     # Element i gets entry (i + key) mod the table's length, wrapping around its end.
-    monkeypatch.setattr(stochastic_rounding_adamw, "SLICE_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", 1 << 20)
     key = (1 << 20) - 3 + (5 << 20)
     bits = torch.zeros(10, dtype=torch.int32)
     add_element_noise(bits, key)
@@ -85,7 +85,7 @@ def adamw_in_float32(start_bf16, grads, settings):
 
 
 def test_a_bf16_step_is_the_float32_update_rounded_without_bias_to_a_neighbour(monkeypatch):
-    monkeypatch.setattr(stochastic_rounding_adamw, "SLICE_ELEMENTS", 1 << 17)  # a quick table: 1 slice
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", 1 << 17)  # a quick table: 1 slice
     copies, settings = 4096, {"lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1}
     values = torch.tensor([1.0, -0.3, 2.5e-3, 7.0, -1e-5, 0.0, 100.0, 0.7], dtype=torch.bfloat16)
     start = values.repeat(copies, 1)  # every column's copies round independently
@@ -165,7 +165,7 @@ def test_rounding_repeats_with_the_seed_and_differs_across_seeds():
 
 @pytest.mark.parametrize("slice_elements", [1 << 24, 64], ids=["whole", "sliced"])
 def test_resume_from_the_state_dict_is_bitwise(monkeypatch, slice_elements):
-    monkeypatch.setattr(stochastic_rounding_adamw, "SLICE_ELEMENTS", slice_elements)
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", slice_elements)
     straight, _ = run(5, 4)
     params, optimizer = run(5, 2)
     buffer = io.BytesIO()
@@ -202,7 +202,7 @@ def test_large_tensors_update_in_slices_like_small_ones(monkeypatch):
         return params, optimizer
 
     whole, _ = step()
-    monkeypatch.setattr(stochastic_rounding_adamw, "SLICE_ELEMENTS", 7)
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", 7)
     sliced, optimizer = step()
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
     assert optimizer.state[sliced[0]]["step"] == 2

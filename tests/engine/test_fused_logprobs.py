@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grpo_core.plugins.backends import fused_logprobs
-from grpo_core.plugins.backends.fused_logprobs import LinearHead, LowRank, chunk_rows, linear_logprobs
+from grpo_core.engine import fused_logprobs
+from grpo_core.engine.fused_logprobs import LinearHead, LowRank, chunk_rows, linear_logprobs
 
 N, H, V, R = 37, 16, 300, 4
 
@@ -201,7 +201,7 @@ def test_a_trainer_step_on_the_tiny_model_equals_the_checkpointed_chunks(tiny_mo
     logprobs the loss saw and the entropy equal the former head's to float32 rounding."""
     from grpo_core import SamplingParams
     from grpo_core.backend import sample_to_datum
-    from grpo_core.plugins.backends import local
+    from grpo_core.engine import logprobs as engine_logprobs
     from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
     _, _, trainer, sampler = make(tiny_model_dir, padding_free=padding_free)
@@ -218,7 +218,7 @@ def test_a_trainer_step_on_the_tiny_model_equals_the_checkpointed_chunks(tiny_mo
         return seen, out.metrics["policy/entropy"], {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
 
     got = step()
-    monkeypatch.setattr(local, "token_logprobs", checkpointed_chunks)
+    monkeypatch.setattr(engine_logprobs, "token_logprobs", checkpointed_chunks)
     want = step()
     assert_within(dict(enumerate(got[0])), dict(enumerate(want[0])), 1e-6)
     assert got[1] == pytest.approx(want[1], rel=1e-6)
@@ -228,7 +228,7 @@ def test_a_trainer_step_on_the_tiny_model_equals_the_checkpointed_chunks(tiny_mo
 def untied_lora_model(rank=4):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from grpo_core.plugins.backends.local import add_lora
+    from grpo_core.engine.lora import add_lora
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -240,7 +240,9 @@ def untied_lora_model(rank=4):
 
 
 def test_lora_on_the_output_layer_gets_the_layers_own_gradients():
-    from grpo_core.plugins.backends.local import TransformersForward, adapters_disabled, token_logprobs
+    from grpo_core.engine.forward import TransformersForward
+    from grpo_core.engine.logprobs import token_logprobs
+    from grpo_core.engine.lora import adapters_disabled
 
     model = untied_lora_model()
     forward = TransformersForward(model)
@@ -267,8 +269,9 @@ def test_lora_on_the_output_layer_gets_the_layers_own_gradients():
 
 
 def test_an_output_layer_that_is_not_linear_is_refused_by_name():
+    from grpo_core.engine.forward import TransformersForward
+    from grpo_core.engine.logprobs import token_logprobs
     from grpo_core.errors import PluginError
-    from grpo_core.plugins.backends.local import TransformersForward, token_logprobs
 
     model = untied_lora_model()
     forward = TransformersForward(model)

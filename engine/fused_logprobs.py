@@ -13,8 +13,6 @@ output is one logprob per token whose upstream gradient (a clipped ratio, a KL) 
 backward, and the weight's gradient ``Σᵢ gᵢ (onehot − pᵢ) ⊗ hᵢ`` cannot be formed without it. So
 backward recomputes the logits once per chunk (what activation checkpointing did too), but with
 no checkpoint machinery, no saved log-softmax and no recomputed entropy.
-
-No plugin imports: this is engine code (it moves to ``grpo_core.engine`` later).
 """
 
 from __future__ import annotations

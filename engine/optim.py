@@ -1,4 +1,8 @@
-"""AdamW for bfloat16 parameters: float32 moments, float32 update math, stochastic rounding.
+"""The optimizer step: AdamW (torch's fused kernel for float32 weights, the stochastic-rounding
+AdamW below for bfloat16 ones), gradient clipping, the finiteness checks around a step, and what a
+step and a forward-backward report.
+
+AdamW for bfloat16 parameters: float32 moments, float32 update math, stochastic rounding.
 
 A bfloat16 weight keeps 8 significant bits: an update smaller than half a unit in the last place
 (a relative 2^-9, while a typical step at lr 1e-5 is ~1e-5 of the weight) rounds back to the
@@ -21,10 +25,16 @@ checkpoint (whose layout is unchanged: torch's AdamW state with float32 moments)
 from __future__ import annotations
 
 import functools
+import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import tinker
 import torch
+
+from grpo_core.backend import routes_data
+from grpo_core.engine.logprobs import DatumRouting
+from grpo_core.engine.moe_routing import load_max_over_mean
 
 SLICE_ELEMENTS = 1 << 24
 """Elements updated at once. The peak extra memory at any model size is 12 bytes per element of
@@ -219,3 +229,88 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 torch._foreach_copy_(params, list(truncate_to_bf16(weights[:total]).split(lengths)))
             else:  # float16 and others: rounded to nearest, as copy_ does
                 torch._foreach_copy_(params, weights_32)
+
+
+def make_optimizer(params: list[torch.Tensor], seed: int, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over ``params``: torch's fused kernel for float32 weights, stochastic rounding for bf16."""
+    if any(p.dtype != torch.float32 for p in params):
+        return StochasticRoundingAdamW(params, seed=seed)
+    # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
+    return torch.optim.AdamW(params, fused=device.type in ("cpu", "cuda"))
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, adam_params: tinker.AdamParams, skip: bool) -> tuple[float, bool]:
+    """Set ``adam_params`` on ``optimizer``, clip its parameters' gradient norm (``grad_clip_norm``,
+    0 = off) and step, unless ``skip`` or the norm is non-finite; then zero the gradients.
+    Returns the norm before clipping and whether the step was skipped."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam_params.learning_rate,
+            betas=(adam_params.beta1, adam_params.beta2),
+            eps=adam_params.eps,
+            weight_decay=adam_params.weight_decay,
+        )
+    max_norm = adam_params.grad_clip_norm if adam_params.grad_clip_norm > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # Sharded (DTensor) parameters give a sharded norm: its full value is the same on every rank.
+    grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    skip = skip or not math.isfinite(grad_norm)
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skip
+
+
+def forward_backward_output(
+    logprobs: Sequence[torch.Tensor],
+    loss: torch.Tensor,
+    metrics: dict[str, float],
+    routed: Sequence[dict[str, torch.Tensor]] | None = None,
+) -> tinker.ForwardBackwardOutput:
+    """What ``forward_backward_custom`` returns: each datum's logprobs (and ``routed`` tensors,
+    a mixture-of-experts model's routing) and the metrics with the loss."""
+    return tinker.ForwardBackwardOutput(
+        loss_fn_output_type="TorchLossReturn",
+        loss_fn_outputs=[
+            {"logprobs": tinker.TensorData.from_torch(lp.detach()), **{k: routes_data(v) for k, v in extra.items()}}
+            for lp, extra in zip(logprobs, routed or [{} for _ in logprobs])
+        ],
+        metrics={**metrics, "loss": float(loss.detach())},
+    )
+
+
+def routing_outputs(routing: DatumRouting, datums: Sequence[tinker.Datum]) -> list[dict[str, torch.Tensor]]:
+    """Per datum: the experts its forward used (``routed_experts``) and those its routers chose
+    themselves (``routed_experts_chosen``: the same unless forced)."""
+    lengths = [d.model_input.length for d in datums]
+    used = routing.per_datum(routing.tap.take(), lengths)
+    chosen = routing.per_datum(routing.tap.take_live(), lengths)
+    return [{"routed_experts": u, "routed_experts_chosen": c} for u, c in zip(used, chosen)]
+
+
+def load_metrics(routes_N_L_K: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """How evenly a forward's tokens spread over the experts: per MoE layer the busiest expert's
+    share over the mean share (``moe/load_max_over_mean/layer_<i>``; 1 = even), and the worst layer's."""
+    per_layer_L = load_max_over_mean(routes_N_L_K, num_experts)
+    metrics = {f"moe/load_max_over_mean/layer_{i}": float(v) for i, v in enumerate(per_layer_L)}
+    metrics["moe/load_max_over_mean"] = float(per_layer_L.max())
+    return metrics
+
+
+def nonfinite_step_message(grad_norm: float, adam_params: tinker.AdamParams) -> str:
+    return (
+        f"the optimizer step made weights non-finite (grad norm {grad_norm:.3g}, lr {adam_params.learning_rate:g}); "
+        "nothing is saved from them"
+    )
+
+
+def step_metrics(grad_norm: float, adam_params: tinker.AdamParams, skipped: bool) -> dict[str, float]:
+    return {"optim/grad_norm": grad_norm, "optim/lr": adam_params.learning_rate, "optim/skipped_nonfinite": float(skipped)}
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is NaN or inf, in one check (one device sync): the largest
+    magnitude is NaN or inf exactly when some element is. Empty tensors (a rank's empty shard) hold none."""
+    tensors = [t for t in tensors if t.numel()]
+    return not tensors or bool(torch.stack([n.float() for n in torch._foreach_norm(tensors, math.inf)]).isfinite().all())

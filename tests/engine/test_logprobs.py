@@ -1,4 +1,4 @@
-"""Padding-free batches: sequences that run whole packed end to end (plugins/backends/local.py)."""
+"""Padding-free batches: sequences that run whole packed end to end (engine/logprobs.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import pytest
 import torch
 
 from grpo_core.config import RunConfig
-from grpo_core.plugins.backends import local
-from grpo_core.plugins.backends.local import LocalBackend, TransformersForward, load_model, pack_rows, packed_layout, target_logprobs
+from grpo_core.engine import logprobs as engine_logprobs
+from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward, computing_in_float32
+from grpo_core.engine.logprobs import first_trained, pack_rows, packed_layout, target_logprobs
+from grpo_core.engine.models import load_model, model_path
+from grpo_core.plugins.backends.local import LocalBackend
 from tests.core.tiny_runs import length_reward  # noqa: F401 (autouse: the runs below score with the "length" reward)
-from tests.plugins.backends.ragged_datums import datum, ragged_datums
+from tests.engine.ragged_datums import datum, ragged_datums
 
 
 def spy(monkeypatch, *names):
     paths = []
     for name in names:
-        original = getattr(local, name)
-        monkeypatch.setattr(local, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
+        original = getattr(engine_logprobs, name)
+        monkeypatch.setattr(engine_logprobs, name, lambda *a, _f=original, _n=name, **k: paths.append(_n) or _f(*a, **k))
     return paths
 
 
@@ -87,7 +90,7 @@ def test_packed_logprobs_and_gradients_equal_the_padded_ones(tiny_model_dir, att
     (packed_lps, packed_grads), (padded_lps, padded_grads) = results[True], results[False]
     for d, got, want in zip(datums, packed_lps, padded_lps):
         assert got.shape == want.shape == (len(d.model_input.to_ints()),)
-        first = local._first_trained(d.loss_fn_inputs["weights"].data)
+        first = first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(got[first:], want[first:], rtol=0, atol=1e-6)
         assert not got[:first].any()  # before the first trained target: never scored
     assert packed_layout([len(d.model_input.to_ints()) for d in datums], *forward.layer_costs) == rows
@@ -146,7 +149,7 @@ def test_packed_sequences_are_scored_under_gradient_checkpointing_too(tiny_model
     want = plain.forward(datums)
     assert paths == ["_logprobs_packed"]  # the plain trainer ran the shared-prefix path
     for g, w, d in zip(got, want, datums):
-        first = local._first_trained(d.loss_fn_inputs["weights"].data)
+        first = first_trained(d.loss_fn_inputs["weights"].data)
         assert torch.allclose(g["logprobs"].to_torch()[first:], w[first:], atol=1e-6)
 
 
@@ -171,7 +174,7 @@ def test_a_model_that_lets_packed_sequences_see_each_other_is_padded_with_the_re
 
 @pytest.mark.parametrize("model", ["tiny", "default"])
 def test_the_bfloat16_check_computes_in_float32_packs_an_isolating_model_and_leaves_its_weights_as_they_were(tiny_model_dir, model):
-    path = str(tiny_model_dir) if model == "tiny" else local.model_path("default")
+    path = str(tiny_model_dir) if model == "tiny" else model_path("default")
     lm, _ = load_model(path, torch.device("cpu"), "sdpa", dtype=torch.bfloat16)
     before = {k: v.clone() for k, v in lm.state_dict().items()}
     dtypes = []
@@ -190,7 +193,7 @@ def test_the_bfloat16_check_computes_in_float32_packs_an_isolating_model_and_lea
 
     # Registered first, so it runs after the upcast of the layer's input norm and q_proj's own.
     hook = lm.model.layers[0].self_attn.o_proj.register_forward_pre_hook(fail)
-    with pytest.raises(RuntimeError, match="midway"), local.computing_in_float32(lm):
+    with pytest.raises(RuntimeError, match="midway"), computing_in_float32(lm):
         lm(torch.tensor([[1, 2]]))
     hook.remove()
     assert all(p.dtype == torch.bfloat16 for p in lm.parameters())  # put back all the same
@@ -224,7 +227,7 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             1.0,
             {
                 "trainer": {
-                    "forward": local.TRAINER_FORWARD,
+                    "forward": TRAINER_FORWARD,
                     "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
                 },
                 "sampler": {"forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"},
@@ -235,7 +238,7 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             0.0,
             0.0,
             {
-                "trainer": {"forward": local.TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
+                "trainer": {"forward": TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
                 "sampler": {"forward": "transformers (--backend-opt fast_forward=false)"},
             },
         ),

@@ -1,11 +1,11 @@
-"""Recording and forcing the experts of transformers MoE models (plugins/backends/moe_routing.py)."""
+"""Recording and forcing the experts of transformers MoE models (engine/moe_routing.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from grpo_core.plugins.backends import moe_routing
+from grpo_core.engine import moe_routing
 from tests.conftest import build_tiny_model
 from tests.plugins.backends.moe_models import MOE_FAMILIES, build_tiny_moe
 

@@ -1,0 +1,150 @@
+"""Loading a model for training or scoring: where it comes from, its precision, dropout off,
+activation checkpointing, and the shape of the weight files saved from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from grpo_core.embedded import ASSETS
+from grpo_core.engine.architectures import attention_implementation
+from grpo_core.errors import PluginError
+
+PRECISION_NOTES = {
+    "float32": "float32 (exact: a resumed run repeats the uninterrupted one bit for bit)",
+    "bfloat16": "bfloat16 weights, gradients and reference; float32 AdamW moments, stochastic rounding",
+}
+
+
+def resolve_precision(device: str, dtype: str) -> tuple[torch.device, torch.dtype, str]:
+    """The device, the dtype the model is held in, and one line saying which and why."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PluginError("--device cuda was asked for, but no CUDA device is available")
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+        why = "--dtype auto on cuda" if device == "cuda" else "--dtype auto on cpu, so that a result does not depend on which CPU ran it"
+    else:
+        why = f"--dtype {dtype} on {device}"
+    return torch.device(device), getattr(torch, dtype), f"{PRECISION_NOTES[dtype]}; {why}"
+
+
+def model_path(name: str) -> str:
+    """The embedded model's folder, a local folder, or a hub name that can be reached.
+
+    A hub name is tried in the local cache first; otherwise the hub is probed once, so that
+    a machine without network fails at once with one line instead of a minute of retries.
+    """
+    if name == "default":
+        return str(ASSETS)
+    if Path(name).exists() or os.environ.get("HF_HUB_OFFLINE") or name.count("/") > 1:
+        return name
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return name
+    import httpx
+
+    try:
+        httpx.head(f"{constants.ENDPOINT}/api/models/{name}", timeout=10, follow_redirects=True)
+    except httpx.HTTPError as exc:
+        raise PluginError(
+            f"cannot load model '{name}': it is not a local folder nor in the Hugging Face cache, and "
+            f"{constants.ENDPOINT} cannot be reached ({exc}); download it where there is network or pass a folder"
+        ) from None
+    return name
+
+
+def model_folder(name: str) -> Path | None:
+    """The local folder a model loads from (a hub name's cached snapshot), if there is one."""
+    path = model_path(name)
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(path, "config.json")
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def load_model(name: str, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    # The run shows its own progress; per-shard load bars would only interleave with it.
+    hf_logging.disable_progress_bar()
+    path = model_path(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        attention = attention_implementation(attn_implementation, path)
+        # Straight into the run's dtype and onto its device: no float32 host copy on the way.
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+        )
+    except (OSError, ValueError) as exc:
+        raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    # Written into every config.json saved from this model, so that a saved policy loads with the
+    # attention it was trained with (grpo-core eval, export, from_pretrained).
+    model.config.attn_implementation = model.config._attn_implementation
+    disable_dropout(model)
+    return model.eval(), tokenizer
+
+
+def disable_dropout(model: Any) -> None:
+    """Dropout off even in train mode (which activation checkpointing needs): the sampler's and
+    the trainer's logprobs must describe the same policy."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        # transformers' attention modules read their dropout probability from a float attribute.
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+def enable_activation_checkpointing(model: Any) -> None:
+    """transformers' per-layer checkpointing (non-reentrant: gradients reach LoRA adapters and
+    frozen inputs alike); it acts only while the model is in train mode, see :func:`train_mode`."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise PluginError(f"--gradient-checkpointing: transformers does not checkpoint model type '{model.config.model_type}'")
+    # transformers 5.x renamed gradient_checkpointing_enable (removed in 6).
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextmanager
+def train_mode(model: Any) -> Iterator[None]:
+    """``model`` in train mode for one call (dropout is off: only checkpointing changes)."""
+    model.train()
+    try:
+        yield
+    finally:
+        model.eval()
+
+
+SHARD_SIZE = "2GB"
+"""Largest safetensors file written (the sampler's policy, checkpoints' weights)."""
+
+
+def shared_storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name: the first name with the same storage} for the tensors of ``state`` that share one
+    (tied embeddings): safetensors stores each storage once."""
+    first: dict[tuple[int, int], str] = {}
+    aliases = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases

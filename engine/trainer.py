@@ -1,0 +1,251 @@
+"""The in-process trainer (the Tinker training contract over a transformers model) and the
+reference that only scores, with the folder a trainer's state is saved in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import attrs
+import tinker
+import torch
+
+from grpo_core.backend import CustomLossFn, NonFiniteWeights
+from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
+from grpo_core.engine.host_memory import release_freed_memory
+from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
+from grpo_core.engine.lora import adapters_disabled, has_adapters, load_trained_state_dict, save_merged_model, trained_state_dict
+from grpo_core.engine.models import SHARD_SIZE, shared_storage_aliases, train_mode
+from grpo_core.engine.moe_routing import routing_problem, tapped
+from grpo_core.engine.optim import (
+    all_finite,
+    clip_and_step,
+    forward_backward_output,
+    load_metrics,
+    make_optimizer,
+    nonfinite_step_message,
+    routing_outputs,
+    step_metrics,
+)
+from grpo_core.engine.reference_offload import OffloadedWeights
+from grpo_core.metrics import record
+
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What :meth:`LocalTrainer.save_state` wrote: ``{"model" or "adapter": tensors by name,
+    "optimizer": state dict or None, "version": int}``."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    info = json.loads((folder / TRAINER_FILE).read_text())
+    kind = info["weights"]
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob(f"{kind}*.safetensors")):
+        weights.update(load_file(shard, device=str(device)))
+    weights.update({name: weights[kept] for name, kept in info["aliases"].items()})
+    optimizer = folder / OPTIMIZER_FILE
+    return {
+        kind: weights,
+        "optimizer": torch.load(optimizer, map_location=device, weights_only=True) if optimizer.is_file() else None,
+        "version": info["version"],
+    }
+
+
+@attrs.define(eq=False)
+class LocalReference:
+    """A policy that only scores tokens (the KL reference); the trainer is one that also learns."""
+
+    model: Any
+    device: torch.device
+    adapters_off: bool = False
+    """Score with the model's LoRA adapters disabled: the base model (a LoRA run's reference).
+    Only the main thread runs the trainer's model, so switching them off for a call is safe."""
+    padding_free: bool = False
+    """Pack sequences that run whole where the model allows it (:meth:`TransformersForward._packing_problem`)."""
+    offloaded: OffloadedWeights | None = None
+    """Where the model's weights wait between forwards when they are offloaded (its parameters
+    are empty then)."""
+    forward_fn: TransformersForward = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
+        # faster one; the fused decoder wins in sampling only (docs/performance.md).
+        with self._weights():
+            self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        # What sampling freed leaves the process before the weights are mapped in beside it.
+        release_freed_memory(self.device)
+        with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
+            logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
+            return [lp.cpu() for lp in logprobs]
+
+    def _weights(self) -> AbstractContextManager[None]:
+        return self.offloaded.loaded() if self.offloaded is not None else nullcontext()
+
+
+@attrs.define(eq=False, kw_only=True)
+class LocalTrainer(LocalReference):
+    tokenizer: Any
+    fast_forward: bool = True
+    """Whether the local sampler uses the fused decoder (where it runs the model)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in backward (transformers' checkpointing; the forward
+    then runs in one pass: a cached prefix would be dropped by the checkpointed layers)."""
+    seed: int = 0
+    """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
+    version: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    nonfinite_loss: bool = False
+    """A non-finite loss since the last optimizer step: that step will be skipped."""
+    routing_problem: str | None = attrs.field(init=False, default=None)
+    """Why its forwards cannot record and force expert routing (None: a mixture-of-experts model
+    it can; declared in hookspecs)."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.routing_problem = routing_problem(self.model)
+
+    @property
+    def run_info(self) -> dict[str, str]:
+        """How it trains, for config.json (declared in hookspecs)."""
+        info = {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+        if self.routing_problem is None:
+            info["routing"] = "each token's experts recorded (forced where a datum carries them) in one forward: no shared prompt prefix"
+        return info
+
+    @contextmanager
+    def _routing(self, datums: Sequence[tinker.Datum]) -> Iterator[DatumRouting | None]:
+        """The routing of a forward over ``datums`` (a mixture-of-experts model), None otherwise."""
+        if self.routing_problem is not None:
+            if any("routed_experts" in d.loss_fn_inputs for d in datums):
+                raise ValueError(f"datums carry routed_experts to replay, but {self.routing_problem}")
+            yield None
+            return
+        with tapped(self.model) as tap:
+            yield DatumRouting.of(tap, datums)
+
+    def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
+        """Target-token logprobs without gradient; datums that carry routed_experts are scored with those experts."""
+        if any("routed_experts" in d.loss_fn_inputs for d in datums):
+            return self.forward_routed(datums)[0]
+        return super().forward(datums)
+
+    def forward_routed(self, datums: Sequence[tinker.Datum]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward``, and the experts each datum's input tokens were routed to, ``[tokens, layers, top_k]``
+        (those it carries, where it carries some): what --router-replay R2 records in pi_old's forward."""
+        release_freed_memory(self.device)
+        with torch.no_grad(), self._routing(datums) as routing:
+            if routing is None:
+                raise ValueError(f"no routing to record: {self.routing_problem}")
+            logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
+            return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
+
+    def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
+        release_freed_memory(self.device)
+        # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
+        record("perf/padding_free", float(self.forward_fn.packs), "max")
+        routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
+        # The backward inside the routing: checkpointed layers recompute with the same forced experts.
+        with self._routing(datums) as routing:
+            with train_mode(self.model) if self.activation_checkpointing else nullcontext():
+                logprobs, entropy_by_datum = target_logprobs(
+                    self.forward_fn,
+                    datums,
+                    self.device,
+                    one_pass=self.activation_checkpointing,
+                    packed=self.forward_fn.packs,
+                    routing=routing,
+                    entropy=True,
+                )
+                logprobs = [lp.cpu() for lp in logprobs]
+            entropy = mean_entropy(*trained_entropy_sum(datums, entropy_by_datum))
+            if routing is not None:
+                routed = routing_outputs(routing, datums)
+            loss, metrics = loss_fn(datums, logprobs)
+            metrics = {**metrics, "policy/entropy": entropy}
+            if routing is not None:
+                metrics.update(load_metrics(torch.cat([r["routed_experts"] for r in routed]), routing.tap.num_experts))
+            if torch.isfinite(loss):
+                loss.backward()
+            else:
+                # No backward: a NaN would spread into every gradient; optim_step skips the step.
+                self.nonfinite_loss = True
+        return forward_backward_output(logprobs, loss, metrics, routed)
+
+    def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
+        if self.optimizer is None:
+            self.optimizer = self._make_optimizer()
+        grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
+        if not skip:
+            self.version += 1
+            if not self.weights_finite():
+                raise NonFiniteWeights(nonfinite_step_message(grad_norm, adam_params))
+        release_freed_memory(self.device)  # the gradients clip_and_step freed
+        self.nonfinite_loss = False
+        return step_metrics(grad_norm, adam_params, skip)
+
+    def weights_finite(self) -> bool:
+        # Frozen weights (a LoRA run's base model) were finite when loaded and never change.
+        return all_finite([p.detach() for p in self.model.parameters() if p.requires_grad])
+
+    def _refuse_nonfinite(self, what: str) -> None:
+        if not self.weights_finite():
+            raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.seed, self.device)
+
+    def save_state(self, path: str) -> None:
+        """A folder: the trained weights in their own dtype as sharded safetensors, the optimizer
+        state in its own file, the version in trainer.json (see :func:`read_trainer_state`)."""
+        from huggingface_hub import save_torch_state_dict
+
+        self._refuse_nonfinite(path)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
+        kind = "adapter" if has_adapters(self.model) else "model"
+        state = trained_state_dict(self.model)
+        aliases = shared_storage_aliases(state)
+        save_torch_state_dict(
+            state,
+            folder,
+            filename_pattern=kind + "{suffix}.safetensors",
+            max_shard_size=SHARD_SIZE,
+            shared_tensors_to_discard=list(aliases),
+        )
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        info = {"weights": kind, "version": self.version, "aliases": aliases}
+        (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+    def load_state(self, path: str) -> None:
+        state = read_trainer_state(path, self.device)
+        if has_adapters(self.model) != ("adapter" in state):
+            saved, here = ("LoRA adapters", "the whole model") if "adapter" in state else ("the whole model", "LoRA adapters")
+            raise ValueError(f"{path} holds {saved}, but this trainer trains {here}")
+        weights = state["adapter" if "adapter" in state else "model"]
+        load_trained_state_dict(self.model, weights)
+        if state["optimizer"] is not None:
+            if self.optimizer is None:
+                self.optimizer = self._make_optimizer()
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+    def save_weights_for_sampler(self, path: str) -> str:
+        """A plain transformers folder (LoRA adapters merged in) that any engine loads."""
+        self._refuse_nonfinite(path)
+        if has_adapters(self.model):
+            save_merged_model(self.model, path)
+        else:
+            self.model.save_pretrained(path, max_shard_size=SHARD_SIZE)
+        self.tokenizer.save_pretrained(path)
+        return path
