@@ -153,8 +153,9 @@ class KVCache:
             return self.keys[layer], self.values[layer]
         if layer == len(self.keys):
             B, H, _, D = k_B_H_S_D.shape
-            self.keys.append(k_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
-            self.values.append(v_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+            # Zeros, not garbage: a masked slot still meets its weight of 0 in attention, and 0 × NaN is NaN.
+            self.keys.append(k_B_H_S_D.new_zeros(B, H, max(self.capacity, S), D))
+            self.values.append(v_B_H_S_D.new_zeros(B, H, max(self.capacity, S), D))
             self.keys[layer][:, :, :S] = k_B_H_S_D
             self.values[layer][:, :, :S] = v_B_H_S_D
             self.lengths.append(S)
