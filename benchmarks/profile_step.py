@@ -69,6 +69,7 @@ def wrap_common() -> None:
 
 def wrap_grpo_core() -> None:
     from grpo_core import loop, produce, stages
+    from grpo_core.engine import decoding
     from grpo_core.plugins.backends import local
     from grpo_core.plugins.backends.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
@@ -77,7 +78,7 @@ def wrap_grpo_core() -> None:
 
     wrap(SingleTurnRollout, "rollout", "sample: rollout hook (total)", phase="sample")
     wrap(local_sampler.LocalSampler, "_generate", "sample:  LocalSampler._generate")
-    wrap(local_sampler.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, inverse-CDF draw)")
+    wrap(decoding, "draw", "sample:   draw (temperature, softmax, inverse-CDF draw)")
     wrap(FastDecoder, "__call__", "{phase}: model forward (FastDecoder)")
     wrap(produce, "score_groups", "reward: score_groups", phase="reward")
     wrap(produce, "compute_advantages", "reward: compute_advantages", phase="reward")

@@ -49,7 +49,9 @@ def decode_mode(mode: str, device: torch.device) -> str:
     return "graphs" if device.type == "cuda" and mode != "eager" else "eager"
 
 
-def draw(logits_B_V: torch.Tensor, temperature: float, top_k: int, top_p: float, u_B_1: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits_B_V: torch.Tensor, temperature: float, top_k: int, top_p: float, u_B_1: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from the rules' distribution, by inverse CDF at the uniform ``u_B_1``,
     and its logprob under the distribution actually sampled from (greedy: 0, no uniform used)."""
     if temperature == 0:
@@ -110,7 +112,7 @@ def _prompt_mask(valid_U_P: torch.Tensor | None, U: int, P: int, C: int, device:
 class FusedStepper:
     """grpo-core's fused decoder over its :class:`KVCache`, written at the decode slot."""
 
-    description = "fused decoder (Llama/Qwen, fp32 or bf16) over a static KV cache"
+    description = "fused decoder (fp32 Llama/Qwen) over a static KV cache"
 
     def __init__(self, decoder: Any, capacity: int) -> None:
         self.decoder = decoder
@@ -157,16 +159,18 @@ class TransformersStepper:
         # say which each layer sees.
         self.cache = Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(config.num_hidden_layers)])
 
-    def _masks(self, allowed_B_1_S_C: torch.Tensor, query_S_1: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _masks(self, allowed_B_1_S_C: torch.Tensor, query_S_1: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        """One 4-D mask (every model passes it through as it is), or one per kind of layer where
+        some layers slide (the models that have such layers take the dict)."""
+
         def additive(allowed: torch.Tensor) -> torch.Tensor:
             return torch.zeros((), dtype=self.dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(self.dtype).min)
 
-        masks = {"full_attention": additive(allowed_B_1_S_C)}
-        if "sliding_attention" in self.kinds:
-            # Slots are contiguous per row, so a window over slots is the window over positions.
-            near_S_C = query_S_1 - torch.arange(allowed_B_1_S_C.shape[-1], device=query_S_1.device) < self.window
-            masks["sliding_attention"] = additive(allowed_B_1_S_C & near_S_C)
-        return masks
+        if "sliding_attention" not in self.kinds:
+            return additive(allowed_B_1_S_C)
+        # Slots are contiguous per row, so a window over slots is the window over positions.
+        near_S_C = query_S_1 - torch.arange(allowed_B_1_S_C.shape[-1], device=query_S_1.device) < self.window
+        return {"full_attention": additive(allowed_B_1_S_C), "sliding_attention": additive(allowed_B_1_S_C & near_S_C)}
 
     def prefill(self, input_ids_U_P: torch.Tensor, position_ids_U_P: torch.Tensor, valid_U_P: torch.Tensor | None) -> torch.Tensor:
         U, P = input_ids_U_P.shape

@@ -12,8 +12,19 @@ import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
+from grpo_core.engine.decoding import (
+    CHECK_EVERY,
+    CudaStepGraph,
+    DecodeLoop,
+    StepGraph,
+    decode_mode,
+    stepper_class,
+    stepper_for,
+    stop_window_text,
+)
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import (
@@ -27,8 +38,6 @@ from grpo_core.plugins.backends.local import (
     model_forward,
     trained_state_dict,
 )
-from grpo_core.engine.decoding import CHECK_EVERY, CudaStepGraph, DecodeLoop, StepGraph, decode_mode, stepper_class, stepper_for, stop_window_text
-from grpo_core.loss import validate_positive
 from grpo_core.plugins.backends.moe_routing import RoutingTap, routing_problem, tapped
 
 
@@ -177,9 +186,9 @@ class LocalSampler:
             )
         steps, seconds = self.decode_steps - steps, self.decode_seconds - seconds
         if steps:
-            record("perf/decode_ms_per_step", 1000 * seconds / steps, "mean", weight=steps)
+            record("time/decode_ms_per_step", 1000 * seconds / steps, "mean", weight=steps)
         tokens = sum(len(c.tokens) for group in groups for c in group)
-        record("perf/sample_tokens_per_s", tokens / max(time.perf_counter() - began, 1e-9), "mean")
+        record("time/sample_tokens_per_s", tokens / max(time.perf_counter() - began, 1e-9), "mean")
         return groups
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
