@@ -69,15 +69,15 @@ def wrap_common() -> None:
 
 def wrap_grpo_core() -> None:
     from grpo_core import loop, produce, stages
-    from grpo_core.engine import trainer
-    from grpo_core.plugins.backends.fast_decoder import FastDecoder
+    from grpo_core.engine import decoding, trainer
+    from grpo_core.engine.fast_decoder import FastDecoder
     from grpo_core.plugins.losses.grpo import GRPOLoss
     from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
     from grpo_core.plugins.samplers import local as local_sampler
 
     wrap(SingleTurnRollout, "rollout", "sample: rollout hook (total)", phase="sample")
     wrap(local_sampler.LocalSampler, "_generate", "sample:  LocalSampler._generate")
-    wrap(local_sampler.LocalSampler, "_draw", "sample:   _draw (temperature, softmax, inverse-CDF draw)")
+    wrap(decoding, "draw", "sample:   draw (temperature, softmax, inverse-CDF draw)")
     wrap(FastDecoder, "__call__", "{phase}: model forward (FastDecoder)")
     wrap(produce, "score_groups", "reward: score_groups", phase="reward")
     wrap(produce, "compute_advantages", "reward: compute_advantages", phase="reward")

@@ -8,14 +8,13 @@ import attrs
 from grpo_core import hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.engine.architectures import AUTO
-from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
+from grpo_core.engine.forward import TRAINER_FORWARD
 from grpo_core.engine.host_memory import TRAINING_MMAP_THRESHOLD, set_mmap_threshold
 from grpo_core.engine.lora import add_lora, frozen_copy, has_adapters
 from grpo_core.engine.models import enable_activation_checkpointing, load_model, model_folder, model_path, resolve_precision
 from grpo_core.engine.reference_offload import offload
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.errors import PluginError
-from grpo_core.plugins.backends.fast_decoder import FastDecoder, unsupported_reason
 
 REFERENCE_PLACES = (AUTO, "memory", "offload")
 
@@ -142,22 +141,3 @@ class LocalBackend:
         offloaded = offload(model, trainer.model, folder)
         print(f"reference: {offloaded.where}", file=sys.stderr)
         return LocalReference(model, trainer.device, offloaded=offloaded, padding_free=trainer.padding_free)
-
-
-ModelForward = FastDecoder | TransformersForward
-
-
-def model_forward(model: Any, fast: bool) -> ModelForward:
-    if fast and unsupported_reason(model) is None:
-        return FastDecoder(model)
-    return TransformersForward(model)
-
-
-def forward_path(model: Any, fast: bool) -> str:
-    """Which forward :func:`model_forward` gives ``model``, and why (for the run's first lines)."""
-    if not fast:
-        return "transformers (--backend-opt fast_forward=false)"
-    reason = unsupported_reason(model)
-    if reason is None:
-        return "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"
-    return f"transformers (the fused decoder does not run {reason})"

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
-import math
 import sys
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import attrs
 import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
+from grpo_core.engine.decoding import (
+    CHECK_EVERY,
+    CudaStepGraph,
+    DecodeLoop,
+    ModelForward,
+    StepGraph,
+    decode_mode,
+    forward_path,
+    model_forward,
+    stepper_class,
+    stepper_for,
+    stop_window_text,
+)
+from grpo_core.engine.fast_decoder import FastDecoder
 from grpo_core.engine.logprobs import left_padded_positions, pad_rows
 from grpo_core.engine.lora import frozen_copy, load_trained_state_dict, trained_state_dict
 from grpo_core.engine.moe_routing import RoutingTap, routing_problem, tapped
 from grpo_core.engine.trainer import LocalTrainer
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
-from grpo_core.plugins.backends.fast_decoder import FastDecoder
-from grpo_core.plugins.backends.local import ModelForward, forward_path, model_forward
 
 
 @attrs.define
@@ -34,6 +47,14 @@ class LocalSamplerPlugin:
     """
 
     batch_size: int = option(0, help="most sequences generated at once (0 = the whole step)")
+    decode: Literal["auto", "eager", "graphs"] = option(
+        "auto", help="the decode step: captured in a CUDA graph (graphs, CUDA only), or run op by op (eager); auto = graphs on CUDA"
+    )
+    check_every: int = option(
+        CHECK_EVERY,
+        help="decode steps between the host's looks at the batch (stop strings, all rows finished): one device->host copy each",
+        validator=validate_positive,
+    )
 
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> LocalSampler:
@@ -42,9 +63,10 @@ class LocalSamplerPlugin:
             raise PluginError(
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
             )
+        decode = decode_mode(self.decode, trainer.device)
         print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
         own_weights = config.sampling_runs_ahead
-        return LocalSampler(
+        sampler = LocalSampler(
             model=frozen_copy(trainer.model) if own_weights else trainer.model,
             tokenizer=trainer.tokenizer,
             device=trainer.device,
@@ -53,7 +75,11 @@ class LocalSamplerPlugin:
             batch_size=self.batch_size,
             version=trainer.version,
             own_weights=own_weights,
+            decode=decode,
+            check_every=self.check_every,
         )
+        print(f"sampler decode: {sampler.decode_path}", file=sys.stderr)
+        return sampler
 
 
 def local_policy(trainer: Any) -> Any:
@@ -75,6 +101,14 @@ class LocalSampler:
     version: int = 0
     own_weights: bool = False
     """Samples from a copy of its own (ahead of training), not from the trainer's weights."""
+    decode: str = "eager"
+    """``eager`` or ``graphs`` (:func:`decode_mode`)."""
+    check_every: int = CHECK_EVERY
+    graph_factory: Callable[[], StepGraph] = CudaStepGraph
+    graph_problem: str | None = None
+    """Why the decode step runs eager although graphs were asked for (a capture failed)."""
+    decode_steps: int = attrs.field(init=False, default=0)
+    decode_seconds: float = attrs.field(init=False, default=0.0)
     generator: torch.Generator = attrs.field(init=False)
     forward_fn: ModelForward = attrs.field(init=False)
     routing_problem: str | None = attrs.field(init=False)
@@ -89,7 +123,18 @@ class LocalSampler:
     @property
     def run_info(self) -> dict[str, str]:
         """How it samples, for config.json (declared in hookspecs)."""
-        return {"forward": forward_path(self.model, self.fast_forward)}
+        return {"forward": forward_path(self.model, self.fast_forward), "decode": self.decode_path}
+
+    @property
+    def decode_path(self) -> str:
+        """How each decoded token runs, in words (for the run's first lines and run_info)."""
+        forward = stepper_class(self.forward_fn).description
+        looks = f"the host looks every {self.check_every} steps"
+        if self.decode == "eager":
+            return f"eager ({forward}; {looks})"
+        if self.graph_problem is not None:
+            return f"eager: {self.graph_problem} ({forward}; {looks})"
+        return f"graphs: the decode step replayed as a CUDA graph ({forward}; {looks})"
 
     @property
     def max_context(self) -> int | None:
@@ -125,6 +170,7 @@ class LocalSampler:
         record("perf/forward_path", float(isinstance(self.forward_fn, FastDecoder)), "max")
         per_call = max(1, self.batch_size // num_samples) if self.batch_size else len(prompts)
         groups: list[list[Completion]] = []
+        began, steps, seconds = time.perf_counter(), self.decode_steps, self.decode_seconds
         for start in range(0, len(prompts), per_call):
             groups.extend(
                 self._generate(
@@ -133,6 +179,11 @@ class LocalSampler:
                     params,
                 )
             )
+        steps, seconds = self.decode_steps - steps, self.decode_seconds - seconds
+        if steps:
+            record("time/decode_ms_per_step", 1000 * seconds / steps, "mean", weight=steps)
+        tokens = sum(len(c.tokens) for group in groups for c in group)
+        record("time/sample_tokens_per_s", tokens / max(time.perf_counter() - began, 1e-9), "mean")
         return groups
 
     def _stop_token_ids(self, params: SamplingParams) -> set[int]:
@@ -152,107 +203,60 @@ class LocalSampler:
 
     @torch.inference_mode()
     def _generate_tapped(self, prompts: list[list[int]], G: int, params: SamplingParams, tap: RoutingTap | None) -> list[list[Completion]]:
-        """Batched sampling with a KV cache.
+        """Batched sampling over a static KV cache (:mod:`grpo_core.engine.decoding`).
 
-        Each prompt is prefilled once and its cache repeated for its G completions; finished
-        sequences leave the batch, so they stop costing compute. With a ``tap`` (a mixture-of-experts
+        Each prompt is prefilled once and its cache repeated for its G completions; the batch keeps
+        its shape to the end (a finished row is masked). With a ``tap`` (a mixture-of-experts
         model) each forwarded token's experts are recorded.
         """
         input_ids, attention = pad_rows(prompts, left=True, pad=self.tokenizer.pad_token_id or 0)
         U, P = input_ids.shape
         position_ids = left_padded_positions(attention, U, P).to(self.device)
-        attention = None if attention is None else attention.to(self.device)
-        # Fused once per call: in-process weight sync means the weights may have changed since.
-        weights = self.forward_fn.layer_weights()
-        cache = self.forward_fn.new_cache(capacity=P + params.max_tokens)
-        logits = self.forward_fn(
-            input_ids=input_ids.to(self.device), position_ids=position_ids, attention_mask=attention,
-            past_key_values=cache, logits_to_keep=1, weights=weights,
-        )[:, -1, :].float()  # fmt: skip
+        valid_U_P = None if attention is None else attention.to(self.device)
+        stepper = stepper_for(self.forward_fn, capacity=P + params.max_tokens)
+        logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
         if tap is not None:
             # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
             prefill_U_P_L_K = tap.take().view(U, P, *tap.used_shape)
             prompt_routes = [prefill_U_P_L_K[u, P - len(p) :] for u, p in enumerate(prompts)]
-            drawn_routes_B_M_L_K = torch.zeros(len(prompts) * G, params.max_tokens, *tap.used_shape, dtype=tap.dtype)
-        cache.batch_repeat_interleave(G)
-        attention = None if attention is None else attention.repeat_interleave(G, dim=0)
-        position_ids = position_ids[:, -1:].repeat_interleave(G, dim=0)
-        logits = logits.repeat_interleave(G, dim=0)
-
-        B = len(prompts) * G
-        stop_ids = torch.tensor(sorted(self._stop_token_ids(params)), device=self.device)
-        tokens_B_L = torch.zeros(B, params.max_tokens, dtype=torch.long)
-        logprobs_B_L = torch.zeros(B, params.max_tokens)
-        lengths_B = torch.full((B,), params.max_tokens, dtype=torch.long)
-        stopped_B = torch.zeros(B, dtype=torch.bool)
-        active = torch.arange(B)
-        for step in range(params.max_tokens):
-            token_A, logprob_A = self._draw(logits, params)
-            token_cpu, logprob_cpu = token_A.cpu(), logprob_A.cpu()
-            tokens_B_L[active, step] = token_cpu
-            logprobs_B_L[active, step] = logprob_cpu
-            done_A = torch.isin(token_A, stop_ids).cpu()
-            if params.stop:
-                for j, row in enumerate(active.tolist()):
-                    if not done_A[j] and self._hit_stop_string(tokens_B_L[row, : step + 1].tolist(), params.stop):
-                        done_A[j] = True
-            lengths_B[active[done_A]] = step + 1
-            stopped_B[active[done_A]] = True
-            if bool(done_A.all()) or step == params.max_tokens - 1:
-                break
-            if bool(done_A.any()):
-                keep = torch.nonzero(~done_A).squeeze(-1)
-                cache.batch_select_indices(keep.to(self.device))
-                keep_dev = keep.to(self.device)
-                position_ids, token_A = position_ids[keep_dev], token_A[keep_dev]
-                attention = None if attention is None else attention[keep_dev]
-                active = active[keep]
-            if attention is not None:
-                attention = torch.cat([attention, attention.new_ones(len(active), 1)], dim=1)
-            position_ids = position_ids + 1
-            logits = self.forward_fn(
-                input_ids=token_A.unsqueeze(-1), position_ids=position_ids, attention_mask=attention,
-                past_key_values=cache, logits_to_keep=1, weights=weights,
-            )[:, -1, :].float()  # fmt: skip
-            if tap is not None:
-                drawn_routes_B_M_L_K[active, step] = tap.take()
+        stepper.expand(G)
+        valid_B_C = torch.zeros(U * G, P + params.max_tokens, dtype=torch.bool, device=self.device)
+        valid_B_C[:, :P] = True if valid_U_P is None else valid_U_P.bool().repeat_interleave(G, dim=0)
+        loop = DecodeLoop(
+            stepper=stepper,
+            logits_B_V=logits_U_V.repeat_interleave(G, dim=0),
+            position_B_1=position_ids[:, -1:].repeat_interleave(G, dim=0),
+            valid_B_C=valid_B_C,
+            prompt_width=P,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            stop_ids=torch.tensor(sorted(self._stop_token_ids(params)), dtype=torch.long, device=self.device),
+            generator=self.generator,
+            stop_text=(lambda tokens: self._hit_stop_string(tokens, params.stop)) if params.stop else None,
+            check_every=self.check_every,
+            graph=self.graph_factory() if self.decode == "graphs" and self.graph_problem is None else None,
+            # The routes stay on the device until the end (the tap's own take() copies each step off it).
+            routes=None if tap is None else lambda: torch.stack([t.to(tap.dtype) for t in tap.used], dim=1),
+        )
+        decoded = loop.run()
+        if loop.graph_problem is not None and self.graph_problem is None:
+            self.graph_problem = loop.graph_problem
+            print(f"sampler decode: {self.decode_path}", file=sys.stderr)
+        self.decode_steps += decoded.steps
+        self.decode_seconds += decoded.seconds
         completions = [
             Completion(
-                tokens=tokens_B_L[i, :n].tolist(),
-                logprobs=logprobs_B_L[i, :n].tolist(),
+                tokens=decoded.tokens_B_M[i, :n].tolist(),
+                logprobs=decoded.logprobs_B_M[i, :n].tolist(),
                 finish_reason="stop" if stopped else "length",
-                routed_experts=None if tap is None else torch.cat([prompt_routes[i // G], drawn_routes_B_M_L_K[i, : n - 1]]),
+                routed_experts=None if tap is None else torch.cat([prompt_routes[i // G], decoded.routes_B_M_L_K[i, : n - 1]]),
             )
-            for i, (n, stopped) in enumerate(zip(lengths_B.tolist(), stopped_B.tolist()))
+            for i, (n, stopped) in enumerate(zip(decoded.lengths_B.tolist(), decoded.stopped_B.tolist()))
         ]
         return [completions[i * G : (i + 1) * G] for i in range(len(prompts))]
 
-    def _draw(self, logits_A_V: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row; its logprob is under the distribution actually sampled from."""
-        if params.temperature == 0:
-            # Greedy: a point mass on the argmax, so every chosen token has logprob 0.
-            token_A = logits_A_V.argmax(-1)
-            return token_A, torch.zeros_like(token_A, dtype=logits_A_V.dtype)
-        logits_A_V = logits_A_V / params.temperature
-        if params.top_k > 0 and params.top_k < logits_A_V.shape[-1]:
-            kth = torch.topk(logits_A_V, params.top_k, dim=-1).values[:, -1:]
-            logits_A_V = logits_A_V.masked_fill(logits_A_V < kth, -math.inf)
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits_A_V, descending=True, dim=-1)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            # Drop a token once the mass before it already reaches top_p (the top token always stays).
-            drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            logits_A_V = logits_A_V.masked_fill(drop, -math.inf)
-        logprobs_A_V = logits_A_V.log_softmax(-1)
-        # Inverse-CDF draw: one uniform per row, where multinomial draws one per vocabulary entry.
-        cdf_A_V = logprobs_A_V.exp().cumsum(-1)
-        u_A = torch.rand(cdf_A_V.shape[0], 1, generator=self.generator, device=cdf_A_V.device).clamp_(min=1e-12)
-        token_A = torch.searchsorted(cdf_A_V, u_A * cdf_A_V[:, -1:]).squeeze(-1).clamp_(max=cdf_A_V.shape[-1] - 1)
-        return token_A, logprobs_A_V.gather(-1, token_A.unsqueeze(-1)).squeeze(-1)
-
-    def _hit_stop_string(self, completion: list[int], stops: list[str]) -> bool:
-        # Only the tail can complete a stop string: decode a window, not the whole completion.
-        window = max(len(s) for s in stops) + 8
-        text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
+    def _hit_stop_string(self, completion: Sequence[int], stops: list[str]) -> bool:
+        text = stop_window_text(self.tokenizer, completion, stops)
         return any(s in text for s in stops)

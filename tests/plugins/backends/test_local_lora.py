@@ -11,13 +11,13 @@ import torch
 from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.fast_decoder import FastDecoder
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.engine.lora import adapters_disabled
 from grpo_core.engine.models import load_model
 from grpo_core.engine.trainer import LocalReference, read_trainer_state
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
-from grpo_core.plugins.backends.fast_decoder import FastDecoder
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync

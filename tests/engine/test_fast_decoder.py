@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.plugins.backends import fast_decoder
-from grpo_core.plugins.backends.fast_decoder import FastDecoder, KVCache, unsupported_reason
+from grpo_core.engine import fast_decoder
+from grpo_core.engine.fast_decoder import FastDecoder, KVCache, unsupported_reason
 
 VOCAB = 97
 

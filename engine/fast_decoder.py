@@ -10,10 +10,11 @@ where padding needs them.
 
 It has no backward: the trainer and the KL reference run transformers' forward, faster with
 gradients (docs/performance.md), so a call with grad enabled is refused. The local sampler uses
-it where :func:`unsupported_reason` finds nothing in the way (fp32, a supported architecture:
-in bf16 transformers' norms upcast to fp32 where this forward would not) and transformers'
-forward otherwise. Its logits match transformers' to float32 rounding
-(tests/plugins/backends/test_fast_decoder.py).
+it where :func:`unsupported_reason` finds nothing in the way (float32 weights, a supported
+architecture) and transformers' forward otherwise. Its logits match transformers' to float32
+rounding (tests/plugins/backends/test_fast_decoder.py); its norms compute in float32 and round
+back before the weight, as transformers' do, so it runs bfloat16 weights too
+(benchmarks/decode.py times it there).
 
 LoRA adapters (peft) on the projections are folded into the fused weights (``W + s·B·A``) once
 per :meth:`FastDecoder.layer_weights` call. Adapters that are disabled (peft's
@@ -48,6 +49,9 @@ def unsupported_reason(model: Any) -> str | None:
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type '{rope_type}'"
+    # It would run bf16 (its norms compute in float32 as transformers' do), but on the CPU it is no
+    # faster there than transformers' forward over a static cache (benchmarks/decode.py), whose
+    # rounding the trainer shares.
     if any(p.dtype != torch.float32 for p in model.parameters()):
         return "weights that are not float32"
     projections = {id(m) for layer in model.model.layers for m in _projections(layer)}
@@ -115,8 +119,10 @@ class LayerWeights:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x * rsqrt(mean(x**2) + eps) * weight`` over the last dim (transformers' order of operations)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)) * weight
+    """``weight * (x * rsqrt(mean(x**2) + eps))`` over the last dim, the normalisation in float32
+    and rounded to ``x``'s dtype before the weight (transformers' order of operations)."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))).to(x.dtype)
 
 
 def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -125,23 +131,34 @@ def _cat_or_none(tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 class KVCache:
     """Keys and values per layer in preallocated buffers of ``capacity`` positions (or the first
-    block's length, if longer), written in place."""
+    block's length, if longer), written in place.
+
+    With ``slot_1`` set (a one-element tensor on the device) a block of one position is written
+    at that slot and the whole buffers are returned: shapes and addresses stay fixed and no length
+    is read on the host, what a captured decode step needs (:mod:`grpo_core.engine.decoding`);
+    the caller's mask says which slots hold keys."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
+        self.slot_1: torch.Tensor | None = None
 
     def past_length(self, layer: int = 0) -> int:
         return self.lengths[layer] if layer < len(self.lengths) else 0
 
     def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = k_B_H_S_D.shape[2]
+        if self.slot_1 is not None:
+            self.keys[layer].index_copy_(2, self.slot_1, k_B_H_S_D)
+            self.values[layer].index_copy_(2, self.slot_1, v_B_H_S_D)
+            return self.keys[layer], self.values[layer]
         if layer == len(self.keys):
             B, H, _, D = k_B_H_S_D.shape
-            self.keys.append(k_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
-            self.values.append(v_B_H_S_D.new_empty(B, H, max(self.capacity, S), D))
+            # Zeros, not garbage: a masked slot still meets its weight of 0 in attention, and 0 × NaN is NaN.
+            self.keys.append(k_B_H_S_D.new_zeros(B, H, max(self.capacity, S), D))
+            self.values.append(v_B_H_S_D.new_zeros(B, H, max(self.capacity, S), D))
             self.keys[layer][:, :, :S] = k_B_H_S_D
             self.values[layer][:, :, :S] = v_B_H_S_D
             self.lengths.append(S)
@@ -219,8 +236,9 @@ class FastDecoder:
             )
         return fused
 
-    def _rope(self, position_ids_B_S: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(position_ids_B_S.max()) + 1
+    def _rope(self, position_ids_B_S: torch.Tensor, like: torch.Tensor, max_position: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        # A known bound spares reading the largest position off the device.
+        needed = (int(position_ids_B_S.max()) if max_position is None else max_position) + 1
         if self._rope_cos_T_D is None or self._rope_cos_T_D.shape[0] < needed or self._rope_cos_T_D.device != like.device:
             size = max(
                 needed,
@@ -249,11 +267,14 @@ class FastDecoder:
         past_key_values: KVCache | None = None,
         keep: int = 0,
         weights: list[LayerWeights] | None = None,
+        max_position: int | None = None,
     ) -> torch.Tensor:
         """The final hidden states (after the last norm) of the last ``keep`` positions (0 = all).
 
         ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
-        new tokens also see themselves, so a padded position never attends to nothing.
+        new tokens also see themselves, so a padded position never attends to nothing. A 4-D
+        boolean mask [B, 1, S, keys] is used as it is. ``max_position``: a bound on
+        ``position_ids`` known to the caller (None: read off the device).
         """
         _refuse_grad()
         weights = self.layer_weights() if weights is None else weights
@@ -261,7 +282,7 @@ class FastDecoder:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         past = past_key_values.past_length() if past_key_values is not None else 0
         hidden_B_S_E = self.model.model.embed_tokens(input_ids)
-        cos_B_S_D, sin_B_S_D = self._rope(position_ids, hidden_B_S_E)
+        cos_B_S_D, sin_B_S_D = self._rope(position_ids, hidden_B_S_E, max_position)
         cos_B_S_1_D, sin_B_S_1_D = cos_B_S_D.unsqueeze(2), sin_B_S_D.unsqueeze(2)
         mask, is_causal = self._attention_mask(attention_mask, B, S, past, input_ids.device)
         for i, w in enumerate(weights):
@@ -316,6 +337,8 @@ class FastDecoder:
         device: torch.device,
     ) -> tuple[torch.Tensor | None, bool]:
         """(boolean mask [B, 1, S, past + S] or None, is_causal) for scaled_dot_product_attention."""
+        if attention_mask_B_K is not None and attention_mask_B_K.dim() == 4:
+            return attention_mask_B_K, False
         if attention_mask_B_K is None:
             if S == 1:
                 return None, False

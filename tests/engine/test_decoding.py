@@ -1,0 +1,283 @@
+"""The decode loop against a one-token-at-a-time reference (the sampler as it was: no cache, the
+finished rows leaving the batch, one uniform per live row per step), its host synchronisations,
+the graph path's selection and fallback (a fake graph on the CPU), and the fused decoder in bf16."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grpo_core import SamplingParams
+from grpo_core.config import RunConfig
+from grpo_core.engine import decoding
+from grpo_core.engine.decoding import FusedStepper, TransformersStepper, decode_mode, draw
+from grpo_core.engine.fast_decoder import FastDecoder
+from grpo_core.errors import PluginError
+from grpo_core.metrics import scope
+from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
+from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+
+PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # different lengths: the shorter one is left-padded
+STOP_IDS = list(range(40, 90))  # about a sixth of the vocabulary: rows end at different steps
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model_dir):
+    return LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir), seed=5))
+
+
+def make_sampler(trainer, fast_forward=True, **options):
+    sampler = LocalSamplerPlugin(**options).make_sampler(config=RunConfig(seed=5), trainer=trainer)
+    if not fast_forward:
+        sampler.forward_fn = TransformersForward(sampler.model)
+    return sampler
+
+
+def reference(trainer, prompts, G, params, seed, stop_ids, stop=()):
+    """Completions as the sampler drew them one step at a time: each live row's next-token logits
+    from a whole forward of its tokens, one uniform per live row per step (rows in order), a row
+    leaving the batch at a stop token or when its text passes a stop string."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [list(p) for p in prompts for _ in range(G)]
+    tokens = [[] for _ in rows]
+    logprobs = [[] for _ in rows]
+    live = list(range(len(rows)))
+    tokenizer = trainer.tokenizer
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = torch.stack([trainer.model(input_ids=torch.tensor([rows[r] + tokens[r]])).logits[0, -1].float() for r in live])
+            u = None if params.temperature == 0 else torch.rand(len(live), 1, generator=generator)
+            token, logprob = draw(logits, params.temperature, params.top_k, params.top_p, u)
+            still = []
+            for j, r in enumerate(live):
+                tokens[r].append(int(token[j]))
+                logprobs[r].append(float(logprob[j]))
+                text = tokenizer.decode(tokens[r][-(max((len(s) for s in stop), default=0) + 8) :], skip_special_tokens=False)
+                if int(token[j]) not in stop_ids and not any(s in text for s in stop):
+                    still.append(r)
+            live = still
+            if not live:
+                break
+    return tokens, logprobs, generator.get_state()
+
+
+@pytest.mark.parametrize("fast_forward", [True, False], ids=["fused", "transformers"])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9), (0.0, 0, 1.0)], ids=["plain", "top-k-top-p", "greedy"])
+def test_tokens_logprobs_and_the_generator_equal_the_one_step_at_a_time_sampler(trainer, fast_forward, temperature, top_k, top_p):
+    params = SamplingParams(max_tokens=7, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=STOP_IDS)
+    sampler = make_sampler(trainer, fast_forward, check_every=3)
+    groups = sampler.sample(PROMPTS, 3, params)
+    want_tokens, want_logprobs, want_state = reference(trainer, PROMPTS, 3, params, 5, set(sampler._stop_token_ids(params)))
+    got = [c for group in groups for c in group]
+    assert [c.tokens for c in got] == want_tokens
+    # Sampled rows end at different steps: the masking is exercised (greedy ones repeat their prompt's).
+    assert len({len(t) for t in want_tokens}) > 1 or temperature == 0
+    for c, want in zip(got, want_logprobs):
+        assert c.logprobs == pytest.approx(want, abs=1e-5)
+        assert c.finish_reason == ("stop" if c.tokens[-1] in STOP_IDS else "length")
+    # The generator ends where drawing only the used uniforms leaves it: a resumed run repeats.
+    assert torch.equal(sampler.generator.get_state(), want_state)
+
+
+def test_stop_strings_checked_each_step_equal_the_one_step_at_a_time_sampler(trainer):
+    params = SamplingParams(max_tokens=6, stop=["1"])
+    sampler = make_sampler(trainer, check_every=1)
+    got = [c for group in sampler.sample(PROMPTS, 3, params) for c in group]
+    want_tokens, want_logprobs, _ = reference(trainer, PROMPTS, 3, params, 5, set(sampler._stop_token_ids(params)), stop=["1"])
+    assert [c.tokens for c in got] == want_tokens
+    assert any(c.finish_reason == "stop" for c in got) and any(len(c.tokens) < 6 for c in got)
+
+
+def test_stop_strings_checked_every_k_steps_cut_where_the_string_is_passed_and_keep_exact_logprobs(trainer):
+    # Checked every 4 steps: a row past "1" draws until the check, so later rows' uniforms shift (a
+    # fresh one each: the same distribution). Per position the token must be where the text first
+    # passes the stop string, and its logprob the exact one of the distribution sampled from.
+    params = SamplingParams(max_tokens=9, stop=["1"], temperature=0.9, top_k=20)
+    sampler = make_sampler(trainer, check_every=4)
+    completions = [c for group in sampler.sample(PROMPTS * 2, 4, params) for c in group]
+    assert sum(c.finish_reason == "stop" for c in completions) >= 3
+    for prompt, c in zip([p for p in PROMPTS * 2 for _ in range(4)], completions):
+        passed = [sampler._hit_stop_string(c.tokens[: t + 1], ["1"]) for t in range(len(c.tokens))]
+        assert passed[:-1] == [False] * (len(c.tokens) - 1)
+        assert passed[-1] == (c.finish_reason == "stop")
+        with torch.no_grad():
+            logits_T_V = trainer.model(input_ids=torch.tensor([prompt + c.tokens])).logits[0, len(prompt) - 1 : -1].double()
+        z_T_V = logits_T_V / 0.9
+        z_T_V = z_T_V.masked_fill(z_T_V < torch.topk(z_T_V, 20).values[:, -1:], -math.inf).log_softmax(-1)
+        assert c.logprobs == pytest.approx(z_T_V.gather(-1, torch.tensor(c.tokens)[:, None])[:, 0].tolist(), abs=1e-5)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts reads of a tensor's value on the host: the Python calls that copy off a device (on the
+    CPU they copy nothing, so the call is what is counted) and the scalar reads beneath them."""
+
+    HOST_READS = ("cpu", "item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.calls: list[str] = []
+        self.scalar_reads = 0
+        for name in self.HOST_READS:
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _name=name, _original=original, **kwargs):
+                self.calls.append(_name)
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        original_to = torch.Tensor.to
+
+        def to(tensor, *args, **kwargs):
+            device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+            if device is not None and torch.device(device).type == "cpu":
+                self.calls.append("to(cpu)")
+            return original_to(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.scalar_reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("stop", [[], ["1"]], ids=["stop-tokens", "stop-strings"])
+@pytest.mark.parametrize("check_every", [1, 4, 16])
+def test_the_decode_loop_reads_the_device_once_per_check_every_steps(trainer, monkeypatch, check_every, stop):
+    max_tokens = 24
+    sampler = make_sampler(trainer, check_every=check_every)
+    counter = None
+    run = decoding.DecodeLoop.run
+
+    def counted_run(loop):
+        nonlocal counter
+        with SyncCounter(monkeypatch) as counter:
+            result = run(loop)
+        monkeypatch.undo()
+        return result
+
+    monkeypatch.setattr(decoding.DecodeLoop, "run", counted_run)
+    # No stop token: every row runs all max_tokens steps, so the loop makes every check.
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.7, stop=stop)
+    sampler.sample(PROMPTS, 2, params)
+    checks = math.ceil(max_tokens / check_every)
+    # One copy per check, one for the completions at the end.
+    assert len(counter.calls) <= checks + 1, counter.calls
+    assert counter.scalar_reads <= checks + 1
+
+
+def test_decode_mode_is_graphs_on_cuda_eager_elsewhere_and_graphs_off_cuda_is_refused():
+    assert decode_mode("auto", torch.device("cpu")) == "eager"
+    assert decode_mode("eager", torch.device("cpu")) == "eager"
+    assert decode_mode("auto", torch.device("cuda")) == "graphs"
+    assert decode_mode("graphs", torch.device("cuda")) == "graphs"
+    assert decode_mode("eager", torch.device("cuda")) == "eager"
+    with pytest.raises(PluginError, match="decode=graphs captures .* the model is on cpu: use decode=eager"):
+        decode_mode("graphs", torch.device("cpu"))
+    with pytest.raises(PluginError, match="decode='fast' is not a decode path: choose one of auto, eager, graphs"):
+        decode_mode("fast", torch.device("cpu"))
+
+
+def test_the_sampler_refuses_graphs_on_the_cpu_and_names_its_decode_path(trainer):
+    with pytest.raises(PluginError, match="decode=graphs"):
+        make_sampler(trainer, decode="graphs")
+    info = make_sampler(trainer).run_info
+    assert info["decode"].startswith("eager (fused decoder") and "every 16 steps" in info["decode"]
+    with pytest.raises(ValueError, match="check_every"):
+        LocalSamplerPlugin(check_every=0)
+
+
+class FakeGraph:
+    """Stands in for a CUDA graph on the CPU: capture records the step without running it (as CUDA
+    does), replay runs it."""
+
+    def __init__(self):
+        self.step = None
+        self.replays = 0
+
+    def capture(self, step):
+        self.step = step
+
+    def replay(self):
+        self.replays += 1
+        self.step()
+
+
+class FailingGraph(FakeGraph):
+    def capture(self, step):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def graphed(trainer, graph_class):
+    sampler = make_sampler(trainer, check_every=4)
+    graphs = []
+
+    def factory():
+        graphs.append(graph_class())
+        return graphs[-1]
+
+    sampler.decode, sampler.graph_factory = "graphs", factory
+    return sampler, graphs
+
+
+def test_a_graphed_decode_repeats_the_eager_one_and_a_failed_capture_falls_back_and_says_why(trainer):
+    params = SamplingParams(max_tokens=9, temperature=0.9, stop_token_ids=STOP_IDS)
+    eager = make_sampler(trainer, check_every=4).sample(PROMPTS, 3, params)
+    sampler, graphs = graphed(trainer, FakeGraph)
+    assert sampler.run_info["decode"].startswith("graphs: the decode step replayed as a CUDA graph")
+    assert sampler.sample(PROMPTS, 3, params) == eager
+    # Two eager warm-up steps, then the capture (not run) and a replay per later step.
+    assert graphs[0].replays == 9 - decoding.GRAPH_WARMUP_STEPS
+    failing, graphs = graphed(trainer, FailingGraph)
+    assert failing.sample(PROMPTS, 3, params) == eager
+    assert failing.graph_problem == "the decode step could not be captured (RuntimeError: operation not permitted when stream is capturing)"
+    assert failing.run_info["decode"].startswith("eager: the decode step could not be captured")
+    failing.sample(PROMPTS, 3, params)
+    assert len(graphs) == 1  # not tried again
+
+
+def test_the_sampler_records_its_decode_speed(trainer):
+    with scope() as metrics:
+        completions = make_sampler(trainer).sample(PROMPTS, 2, SamplingParams(max_tokens=5))
+    values = metrics.as_dict()
+    assert values["time/decode_ms_per_step"] > 0
+    assert values["time/sample_tokens_per_s"] > 0
+    assert sum(len(c.tokens) for g in completions for c in g) == 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_and_transformers_steppers_agree_in_float32_and_bfloat16(tiny_model_dir, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
+    U, P, G, C = 2, 5, 2, 9
+    input_ids = torch.tensor([[1, 1, 5, 6, 7], [9, 10, 11, 12, 13]])
+    valid = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = (valid.cumsum(-1) - 1).clamp(min=0)
+    logits = {}
+    with torch.inference_mode():
+        for stepper in (FusedStepper(FastDecoder(model), C), TransformersStepper(TransformersForward(model), C)):
+            out = [stepper.prefill(input_ids, positions, valid)]
+            stepper.expand(G)
+            valid_B_C = torch.zeros(U * G, C, dtype=torch.bool)
+            valid_B_C[:, :P] = valid.bool().repeat_interleave(G, 0)
+            position = positions[:, -1:].repeat_interleave(G, 0).clone()
+            slot = torch.tensor([P])
+            for token in ([3, 4, 5, 6], [7, 8, 9, 10]):
+                position += 1
+                valid_B_C[:, slot] = True
+                out.append(stepper.step(torch.tensor(token)[:, None], position, valid_B_C, slot))
+                slot += 1
+            logits[type(stepper)] = out
+    # transformers' forward without a cache, row by row: what the steppers stand for.
+    with torch.no_grad():
+        rows = [[5, 6, 7], [9, 10, 11, 12, 13]]
+        want = [model(input_ids=torch.tensor([r])).logits[0, -1].float() for r in rows]
+    tolerance = 1e-5 if dtype == torch.float32 else 0.05
+    fused, plain = logits[FusedStepper], logits[TransformersStepper]
+    for f, t in zip(fused, plain):
+        assert torch.allclose(f, t, atol=tolerance), (f - t).abs().max()
+    assert torch.allclose(fused[0], torch.stack(want), atol=tolerance)
