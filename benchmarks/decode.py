@@ -70,7 +70,7 @@ def stepper_model(stepper):
 def main() -> None:
     from grpo_core.engine.decoding import FusedStepper, TransformersStepper
     from grpo_core.engine.fast_decoder import FastDecoder
-    from grpo_core.plugins.backends.local import TransformersForward
+    from grpo_core.engine.forward import TransformersForward
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")

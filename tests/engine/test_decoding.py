@@ -15,9 +15,10 @@ from grpo_core.config import RunConfig
 from grpo_core.engine import decoding
 from grpo_core.engine.decoding import FusedStepper, TransformersStepper, decode_mode, draw
 from grpo_core.engine.fast_decoder import FastDecoder
+from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
-from grpo_core.plugins.backends.local import LocalBackend, TransformersForward
+from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # different lengths: the shorter one is left-padded
