@@ -230,7 +230,10 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
                     "forward": TRAINER_FORWARD,
                     "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
                 },
-                "sampler": {"forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"},
+                "sampler": {
+                    "forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)",
+                    "decode": "eager (fused decoder (fp32 Llama/Qwen) over a static KV cache; the host looks every 16 steps)",
+                },
             },
         ),
         (
@@ -239,7 +242,10 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             0.0,
             {
                 "trainer": {"forward": TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
-                "sampler": {"forward": "transformers (--backend-opt fast_forward=false)"},
+                "sampler": {
+                    "forward": "transformers (--backend-opt fast_forward=false)",
+                    "decode": "eager (transformers' forward over a StaticCache; the host looks every 16 steps)",
+                },
             },
         ),
     ],
