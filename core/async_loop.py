@@ -50,6 +50,7 @@ from grpo_core.stages import (
     check_router_replay_model,
     check_sampling_settings,
     learning_rate,
+    record_perf,
     train_step,
     updates_per_step,
     warn_untrained,
@@ -542,6 +543,7 @@ class AsyncLoop:
                 },
                 "sum",
             )
+            record_perf(metrics, trainer)
             metrics = metrics.as_dict()
             # The sync, and the sampler's RNG and weights, with no generation running.
             counted = functools.partial(self.counted, step, batch, start_version, metrics, waited, window)

@@ -402,9 +402,10 @@ class RunConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = _field(
         "auto", "auto = bfloat16 on CUDA, float32 on CPU; bfloat16 = bf16 weights and reference, fp32 Adam moments", MACHINE
     )
-    gradient_checkpointing: bool = _field(
-        False,
-        "local trainer: recompute each layer's activations in backward instead of keeping them (less memory, ~1/3 more compute)",
+    gradient_checkpointing: bool | None = _field(
+        None,
+        "local and fsdp trainers: recompute each layer's activations in backward instead of keeping them (less memory, "
+        "~1/3 more training compute); not given = on with CUDA, where activations are most of a step's memory, off on a CPU",
         MACHINE,
     )
     threads: int | None = _field(

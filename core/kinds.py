@@ -165,6 +165,13 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "local_policy() -> the local trainer whose model an in-process sampler (local) generates with, when the trainer "
             "is not that one itself (fsdp: the whole copy rank 0 keeps); None: the trainer itself",
         ),
+        "perf_counters": Attribute(
+            "callable | None",
+            None,
+            "perf_counters() -> {'parameters': N, 'peak_flops': FLOP/s, 'peak_memory_gib': GiB}, any of them, read at each step's "
+            "end: perf/mfu is 6·N·train/forward_tokens / time/train / peak_flops, perf/peak_memory_gib the memory at its peak "
+            "since the last call; None: neither is logged",
+        ),
         "sampling_client": Attribute(
             "callable | None",
             None,

@@ -17,7 +17,7 @@ from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run,
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics
 from grpo_core.produce import PromptQueue, Scorer, prompt_stream, roll_and_score
-from grpo_core.stages import check_router_replay_model, check_sampling_settings, learning_rate, train_step, warn_untrained
+from grpo_core.stages import check_router_replay_model, check_sampling_settings, learning_rate, record_perf, train_step, warn_untrained
 
 
 def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]:
@@ -62,6 +62,7 @@ def run_sync(config: RunConfig, resume: bool, overwrite: bool) -> dict[str, Any]
             metrics.update(
                 {"time/sample": t2 - t0 - reward_seconds, "time/reward": reward_seconds, "time/train": t3 - t2, "time/step": t3 - t0}, "sum"
             )
+            record_perf(metrics, r.trainer)
             state.prompts_taken = queue.cursor if queue is not None else 0
             if end_step(r, step, metrics.as_dict(), groups):
                 break

@@ -26,6 +26,35 @@ from typing import Literal
 import attrs
 
 Reduction = Literal["sum", "mean", "max", "std"]
+
+MEASURED_PREFIXES: tuple[str, ...] = ("time/",)
+"""Namespaces of metrics measured on the machine (wall-clock seconds)."""
+MEASURED_METRICS: frozenset[str] = frozenset(
+    {
+        "perf/sample_tokens_per_s",
+        "perf/decode_ms_per_step",
+        "perf/train_tokens_per_s",
+        "perf/mfu",
+        "perf/peak_memory_gib",
+        "perf/trainer_idle_frac",
+        "perf/sampler_busy_frac",
+        "perf/samples_per_s",
+    }
+)
+"""The other metrics measured on the machine (rates over seconds, memory): two runs that compute
+the same steps (a resumed run and the uninterrupted one) differ in these and equal in every other."""
+
+
+def is_measured(name: str) -> bool:
+    """Whether a metric is measured on the machine (:data:`MEASURED_METRICS`) rather than computed."""
+    return name.startswith(MEASURED_PREFIXES) or name in MEASURED_METRICS
+
+
+def computed_only(metrics: Mapping[str, float]) -> dict[str, float]:
+    """``metrics`` without those measured on the machine: what two runs of the same steps share."""
+    return {name: value for name, value in metrics.items() if not is_measured(name)}
+
+
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "std")
 
 

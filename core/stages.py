@@ -17,6 +17,7 @@ import pluggy
 from grpo_core.backend import PolicyScorer, Reference, Trainer, routes_data, sample_to_datum
 from grpo_core.config import DEFAULT, DEFAULT_PRESET, RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.kinds import declared
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.plugins_manager import is_wrapper, make_plugin, plugin_label
@@ -329,6 +330,26 @@ def train_step(
     return metrics
 
 
+def record_perf(metrics: Metrics, trainer: Trainer) -> None:
+    """The step's perf/* metrics (docs/performance.md, Metrics of a run), after its time/* ones:
+    the rates of sampling and training from its tokens and seconds (any sampler and trainer), and
+    perf/mfu, perf/peak_memory_gib from the trainer's ``perf_counters`` where it has them."""
+    values: dict[str, float] = {}
+    if metrics.get("time/sample", 0.0) > 0:
+        values["perf/sample_tokens_per_s"] = metrics.get("tokens/completion", 0.0) / metrics["time/sample"]
+    seconds, tokens = metrics.get("time/train", 0.0), metrics.get("train/forward_tokens", 0.0)
+    if seconds > 0 and tokens:
+        values["perf/train_tokens_per_s"] = tokens / seconds
+    counters = declared(trainer, "trainer object", "perf_counters")
+    if counters is not None:
+        measured = counters()
+        if seconds > 0 and tokens and measured.get("parameters") and measured.get("peak_flops"):
+            values["perf/mfu"] = 6.0 * measured["parameters"] * tokens / seconds / measured["peak_flops"]
+        if "peak_memory_gib" in measured:
+            values["perf/peak_memory_gib"] = measured["peak_memory_gib"]
+    metrics.update(values, "max")
+
+
 def warn_untrained(step: int, metrics: Mapping[str, float], config: RunConfig) -> None:
     """The console line of a step whose samples had no token to train: it took no optimizer step."""
     if metrics.get("optim/updates") or not metrics.get("optim/skipped_no_trained_tokens"):
@@ -403,6 +424,8 @@ def train_on_groups(
             record("optim/updates", 0, "sum")
             return metrics
         datums = step_datums(samples, config.router_replay, recorded_routes)
+        # What the forward/backward calls run over (prompt and completion, every epoch): perf/* rates' tokens.
+        record("train/forward_tokens", sum(d.model_input.length for d in datums), "sum")
         sampling = [torch.tensor(s.sampling_logprobs[1:]) for s in samples]
         advantages = [torch.tensor(s.advantages[1:]) for s in samples]
         ref = reference.forward(datums) if reference is not None else None

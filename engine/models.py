@@ -110,6 +110,26 @@ def disable_dropout(model: Any) -> None:
                 setattr(module, name, 0.0)
 
 
+def resolve_checkpointing(setting: bool | None, device: str, supported: bool = True) -> tuple[bool, str]:
+    """Whether the trainer recomputes each layer's activations in backward (``--gradient-checkpointing``:
+    True, False, or None for the device's default) on ``device`` (``cuda``, ``cpu``), and one
+    line saying which and why. ``supported``: whether transformers checkpoints the model at all
+    (asked for, and not supported, :func:`enable_activation_checkpointing` refuses it)."""
+    if setting is not None:
+        return setting, "on (--gradient-checkpointing)" if setting else "off (--no-gradient-checkpointing)"
+    if device != "cuda":
+        return False, (
+            f"off (default on {device}: a CPU run is small and checkpointing costs ~1/3 more training compute; "
+            "--gradient-checkpointing turns it on)"
+        )
+    if not supported:
+        return False, "off (default on cuda, but transformers does not checkpoint this model type)"
+    return True, (
+        "on (default on cuda: activations are most of a step's GPU memory, 41.5 -> 8.4 GiB at the Qwen3-0.6B shape, "
+        "for ~8% more step time; --no-gradient-checkpointing turns it off)"
+    )
+
+
 def enable_activation_checkpointing(model: Any) -> None:
     """transformers' per-layer checkpointing (non-reentrant: gradients reach LoRA adapters and
     frozen inputs alike); it acts only while the model is in train mode, see :func:`train_mode`."""

@@ -31,6 +31,7 @@ from grpo_core.engine.optim import (
     routing_outputs,
     step_metrics,
 )
+from grpo_core.engine.perf import memory_line, peak_flops, peak_memory_gib
 from grpo_core.engine.reference_offload import OffloadedWeights
 from grpo_core.metrics import record
 
@@ -119,7 +120,21 @@ class LocalTrainer(LocalReference):
         info = {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
         if self.routing_problem is None:
             info["routing"] = "each token's experts recorded (forced where a datum carries them) in one forward: no shared prompt prefix"
+        info["mfu_peak"] = peak_flops(self.device, self._weights_dtype)[1]
+        info["peak_memory"] = memory_line(self.device)
         return info
+
+    def perf_counters(self) -> dict[str, float]:
+        """What perf/mfu and perf/peak_memory_gib are computed from (declared in hookspecs)."""
+        return {
+            "parameters": float(sum(p.numel() for p in self.model.parameters())),
+            "peak_flops": peak_flops(self.device, self._weights_dtype)[0],
+            "peak_memory_gib": peak_memory_gib(self.device),
+        }
+
+    @property
+    def _weights_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @contextmanager
     def _routing(self, datums: Sequence[tinker.Datum]) -> Iterator[DatumRouting | None]:

@@ -41,6 +41,7 @@ from grpo_core.engine.models import (
     SHARD_SIZE,
     enable_activation_checkpointing,
     load_model,
+    resolve_checkpointing,
     resolve_precision,
     shared_storage_aliases,
     train_mode,
@@ -143,15 +144,17 @@ class FSDPBackend:
     def make_trainer(self, config: RunConfig) -> FSDPTrainer:
         world = self.check(config)
         device, dtype, _ = resolve_precision(config.device, config.dtype)
+        checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
         spec = ModelSpec(
             model=config.model,
             attn_implementation=self.attn_implementation,
             dtype=str(dtype).removeprefix("torch."),
             threads=config.threads or default_threads(),
-            gradient_checkpointing=config.gradient_checkpointing,
+            gradient_checkpointing=checkpointing,
             seed=config.seed,
         )
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
+        print(f"gradient checkpointing: {why}", file=sys.stderr)
         group = start_group(world, device.type, spawn=torchrun_world() is None)
         pids = ", ".join(str(w.pid) for w in group.workers)
         started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""

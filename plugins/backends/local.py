@@ -11,7 +11,14 @@ from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
 from grpo_core.engine.host_memory import TRAINING_MMAP_THRESHOLD, set_mmap_threshold
 from grpo_core.engine.lora import add_lora, frozen_copy, has_adapters
-from grpo_core.engine.models import enable_activation_checkpointing, load_model, model_folder, model_path, resolve_precision
+from grpo_core.engine.models import (
+    enable_activation_checkpointing,
+    load_model,
+    model_folder,
+    model_path,
+    resolve_checkpointing,
+    resolve_precision,
+)
 from grpo_core.engine.reference_offload import offload
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.errors import PluginError
@@ -113,7 +120,11 @@ class LocalBackend:
         model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
-        if config.gradient_checkpointing:
+        checkpointing, why = resolve_checkpointing(
+            config.gradient_checkpointing, device.type, getattr(model, "supports_gradient_checkpointing", False)
+        )
+        print(f"gradient checkpointing: {why}", file=sys.stderr)
+        if checkpointing:
             enable_activation_checkpointing(model)
         trainer = LocalTrainer(
             model=model,
@@ -122,7 +133,7 @@ class LocalBackend:
             padding_free=self.padding_free,
             fast_forward=self.fast_forward,
             seed=config.seed,
-            activation_checkpointing=config.gradient_checkpointing,
+            activation_checkpointing=checkpointing,
         )
         print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)
         return trainer

@@ -11,6 +11,7 @@ import grpo_core
 from grpo_core import PluginError, hookimpl
 from grpo_core.api import plugin_name
 from grpo_core.config import RunConfig
+from grpo_core.metrics import computed_only
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
 from grpo_core.train import run as run_loop
 from tests.core.tiny_runs import LengthReward, length_reward  # noqa: F401  (the fixture registers reward 'length')
@@ -42,7 +43,7 @@ def settings(tiny_model_dir, run_dir, **kw):
 
 
 def metrics_of(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in (run_dir / "metrics.jsonl").open()]
+    return [computed_only(json.loads(line)) for line in (run_dir / "metrics.jsonl").open()]
 
 
 def test_rows_and_instances_train_as_the_cli_trains_on_the_same_file(tiny_model_dir, tmp_path):

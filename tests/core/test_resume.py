@@ -14,6 +14,7 @@ from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig
 from grpo_core.engine.trainer import read_trainer_state
 from grpo_core.lifecycle import NonFiniteSteps, RunFailed
+from grpo_core.metrics import computed_only
 from grpo_core.plugins_manager import PluginEntry
 from grpo_core.train import run
 
@@ -114,7 +115,7 @@ def metrics(run_dir):
 
 
 def without_time(records):
-    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in records]
+    return [computed_only(m) for m in records]
 
 
 def assert_same_run(a, b):
