@@ -272,3 +272,13 @@ def test_settings_that_do_nothing_with_the_rest_are_refused(given, message):
     # Where they do something, they are taken.
     taken = {**given, "max_samples_per_fwd_bwd": 4} | ({"synchronous_training": False} if "loop" in given else {})
     load(None, taken, {})
+
+
+def test_gradient_checkpointing_is_auto_unless_a_flag_turns_it_on_or_off(monkeypatch):
+    from tests.helpers import captured_run_config
+
+    assert RunConfig().gradient_checkpointing is None
+    for flags, expected in (([], None), (["--gradient-checkpointing"], True), (["--no-gradient-checkpointing"], False)):
+        code, output, config = captured_run_config(monkeypatch, *flags)
+        assert code == 0, output
+        assert config.gradient_checkpointing is expected

@@ -197,3 +197,32 @@ def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_mod
     ) in out.stderr
     before, after = load_file(tiny_model_dir / "model.safetensors"), weights_of(r)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+PERF = ("perf/sample_tokens_per_s", "perf/decode_ms_per_step", "perf/train_tokens_per_s", "perf/mfu", "perf/peak_memory_gib")
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_every_step_logs_the_perf_metrics_with_sane_values_and_config_says_what_they_measure(tiny_model_dir, tiny_dataset, tmp_path, loop):
+    r = tmp_path / "r"
+    run(config(tiny_model_dir, tiny_dataset, r, loop=loop))
+    metrics = metrics_of(r)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    # The async loop's sampler generates queued calls together, and what it records goes with the
+    # call whose thread ran it: a step whose groups all rode along another's call has no decode time.
+    every_step = PERF if loop == "sync" else tuple(p for p in PERF if p != "perf/decode_ms_per_step")
+    assert any(m.get("perf/decode_ms_per_step", 0) > 0 for m in metrics)
+    for m in metrics:
+        assert all(m[name] > 0 for name in every_step), m
+        assert 0 < m["perf/mfu"] <= 1
+        assert m["perf/sample_tokens_per_s"] == pytest.approx(m["tokens/completion"] / m["time/sample"])
+        assert m["perf/train_tokens_per_s"] == pytest.approx(m["train/forward_tokens"] / m["time/train"])
+        # Every prompt and completion token the forward/backward ran over: at least the completions'.
+        assert m["train/forward_tokens"] >= m["tokens/completion"] - m["train/samples"]
+        assert 0.05 < m["perf/peak_memory_gib"] < 64  # the process's peak RSS: torch alone is over 50 MiB
+    # CPU: the peak RSS since the process began, which never falls.
+    peaks = [m["perf/peak_memory_gib"] for m in metrics]
+    assert peaks == sorted(peaks)
+    trainer = json.loads((r / "config.json").read_text())["run_info"]["trainer"]
+    assert trainer["mfu_peak"].startswith("this CPU's float32 1024³ matmul probe, best of 5: ")
+    assert trainer["peak_memory"].startswith("the process's peak resident memory since it began")

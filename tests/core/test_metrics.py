@@ -78,3 +78,18 @@ def test_the_mismatch_metrics_are_those_computed_by_hand():
     with scope() as none:
         record_mismatch(trainer, sampler, [torch.zeros(3), torch.zeros(2)])
     assert dict(none) == {}
+
+
+def test_measured_metrics_are_the_wall_clock_and_machine_ones_and_nothing_computed():
+    from grpo_core.metrics import MEASURED_METRICS, computed_only, is_measured
+
+    for name in ("time/step", "time/weight_sync", *MEASURED_METRICS):
+        assert is_measured(name), name
+    # Deterministic perf/ metrics (which path ran) and the token counts rates are made of stay compared.
+    for name in ("perf/padding_free", "perf/forward_path", "train/forward_tokens", "tokens/completion", "timed/x", "step"):
+        assert not is_measured(name), name
+    assert {"perf/sample_tokens_per_s", "perf/decode_ms_per_step", "perf/train_tokens_per_s", "perf/mfu", "perf/peak_memory_gib"} <= (
+        MEASURED_METRICS
+    )
+    step = {"step": 3, "reward/total": 0.5, "perf/padding_free": 1.0, "perf/mfu": 0.01, "time/train": 0.2}
+    assert computed_only(step) == {"step": 3, "reward/total": 0.5, "perf/padding_free": 1.0}

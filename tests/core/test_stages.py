@@ -102,3 +102,50 @@ def test_a_group_is_dropped_when_every_advantage_is_zero():
     g[0].reward, g[1].reward = 1.0, 1.0 + 1e-12
     kept, metrics = compute_advantages(build_manager([GRPOAdvantage()]), [g], drop_zero_variance=True)
     assert kept == [] and metrics["groups/dropped_zero_variance"] == 1.0
+
+
+def perf_of(step: dict, trainer) -> dict:
+    from grpo_core.metrics import Metrics
+    from grpo_core.stages import record_perf
+
+    metrics = Metrics()
+    metrics.update(step, "sum")
+    record_perf(metrics, trainer)
+    return {k: v for k, v in metrics.as_dict().items() if k.startswith("perf/")}
+
+
+STEP = {"tokens/completion": 400.0, "time/sample": 2.0, "train/forward_tokens": 1000.0, "time/train": 0.5}
+
+
+def test_perf_metrics_are_rates_of_the_steps_tokens_and_the_trainers_counters():
+    from types import SimpleNamespace
+
+    counters = {"parameters": 1e6, "peak_flops": 1e11, "peak_memory_gib": 1.5}
+    assert perf_of(STEP, SimpleNamespace(perf_counters=lambda: counters)) == {
+        "perf/sample_tokens_per_s": 200.0,
+        "perf/train_tokens_per_s": 2000.0,
+        "perf/mfu": pytest.approx(6 * 1e6 * 1000 / 0.5 / 1e11),
+        "perf/peak_memory_gib": 1.5,
+    }
+    # A trainer without counters (tinker, a server's): the rates only, which any trainer has.
+    assert perf_of(STEP, SimpleNamespace()) == {"perf/sample_tokens_per_s": 200.0, "perf/train_tokens_per_s": 2000.0}
+    # Counters it lacks are left out, not made up.
+    assert perf_of(STEP, SimpleNamespace(perf_counters=lambda: {"peak_memory_gib": 2.0}))["perf/peak_memory_gib"] == 2.0
+    assert "perf/mfu" not in perf_of(STEP, SimpleNamespace(perf_counters=lambda: {"parameters": 1e6}))
+
+
+def test_a_step_that_trained_or_sampled_nothing_has_no_rate_of_it():
+    from types import SimpleNamespace
+
+    counters = SimpleNamespace(perf_counters=lambda: {"parameters": 1e6, "peak_flops": 1e11})
+    assert perf_of({**STEP, "train/forward_tokens": 0.0}, counters) == {"perf/sample_tokens_per_s": 200.0}
+    assert perf_of({"tokens/completion": 0.0, "time/sample": 0.0}, counters) == {}
+
+
+def test_perf_counters_of_another_type_are_refused_naming_the_trainer():
+    from types import SimpleNamespace
+
+    from grpo_core.errors import PluginError
+
+    with pytest.raises(PluginError, match=r"SimpleNamespace.perf_counters must be callable \| None"):
+        perf_of(STEP, SimpleNamespace(perf_counters={"parameters": 1.0}))

@@ -588,3 +588,12 @@ def test_the_forward_path_and_its_reason_are_said_at_start(tiny_model_dir, capsy
     assert "sampler forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
     make(tiny_model_dir, dtype="bfloat16")
     assert "sampler forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err
+
+
+def test_the_start_lines_say_whether_the_trainer_checkpoints_and_why(tiny_model_dir, capsys):
+    _, _, auto, _ = make(tiny_model_dir)
+    assert "gradient checkpointing: off (default on cpu: a CPU run is small" in capsys.readouterr().err
+    assert not auto.activation_checkpointing and not auto.model.is_activation_checkpointing
+    _, _, given, _ = make(tiny_model_dir, gradient_checkpointing=True)
+    assert "gradient checkpointing: on (--gradient-checkpointing)" in capsys.readouterr().err
+    assert given.activation_checkpointing and given.model.is_activation_checkpointing

@@ -1,0 +1,90 @@
+"""engine/perf.py: what perf/mfu and perf/peak_memory_gib are measured against."""
+
+from __future__ import annotations
+
+import json
+import resource
+
+import pytest
+import torch
+
+from grpo_core.engine import perf
+from tests.helpers import grpo_core, small_run_args
+
+
+@pytest.mark.parametrize(
+    ("name", "tflops"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),  # SXM
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA GH200 480GB", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA A100-PCIE-40GB", 312.0),
+        ("NVIDIA L40S", 362.0),
+        ("NVIDIA L40", 181.0),
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA GeForce RTX 4090", 165.0),
+        ("NVIDIA A10", 125.0),
+        ("NVIDIA B200", 2250.0),
+        ("Tesla T4", None),  # no bf16 tensor cores: probed
+        ("NVIDIA A10G", None),
+    ],
+)
+def test_known_gpus_get_their_dense_bf16_peak_and_others_none(name, tflops):
+    assert perf.table_tflops(name) == tflops
+
+
+def test_the_cpu_peak_is_a_probe_in_the_weights_dtype_measured_once_per_process(monkeypatch):
+    perf.peak_flops.cache_clear()
+    rate, what = perf.peak_flops(torch.device("cpu"), torch.float32)
+    assert 1e8 < rate < 1e14
+    assert what == f"this CPU's float32 1024³ matmul probe, best of 5: {rate / 1e9:.4g} GFLOP/s"
+    monkeypatch.setattr(perf, "matmul_rate", lambda *a, **k: pytest.fail("probed twice"))
+    assert perf.peak_flops(torch.device("cpu"), torch.float32) == (rate, what)
+
+
+def test_the_matmul_probe_counts_two_flops_per_multiply_add(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr(perf.time, "perf_counter", lambda: float(next(clock)))
+    # Every product "takes" 1 s of the fake clock: the rate is 2·n³ per second.
+    assert perf.matmul_rate(torch.device("cpu"), torch.float32, 8, repeats=3) == 2.0 * 8**3
+
+
+def test_cpu_peak_memory_is_the_processes_peak_rss():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / perf.GIB
+    peak = perf.peak_memory_gib(torch.device("cpu"))
+    assert before <= peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / perf.GIB
+    assert perf.memory_line(torch.device("cpu")).startswith("the process's peak resident memory since it began")
+
+
+def build_model(path, hidden: int, layers: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+        tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_peak_memory_rises_with_a_larger_model(tiny_dataset, tmp_path):
+    """Peak RSS is the process's: each model trains in a process of its own."""
+    peaks = {}
+    for label, hidden, layers in (("small", 64, 2), ("large", 512, 6)):  # ~20 M parameters: ~0.3 GB of weights, grads, Adam
+        model = build_model(tmp_path / label, hidden, layers)
+        out = grpo_core(*small_run_args(model, tiny_dataset, tmp_path / f"run-{label}", "--logger", "jsonl"))
+        assert out.returncode == 0, out.stderr
+        metrics = [json.loads(line) for line in (tmp_path / f"run-{label}" / "metrics.jsonl").read_text().splitlines()]
+        assert all(0 < m["perf/mfu"] <= 1 for m in metrics)
+        peaks[label] = max(m["perf/peak_memory_gib"] for m in metrics)
+    assert peaks["large"] > peaks["small"] + 0.15, peaks
