@@ -81,4 +81,17 @@ def format_stats(metrics: dict[str, float]) -> str:
         value = metrics.get(key)
         if value is not None and not math.isnan(value):
             parts.append(f"{label} {value:.3f}" if key != "loss/kl" else f"{label} {value:.2e}")
-    return "  ".join(parts)
+    return "  ".join(parts + format_perf(metrics))
+
+
+PERF_SHOWN = (
+    ("perf/sample_tokens_per_s", "sample {:,.0f} tok/s"),
+    ("perf/train_tokens_per_s", "train {:,.0f} tok/s"),
+    ("perf/mfu", "mfu {:.1%}"),
+    ("perf/peak_memory_gib", "peak {:.2f} GiB"),
+)
+"""The perf metrics a step's line shows (those the run logs: a trainer without counters has no MFU)."""
+
+
+def format_perf(metrics: dict[str, float]) -> list[str]:
+    return [form.format(metrics[key]) for key, form in PERF_SHOWN if key in metrics and not math.isnan(metrics[key])]
