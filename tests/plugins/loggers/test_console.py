@@ -15,13 +15,9 @@ def test_the_step_line_shows_reward_loss_and_the_perf_metrics_the_run_logs():
         "perf/peak_memory_gib": 8.384,
         "perf/decode_ms_per_step": 40.1,
     }
-    assert format_stats(metrics) == (
-        "reward 0.500  loss -0.250  sample 1,234 tok/s  train 98,765 tok/s  mfu 3.1%  peak 8.38 GiB"
-    )
+    assert format_stats(metrics) == ("reward 0.500  loss -0.250  sample 1,234 tok/s  train 98,765 tok/s  mfu 3.1%  peak 8.38 GiB")
     # A trainer without counters (a service's) logs no MFU nor memory: the line shows what there is.
-    assert format_stats({"reward/total": 0.5, "perf/sample_tokens_per_s": 10.0, "perf/mfu": math.nan}) == (
-        "reward 0.500  sample 10 tok/s"
-    )
+    assert format_stats({"reward/total": 0.5, "perf/sample_tokens_per_s": 10.0, "perf/mfu": math.nan}) == ("reward 0.500  sample 10 tok/s")
 
 
 def test_a_line_without_a_terminal_carries_the_perf_metrics(capsys):
