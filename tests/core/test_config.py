@@ -244,7 +244,7 @@ def test_options_of_the_default_sampler_reach_it_and_a_kind_with_none_selected_s
     config = load(None, {}, {"sampler": ["batch_size=4"]})
     select_plugins(config)
     assert config.plugin_options["sampler"] == {"local": {"batch_size": 4}}
-    with pytest.raises(PluginError, match=r"^unknown option 'concurrency' for sampler.local options: batch_size$"):
+    with pytest.raises(PluginError, match=r"^unknown option 'concurrency' for sampler.local options: batch_size, decode, check_every$"):
         select_plugins(load(None, {}, {"sampler": ["concurrency=auto"]}))
     with pytest.raises(PluginError, match=r"options given for plugins that are not selected: sampler.openai"):
         select_plugins(load(None, {}, {"sampler": ["openai.concurrency=auto"]}))
