@@ -2,12 +2,16 @@
 
     python benchmarks/profile_step.py [--config overhead|compute] [--contender grpo-core|naive]
                                       [--steps N] [--profiler phases|torch|cprofile] [--threads 1]
+    python benchmarks/profile_step.py --profiler torch --device cuda   # grpo-core's training phase on a GPU
 
 ``phases`` (default) wraps the functions that make up a step (sampler, model forward, draw,
 loss, backward, optimizer, ...) with wall-clock accumulators and prints seconds per step,
-inclusive, for the timed steps (the first step is a warmup). ``torch`` prints torch.profiler's
-operator table, ``cprofile`` the Python functions by cumulative time. Nothing in grpo-core is
-changed: the wrappers are installed on the classes from here.
+inclusive, for the timed steps (the first step is a warmup). ``torch`` runs torch.profiler over
+grpo-core's training phase only (``train_on_groups``: forward, loss, backward, clipping, the
+optimizer step) and prints, per timed step, the operators by self CPU time and (on CUDA) the
+kernels by self device time, with the counts of operator calls and kernel launches.
+``cprofile`` prints the Python functions by cumulative time. Nothing in grpo-core is changed: the
+wrappers are installed on the classes from here.
 """
 
 from __future__ import annotations
@@ -96,8 +100,67 @@ def wrap_naive() -> None:
     wrap(GenerationMixin, "_sample", "sample:  GenerationMixin._sample")
 
 
-def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: Callable[[], None]) -> float:
-    """Run warmup + steps; ``start`` after the warmup step, ``stop`` at the end; returns timed seconds."""
+class TrainPhaseProfile:
+    """torch.profiler around each call of ``stages.train_on_groups`` while ``ACTIVE``: per operator
+    (CPU) and kernel (CUDA) name, the calls and the self time summed over the timed steps."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.activities = [torch.profiler.ProfilerActivity.CPU]
+        if device == "cuda":
+            self.activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.cpu_ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        self.kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def install(self) -> None:
+        import torch
+
+        from grpo_core import stages
+
+        original = stages.train_on_groups
+
+        @functools.wraps(original)
+        def profiled(*args: Any, **kwargs: Any) -> Any:
+            if not ACTIVE["on"]:
+                return original(*args, **kwargs)
+            with torch.profiler.profile(activities=self.activities) as profile:
+                result = original(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            self.collect(profile)
+            return result
+
+        stages.train_on_groups = profiled
+
+    def collect(self, profile: Any) -> None:
+        from torch.autograd import DeviceType
+
+        for event in profile.events():
+            if event.device_type == DeviceType.CPU:
+                entry = self.cpu_ops[event.name]
+                entry[0] += 1
+                entry[1] += event.self_cpu_time_total
+            else:
+                entry = self.kernels[event.name]
+                entry[0] += 1
+                entry[1] += event.self_device_time_total
+
+    def report(self, steps: int, rows: int) -> None:
+        for title, table in (("CPU operators", self.cpu_ops), ("device kernels", self.kernels)):
+            if not table:
+                continue
+            calls = sum(count for count, _ in table.values())
+            total = sum(us for _, us in table.values())
+            print(f"training phase, {title}: {calls / steps:.0f} per step, {total / steps / 1e6:.3f} s self time per step")
+            print(f"{'name':<70} {'self s/step':>11} {'% self':>7} {'calls/step':>10}")
+            for name, (count, us) in sorted(table.items(), key=lambda item: -item[1][1])[:rows]:
+                print(f"{name[:70]:<70} {us / steps / 1e6:>11.4f} {us / max(total, 1e-9):>7.1%} {count / steps:>10.1f}")
+
+
+def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: Callable[[], None], overrides: dict[str, Any]) -> float:
+    """Run warmup + steps (grpo-core's config with ``overrides``); ``start`` after the warmup step,
+    ``stop`` at the end; returns timed seconds."""
     marks: dict[str, float] = {}
 
     def on_step(step: int) -> None:
@@ -116,7 +179,7 @@ def run(contender: str, spec: dict[str, Any], start: Callable[[], None], stop: C
         from grpo_core.train import run as grpo_run
 
         bench_plugins.ON_STEP.append(on_step)
-        grpo_run(make_config(spec), overwrite=True)
+        grpo_run(make_config(spec, overrides), overwrite=True)
     else:
         from run_naive import naive_loop
 
@@ -132,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profiler", choices=["phases", "torch", "cprofile"], default="phases")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="grpo-core's device (the naive loop: CPU only)")
     args = parser.parse_args(argv)
+    if args.profiler == "torch" and args.contender != "grpo-core":
+        parser.error("--profiler torch profiles grpo-core's training phase: use --contender grpo-core")
+    if args.device != "cpu" and args.contender != "grpo-core":
+        parser.error("--device cuda runs grpo-core only: use --contender grpo-core")
 
     import torch
 
@@ -156,15 +224,21 @@ def main(argv: list[str] | None = None) -> int:
             ACTIVE["on"] = False
 
     elif args.profiler == "torch":
-        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        start, stop = profiler.__enter__, lambda: profiler.__exit__(None, None, None)
+        profiler = TrainPhaseProfile(args.device)
+        profiler.install()
+
+        def start() -> None:
+            ACTIVE["on"] = True
+
+        def stop() -> None:
+            ACTIVE["on"] = False
     else:
         import cProfile
 
         profiler = cProfile.Profile()
         start, stop = profiler.enable, profiler.disable
 
-    seconds = run(args.contender, spec, start, stop)
+    seconds = run(args.contender, spec, start, stop, {"device": args.device})
     n = args.steps
     print(f"{args.contender} on {args.config}: {n} timed steps, {seconds / n:.3f} s/step, torch threads {torch.get_num_threads()}")
     if args.profiler == "phases":
@@ -173,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in sorted(TIMES, key=lambda k: (order.get(k.split(":")[0], 3), -TIMES[k])):
             print(f"{key:<62} {TIMES[key] / n:>8.4f} {TIMES[key] / seconds:>7.1%} {CALLS[key] / n:>10.1f}")
     elif args.profiler == "torch":
-        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        profiler.report(n, args.rows)
     else:
         import pstats
 
