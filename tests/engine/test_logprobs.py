@@ -261,5 +261,8 @@ def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_me
 
     run_dir = tmp_path / "run"
     run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=2, plugin_options={"backend": {"local": options}}))
-    assert json.loads((run_dir / "config.json").read_text())["run_info"] == info
+    run_info = json.loads((run_dir / "config.json").read_text())["run_info"]
+    # What the perf metrics are measured against (a probe's figure) is tested in test_loop.
+    assert run_info["trainer"].pop("mfu_peak") and run_info["trainer"].pop("peak_memory")
+    assert run_info == info
     assert [(m["perf/forward_path"], m["perf/padding_free"]) for m in metrics_of(run_dir)] == [(forward_path, padding_free)] * 2
