@@ -32,8 +32,11 @@ DENSE_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
 ``torch.cuda.get_device_name``; the first that matches wins, so the more specific come first."""
 
 CPU_PROBE_SIZE, CUDA_PROBE_SIZE, PROBE_REPEATS = 1024, 4096, 5
-"""The probe's n×n×n products: best of PROBE_REPEATS after one warm-up. 1024 keeps it under a
-second on a loaded CPU; 4096 fills a GPU's tensor cores."""
+"""The probe's n×n×n products: best of PROBE_REPEATS after one warm-up. 4096 fills a GPU's
+tensor cores; on a CPU the size grows from 128 up to 1024 while one product takes under
+CPU_PROBE_SECONDS, so a dtype the CPU has no fast kernel for (bfloat16 without AMX: ~100 times
+slower than float32) costs a fraction of a second, not half a minute."""
+CPU_PROBE_SECONDS = 0.05
 
 
 def table_tflops(device_name: str) -> float | None:
@@ -72,9 +75,14 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
             return tflops * 1e12, f"{name}'s dense bf16 peak, {tflops:g} TFLOP/s (vendor's figure)"
         rate = matmul_rate(device, torch.bfloat16, CUDA_PROBE_SIZE)
         return rate, f"{name} (not in the table): a bf16 {CUDA_PROBE_SIZE}³ matmul probe, {rate / 1e12:.4g} TFLOP/s"
-    rate = matmul_rate(device, dtype, CPU_PROBE_SIZE)
+    n = 128
+    while True:
+        rate = matmul_rate(device, dtype, n)
+        if n >= CPU_PROBE_SIZE or 2.0 * n**3 / rate > CPU_PROBE_SECONDS:
+            break
+        n *= 2
     what = str(dtype).removeprefix("torch.")
-    return rate, f"this CPU's {what} {CPU_PROBE_SIZE}³ matmul probe, best of {PROBE_REPEATS}: {rate / 1e9:.4g} GFLOP/s"
+    return rate, f"this CPU's {what} {n}³ matmul probe, best of {PROBE_REPEATS}: {rate / 1e9:.4g} GFLOP/s"
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -224,5 +225,5 @@ def test_every_step_logs_the_perf_metrics_with_sane_values_and_config_says_what_
     peaks = [m["perf/peak_memory_gib"] for m in metrics]
     assert peaks == sorted(peaks)
     trainer = json.loads((r / "config.json").read_text())["run_info"]["trainer"]
-    assert trainer["mfu_peak"].startswith("this CPU's float32 1024³ matmul probe, best of 5: ")
+    assert re.match(r"this CPU's float32 (128|256|512|1024)³ matmul probe, best of 5: ", trainer["mfu_peak"])
     assert trainer["peak_memory"].startswith("the process's peak resident memory since it began")

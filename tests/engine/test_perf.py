@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import resource
 
 import pytest
@@ -41,9 +42,29 @@ def test_the_cpu_peak_is_a_probe_in_the_weights_dtype_measured_once_per_process(
     perf.peak_flops.cache_clear()
     rate, what = perf.peak_flops(torch.device("cpu"), torch.float32)
     assert 1e8 < rate < 1e14
-    assert what == f"this CPU's float32 1024³ matmul probe, best of 5: {rate / 1e9:.4g} GFLOP/s"
+    assert re.fullmatch(rf"this CPU's float32 (128|256|512|1024)³ matmul probe, best of 5: {re.escape(f'{rate / 1e9:.4g}')} GFLOP/s", what)
     monkeypatch.setattr(perf, "matmul_rate", lambda *a, **k: pytest.fail("probed twice"))
     assert perf.peak_flops(torch.device("cpu"), torch.float32) == (rate, what)
+
+
+def test_the_cpu_probe_grows_while_a_product_is_quick_and_stops_at_the_first_slow_one(monkeypatch):
+    """A dtype the CPU is slow at (bfloat16 without AMX) must not cost a 1024³ probe at start."""
+    perf.peak_flops.cache_clear()
+    sizes = []
+
+    def rate_of(device, dtype, n):
+        sizes.append(n)
+        return 2.0 * n**3 / (perf.CPU_PROBE_SECONDS * (n / 256))  # products of 256 and up take the budget or more
+
+    monkeypatch.setattr(perf, "matmul_rate", rate_of)
+    rate, what = perf.peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert sizes == [128, 256] and what.startswith("this CPU's bfloat16 256³ matmul probe")
+    perf.peak_flops.cache_clear()
+    sizes.clear()
+    monkeypatch.setattr(perf, "matmul_rate", lambda device, dtype, n: sizes.append(n) or 1e15)
+    perf.peak_flops(torch.device("cpu"), torch.float32)
+    assert sizes == [128, 256, 512, 1024]
+    perf.peak_flops.cache_clear()
 
 
 def test_the_matmul_probe_counts_two_flops_per_multiply_add(monkeypatch):
