@@ -241,3 +241,32 @@ def test_a_run_directory_holding_a_run_is_refused_unless_overwrite(tiny_model_di
     run(config(tiny_model_dir, tiny_dataset, run_dir, max_steps=1), overwrite=True)
     assert [m["step"] for m in metrics(run_dir)] == [1]
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step-000001"]
+
+
+@pytest.mark.slow
+def test_checkpoints_written_in_the_background_resume_bitwise(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
+    import shutil
+    import sys
+    import threading
+
+    from grpo_core.engine.trainer import LocalTrainer
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from checkpoint_writes import background_writes
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(config(tiny_model_dir, tiny_dataset, whole, checkpoint_every=1))
+    writers, save_state = [], LocalTrainer.save_state
+    monkeypatch.setattr(
+        LocalTrainer, "save_state", lambda self, path: (writers.append(threading.current_thread().name), save_state(self, path))
+    )
+    with background_writes():
+        run(config(tiny_model_dir, tiny_dataset, resumed, checkpoint_every=1, max_steps=4))
+    assert [c.name for c in complete_checkpoints(resumed)] == ["step-000003", "step-000004"]
+    assert writers == ["checkpoint-write"] * 4
+    # Step 3's checkpoint was written while step 4 trained: resumed from it, the run is the same.
+    shutil.rmtree(resumed / "checkpoints" / "step-000004")
+    shutil.rmtree(resumed / "final")
+    run(config(tiny_model_dir, tiny_dataset, resumed, checkpoint_every=1), resume=True)
+    assert_same_run(whole, resumed)
