@@ -273,7 +273,7 @@ def test_checkpoints_written_in_the_background_resume_bitwise(tiny_model_dir, ti
 
 
 KILLED_MID_WRITE = """
-import json, sys, time
+import json, sys, threading, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from checkpoint_writes import background_writes
@@ -286,7 +286,7 @@ save_state = LocalTrainer.save_state
 def hanging_at_step_2(self, path):
     save_state(self, path)
     if "step-000002" in path:  # its files are written, the checkpoint is not complete yet
-        Path(sys.argv[3]).write_text("written")
+        Path(sys.argv[3]).write_text(threading.current_thread().name)
         time.sleep(600)
 
 LocalTrainer.save_state = hanging_at_step_2
@@ -314,6 +314,7 @@ def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoi
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert marker.exists(), process.stderr.read().decode()[-3000:]
+    assert marker.read_text() == "checkpoint-write"  # training went on meanwhile
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step-000001"]
