@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
@@ -74,16 +76,20 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def save_checkpoint(state: RunState, trainer: Any, write_extra: Callable[[Path], Any], keep: int) -> Path:
+def save_checkpoint(state: RunState, trainer: Any, write_extra: Callable[[Path], Any], keep: int, background: bool = False) -> Path:
     """Write the checkpoint of ``state.step`` atomically (its :data:`CHECKPOINTED` fields and
     ``state.rng``) and keep the newest ``keep``.
 
     ``write_extra(folder)`` adds what other modules own (the prompt settings). A failure leaves
-    the previous checkpoints as they were.
+    the previous checkpoints as they were. ``background``: where the trainer declares a
+    ``state_snapshot``, its state is copied here and written by a thread while training goes on
+    (the folder is complete once :func:`wait_for_checkpoint` returns); the previous background
+    write is always waited for first, and its error raised.
     """
     import torch
 
     run_dir = state.run_dir
+    wait_for_checkpoint(run_dir)
     final = checkpoint_dir(run_dir, state.step)
     if (final / STATE_FILE).is_file():
         return final  # this step is saved already (a periodic checkpoint that is also the last)
@@ -98,34 +104,86 @@ def save_checkpoint(state: RunState, trainer: Any, write_extra: Callable[[Path],
     if needed is not None and needed > free:
         raise CheckpointError(f"could not write checkpoint {final.name}: {no_space(where, estimate, free)}; {kept}")
     tmp = final.with_name(f"{TMP_PREFIX}{final.name}-{os.getpid()}")
-    try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        trainer.save_state(str(tmp / TRAINER_STATE))
-        torch.save(state.rng or {}, tmp / "rng.pt")
-        write_extra(tmp)
-        # state.json last: its presence inside a step-* folder marks a whole checkpoint.
-        record = {name: getattr(state, name) for name in CHECKPOINTED}
-        (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
-        fsync_tree(tmp)
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of that name
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
-    except BaseException as exc:
+
+    def fail(exc: BaseException) -> NoReturn:
+        """Remove the partial folder of a write that raised ``exc`` and say why it failed (an interrupt goes on as it is)."""
         written = folder_bytes(tmp)
         full = out_of_space(exc) or free_bytes(where) < FULL_BELOW  # measured before the partial write is removed
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, Exception):
-            raise
+            raise exc
         cause = f"{type(exc).__name__}: {exc}"
         if full:
             space = no_space(where, estimate or f"more than {human(written)}", free)
             # torch's C++ writer says "unexpected pos" or "file write failed": the space says what happened.
             cause = f"{cause}; {space}" if isinstance(exc, OSError) else space
         raise CheckpointError(f"could not write checkpoint {final.name}: {cause}; {kept}") from exc
-    for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+
+    snapshot = declared(trainer, "trainer object", "state_snapshot") if background else None
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # Everything a later step changes is taken now, on the training thread.
+        write_trainer = snapshot() if snapshot is not None else None
+        if write_trainer is None:
+            trainer.save_state(str(tmp / TRAINER_STATE))
+        torch.save(state.rng or {}, tmp / "rng.pt")
+        write_extra(tmp)
+        record = {name: getattr(state, name) for name in CHECKPOINTED}
+    except BaseException as exc:
+        fail(exc)
+
+    def complete() -> None:
+        try:
+            if write_trainer is not None:
+                write_trainer(str(tmp / TRAINER_STATE))
+            # state.json last: its presence inside a step-* folder marks a whole checkpoint.
+            (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+            fsync_tree(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # an incomplete folder of that name
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
+        except BaseException as exc:
+            fail(exc)
+        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+
+    if write_trainer is None:
+        complete()
+    else:
+        WRITING[run_dir] = BackgroundWrite(complete)
     return final
+
+
+class BackgroundWrite:
+    """A checkpoint's files, written by a thread of their own; the error it ended with, kept for
+    whoever waits. Not a daemon: a process that ends while it writes finishes the checkpoint first."""
+
+    def __init__(self, write: Callable[[], None]) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-write")
+        self.thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as exc:  # raised where the run waits, not in this thread
+            self.error = exc
+
+
+WRITING: dict[Path, BackgroundWrite] = {}
+"""The checkpoint write in progress per run folder (one at a time: each waits for the one before)."""
+
+
+def wait_for_checkpoint(run_dir: Path) -> None:
+    """Wait until the run's background checkpoint write is done; raise its error (a
+    :class:`CheckpointError` that says what is still valid)."""
+    pending = WRITING.pop(run_dir, None)
+    if pending is None:
+        return
+    pending.thread.join()
+    if pending.error is not None:
+        raise pending.error
 
 
 FULL_BELOW = 64 * 2**20
@@ -164,6 +222,64 @@ def human(size: int) -> str:
         if size >= scale / 10:
             return f"{size / scale:.1f} {unit}"
     return f"{size} bytes"
+
+
+ADAM_BYTES_PER_PARAMETER = 8
+"""AdamW's two fp32 moments per trained parameter: the optimizer state a checkpoint holds today."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets, counted from the
+    second value) and where its data starts, read alone; ValueError says why the file has none."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError("is empty")
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + header_size > size:
+            raise ValueError(f"is cut short ({size} bytes, not even its header)")
+        try:
+            return json.loads(f.read(header_size)), 8 + header_size
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError("is not a safetensors file (its header is not JSON)") from None
+
+
+def tensor_shapes(folder: Path) -> dict[str, list[int]] | None:
+    """Name -> shape of every tensor in a model folder's safetensors files (None without any, or unreadable)."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            header, _ = safetensors_header(path)
+        except (OSError, ValueError):
+            return None
+        shapes.update({name: entry["shape"] for name, entry in header.items() if name != "__metadata__"})
+    return shapes or None
+
+
+def estimated_bytes(shapes: dict[str, list[int]], weight_bytes: int, lora_rank: int) -> tuple[int, int, str]:
+    """What one checkpoint and ``final/`` hold for a model of these tensors, and the first in words.
+
+    A full fine-tune saves every weight in its dtype and two fp32 moments per weight; a LoRA run
+    saves its adapters only, counted here as rank x (rows + columns) of every matrix in the
+    decoder layers (the most ``all-linear`` adds), in fp32. ``final/`` is the whole (merged) model.
+    """
+    parameters = sum(math.prod(shape) for shape in shapes.values())
+    final = parameters * weight_bytes
+    if not lora_rank:
+        return final + parameters * ADAM_BYTES_PER_PARAMETER, final, f"weights {human(final)} + fp32 AdamW moments"
+    trained = sum(lora_rank * (shape[0] + shape[1]) for name, shape in shapes.items() if len(shape) == 2 and "layers." in name)
+    adapters = trained * DTYPE_BYTES["float32"]
+    return adapters + trained * ADAM_BYTES_PER_PARAMETER, final, f"LoRA adapters {human(adapters)} + fp32 AdamW moments"
+
+
+def peak_bytes(each: int, final: int, existing: int, writes: int, keep: int) -> int:
+    """The most bytes a run adds to its folder: ``writes`` more checkpoints of ``each`` bytes
+    beside the ``existing`` ones, pruned to ``keep`` only once the next is complete (so keep + 1
+    at once), then ``final/`` beside the last ``keep``."""
+    total = existing + writes
+    return max(min(total, keep + 1) * each, min(total, keep) * each + final, existing * each) - existing * each
 
 
 def load_checkpoint(path: Path, trainer: Any, sampler: Any, state: RunState) -> RunState:

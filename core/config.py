@@ -397,6 +397,12 @@ class RunConfig:
         validator=_non_negative,
     )
     keep_checkpoints: int = _field(2, "keep the newest K checkpoints", RUN_DIRECTORY, resumable=True, validator=_positive)
+    allow_low_disk: bool = _field(
+        False,
+        "start even when the disk plan says the run directory's filesystem cannot hold the checkpoints and final/",
+        RUN_DIRECTORY,
+        resumable=True,
+    )
 
     device: Literal["auto", "cpu", "cuda"] = _field("auto", "auto = CUDA when present, else CPU", MACHINE)
     dtype: Literal["auto", "float32", "bfloat16"] = _field(

@@ -25,6 +25,7 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "bool": lambda v: isinstance(v, bool),
     "bool | None": lambda v: v is None or isinstance(v, bool),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "str": lambda v: isinstance(v, str),
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
@@ -85,6 +86,12 @@ KIND_TABLE: dict[str, Kind] = {
             "default_sampler": Attribute("str", "local", "the sampler plugin a run uses when --sampler is not given"),
             "default_weight_sync": Attribute(
                 "str", "in_process", "the weight sync a run uses when neither --weight-sync nor the sampler plugin names one"
+            ),
+            "local_checkpoints": Attribute(
+                "bool",
+                True,
+                "its trainer's save_state writes the weights and optimizer state into the checkpoint folder, so the disk plan "
+                "at start counts them; False: a service keeps them, and the plan counts final/ only",
             ),
             "serve_rank": Attribute(
                 "callable | None",
@@ -171,6 +178,19 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "perf_counters() -> {'parameters': N, 'peak_flops': FLOP/s, 'peak_memory_gib': GiB}, any of them, read at each step's "
             "end: perf/mfu is 6·N·train/forward_tokens / time/train / peak_flops, perf/peak_memory_gib the memory at its peak "
             "since the last call; None: neither is logged",
+        ),
+        "checkpoint_bytes": Attribute(
+            "int | None",
+            None,
+            "the bytes its save_state writes (weights, optimizer state), for the disk plan at start; None: core's estimate "
+            "from the model's safetensors headers, --dtype and --lora-rank (fp32 AdamW moments, 8 B per trained parameter)",
+        ),
+        "state_snapshot": Attribute(
+            "callable | None",
+            None,
+            "state_snapshot() -> write(path): copies what save_state writes to host memory now (CPU tensors; on CPU a clone) "
+            "and returns the function that writes that copy as save_state would, from another thread: periodic checkpoints "
+            "are then written while training goes on; None: save_state runs on the training thread",
         ),
         "sampling_client": Attribute(
             "callable | None",

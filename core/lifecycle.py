@@ -25,19 +25,30 @@ from typing import Any
 import attrs
 
 from grpo_core.checkpoint import (
+    DTYPE_BYTES,
     STATE_FILE,
     CheckpointError,
     capture_rng,
     complete_checkpoints,
+    estimated_bytes,
+    folder_bytes,
+    free_bytes,
+    human,
     load_checkpoint,
+    no_space,
+    peak_bytes,
     read_unobserved,
     remove_partial,
+    safetensors_header,
     save_checkpoint,
     save_policy,
+    tensor_shapes,
+    wait_for_checkpoint,
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
+from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
@@ -296,7 +307,14 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
     if newest is not None:
         check_same_data(run_dir, *rows)
+    backend = selection.plugins["backend"][0]
+    disk = plan_disk(config, backend, newest, total_steps)
     trainer = pm.hook.make_trainer(config=config)
+    trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
+    if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
+        disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
+    unknown = "disk plan: the checkpoints' size is unknown (no safetensors weights to count)"
+    print(disk.line() if disk is not None else unknown, file=sys.stderr)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
@@ -414,19 +432,129 @@ def end_step(
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
     if config.checkpoint_every and step % config.checkpoint_every == 0:
-        write_checkpoint(state, config, r.trainer)
+        write_checkpoint(state, config, r.trainer, background=True)
     if state.interrupted:
         state.request_stop(f"interrupted after step {step}")
     return state.stop_reason is not None
 
 
-def write_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> Path:
-    return save_checkpoint(
+def write_checkpoint(state: RunState, config: RunConfig, trainer: Any, background: bool = False) -> Path:
+    """The checkpoint of ``state.step``; ``background``: written while training goes on where the
+    trainer can snapshot its state (a periodic one: the end of a run and a failure wait for theirs)."""
+    path = save_checkpoint(
         state,
         trainer,
         lambda folder: (write_prompt_settings(folder, config), write_unobserved(folder, state.unobserved)),
         config.keep_checkpoints,
+        background,
     )
+    if not background:
+        wait_for_checkpoint(state.run_dir)
+    return path
+
+
+@attrs.frozen
+class DiskPlan:
+    """What a run's checkpoints and ``final/`` take at most on its run directory's filesystem."""
+
+    each: int
+    each_is: str
+    """How ``each`` was found, in words."""
+    final: int
+    writes: int
+    """Checkpoints this run writes (periodic and the end's)."""
+    needed: int
+    """The most bytes the run adds to its folder at once (see :func:`grpo_core.checkpoint.peak_bytes`)."""
+    free: int
+    folder: Path
+
+    def line(self) -> str:
+        return (
+            f"disk plan: each checkpoint about {human(self.each)} ({self.each_is}), {self.writes} to write, "
+            f"final/ {human(self.final)}: up to {human(self.needed)} at once on the filesystem of {self.folder}, {human(self.free)} free"
+        )
+
+
+def plan_disk(config: RunConfig, backend: Any, newest: Path | None, total_steps: int, trainer_bytes: int | None = None) -> DiskPlan | None:
+    """The run's disk plan, refused when it cannot fit (unless --allow-low-disk); None when the
+    checkpoints' size cannot be known yet (a hub model not in the cache: planned once it loads)."""
+    plan = disk_plan(config, backend, newest, total_steps, trainer_bytes)
+    if plan is None or plan.needed <= plan.free:
+        return plan
+    shrunk = [
+        (flag, disk_plan(attrs.evolve(config, **change), backend, newest, total_steps, trainer_bytes))
+        for flag, change, applies in (
+            ("--keep-checkpoints 1", {"keep_checkpoints": 1}, config.keep_checkpoints > 1),
+            ("--checkpoint-every 0 (one checkpoint, at the end)", {"checkpoint_every": 0}, plan.writes > 1),
+            ("--lora-rank 16 (LoRA adapters only)", {"lora_rank": 16}, not config.lora_rank and trainer_bytes is None),
+        )
+        if applies
+    ]
+    options = [f"{flag}: {human(smaller.needed)}" for flag, smaller in shrunk if smaller is not None and smaller.needed < plan.needed]
+    problem = (
+        f"the run directory cannot hold this run's checkpoints: {no_space(plan.folder, human(plan.needed), plan.free)} "
+        f"({plan.line().removeprefix('disk plan: ')}); "
+        + (f"what these options need: {'; '.join(options)}; " if options else "")
+        + "or choose a --run-dir on a larger disk"
+    )
+    if not config.allow_low_disk:
+        raise CheckpointError(f"{problem}; --allow-low-disk starts it anyway")
+    print(f"warning: {problem} (--allow-low-disk: starting anyway)", file=sys.stderr)
+    return plan
+
+
+def disk_plan(config: RunConfig, backend: Any, newest: Path | None, total_steps: int, trainer_bytes: int | None) -> DiskPlan | None:
+    """Sizes from what is there: a resumed run's newest checkpoint and final/ as they are, else the
+    trainer's own estimate (``checkpoint_bytes``), else one from the model's safetensors headers."""
+    run_dir = Path(str(config.run_dir))
+    folder = model_folder(config.model)
+    shapes = tensor_shapes(folder) if folder is not None else None
+    each = final = None
+    if shapes is not None:
+        each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank)
+    if not declared(backend, "backend", "local_checkpoints"):
+        each, each_is = 0, "the backend's service keeps the trainer's state"
+    if trainer_bytes is not None:
+        each, each_is = trainer_bytes, "the trainer's estimate"
+    existing = complete_checkpoints(run_dir) if newest is not None else []
+    if newest is not None:
+        each, each_is = folder_bytes(newest), f"the size of {newest.name}"
+        if (run_dir / "final").is_dir():
+            final = folder_bytes(run_dir / "final")
+    if each is None or final is None:
+        return None
+    if config.sampling_runs_ahead and newest is None and declared(backend, "backend", "local_checkpoints"):
+        each, each_is = each + final, f"{each_is} + the sampler's own copy of the weights"
+    start = int(newest.name.removeprefix("step-")) if newest is not None else 0
+    every = config.checkpoint_every
+    periodic = total_steps // every - start // every if every else 0
+    writes = periodic + int(total_steps > start and (not every or total_steps % every != 0))
+    # What --overwrite replaces is deleted once training begins: its space is the run's.
+    replaced = sum(folder_bytes(run_dir / name) or (run_dir / name).stat().st_size for name in STARTING.get().replaced)
+    needed = peak_bytes(each, final, len(existing), writes, config.keep_checkpoints)
+    return DiskPlan(each, each_is, final, writes, needed, free_bytes(run_dir) + replaced, run_dir)
+
+
+def model_folder(model: str) -> Path | None:
+    """Where the model's weights are on this machine before it loads (None: a hub model not in the cache)."""
+    if model == "default":
+        return ASSETS
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(model, "config.json") if model.count("/") <= 1 else None
+    return Path(config).parent if isinstance(config, str) else None
+
+
+def weight_bytes(config: RunConfig) -> int:
+    """Bytes per weight as the trainer holds and saves them (--dtype auto: bfloat16 on CUDA)."""
+    if config.dtype != "auto":
+        return DTYPE_BYTES[config.dtype]
+    import torch
+
+    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return DTYPE_BYTES["bfloat16" if on_cuda else "float32"]
 
 
 @contextlib.contextmanager
@@ -543,20 +671,13 @@ def check_model_folder(model: str) -> None:
 
 def safetensors_problem(path: Path) -> str | None:
     """Why a safetensors file cannot be whole (empty, cut short, no header), read from its header alone."""
+    try:
+        header, data_start = safetensors_header(path)
+    except ValueError as exc:
+        return str(exc)
     size = path.stat().st_size
-    if size == 0:
-        return "is empty"
-    with path.open("rb") as f:
-        head = f.read(8)
-        header_size = int.from_bytes(head, "little") if len(head) == 8 else size
-        if 8 + header_size > size:
-            return f"is cut short ({size} bytes, not even its header)"
-        try:
-            header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return "is not a safetensors file (its header is not JSON)"
     ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
-    expected = 8 + header_size + max(ends, default=0)
+    expected = data_start + max(ends, default=0)
     return f"is cut short ({size} of {expected} bytes)" if size < expected else None
 
 

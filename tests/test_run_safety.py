@@ -411,3 +411,55 @@ def test_the_end_of_a_run_keeps_the_trained_policy_when_its_checkpoint_finds_no_
     kept_weights = AutoModelForCausalLM.from_pretrained(final).state_dict()
     trained = AutoModelForCausalLM.from_pretrained(clean / "final").state_dict()
     assert kept_weights.keys() == trained.keys() and all(torch.equal(kept_weights[k], trained[k]) for k in kept_weights)
+
+
+def test_a_run_directory_too_small_for_its_checkpoints_is_refused_before_the_model_loads_unless_allowed(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch
+):
+    import os
+
+    from grpo_core.checkpoint import estimated_bytes, human, tensor_shapes
+
+    each, final, _ = estimated_bytes(tensor_shapes(tiny_model_dir), 4, 0)  # float32 on a CPU, full fine-tune
+    needed = 2 * each + final  # 2 kept, then final/ beside them (2 checkpoints in all: no third at once)
+    free = needed - 1
+
+    class Stat:
+        f_frsize, f_bavail = 1, free
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Stat())
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--checkpoint-every", "1"))
+    said = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1, out.stderr
+    assert said.startswith("error: the run directory cannot hold this run's checkpoints: no space left on "), said
+    assert f": needed {human(needed)}, free {human(free)} (each checkpoint about {human(each)} (weights " in said
+    assert f"2 to write, final/ {human(final)}: up to {human(needed)} at once" in said
+    # One kept: still two at once while the second is written; one checkpoint: final/ beside it.
+    options = f"--keep-checkpoints 1: {human(2 * each)}; --checkpoint-every 0 (one checkpoint, at the end): {human(each + final)}"
+    assert f"what these options need: {options}; --lora-rank 16 (LoRA adapters only): " in said
+    assert said.endswith("; or choose a --run-dir on a larger disk; --allow-low-disk starts it anyway")
+    assert "trainer forward" not in out.stderr  # refused before the trainer (its model) was made
+    assert list(run_dir.iterdir()) == [run_dir / ".lock"] or not list(run_dir.iterdir())
+
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--checkpoint-every", "1", "--allow-low-disk"))
+    assert out.returncode == 0, out.stderr
+    assert (
+        "warning: the run directory cannot hold this run's checkpoints" in out.stderr
+        and "(--allow-low-disk: starting anyway)" in out.stderr
+    )
+    assert (run_dir / "final").is_dir() and [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step-000001", "step-000002"]
+    sizes = [sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in (run_dir / "checkpoints").iterdir()]
+    assert all(abs(size - each) < each * 0.15 for size in sizes), (sizes, each)  # the estimate is the size written
+
+
+def test_the_disk_plan_is_a_start_line(tiny_model_dir, tiny_dataset, tmp_path):
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--max-steps", "1"))
+    assert out.returncode == 0, out.stderr
+    assert re.search(
+        r"^disk plan: each checkpoint about [\d.]+ [kM]B \(weights [\d.]+ [kM]B \+ fp32 AdamW moments\), 1 to write, "
+        r"final/ [\d.]+ [kM]B: up to [\d.]+ [kM]B at once on the filesystem of \S+, [\d.]+ [kMG]B free$",
+        out.stderr,
+        re.M,
+    ), out.stderr

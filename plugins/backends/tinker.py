@@ -77,6 +77,7 @@ class TinkerBackend:
     )
 
     default_sampler = "tinker"
+    local_checkpoints = False  # the service keeps the trainer's state: the disk plan counts final/ only
     # A weight sync hands the sampler a sampling client of the new weights, as in_process hands weights.
     default_weight_sync = "in_process"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import random
+import re
 
 import pytest
 import torch
@@ -222,3 +223,93 @@ def mount_of(path):
     while not os.path.ismount(path):
         path = path.parent
     return path
+
+
+class SnapshotTrainer(FakeTrainer):
+    """Declares ``state_snapshot``: its weights copied now, written later (as slowly as ``hold`` lets it)."""
+
+    def __init__(self, value: float = 1.0, write=None) -> None:
+        super().__init__(value)
+        self.write = write
+
+    def state_snapshot(self):
+        copied = self.weights.clone()
+
+        def write(path: str) -> None:
+            if self.write is not None:
+                self.write(path)
+            torch.save({"w": copied}, path)
+
+        return write
+
+
+def test_a_background_write_holds_the_state_of_its_step_and_the_next_checkpoint_waits_for_it(tmp_path):
+    import threading
+
+    go = threading.Event()
+    trainer = SnapshotTrainer(2.0, write=lambda path: go.wait(10))
+    state = RunState(tmp_path, step=2)
+    state.rng = capture_rng(FakeSampler(0))
+    path = save_checkpoint(state, trainer, lambda d: None, keep=2, background=True)
+    trainer.weights += 1  # the next step trains on while the checkpoint is written
+    assert complete_checkpoints(tmp_path) == []  # not complete before its thread is done
+    go.set()
+    save(tmp_path, 4, trainer=trainer)  # waits for step 2's write first
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000002", "step-000004"]
+    restored = FakeTrainer(0.0)
+    load_checkpoint(path, restored, FakeSampler(0), RunState(tmp_path))
+    assert torch.equal(restored.weights, torch.full((3,), 2.0))
+
+
+def test_a_background_write_that_fails_is_said_at_the_next_wait_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+
+    def disk_full(path: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    save_checkpoint(RunState(tmp_path, step=2), SnapshotTrainer(write=disk_full), lambda d: None, keep=1, background=True)
+    with pytest.raises(CheckpointError) as raised:
+        checkpoint.wait_for_checkpoint(tmp_path)
+    assert re.fullmatch(
+        rf"could not write checkpoint step-000002: OSError: \[Errno 28\] No space left on device; no space left on {mount_of(tmp_path)}: "
+        r"needed about [\d.]+ kB \(the size of step-000001\), free [\d.]+ [kMG]B; the previous checkpoint step-000001 is intact",
+        str(raised.value),
+    )
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]
+    checkpoint.wait_for_checkpoint(tmp_path)  # reported once
+
+
+def test_without_a_snapshot_a_background_checkpoint_is_written_before_it_returns(tmp_path):
+    state = RunState(tmp_path, step=3)
+    save_checkpoint(state, FakeTrainer(3.0), lambda d: None, keep=2, background=True)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+    assert tmp_path not in checkpoint.WRITING
+
+
+@pytest.mark.parametrize(
+    ("existing", "writes", "keep", "expected"),
+    [
+        (0, 5, 2, 3 * 100),  # keep + 1 at once while the newest is written
+        (0, 1, 2, 100 + 40),  # one checkpoint, then final/ beside it
+        (0, 0, 2, 40),
+        (2, 3, 2, 100),  # a resumed run: its two checkpoints are on disk already
+        (3, 1, 1, 0),  # fewer kept than there are: pruned, nothing more at once
+    ],
+)
+def test_the_peak_counts_one_checkpoint_more_than_kept_and_final_beside_the_kept(existing, writes, keep, expected):
+    assert checkpoint.peak_bytes(100, 40, existing, writes, keep) == expected
+
+
+def test_the_estimate_counts_weights_moments_and_lora_adapters_only(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(10, 4), "model.layers.0.mlp.up_proj.weight": torch.zeros(6, 4)},
+        tmp_path / "m.safetensors",
+    )
+    shapes = checkpoint.tensor_shapes(tmp_path)
+    assert shapes == {"model.embed_tokens.weight": [10, 4], "model.layers.0.mlp.up_proj.weight": [6, 4]}
+    assert checkpoint.estimated_bytes(shapes, 2, 0)[:2] == (64 * 2 + 64 * 8, 64 * 2)
+    assert checkpoint.estimated_bytes(shapes, 4, 8)[:2] == (8 * (6 + 4) * (4 + 8), 64 * 4)
+    (tmp_path / "m.safetensors").write_bytes(b"\x08")
+    assert checkpoint.tensor_shapes(tmp_path) is None
