@@ -55,6 +55,7 @@ QUANT_BLOCK = 256
 starts on a block)."""
 
 _MASK32 = (1 << 32) - 1
+_TABLE_CHUNK = 1 << 20
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 """Which bfloat16 of a float32's two (viewed as bfloat16 pairs) holds its top 16 bits."""
 
@@ -82,11 +83,15 @@ def noise_table(n: int, device: torch.device) -> torch.Tensor:
     """``n`` int32 values uniform in [0, 2^16), the i-th the top 16 bits of a 32-bit hash of i.
     Computed in int64 with every product below 2^63, so exact (and equal) on every device; made
     once per process and device (64 MiB at the default length)."""
-    x = torch.arange(n, dtype=torch.int64, device=device)
-    for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
-        x ^= x >> 16
-        x = (x * multiplier) & _MASK32
-    return ((x ^ (x >> 15)) >> 16).to(torch.int32)
+    table = torch.empty(n, dtype=torch.int32, device=device)
+    # In chunks: the int64 temporaries of the whole table at once would take 8x its 64 MiB.
+    for start in range(0, n, _TABLE_CHUNK):
+        x = torch.arange(start, min(start + _TABLE_CHUNK, n), dtype=torch.int64, device=device)
+        for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
+            x ^= x >> 16
+            x = (x * multiplier) & _MASK32
+        table[start : start + x.numel()] = (x ^ (x >> 15)) >> 16
+    return table
 
 
 def add_element_noise(bits: torch.Tensor, key: int) -> None:

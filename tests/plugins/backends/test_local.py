@@ -13,6 +13,7 @@ from grpo_core.config import RunConfig
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.local import LocalBackend
+from tests.core.test_resume import test_plugins  # noqa: F401 (the fixture: the length reward)
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
 
@@ -650,3 +651,17 @@ def test_a_run_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(t
     assert said.endswith("--no-memory-check runs it anyway")
     monkeypatch.setattr(local, "load_model", real_load)
     make(tiny_model_dir, memory_check=False)  # the override
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer_state", "dtype"), [("bf16", "float32"), ("8bit", "float32"), ("8bit", "bfloat16")])
+def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state, dtype, test_plugins):
+    from grpo_core.train import run
+    from tests.core.test_resume import assert_same_run, config
+
+    settings = {"optimizer_state": optimizer_state, "dtype": dtype, "max_steps": 4}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(config(tiny_model_dir, tiny_dataset, whole, **settings))
+    run(config(tiny_model_dir, tiny_dataset, resumed, **{**settings, "max_steps": 2}))
+    assert run(config(tiny_model_dir, tiny_dataset, resumed, **settings), resume=True)["steps"] == 4
+    assert_same_run(whole, resumed)
