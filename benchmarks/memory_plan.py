@@ -107,9 +107,16 @@ def main() -> None:
             sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     first = results[0]
-    print(f"{args.shape} shape: {first['parameters'] / 1e6:.1f}M parameters; CPU, 1 thread; {args.steps} steps of {args.batch} x {args.tokens} tokens")
-    print(f"measured = peak RSS (VmHWM) - RSS after imports (baseline {first['baseline'] / 1e9:.2f} GB); estimate = engine/memory_plan.py")
-    print(f"{'dtype':<9} {'moments':<8} {'estimate GB':>11} {'measured GB':>11} {'est/meas':>8}  {'saved vs fp32 moments, B/param':>30}  phase")
+    print(
+        f"{args.shape} shape: {first['parameters'] / 1e6:.1f}M parameters; CPU, 1 thread; "
+        f"{args.steps} steps of {args.batch} x {args.tokens} tokens"
+    )
+    baseline = first["baseline"] / 1e9
+    print(f"measured = peak RSS (VmHWM) - RSS after imports (baseline {baseline:.2f} GB); estimate = engine/memory_plan.py")
+    print(
+        f"{'dtype':<9} {'moments':<8} {'estimate GB':>11} {'measured GB':>11} {'est/meas':>8}  "
+        f"{'saved vs fp32 moments, B/param':>30}  phase"
+    )
     for r in results:
         fp32 = next((f for f in results if f["dtype"] == r["dtype"] and f["state"] == "fp32"), None)
         saved = ""
@@ -119,8 +126,8 @@ def main() -> None:
             measured = (fp32["measured"] - r["measured"]) / r["parameters"]
             saved = f"{measured:.2f} (expected {8 - moment_bytes(r['state']):.2f})"
         print(
-            f"{r['dtype']:<9} {r['state']:<8} {r['estimate'] / 1e9:>11.3f} {r['measured'] / 1e9:>11.3f} {r['estimate'] / r['measured']:>8.2f}"
-            f"  {saved:>30}  {r['phase']}"
+            f"{r['dtype']:<9} {r['state']:<8} {r['estimate'] / 1e9:>11.3f} {r['measured'] / 1e9:>11.3f} "
+            f"{r['estimate'] / r['measured']:>8.2f}  {saved:>30}  {r['phase']}"
         )
 
 

@@ -185,9 +185,15 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
     options = []
     if config.lora_rank == 0:
         options.append("--lora-rank 16 (train adapters only: no full gradients or moments)")
-    cheaper = [s for s in ("bf16", "8bit") + (("offload",) if device.type == "cuda" else ()) if moment_bytes(s) < moment_bytes(config.optimizer_state)]
+    cheaper = [
+        s
+        for s in ("bf16", "8bit") + (("offload",) if device.type == "cuda" else ())
+        if moment_bytes(s) < moment_bytes(config.optimizer_state)
+    ]
     if cheaper:
-        options.append(f"--optimizer-state {'/'.join(cheaper)} (moments: {', '.join(f'{moment_bytes(s):g}' for s in cheaper)} B per parameter)")
+        options.append(
+            f"--optimizer-state {'/'.join(cheaper)} (moments: {', '.join(f'{moment_bytes(s):g}' for s in cheaper)} B per parameter)"
+        )
     if weight_dtype == torch.float32:
         options.append("--dtype bfloat16 (half the weights and gradients)")
     if not config.gradient_checkpointing:

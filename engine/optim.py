@@ -350,7 +350,9 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 else:  # bf16 (exact in float32), or host memory copied over
                     out.copy_(state[key].view(-1)[start:end], non_blocking=True)
 
-    def _write_moments(self, pack: list[tuple[int, int, torch.Tensor, int, int]], buffers: list[torch.Tensor], total: int, lengths: list[int]) -> None:
+    def _write_moments(
+        self, pack: list[tuple[int, int, torch.Tensor, int, int]], buffers: list[torch.Tensor], total: int, lengths: list[int]
+    ) -> None:
         """The updated float32 moments of ``pack`` (``buffers``, packed) back in their kept form."""
         for which, (key, buffer) in enumerate(zip(("exp_avg", "exp_avg_sq"), buffers), start=1):
             pieces = buffer[:total].split(lengths)

@@ -145,8 +145,7 @@ class FSDPBackend:
         cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         if self.cpu_offload and not cuda:
             raise PluginError(
-                "--backend-opt cpu_offload=true moves the shards from the GPU to host memory; on a CPU run they are in host "
-                "memory already"
+                "--backend-opt cpu_offload=true moves the shards from the GPU to host memory; on a CPU run they are in host memory already"
             )
         if cuda:
             here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -174,7 +173,10 @@ class FSDPBackend:
         )
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
         where = "pinned host memory (cpu_offload)" if self.cpu_offload else f"each {device.type} rank"
-        print(f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} (float32 weights 4 + gradients 4 + moments 8)", file=sys.stderr)
+        print(
+            f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} (float32 weights 4 + gradients 4 + moments 8)",
+            file=sys.stderr,
+        )
         group = start_group(world, device.type, spawn=torchrun_world() is None)
         pids = ", ".join(str(w.pid) for w in group.workers)
         started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""
@@ -706,7 +708,9 @@ def shard(model: Any, device: torch.device, mixed: bool, compute: torch.dtype, o
         if offload:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         if mixed:
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs
+            )
         return kwargs
 
     names = layer_classes(model)

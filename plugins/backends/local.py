@@ -114,7 +114,13 @@ class LocalBackend:
             )
         print(f"precision: {why}", file=sys.stderr)
         print(optimizer_state_line(config.optimizer_state, dtype, device), file=sys.stderr)
-        reference = None if config.lora_rank else "memory" if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu") else "offload"
+        reference = (
+            None
+            if config.lora_rank
+            else "memory"
+            if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu")
+            else "offload"
+        )
         memory = check_fits(config, model_path(config.model), dtype, device, reference, config.gradient_checkpointing)
         print(
             f"{memory.line()}; a full fine-tune's KL reference counted where the loss would use one; activations "

@@ -276,7 +276,10 @@ def test_bf16_moments_are_the_float32_ones_rounded_without_bias():
     copies = 8192
     grad = torch.tensor([0.3, -1.7, 2e-3, 5.0]).repeat(copies, 1)
     exact_p, p = torch.nn.Parameter(torch.zeros_like(grad)), torch.nn.Parameter(torch.zeros_like(grad))
-    exact, ours = torch.optim.AdamW([exact_p], lr=1e-3, betas=(0.9, 0.99)), StochasticRoundingAdamW([p], lr=1e-3, betas=(0.9, 0.99), seed=2, moments="bf16")
+    exact, ours = (
+        torch.optim.AdamW([exact_p], lr=1e-3, betas=(0.9, 0.99)),
+        StochasticRoundingAdamW([p], lr=1e-3, betas=(0.9, 0.99), seed=2, moments="bf16"),
+    )
     for optimizer, param in ((exact, exact_p), (ours, p)):
         param.grad = grad.clone()
         optimizer.step()
@@ -380,5 +383,7 @@ def test_reduced_moments_resume_bitwise_from_the_state_dict(monkeypatch, moments
     assert {k: v.dtype for k, v in fresh.state[resumed[0]].items() if k != "step"} == MOMENT_DTYPES[moments]
     run(5, 2, resumed, fresh)
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
-    with pytest.raises(ValueError, match=rf"holds exp_avg torch.float32.*other moments than these \({moments}\); resume with the --optimizer-state"):
+    with pytest.raises(
+        ValueError, match=rf"holds exp_avg torch.float32.*other moments than these \({moments}\); resume with the --optimizer-state"
+    ):
         optimizer_for(resumed).load_state_dict(run(5, 1)[1].state_dict())

@@ -13,7 +13,6 @@ from grpo_core.config import RunConfig
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.local import LocalBackend
-from tests.core.test_resume import test_plugins  # noqa: F401 (the fixture: the length reward)
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
 
@@ -512,7 +511,9 @@ MOMENT_DTYPES = {"fp32": {"F32"}, "bf16": {"BF16"}, "8bit": {"I8", "U8", "F32"}}
 
 @pytest.mark.parametrize("optimizer_state", ["fp32", "bf16", "8bit"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(tiny_model_dir, tmp_path, dtype, optimizer_state, monkeypatch):
+def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(
+    tiny_model_dir, tmp_path, dtype, optimizer_state, monkeypatch
+):
     from safetensors import safe_open
 
     from grpo_core.engine import trainer as engine_trainer
@@ -653,9 +654,17 @@ def test_a_run_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(t
     make(tiny_model_dir, memory_check=False)  # the override
 
 
+@pytest.fixture
+def length_reward(monkeypatch):
+    """tests/core/test_resume.py's test plugins (its ``length`` reward), as its autouse fixture adds them."""
+    from tests.core import test_resume
+
+    test_resume.test_plugins.__wrapped__(monkeypatch)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("optimizer_state", "dtype"), [("bf16", "float32"), ("8bit", "float32"), ("8bit", "bfloat16")])
-def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state, dtype, test_plugins):
+def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state, dtype, length_reward):
     from grpo_core.train import run
     from tests.core.test_resume import assert_same_run, config
 
