@@ -174,7 +174,8 @@ class FSDPBackend:
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
         where = "pinned host memory (cpu_offload)" if self.cpu_offload else f"each {device.type} rank"
         print(
-            f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} (float32 weights 4 + gradients 4 + moments 8)",
+            f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} "
+            "(float32 weights 4 + gradients 4 + moments 8)",
             file=sys.stderr,
         )
         group = start_group(world, device.type, spawn=torchrun_world() is None)

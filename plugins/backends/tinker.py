@@ -94,7 +94,8 @@ class TinkerBackend:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
         if config.optimizer_state != "fp32":
             raise PluginError(
-                f"--optimizer-state {config.optimizer_state} applies to the local trainer only: a Tinker service keeps its own optimizer state"
+                f"--optimizer-state {config.optimizer_state} applies to the local trainer only: "
+                "a Tinker service keeps its own optimizer state"
             )
         if config.dtype != "auto":
             raise PluginError(f"--dtype {config.dtype} applies to the local trainer only: a Tinker service chooses its own precision")
