@@ -106,6 +106,7 @@ def main() -> None:
         if out.returncode != 0:
             sys.exit(f"{case} failed:\n{out.stderr[-3000:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(json.dumps(results[-1]), flush=True)  # each case as it ends: a 0.6B case takes minutes
     first = results[0]
     print(
         f"{args.shape} shape: {first['parameters'] / 1e6:.1f}M parameters; CPU, 1 thread; "
