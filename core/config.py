@@ -315,6 +315,15 @@ class RunConfig:
     adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", OPTIMIZER, validator=_positive)
     weight_decay: float = _field(0.0, "AdamW weight decay", OPTIMIZER, validator=_non_negative)
     grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", OPTIMIZER, validator=_non_negative)
+    optimizer_state: Literal["fp32", "bf16", "8bit", "offload"] = _field(
+        "fp32",
+        (
+            "local trainer: how AdamW's two moments are kept, per trained parameter: fp32 = 8 bytes; bf16 = 4 bytes "
+            "(stochastic rounding); 8bit = 2 bytes (blockwise power-law codes, a scale per 256); offload = 8 bytes in "
+            "pinned host memory, none on the GPU (CUDA only); the update is float32 math in every case"
+        ),
+        OPTIMIZER,
+    )
     max_nonfinite_steps_in_a_row: int = _field(
         3,
         "a non-finite loss or gradient skips the optimizer step; this many in a row stop the run",
@@ -413,6 +422,15 @@ class RunConfig:
         "local and fsdp trainers: recompute each layer's activations in backward instead of keeping them (less memory, "
         "~1/3 more training compute); not given = on with CUDA, where activations are most of a step's memory, off on a CPU",
         MACHINE,
+    )
+    memory_check: bool = _field(
+        True,
+        (
+            "local trainer: before loading, estimate the run's peak memory from the model's config.json and refuse "
+            "a run that cannot fit the device's free memory (--no-memory-check runs it anyway)"
+        ),
+        MACHINE,
+        resumable=True,
     )
     threads: int | None = _field(
         None,

@@ -20,6 +20,13 @@ element index): a hash of the element index offset by a key of the rest, its has
 with exact integer tensor operations that give the same bits on every device. A run repeats
 exactly and a resumed run continues as an uninterrupted one would, with nothing extra in the
 checkpoint (whose layout is unchanged: torch's AdamW state with float32 moments).
+
+Where the moments are kept (``--optimizer-state``, :data:`MOMENT_FORMATS`): ``fp32`` (8 B per
+parameter, the default), ``bf16`` (4 B: stochastically rounded like the weights, with noise keyed
+apart from theirs), ``8bit`` (2 B plus a float32 scale per :data:`QUANT_BLOCK` elements: see
+:func:`quantize_blockwise`) or ``offload`` (8 B in pinned host memory, 0 on the GPU: each packed
+slice of moments is copied to the device for its update and back). The update itself is always
+the float32 one of torch's fused kernel, on moments decoded into float32 buffers slice by slice.
 """
 
 from __future__ import annotations
@@ -42,7 +49,13 @@ this, 192 MiB: the float32 parameter and gradient buffers (8 B, freed after the 
 int32 noise table (4 B, kept per process and device). A tensor larger than this is updated slice
 by slice; the slices also key the noise (see :func:`add_element_noise`)."""
 
+MOMENT_FORMATS = ("fp32", "bf16", "8bit", "offload")
+QUANT_BLOCK = 256
+"""Elements per scale of the 8-bit moments (a divisor of :data:`SLICE_ELEMENTS`, so a slice
+starts on a block)."""
+
 _MASK32 = (1 << 32) - 1
+_TABLE_CHUNK = 1 << 20
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0
 """Which bfloat16 of a float32's two (viewed as bfloat16 pairs) holds its top 16 bits."""
 
@@ -70,11 +83,15 @@ def noise_table(n: int, device: torch.device) -> torch.Tensor:
     """``n`` int32 values uniform in [0, 2^16), the i-th the top 16 bits of a 32-bit hash of i.
     Computed in int64 with every product below 2^63, so exact (and equal) on every device; made
     once per process and device (64 MiB at the default length)."""
-    x = torch.arange(n, dtype=torch.int64, device=device)
-    for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
-        x ^= x >> 16
-        x = (x * multiplier) & _MASK32
-    return ((x ^ (x >> 15)) >> 16).to(torch.int32)
+    table = torch.empty(n, dtype=torch.int32, device=device)
+    # In chunks: the int64 temporaries of the whole table at once would take 8x its 64 MiB.
+    for start in range(0, n, _TABLE_CHUNK):
+        x = torch.arange(start, min(start + _TABLE_CHUNK, n), dtype=torch.int64, device=device)
+        for multiplier in (0x7FEB352D, 0x5BD1E995):  # both below 2^31: x * multiplier < 2^63
+            x ^= x >> 16
+            x = (x * multiplier) & _MASK32
+        table[start : start + x.numel()] = (x ^ (x >> 15)) >> 16
+    return table
 
 
 def add_element_noise(bits: torch.Tensor, key: int) -> None:
@@ -101,13 +118,56 @@ def truncate_to_bf16(x_fp32: torch.Tensor) -> torch.Tensor:
     return x_fp32.view(torch.bfloat16)[_HIGH_HALF::2]
 
 
-class StochasticRoundingAdamW(torch.optim.Optimizer):
-    """torch's AdamW update (decoupled weight decay, bias-corrected moments) with float32
-    moments for parameters of any dtype; bfloat16 parameters are written back by
-    stochastic rounding (:func:`truncate_to_bf16`), float32 ones updated in place by torch's fused kernel.
+def moment_bytes(moments: str) -> float:
+    """Bytes per parameter the two Adam moments take on the training device."""
+    return {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 2 * 4 / QUANT_BLOCK, "offload": 0.0}[moments]
 
-    The state is torch's AdamW layout as the earlier per-slice implementation saved it: per
-    parameter ``step`` (an int), ``exp_avg`` and ``exp_avg_sq`` (float32)."""
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (1-D) as rows of QUANT_BLOCK, the last one padded with zeros."""
+    return torch.nn.functional.pad(x, (0, -x.numel() % QUANT_BLOCK)).view(-1, QUANT_BLOCK)
+
+
+def quantize_blockwise(x_fp32: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit codes of ``x_fp32`` (1-D) and the absmax of each QUANT_BLOCK of it.
+
+    Linear codes would lose every value below 1/255 of its block's largest; the codes are power
+    laws instead, which keep relative precision over a wide range: the first moment (signed)
+    stores sqrt(|x| / absmax) in 127 steps (down to 1.5e-5 of the block's largest), the second
+    (non-negative) (x / absmax)^(1/4) in 255 steps (down to 2.4e-10; its square root, which
+    divides the update, down to 1.5e-5). Rounded to nearest: a step repeats exactly."""
+    blocks = _blocks(x_fp32)
+    absmax = blocks.abs().amax(dim=1)
+    scaled = blocks / torch.where(absmax > 0, absmax, 1.0)[:, None]
+    if signed:
+        codes = (scaled.abs().sqrt() * 127).round_() * scaled.sign()
+        return codes.to(torch.int8).view(-1)[: x_fp32.numel()], absmax
+    return (scaled.sqrt().sqrt() * 255).round_().to(torch.uint8).view(-1)[: x_fp32.numel()], absmax
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, out_fp32: torch.Tensor) -> None:
+    """``out_fp32`` = the values of ``codes`` (:func:`quantize_blockwise`). A second moment's zero
+    code reads as half its first step's value, the most it can have lost: a moment that survived
+    its quantization is then never divided by a denominator its own quantization zeroed (the
+    first step's update, m / (sqrt(v) + eps), would otherwise reach m / eps)."""
+    n = codes.numel()
+    if codes.dtype == torch.int8:
+        unit = codes.float() / 127
+        values = _blocks(unit * unit.abs())
+    else:
+        values = _blocks((codes.float().clamp_min(0.5) / 255) ** 4)
+    out_fp32.copy_((values * absmax[:, None]).view(-1)[:n])
+
+
+class StochasticRoundingAdamW(torch.optim.Optimizer):
+    """torch's AdamW update (decoupled weight decay, bias-corrected moments) for parameters of any
+    dtype, with moments kept as ``moments`` says (:data:`MOMENT_FORMATS`); bfloat16 parameters are
+    written back by stochastic rounding (:func:`truncate_to_bf16`), float32 ones exactly.
+
+    The state is torch's AdamW layout: per parameter ``step`` (an int), ``exp_avg`` and
+    ``exp_avg_sq`` (float32; bfloat16 with ``bf16``; 8-bit codes with ``8bit``, beside their
+    blocks' scales ``exp_avg_absmax`` and ``exp_avg_sq_absmax``; float32 in pinned host memory
+    with ``offload``)."""
 
     def __init__(
         self,
@@ -117,12 +177,44 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         seed: int = 0,
+        moments: str = "fp32",
     ) -> None:
+        if moments not in MOMENT_FORMATS:
+            raise ValueError(f"moments {moments!r}: use one of {', '.join(MOMENT_FORMATS)}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
+        self.moments = moments
+        if moments == "offload" and any(p.device.type != "cuda" for group in self.param_groups for p in group["params"]):
+            raise ValueError("moments 'offload' keep Adam's moments in host memory for CUDA parameters; these are in it already")
+
+    def _state_keys(self) -> dict[str, torch.dtype]:
+        if self.moments == "8bit":
+            return {"exp_avg": torch.int8, "exp_avg_absmax": torch.float32, "exp_avg_sq": torch.uint8, "exp_avg_sq_absmax": torch.float32}
+        dtype = torch.bfloat16 if self.moments == "bf16" else torch.float32
+        return {"exp_avg": dtype, "exp_avg_sq": dtype}
+
+    def _new_state(self, p: torch.Tensor) -> dict:
+        if self.moments == "8bit":
+            blocks = -(-p.numel() // QUANT_BLOCK)
+            return {
+                "step": 0,
+                "exp_avg": torch.zeros(p.numel(), dtype=torch.int8, device=p.device),
+                "exp_avg_absmax": torch.zeros(blocks, dtype=torch.float32, device=p.device),
+                "exp_avg_sq": torch.zeros(p.numel(), dtype=torch.uint8, device=p.device),
+                "exp_avg_sq_absmax": torch.zeros(blocks, dtype=torch.float32, device=p.device),
+            }
+        if self.moments == "offload":
+            host = {key: torch.zeros(p.shape, dtype=torch.float32, pin_memory=True) for key in ("exp_avg", "exp_avg_sq")}
+            return {"step": 0, **host}
+        dtype = self._state_keys()["exp_avg"]
+        return {
+            "step": 0,
+            **{k: torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format) for k in ("exp_avg", "exp_avg_sq")},
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        keys = self._state_keys()
         for saved_id in saved_ids:
             saved = state_dict["state"].get(saved_id)
             if saved is not None and not (isinstance(saved.get("step"), int) and {"exp_avg", "exp_avg_sq"} <= saved.keys()):
@@ -130,13 +222,23 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     f"optimizer state of parameter {saved_id} is not StochasticRoundingAdamW's (an int 'step', "
                     f"'exp_avg' and 'exp_avg_sq'); it has {sorted(saved)}: was it saved by another optimizer?"
                 )
+            if saved is not None and {k: saved[k].dtype for k in saved if k != "step"} != keys:
+                have = ", ".join(f"{k} {saved[k].dtype}" for k in sorted(saved) if k != "step")
+                raise ValueError(
+                    f"optimizer state of parameter {saved_id} holds {have}: it was saved with other moments than "
+                    f"these ({self.moments}); resume with the --optimizer-state it was saved with"
+                )
         super().load_state_dict(state_dict)
-        # torch casts loaded moments to their parameter's dtype; these stay float32, as saved.
+        # torch casts loaded moments to their parameter's dtype and device; these stay as saved.
         params = [p for group in self.param_groups for p in group["params"]]
         for saved_id, p in zip(saved_ids, params):
             if saved_id in state_dict["state"]:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    self.state[p][key] = state_dict["state"][saved_id][key].to(device=p.device, dtype=torch.float32)
+                for key in keys:
+                    saved = state_dict["state"][saved_id][key]
+                    if self.moments == "offload":
+                        self.state[p][key] = saved.to("cpu").pin_memory()
+                    else:
+                        self.state[p][key] = saved.to(device=p.device)
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
@@ -144,48 +246,45 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not self.state[p]:
-                    self.state[p]["step"] = 0
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                    self.state[p].update(self._new_state(p))
         index = 0
         for group in self.param_groups:
             exact: dict[torch.device, list[torch.Tensor]] = {}
-            low: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+            packed: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
                     continue
                 self.state[p]["step"] += 1
-                if p.dtype == torch.float32:
+                if p.dtype == torch.float32 and self.moments == "fp32":
                     exact.setdefault(p.device, []).append(p)
                 else:
-                    low.setdefault(p.device, []).append((index, p))
+                    packed.setdefault(p.device, []).append((index, p))
             for device, params in exact.items():
-                whole = [(p, 0, p.numel()) for p in params]
-                self._fused_adamw(group, whole, params, [p.grad for p in params], device)
-            for device, indexed in low.items():
-                self._step_low_precision(group, indexed, device)
+                states = [self.state[p] for p in params]
+                exp_avgs, exp_avg_sqs = ([s[key] for s in states] for key in ("exp_avg", "exp_avg_sq"))
+                self._fused_adamw(group, states, params, [p.grad for p in params], exp_avgs, exp_avg_sqs, device)
+            for device, indexed in packed.items():
+                self._step_packed(group, indexed, device)
 
     def _fused_adamw(
         self,
         group: dict,
-        ranges: list[tuple[torch.Tensor, int, int]],
+        states: list[dict],
         weights: list[torch.Tensor],
         gradients: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
         device: torch.device,
     ) -> None:
-        """torch's fused AdamW (one call) on float32 ``weights`` and ``gradients``, the elements
-        ``start:end`` of each (parameter, start, end) of ``ranges``, whose moments and step it uses."""
+        """torch's fused AdamW (one call) on float32 ``weights``, ``gradients`` and moments, at
+        the steps of ``states``."""
         beta1, beta2 = group["betas"]
-        states = [self.state[p] for p, _, _ in ranges]
-        whole = [start == 0 and end == p.numel() for p, start, end in ranges]
         torch._fused_adamw_(
             weights,
             gradients,
-            *(
-                [s[key] if w else s[key].view(-1)[start:end] for s, w, (_, start, end) in zip(states, whole, ranges)]
-                for key in ("exp_avg", "exp_avg_sq")
-            ),
+            exp_avgs,
+            exp_avg_sqs,
             [],
             list(torch.tensor([float(s["step"]) for s in states], device=device).unbind()),
             lr=group["lr"],
@@ -197,7 +296,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             maximize=False,
         )
 
-    def _step_low_precision(self, group: dict, indexed: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+    def _step_packed(self, group: dict, indexed: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
         """Update the (parameter index, parameter) of ``indexed`` through float32 buffers, packed
         with whole tensors or SLICE_ELEMENTS-long slices of larger ones, in order."""
         packs: list[list[tuple[int, int, torch.Tensor, int, int]]] = [[]]
@@ -214,27 +313,69 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         if not packs:
             return
         size = max(sum(end - start for *_, start, end in pack) for pack in packs)
-        weights, gradients = (torch.empty(size, dtype=torch.float32, device=device) for _ in range(2))
+        float32_moments = self.moments == "fp32"
+        buffers = [torch.empty(size, dtype=torch.float32, device=device) for _ in range(2 if float32_moments else 4)]
+        weights, gradients = buffers[:2]
         for pack in packs:
             lengths = [end - start for *_, start, end in pack]
             total = sum(lengths)
             params = [p.view(-1)[start:end] for *_, p, start, end in pack]
+            states = [self.state[p] for *_, p, _, _ in pack]
             weights_32, gradients_32 = list(weights[:total].split(lengths)), list(gradients[:total].split(lengths))
             torch._foreach_copy_(weights_32, params)
             torch._foreach_copy_(gradients_32, [p.grad.view(-1)[start:end] for *_, p, start, end in pack])
-            self._fused_adamw(group, [(p, start, end) for *_, p, start, end in pack], weights_32, gradients_32, device)
+            if float32_moments:
+                moments = [[s[key].view(-1)[start:end] for s, (*_, start, end) in zip(states, pack)] for key in ("exp_avg", "exp_avg_sq")]
+            else:
+                moments = [list(buffer[:total].split(lengths)) for buffer in buffers[2:]]
+                self._read_moments(pack, moments)
+            self._fused_adamw(group, states, weights_32, gradients_32, *moments, device)
+            if not float32_moments:
+                self._write_moments(pack, buffers[2:], total, lengths)
             if all(p.dtype == torch.bfloat16 for *_, p, _, _ in pack):
                 for (index, slice_index, p, _, _), bits in zip(pack, weights[:total].view(torch.int32).split(lengths)):
                     add_element_noise(bits, noise_key(self.seed, self.state[p]["step"], index, slice_index))
                 torch._foreach_copy_(params, list(truncate_to_bf16(weights[:total]).split(lengths)))
-            else:  # float16 and others: rounded to nearest, as copy_ does
+            else:  # float32 exactly; float16 and others rounded to nearest, as copy_ does
                 torch._foreach_copy_(params, weights_32)
 
+    def _read_moments(self, pack: list[tuple[int, int, torch.Tensor, int, int]], moments: list[list[torch.Tensor]]) -> None:
+        """The float32 moments of ``pack``'s slices into the buffers' pieces ``moments``."""
+        for (*_, p, start, end), exp_avg, exp_avg_sq in zip(pack, *moments):
+            state = self.state[p]
+            for key, out in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if self.moments == "8bit":
+                    blocks = slice(start // QUANT_BLOCK, -(-end // QUANT_BLOCK))
+                    dequantize_blockwise(state[key][start:end], state[key + "_absmax"][blocks], out)
+                else:  # bf16 (exact in float32), or host memory copied over
+                    out.copy_(state[key].view(-1)[start:end], non_blocking=True)
 
-def make_optimizer(params: list[torch.Tensor], seed: int, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over ``params``: torch's fused kernel for float32 weights, stochastic rounding for bf16."""
-    if any(p.dtype != torch.float32 for p in params):
-        return StochasticRoundingAdamW(params, seed=seed)
+    def _write_moments(
+        self, pack: list[tuple[int, int, torch.Tensor, int, int]], buffers: list[torch.Tensor], total: int, lengths: list[int]
+    ) -> None:
+        """The updated float32 moments of ``pack`` (``buffers``, packed) back in their kept form."""
+        for which, (key, buffer) in enumerate(zip(("exp_avg", "exp_avg_sq"), buffers), start=1):
+            pieces = buffer[:total].split(lengths)
+            if self.moments == "bf16":
+                for (index, slice_index, p, _, _), bits in zip(pack, buffer[:total].view(torch.int32).split(lengths)):
+                    # Keyed apart from the weight's noise (and the other moment's): the slice's high bits.
+                    add_element_noise(bits, noise_key(self.seed, self.state[p]["step"], index, slice_index | which << 32))
+                pieces = truncate_to_bf16(buffer[:total]).split(lengths)
+            for (*_, p, start, end), piece in zip(pack, pieces):
+                state = self.state[p]
+                if self.moments == "8bit":
+                    codes, absmax = quantize_blockwise(piece, signed=key == "exp_avg")
+                    state[key][start:end] = codes
+                    state[key + "_absmax"][start // QUANT_BLOCK : -(-end // QUANT_BLOCK)] = absmax
+                else:
+                    state[key].view(-1)[start:end].copy_(piece)
+
+
+def make_optimizer(params: list[torch.Tensor], seed: int, device: torch.device, moments: str = "fp32") -> torch.optim.Optimizer:
+    """AdamW over ``params``: torch's fused kernel for float32 weights and moments; stochastic
+    rounding for bf16 weights; moments kept as ``moments`` says (:data:`MOMENT_FORMATS`)."""
+    if moments != "fp32" or any(p.dtype != torch.float32 for p in params):
+        return StochasticRoundingAdamW(params, seed=seed, moments=moments)
     # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
     return torch.optim.AdamW(params, fused=device.type in ("cpu", "cuda"))
 

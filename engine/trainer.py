@@ -36,7 +36,52 @@ from grpo_core.engine.reference_offload import OffloadedWeights
 from grpo_core.metrics import record
 
 TRAINER_FILE = "trainer.json"
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_INFO = "optimizer.json"
+"""The optimizer state's non-tensor part (param_groups, steps); its tensors are sharded
+safetensors ``optimizer*.safetensors`` beside it, in the dtype the optimizer keeps them in."""
+LEGACY_OPTIMIZER_FILE = "optimizer.pt"
+"""The one pickle earlier checkpoints held the optimizer state in: still read."""
+
+
+def save_optimizer_state(state_dict: dict[str, Any], folder: Path) -> None:
+    """``state_dict`` (an optimizer's) as sharded safetensors and ``OPTIMIZER_INFO``: a large
+    model's moments are many files of at most SHARD_SIZE, not one pickle of tens of GB."""
+    from huggingface_hub import save_torch_state_dict
+
+    tensors: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for param_id, entries in state_dict["state"].items():
+        state[str(param_id)] = {"values": {}, "tensors": []}
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{param_id}.{key}"] = value
+                state[str(param_id)]["tensors"].append(key)
+            else:
+                state[str(param_id)]["values"][key] = value
+    if tensors:
+        save_torch_state_dict(tensors, folder, filename_pattern="optimizer{suffix}.safetensors", max_shard_size=SHARD_SIZE)
+    info = {"param_groups": state_dict["param_groups"], "state": state}
+    (folder / OPTIMIZER_INFO).write_text(json.dumps(info, indent=1) + "\n")
+
+
+def load_optimizer_state(folder: Path, device: torch.device | str) -> dict[str, Any] | None:
+    """What :func:`save_optimizer_state` wrote (or an earlier checkpoint's ``optimizer.pt``);
+    None when the folder holds no optimizer state."""
+    from safetensors.torch import load_file
+
+    if (folder / LEGACY_OPTIMIZER_FILE).is_file():
+        return torch.load(folder / LEGACY_OPTIMIZER_FILE, map_location=device, weights_only=True)
+    if not (folder / OPTIMIZER_INFO).is_file():
+        return None
+    info = json.loads((folder / OPTIMIZER_INFO).read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("optimizer*.safetensors")):
+        tensors.update(load_file(shard, device=str(device)))
+    state = {
+        int(param_id): {**entries["values"], **{key: tensors[f"state.{param_id}.{key}"] for key in entries["tensors"]}}
+        for param_id, entries in info["state"].items()
+    }
+    return {"state": state, "param_groups": info["param_groups"]}
 
 
 def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -51,12 +96,7 @@ def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> 
     for shard in sorted(folder.glob(f"{kind}*.safetensors")):
         weights.update(load_file(shard, device=str(device)))
     weights.update({name: weights[kept] for name, kept in info["aliases"].items()})
-    optimizer = folder / OPTIMIZER_FILE
-    return {
-        kind: weights,
-        "optimizer": torch.load(optimizer, map_location=device, weights_only=True) if optimizer.is_file() else None,
-        "version": info["version"],
-    }
+    return {kind: weights, "optimizer": load_optimizer_state(folder, device), "version": info["version"]}
 
 
 @attrs.define(eq=False)
@@ -102,6 +142,8 @@ class LocalTrainer(LocalReference):
     then runs in one pass: a cached prefix would be dropped by the checkpointed layers)."""
     seed: int = 0
     """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
+    optimizer_state: str = "fp32"
+    """How Adam's moments are kept (``--optimizer-state``: engine.optim.MOMENT_FORMATS)."""
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
@@ -216,11 +258,12 @@ class LocalTrainer(LocalReference):
             raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.seed, self.device)
+        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.seed, self.device, self.optimizer_state)
 
     def save_state(self, path: str) -> None:
-        """A folder: the trained weights in their own dtype as sharded safetensors, the optimizer
-        state in its own file, the version in trainer.json (see :func:`read_trainer_state`)."""
+        """A folder: the trained weights in their own dtype as sharded safetensors, then the
+        optimizer state as sharded safetensors in the dtype it is kept in (``--optimizer-state``),
+        the version in trainer.json (see :func:`read_trainer_state`)."""
         from huggingface_hub import save_torch_state_dict
 
         self._refuse_nonfinite(path)
@@ -238,7 +281,7 @@ class LocalTrainer(LocalReference):
             shared_tensors_to_discard=list(aliases),
         )
         if self.optimizer is not None:
-            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            save_optimizer_state(self.optimizer.state_dict(), folder)
         info = {"weights": kind, "version": self.version, "aliases": aliases}
         (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
 

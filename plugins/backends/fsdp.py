@@ -113,6 +113,14 @@ class FSDPBackend:
         resumable=True,
     )
     attn_implementation: str = option(AUTO, help="transformers attention implementation (as --backend local's)")
+    cpu_offload: bool = option(
+        False,
+        help=(
+            "CUDA only: keep each rank's shards of the weights, gradients and AdamW moments in pinned host memory "
+            "(FSDP2's CPUOffloadPolicy); a layer's weights come to the GPU for its forward and backward and the "
+            "optimizer steps on the CPU: a GPU then holds activations and one layer's gathered weights (docs/scaling-out.md)"
+        ),
+    )
 
     default_sampler = "local"
     default_weight_sync = "in_process"
@@ -129,7 +137,18 @@ class FSDPBackend:
             raise PluginError("--backend fsdp with one rank shards nothing: use --backend local")
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
-        if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if config.optimizer_state != "fp32":
+            raise PluginError(
+                f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
+                "ranks (8/N bytes per parameter on each); reduced or streamed moments are not implemented for its sharded "
+                "parameters: use --backend local for them, or --backend-opt cpu_offload=true to hold the shards in host memory"
+            )
+        cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        if self.cpu_offload and not cuda:
+            raise PluginError(
+                "--backend-opt cpu_offload=true moves the shards from the GPU to host memory; on a CPU run they are in host memory already"
+            )
+        if cuda:
             here = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             if torch.cuda.device_count() < here:
                 raise PluginError(f"--backend fsdp puts one rank on each GPU: {here} ranks here, {torch.cuda.device_count()} GPUs")
@@ -152,9 +171,16 @@ class FSDPBackend:
             threads=config.threads or default_threads(),
             gradient_checkpointing=checkpointing,
             seed=config.seed,
+            cpu_offload=self.cpu_offload,
         )
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
         print(f"gradient checkpointing: {why}", file=sys.stderr)
+        where = "pinned host memory (cpu_offload)" if self.cpu_offload else f"each {device.type} rank"
+        print(
+            f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} "
+            "(float32 weights 4 + gradients 4 + moments 8)",
+            file=sys.stderr,
+        )
         group = start_group(world, device.type, spawn=torchrun_world() is None)
         pids = ", ".join(str(w.pid) for w in group.workers)
         started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""
@@ -193,6 +219,7 @@ class ModelSpec:
     threads: int
     gradient_checkpointing: bool
     seed: int
+    cpu_offload: bool = False
 
 
 class RankFailed(PluginError):
@@ -480,13 +507,19 @@ class Rank:
         self.agree(error)
         if not policy:
             model.requires_grad_(False)
-        root = shard(model, self.device, mixed=policy and compute != torch.float32, compute=compute)
+        offload = policy and spec.cpu_offload
+        root = shard(model, self.device, mixed=policy and compute != torch.float32, compute=compute, offload=offload)
         with torch.no_grad():
             forward_fn = root(TransformersForward, model)
         self.models[which] = Sharded(model, root, forward_fn, compute)
         if policy:
-            self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], spec.seed, self.device)
+            self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], spec.seed, self.optimizer_device)
         return tokenizer if self.rank == 0 else None
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        """Where the policy's shards are stepped: the host with cpu_offload (FSDP2 keeps them there)."""
+        return torch.device("cpu") if self.spec.cpu_offload else self.device
 
     def logprobs(
         self, which: str, datums: Sequence[tinker.Datum], routing: DatumRouting | None = None, entropy: bool = False
@@ -633,7 +666,7 @@ class Rank:
         if info["optimizer"]:
             set_optimizer_state_dict(root, self.optimizer, state["optimizer"])
         else:
-            self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], self.spec.seed, self.device)
+            self.optimizer = make_optimizer([p for p in root.parameters() if p.requires_grad], self.spec.seed, self.optimizer_device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The policy's whole state dict in its own dtype, gathered to rank 0's CPU one tensor at a time."""
@@ -666,18 +699,23 @@ def layer_classes(model: Any) -> set[str]:
     return set(getattr(model, "_no_split_modules", None) or ())
 
 
-def shard(model: Any, device: torch.device, mixed: bool, compute: torch.dtype) -> LogprobsRoot:
-    """``fully_shard`` on each decoder layer, then on a root around the model (the rest)."""
+def shard(model: Any, device: torch.device, mixed: bool, compute: torch.dtype, offload: bool = False) -> LogprobsRoot:
+    """``fully_shard`` on each decoder layer, then on a root around the model (the rest);
+    ``offload``: the shards wait in pinned host memory (FSDP2's CPUOffloadPolicy)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     def policy(cast_forward_inputs: bool) -> dict[str, Any]:
-        if not mixed:
-            return {"mesh": mesh}
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs)
-        return {"mesh": mesh, "mp_policy": mp}
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        if mixed:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=compute, reduce_dtype=torch.float32, cast_forward_inputs=cast_forward_inputs
+            )
+        return kwargs
 
     names = layer_classes(model)
     for module in model.modules():

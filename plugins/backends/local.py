@@ -11,6 +11,7 @@ from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
 from grpo_core.engine.host_memory import TRAINING_MMAP_THRESHOLD, set_mmap_threshold
 from grpo_core.engine.lora import add_lora, frozen_copy, has_adapters
+from grpo_core.engine.memory_plan import ASSUMED_PROMPT_TOKENS, check_fits, optimizer_state_line
 from grpo_core.engine.models import (
     enable_activation_checkpointing,
     load_model,
@@ -113,7 +114,27 @@ class LocalBackend:
                 "there is no copy to offload"
             )
         device, dtype, why = resolve_precision(config.device, config.dtype)
+        if config.optimizer_state == "offload" and device.type != "cuda":
+            raise PluginError(
+                f"--optimizer-state offload streams Adam's moments from host memory to a GPU; on {device.type} they are in "
+                "host memory already: use fp32, or bf16 / 8bit to make them smaller"
+            )
         print(f"precision: {why}", file=sys.stderr)
+        print(optimizer_state_line(config.optimizer_state, dtype, device), file=sys.stderr)
+        reference = (
+            None
+            if config.lora_rank
+            else "memory"
+            if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu")
+            else "offload"
+        )
+        planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
+        memory = check_fits(config, model_path(config.model), dtype, device, reference, planned_checkpointing)
+        print(
+            f"{memory.line()}; a full fine-tune's KL reference counted where the loss would use one; activations "
+            f"assume prompts of {ASSUMED_PROMPT_TOKENS} tokens",
+            file=sys.stderr,
+        )
         if device.type == "cpu" and self.return_freed_memory:
             # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
             set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
@@ -133,6 +154,7 @@ class LocalBackend:
             padding_free=self.padding_free,
             fast_forward=self.fast_forward,
             seed=config.seed,
+            optimizer_state=config.optimizer_state,
             activation_checkpointing=checkpointing,
         )
         print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)

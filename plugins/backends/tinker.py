@@ -93,6 +93,11 @@ class TinkerBackend:
 
         if config.gradient_checkpointing:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
+        if config.optimizer_state != "fp32":
+            raise PluginError(
+                f"--optimizer-state {config.optimizer_state} applies to the local trainer only: "
+                "a Tinker service keeps its own optimizer state"
+            )
         if config.dtype != "auto":
             raise PluginError(f"--dtype {config.dtype} applies to the local trainer only: a Tinker service chooses its own precision")
         rank = self.lora_rank(config)

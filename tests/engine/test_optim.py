@@ -242,3 +242,152 @@ def test_a_step_is_a_few_operations_per_tensor_not_a_dozen():
     # One noise multiply per tensor and about ten whole-buffer operations (the earlier
     # implementation issued 13 per tensor: 520 here).
     assert counter.count <= len(params) + 12
+
+
+MOMENT_DTYPES = {
+    "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
+    "bf16": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+    "8bit": {"exp_avg": torch.int8, "exp_avg_absmax": torch.float32, "exp_avg_sq": torch.uint8, "exp_avg_sq_absmax": torch.float32},
+}
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
+def test_moments_are_kept_in_the_chosen_form(moments):
+    params = make_params()
+    run(0, 1, params, StochasticRoundingAdamW(params, lr=1e-2, moments=moments))
+    optimizer = run(0, 1, params, StochasticRoundingAdamW(params, lr=1e-2, moments=moments))[1]
+    state = optimizer.state[params[0]]
+    assert {k: v.dtype for k, v in state.items() if k != "step"} == MOMENT_DTYPES[moments]
+    held = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    count = sum(p.numel() for p in params)
+    # The scales round up to whole blocks per tensor: at most one extra block each.
+    assert count * optim.moment_bytes(moments) <= held <= count * optim.moment_bytes(moments) + len(params) * 8
+    assert optim.moment_bytes("offload") == 0 and optim.moment_bytes("8bit") == pytest.approx(2.03125)
+
+
+def test_moments_offload_and_unknown_forms_are_refused_where_they_cannot_work():
+    with pytest.raises(ValueError, match="offload.*host memory for CUDA parameters; these are in it already"):
+        StochasticRoundingAdamW(make_params(), moments="offload")
+    with pytest.raises(ValueError, match="moments 'int4': use one of fp32, bf16, 8bit, offload"):
+        StochasticRoundingAdamW(make_params(), moments="int4")
+
+
+def test_bf16_moments_are_the_float32_ones_rounded_without_bias():
+    copies = 8192
+    grad = torch.tensor([0.3, -1.7, 2e-3, 5.0]).repeat(copies, 1)
+    exact_p, p = torch.nn.Parameter(torch.zeros_like(grad)), torch.nn.Parameter(torch.zeros_like(grad))
+    exact, ours = (
+        torch.optim.AdamW([exact_p], lr=1e-3, betas=(0.9, 0.99)),
+        StochasticRoundingAdamW([p], lr=1e-3, betas=(0.9, 0.99), seed=2, moments="bf16"),
+    )
+    for optimizer, param in ((exact, exact_p), (ours, p)):
+        param.grad = grad.clone()
+        optimizer.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        want, got = exact.state[exact_p][key][0], ours.state[p][key].float()
+        for column in range(4):
+            below = (want[column].view(torch.int32) & -(1 << 16)).view(torch.float32)
+            above = (below.view(torch.int32) + (1 << 16)).view(torch.float32)
+            assert set(got[:, column].unique().tolist()) <= {below.item(), above.item()}, (key, column)
+            bound = 5 * 0.5 * (above - below).abs().item() / copies**0.5
+            assert abs(got[:, column].mean().item() - want[column].item()) <= bound, (key, column)
+    # The two moments and the weights draw different noise: their roundings are not the same coin.
+    up_m = ours.state[p]["exp_avg"].float()[:, 0] > exact.state[exact_p]["exp_avg"][0, 0]
+    up_v = ours.state[p]["exp_avg_sq"].float()[:, 0] > exact.state[exact_p]["exp_avg_sq"][0, 0]
+    p_m, p_v = up_m.float().mean().item(), up_v.float().mean().item()
+    independent = p_m * p_v + (1 - p_m) * (1 - p_v)
+    assert abs((up_m == up_v).float().mean().item() - independent) < 5 * 0.5 / copies**0.5
+
+
+def test_8bit_codes_keep_relative_precision_over_a_wide_range():
+    torch.manual_seed(0)
+    n = 10 * optim.QUANT_BLOCK + 17  # a partial last block
+    magnitudes = 10 ** torch.empty(n).uniform_(-4, 0)  # four decades below each block's largest
+    signed = magnitudes * torch.randn(n).sign()
+    for x, is_signed in ((signed, True), (magnitudes**2, False)):
+        codes, absmax = optim.quantize_blockwise(x, signed=is_signed)
+        assert codes.dtype == (torch.int8 if is_signed else torch.uint8) and codes.numel() == n
+        assert absmax.numel() == 11 and torch.equal(absmax[0], x[: optim.QUANT_BLOCK].abs().max())
+        back = torch.empty(n)
+        optim.dequantize_blockwise(codes, absmax, back)
+        assert torch.equal(back.sign(), x.sign())
+        block_max = absmax.repeat_interleave(optim.QUANT_BLOCK)[:n]
+        relative = (back - x).abs() / x.abs()
+        # Half a code step in the power-law domain (x = absmax (q / levels)^power) at most.
+        power, levels = (2, 127) if is_signed else (4, 255)
+        q = (x.abs() / block_max) ** (1 / power) * levels
+        coded = q >= 2
+        assert (relative[coded] <= ((q[coded] + 0.5) / q[coded]) ** power - 1 + 1e-5).all(), is_signed
+        assert relative.median().item() < 0.05, is_signed  # over four decades
+    # An all-zero block (a parameter that never had a gradient) reads back as zeros.
+    codes, absmax = optim.quantize_blockwise(torch.zeros(300), signed=False)
+    back = torch.ones(300)
+    optim.dequantize_blockwise(codes, absmax, back)
+    assert torch.equal(back, torch.zeros(300))
+
+
+def test_an_8bit_second_moment_that_rounds_to_zero_cannot_blow_the_update_up():
+    # Element 0 saw one huge gradient long ago: its v (beta2 0.999) still sets the block's scale,
+    # while its m (beta1 0.9) has decayed. Element 1's small gradients keep an m that its code
+    # holds and a v that rounds to the zero code. A step without gradient (an embedding row the
+    # batch did not use) must then move element 1 by about lr, not by m / eps.
+    p = torch.nn.Parameter(torch.zeros(optim.QUANT_BLOCK))
+    optimizer = StochasticRoundingAdamW([p], lr=1e-3, moments="8bit")
+    for step in range(61):
+        p.grad = torch.zeros_like(p)
+        p.grad[0 if step == 0 else 1] = 1e4 if step == 0 else 1e-3
+        optimizer.step()
+    assert optimizer.state[p]["exp_avg"][1] != 0 and optimizer.state[p]["exp_avg_sq"][1] <= 1  # v at the bottom code
+    before = p.detach().clone()
+    p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert (p.detach() - before).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
+def test_each_moment_form_fits_a_least_squares_problem_like_float32_moments(moments):
+    torch.manual_seed(0)
+    inputs, target = torch.randn(256, 32), torch.randn(32, 8)
+    outputs = inputs @ target
+
+    def fit(moments, dtype):
+        w = torch.nn.Parameter(torch.zeros(32, 8, dtype=dtype))
+        optimizer = StochasticRoundingAdamW([w], lr=3e-2, seed=1, moments=moments)
+        for _ in range(300):
+            loss = ((inputs @ w.float() - outputs) ** 2).mean()
+            w.grad = torch.autograd.grad(loss, w)[0]
+            optimizer.step()
+        return ((inputs @ w.float() - outputs) ** 2).mean().item()
+
+    start = (outputs**2).mean().item()
+    for dtype in (torch.float32, torch.bfloat16):
+        reference, ours = fit("fp32", dtype), fit(moments, dtype)
+        assert ours < 1e-2 * start and ours < max(2 * reference, 1e-3 * start), (dtype, ours, reference)
+
+
+@pytest.mark.parametrize("moments", ["bf16", "8bit"])
+@pytest.mark.parametrize("slice_elements", [1 << 24, optim.QUANT_BLOCK], ids=["whole", "sliced"])
+def test_reduced_moments_resume_bitwise_from_the_state_dict(monkeypatch, moments, slice_elements):
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", slice_elements)
+
+    def optimizer_for(params):
+        return StochasticRoundingAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, moments=moments)
+
+    straight_params = make_params()
+    straight, _ = run(5, 4, straight_params, optimizer_for(straight_params))
+    params = make_params()
+    params, optimizer = run(5, 2, params, optimizer_for(params))
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+    fresh = optimizer_for(resumed)
+    fresh.load_state_dict(saved["optimizer"])
+    assert {k: v.dtype for k, v in fresh.state[resumed[0]].items() if k != "step"} == MOMENT_DTYPES[moments]
+    run(5, 2, resumed, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+    with pytest.raises(
+        ValueError, match=rf"holds exp_avg torch.float32.*other moments than these \({moments}\); resume with the --optimizer-state"
+    ):
+        optimizer_for(resumed).load_state_dict(run(5, 1)[1].state_dict())

@@ -186,6 +186,14 @@ def test_the_local_sampler_samples_from_a_copy_kept_current(fsdp):
         ({"lora_rank": 8}, {"nproc": 2}, {}, "LoRA runs on --backend local"),
         ({}, {"nproc": 2}, {"WORLD_SIZE": "2"}, "leave nproc out"),
         ({}, {}, {"WORLD_SIZE": "1"}, "use --backend local"),
+        ({"optimizer_state": "bf16"}, {"nproc": 2}, {}, "--optimizer-state bf16: the fsdp backend keeps float32 AdamW moments"),
+        ({"optimizer_state": "8bit"}, {"nproc": 2}, {}, "use --backend local for them, or --backend-opt cpu_offload=true"),
+        (
+            {"device": "cpu"},
+            {"nproc": 2, "cpu_offload": True},
+            {},
+            "cpu_offload=true moves the shards .* on a CPU run they are in host memory already",
+        ),
     ],
 )
 def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settings, options, env, message):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from contextlib import nullcontext
 
 import pytest
@@ -10,6 +11,7 @@ from grpo_core import Sample, SamplingParams
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.engine.forward import TransformersForward
+from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.local import LocalBackend
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
@@ -504,21 +506,35 @@ def train_one_step(trainer, sampler):
     return datums
 
 
+MOMENT_DTYPES = {"fp32": {"F32"}, "bf16": {"BF16"}, "8bit": {"I8", "U8", "F32"}}
+
+
+@pytest.mark.parametrize("optimizer_state", ["fp32", "bf16", "8bit"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(tiny_model_dir, tmp_path, dtype, monkeypatch):
+def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(
+    tiny_model_dir, tmp_path, dtype, optimizer_state, monkeypatch
+):
     from safetensors import safe_open
 
     from grpo_core.engine import trainer as engine_trainer
 
     # save_state looks SHARD_SIZE up in engine/trainer.py
     monkeypatch.setattr(engine_trainer, "SHARD_SIZE", "40KB")
-    _, _, trainer, sampler = make(tiny_model_dir, dtype=dtype)
+    _, _, trainer, sampler = make(tiny_model_dir, dtype=dtype, optimizer_state=optimizer_state)
     datums = train_one_step(trainer, sampler)
     trainer.save_state(str(tmp_path / "trainer"))
     files = sorted(p.name for p in (tmp_path / "trainer").iterdir())
-    shards = [f for f in files if f.endswith(".safetensors")]
+    shards = [f for f in files if f.startswith("model") and f.endswith(".safetensors")]
     assert len(shards) > 1 and "model.safetensors.index.json" in files
-    assert {"trainer.json", "optimizer.pt"} <= set(files)
+    # The moments: many shards in the form they are kept in, no pickle.
+    optimizer_shards = [f for f in files if f.startswith("optimizer") and f.endswith(".safetensors")]
+    assert len(optimizer_shards) > 1 and {"trainer.json", "optimizer.json", "optimizer.safetensors.index.json"} <= set(files)
+    assert "optimizer.pt" not in files
+    kept = set()
+    for shard in optimizer_shards:
+        with safe_open(tmp_path / "trainer" / shard, "pt") as f:
+            kept |= {f.get_slice(k).get_dtype() for k in f.keys() if k.endswith(("exp_avg", "exp_avg_sq", "absmax"))}
+    assert kept == MOMENT_DTYPES[optimizer_state]
     for shard in shards:
         with safe_open(tmp_path / "trainer" / shard, "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16" if dtype == "bfloat16" else "F32"}
@@ -533,7 +549,7 @@ def test_state_is_sharded_safetensors_in_the_models_dtype_and_resumes_exactly(ti
 
     trainer.forward_backward_custom(datums, loss)
     trainer.optim_step(tinker.AdamParams(learning_rate=1e-3))
-    _, _, resumed, _ = make(tiny_model_dir, dtype=dtype, seed=0)
+    _, _, resumed, _ = make(tiny_model_dir, dtype=dtype, seed=0, optimizer_state=optimizer_state)
     resumed.load_state(str(tmp_path / "trainer"))
     assert resumed.model.lm_head.weight is resumed.model.model.embed_tokens.weight
     resumed.forward_backward_custom(datums, loss)
@@ -597,3 +613,73 @@ def test_the_start_lines_say_whether_the_trainer_checkpoints_and_why(tiny_model_
     _, _, given, _ = make(tiny_model_dir, gradient_checkpointing=True)
     assert "gradient checkpointing: on (--gradient-checkpointing)" in capsys.readouterr().err
     assert given.activation_checkpointing and given.model.is_activation_checkpointing
+
+
+def test_a_checkpoint_with_the_optimizer_state_in_one_pickle_still_loads(tiny_model_dir, tmp_path):
+    # Checkpoints written before the sharded layout hold optimizer.pt: they resume as before.
+    _, _, trainer, sampler = make(tiny_model_dir)
+    datums = train_one_step(trainer, sampler)
+    trainer.save_state(str(tmp_path / "trainer"))
+    folder = tmp_path / "trainer"
+    for f in [*folder.glob("optimizer*")]:
+        f.unlink()
+    torch.save(trainer.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def loss(d, lps):
+        return -sum(lp.sum() for lp in lps), {}
+
+    _, _, resumed, _ = make(tiny_model_dir, seed=0)
+    resumed.load_state(str(folder))
+    for t in (trainer, resumed):
+        t.forward_backward_custom(datums, loss)
+        t.optim_step(tinker.AdamParams(learning_rate=1e-3))
+    for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_optimizer_state_is_stated_and_offload_is_refused_on_a_cpu(tiny_model_dir, capsys):
+    make(tiny_model_dir, dtype="bfloat16", optimizer_state="8bit")
+    err = capsys.readouterr().err
+    assert "optimizer state: 8bit moments: 6.03125 B per trained parameter on the cpu (weights 2 + gradients 2 + moments 2.03125)" in err
+    assert re.search(r"memory plan: peak [\d.]+ GB in .*weights [\d.]+, moments", err), err
+    with pytest.raises(PluginError, match="--optimizer-state offload streams Adam's moments from host memory to a GPU; on cpu"):
+        make(tiny_model_dir, optimizer_state="offload")
+
+
+def test_a_run_that_cannot_fit_is_refused_before_loading_naming_what_would_fit(tiny_model_dir, monkeypatch):
+    from grpo_core.engine import memory_plan
+    from grpo_core.plugins.backends import local
+
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 1000)
+    real_load = local.load_model
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("loaded a model that cannot fit"))
+    with pytest.raises(PluginError) as refused:
+        make(tiny_model_dir)
+    said = str(refused.value)
+    assert re.search(r"memory plan: peak [\d.]+ GB .*: cpu has 0.00 GB free\. To fit, try --lora-rank 16", said), said
+    assert "--optimizer-state bf16/8bit" in said and "--dtype bfloat16" in said and "--gradient-checkpointing" in said
+    assert said.endswith("--no-memory-check runs it anyway")
+    monkeypatch.setattr(local, "load_model", real_load)
+    make(tiny_model_dir, memory_check=False)  # the override
+
+
+@pytest.fixture
+def length_reward(monkeypatch):
+    """tests/core/test_resume.py's test plugins (its ``length`` reward), as its autouse fixture adds them."""
+    from tests.core import test_resume
+
+    test_resume.test_plugins.__wrapped__(monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("optimizer_state", "dtype"), [("bf16", "float32"), ("8bit", "float32"), ("8bit", "bfloat16")])
+def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state, dtype, length_reward):
+    from grpo_core.train import run
+    from tests.core.test_resume import assert_same_run, config
+
+    settings = {"optimizer_state": optimizer_state, "dtype": dtype, "max_steps": 4}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    run(config(tiny_model_dir, tiny_dataset, whole, **settings))
+    run(config(tiny_model_dir, tiny_dataset, resumed, **{**settings, "max_steps": 2}))
+    assert run(config(tiny_model_dir, tiny_dataset, resumed, **settings), resume=True)["steps"] == 4
+    assert_same_run(whole, resumed)
