@@ -31,7 +31,7 @@ def test_default_run_raises_the_reward(tmp_path):
 @pytest.mark.parametrize("optimizer_state", ["bf16", "8bit"])
 def test_default_run_raises_the_reward_with_reduced_moments(tmp_path, optimizer_state):
     # The same run and seed as above, the moments kept smaller: the reward rises as much.
-    from tests.test_cli import grpo_core_in_process
+    from tests.helpers import grpo_core_in_process
 
     out = grpo_core_in_process("run", "--optimizer-state", optimizer_state, "--run-dir", str(tmp_path / "r"))
     assert out.returncode == 0, out.stderr[-3000:]
