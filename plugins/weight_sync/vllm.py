@@ -261,11 +261,11 @@ class VLLMWeightSync:
         body: dict[str, Any] = {"lora_name": name, "lora_path": self.server_path(f"{ADAPTER_PREFIX}{self.written_version}")}
         if again or previous == name:
             body["load_inplace"] = True  # a restarted server has none; a running one replaces its copy
-        client.post("/v1/load_lora_adapter", body, resync=False)
+        client.post("/v1/load_lora_adapter", body, resync=False, text=True)
         self.loaded_adapters[client.base_url] = name
         if previous is not None and previous != name:
             try:
-                client.post("/v1/unload_lora_adapter", {"lora_name": previous}, resync=False)
+                client.post("/v1/unload_lora_adapter", {"lora_name": previous}, resync=False, text=True)
             except ServerResponseError as exc:
                 if "HTTP 404" not in str(exc):  # a restarted server never had it
                     raise

@@ -70,7 +70,16 @@ def test_sync_writes_reloads_clears_the_cache_and_verifies(untied_model_dir, tmp
     assert paths[reload_at + 1] == "/reset_prefix_cache" and paths[reload_at + 2] == "/v1/completions"
     assert fake.requests[reload_at][1] == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "w").resolve())}}
     assert (tmp_path / "w" / "model.safetensors").exists() and not (tmp_path / "w" / TIED_OUTPUT_FILE).exists()
-    assert set(RECORDED[-1]) == {"sync/logprob_max_abs_diff", "sync/repairs", "time/weight_sync"}
+    assert set(RECORDED[-1]) == {
+        "sync/logprob_max_abs_diff",
+        "sync/repairs",
+        "sync/bytes",
+        "sync/seconds",
+        "sync/method",
+        "time/weight_sync",
+    }
+    # A full sync writes the whole policy, and says so.
+    assert RECORDED[-1]["sync/bytes"] == (tmp_path / "w" / "model.safetensors").stat().st_size and RECORDED[-1]["sync/method"] == 0.0
     assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and RECORDED[-1]["sync/repairs"] == 0.0
     assert RECORDED[-1]["time/weight_sync"] > 0
     # The probe is scored whole on the server.
