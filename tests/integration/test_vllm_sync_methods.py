@@ -78,7 +78,9 @@ def delta_tied_server(vllm_venv, models, tmp_path_factory):
 
 
 def connect(server: VLLMServer, model_dir: Path, lora: bool) -> tuple:
-    config = RunConfig(model=str(model_dir), lora_rank=LORA_RANK, lora_target_modules=LORA_TARGETS) if lora else RunConfig(model=str(model_dir))
+    config = (
+        RunConfig(model=str(model_dir), lora_rank=LORA_RANK, lora_target_modules=LORA_TARGETS) if lora else RunConfig(model=str(model_dir))
+    )
     trainer = LocalBackend().make_trainer(config=config)
     sampler = OpenAISampler(base_url=server.url, retry_deadline=180.0).make_sampler(config=RunConfig(), trainer=trainer)
     # Every test starts from the weights the server was started with.
@@ -136,7 +138,9 @@ def corrupt_delta(path: Path) -> None:
     vllm_worker.write(str(path), vllm_worker.HEADER_SIZE.pack(len(encoded)) + encoded, bytes(body))
 
 
-def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_full_payload(delta_tied_server, models, tmp_path, monkeypatch):
+def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_full_payload(
+    delta_tied_server, models, tmp_path, monkeypatch, capfd
+):
     trainer, sampler = connect(delta_tied_server, models["tied"], lora=False)
     sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="delta")
     recorded_by_step = {}
@@ -169,6 +173,8 @@ def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_fu
     with scope() as recorded:
         assert sync.weight_sync(trainer=trainer, sampler=sampler, step=4) == 4
     print(f"corrupted delta: {dict(recorded)}")
+    refusal = capfd.readouterr().err
+    assert "refused the delta to version 4" in refusal and "rebuilt from its payload have checksum" in refusal, refusal
     assert recorded["sync/full_payloads"] == 1.0 and recorded["sync/logprob_max_abs_diff"] < TOLERANCE
     assert recorded["sync/bytes"] > full * 0.99
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [f"{PAYLOAD_PREFIX}4.delta", f"{PAYLOAD_PREFIX}4.full"]
