@@ -5,6 +5,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +22,7 @@ from grpo_core.plugins.weight_sync import vllm_worker
 
 TIED_OUTPUT_FILE = "lm_head.safetensors"
 UNTIE_FLAG = """--hf-overrides '{"tie_word_embeddings": false}'"""
-METHODS = ("full", "adapter", "delta")
+METHODS = ("full", "adapter", "delta", "broadcast")
 """What ``sync/method`` records: the method's index here."""
 EXTENSION_CLASS = "grpo_core_vllm_worker.WeightSyncExtension"
 """The worker extension as the server imports it: vllm_worker.py copied onto its PYTHONPATH as grpo_core_vllm_worker.py."""
@@ -55,6 +56,11 @@ class VLLMWeightSync:
       --worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension). A full payload goes at
       the first sync, every full_every versions, and whenever a server refuses a delta (it holds
       other weights, or the result's checksum differs).
+    - broadcast (a full fine-tune whose trainer holds its model in this process: local, fsdp): no
+      file. The trainer opens a gloo process group of its own (a TCP store on group_host, apart
+      from any default group) with the server's workers (the same worker extension), and streams
+      the weights in buckets of bucket_mb, each loaded as it arrives. A server that restarted, or
+      a group that failed, is joined again.
 
     After loading, the server's prefix cache is cleared and a probe sequence is scored on the
     server (prompt logprobs) to compare with the trainer's logprobs of the same tokens. Beyond the
@@ -62,7 +68,8 @@ class VLLMWeightSync:
     what differs if that does not help. A server that went away and came back is synced again
     before it samples (delta: in full). Behind a load balancer, list every server in replicas: each
     is loaded and checked. Metrics: sync/logprob_max_abs_diff (the worst server), sync/repairs,
-    sync/bytes (written for the servers), sync/seconds, sync/method (0 full, 1 adapter, 2 delta),
+    sync/bytes (written or streamed for the servers), sync/seconds, sync/method (0 full, 1 adapter,
+    2 delta, 3 broadcast),
     sync/full_payloads (delta), time/weight_sync.
 
     Tied embeddings: vLLM's in-place reload re-processes only the layers whose weights it reads, so
@@ -87,11 +94,14 @@ class VLLMWeightSync:
         help="addresses of every server behind a load balancer, each reloaded and checked (empty = the sampler's base_url)",
         factory=list,
     )
-    method: Literal["auto", "full", "adapter", "delta"] = option(
+    method: Literal["auto", "full", "adapter", "delta", "broadcast"] = option(
         "auto",
         help="auto (adapter for a LoRA run, else full), full (the whole policy), adapter (the LoRA adapters alone), "
-        "delta (what changed, applied by the server's worker extension)",
+        "delta (what changed, applied by the server's worker extension), broadcast (streamed to that extension, no file)",
     )
+    group_host: str = option("127.0.0.1", help="method=broadcast: this machine's address as the server's workers reach it")
+    bucket_mb: float = option(256.0, help="method=broadcast: the most MB streamed at once")
+    group_timeout: float = option(120.0, help="method=broadcast: seconds to form the group or stream one bucket before it fails")
     full_every: int | None = option(None, help=f"method=delta: a full payload every N versions (default {FULL_EVERY}; 1 = always full)")
     written_version: int | None = attrs.field(default=None, init=False)
     run_dir: Path | None = attrs.field(default=None, init=False)
@@ -105,7 +115,7 @@ class VLLMWeightSync:
     loaded_adapters: dict[str, str] = attrs.field(factory=dict, init=False)
     """The adapter each server was last given, by address."""
     policy: dict[str, Any] | None = attrs.field(default=None, init=False)
-    """method=delta: the written version's tensors (the next delta's base) and their checksum."""
+    """The written version's tensors: method=delta's next base (with their checksum), method=broadcast's to stream."""
     policy_checksum: str | None = attrs.field(default=None, init=False)
     delta_base: str | None = attrs.field(default=None, init=False)
     """method=delta: the checksum of the weights the written version's delta applies to (None: no delta was written)."""
@@ -113,6 +123,8 @@ class VLLMWeightSync:
     """method=delta: the version of the last full payload written."""
     held: dict[str, str] = attrs.field(factory=dict, init=False)
     """method=delta: the checksum of the weights each server holds, by address."""
+    groups: dict[str, tuple[str, Any, Any]] = attrs.field(factory=dict, init=False)
+    """method=broadcast: each server's group (name, process group, the TCP store it was formed on), by address."""
 
     def __attrs_post_init__(self) -> None:
         if self.tolerance <= 0:
@@ -124,6 +136,9 @@ class VLLMWeightSync:
                 raise ValueError(f"full_every spaces the full payloads of method=delta; with method={self.method} it would do nothing")
             if self.full_every < 1:
                 raise ValueError(f"full_every must be >= 1, got {self.full_every}")
+        for name in ("bucket_mb", "group_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
     @hookimpl
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
@@ -132,6 +147,11 @@ class VLLMWeightSync:
             raise PluginError(
                 "--weight-sync-opt method=adapter sends the LoRA adapters alone, and this run trains every weight (--lora-rank 0): "
                 "train adapters (--lora-rank R) or sync with method=full or method=delta"
+            )
+        if self.method == "broadcast" and config.lora_rank:
+            raise PluginError(
+                "--weight-sync-opt method=broadcast streams every weight, and this run trains LoRA adapters (--lora-rank): "
+                "sync them alone with method=adapter (or method=auto)"
             )
 
     @hookimpl
@@ -161,6 +181,11 @@ class VLLMWeightSync:
                 raise PluginError(
                     "--weight-sync-opt method=adapter sends the LoRA adapters of the local trainer's model; "
                     f"a {type(trainer).__name__} has none here: sync with method=full or method=delta"
+                )
+            if self.method == "broadcast" and lora:
+                raise PluginError(
+                    "--weight-sync-opt method=broadcast streams every weight, and this trainer trains LoRA adapters: "
+                    "sync them alone with method=adapter (or method=auto)"
                 )
             self.chosen = ("adapter" if lora else "full") if self.method == "auto" else self.method
         return self.chosen
@@ -224,6 +249,10 @@ class VLLMWeightSync:
         return sampler.model
 
     def write(self, trainer: Any, method: str) -> None:
+        if method == "broadcast":  # nothing on disk: the weights stream from memory
+            self.policy = policy_in_memory(trainer)
+            self.written_version = trainer.version
+            return
         folder = self.folder
         folder.mkdir(parents=True, exist_ok=True)
         if method == "adapter":
@@ -246,14 +275,15 @@ class VLLMWeightSync:
                 self.load_adapter(client, again)
             elif method == "delta":
                 self.load_payload(client, again)
+            elif method == "broadcast":
+                self.stream(client, again)
             else:
                 client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": self.server_path()}}, resync=False)
             # Cached prompt prefixes hold keys and values of the old weights.
             client.post("/reset_prefix_cache", {}, resync=False)
         except ServerResponseError as exc:
-            raise PluginError(
-                f"the server at {client.base_url} could not reload the weights from {self.server_path()}: {exc}{setup_hint(method, str(exc))}"
-            ) from None
+            where, hint = self.server_path(), setup_hint(method, str(exc))
+            raise PluginError(f"the server at {client.base_url} could not reload the weights from {where}: {exc}{hint}") from None
 
     def load_adapter(self, client: ServerClient, again: bool) -> None:
         name = f"{self.base_model}-grpo-{self.adapter_tag}-v{self.written_version}"
@@ -327,6 +357,63 @@ class VLLMWeightSync:
         self.held[client.base_url] = self.policy_checksum
         return None
 
+    def stream(self, client: ServerClient, again: bool) -> None:
+        """Stream the written version into the server's workers through its group (joined first
+        when it has none, or none of ours: a restarted server)."""
+        url = client.base_url
+        places = collective_rpc(client, "grpo_core_group", {})
+        joined = self.groups.get(url)
+        if again or joined is None or any(place.get("group") != joined[0] for place in places):
+            joined = self.join_group(client, places[0]["world_size"])
+        name, group, _ = joined
+        tensors = self.policy
+        layout = vllm_worker.layout_of(tensors)
+        sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+        plan = vllm_worker.bucket_plan(layout, sizes, int(self.bucket_mb * 2**20))
+        answer = Background(lambda: collective_rpc(client, "grpo_core_receive", {"group": name, "plan": json.dumps(plan)}))
+        try:
+            import torch
+
+            for bucket in plan:
+                vllm_worker.broadcast(group, torch.cat([vllm_worker.as_bytes(tensors[n]) for n, _, _ in bucket]))
+        except RuntimeError as exc:
+            self.groups.pop(url, None)
+            answer.join()
+            raise PluginError(f"streaming the weights to the server at {url} failed: {exc}") from None
+        refused = [r for r in answer.result() if not r.get("ok")]
+        if refused:
+            self.groups.pop(url, None)
+            raise PluginError(f"the server at {url} did not take the streamed weights: {refused[0].get('error')}")
+        record("sync/bytes", sum(sizes.values()), "sum")
+
+    def join_group(self, client: ServerClient, world_size: int) -> tuple[str, Any, Any]:
+        """A new group of this trainer (rank 0) and the server's workers."""
+        import datetime
+
+        import torch.distributed as dist
+
+        self.groups.pop(client.base_url, None)
+        store = dist.TCPStore(
+            self.group_host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=self.group_timeout)
+        )
+        name = f"grpo-core-{uuid.uuid4().hex[:12]}"
+        kwargs = {"host": self.group_host, "port": str(store.port), "group": name, "timeout": str(self.group_timeout)}
+        answer = Background(lambda: collective_rpc(client, "grpo_core_join_group", kwargs))
+        try:
+            group = vllm_worker.open_group(store, name, 0, world_size, self.group_timeout)
+        except RuntimeError as exc:
+            answer.join()
+            raise PluginError(
+                f"the server at {client.base_url} did not join the weight broadcast group on {self.group_host}:{store.port} "
+                f"within {self.group_timeout:g}s ({exc}; its workers said {answer.result(check=False)}): group_host must be this "
+                "machine's address as the server reaches it"
+            ) from None
+        refused = [r for r in answer.result() if not r.get("ok")]
+        if refused:
+            raise PluginError(f"the server at {client.base_url} could not join the weight broadcast group: {refused[0].get('error')}")
+        self.groups[client.base_url] = (name, group, store)
+        return self.groups[client.base_url]
+
     def probe(self, tokenizer: Any, max_context: int | None) -> list[int]:
         """A fixed sequence: text the tokenizer knows, then ids drawn over the whole vocabulary."""
         length = min(self.probe_tokens, max_context or self.probe_tokens)
@@ -369,6 +456,60 @@ class VLLMWeightSync:
         )
 
 
+def collective_rpc(client: ServerClient, method: str, kwargs: dict[str, str]) -> list[dict[str, Any]]:
+    """Each of the server's workers' answer to the worker extension's ``method``."""
+    results = (client.post("/collective_rpc", {"method": method, "kwargs": kwargs}, resync=False) or {}).get("results")
+    if not results or not all(isinstance(r, dict) for r in results):
+        raise ServerResponseError(f"collective_rpc {method} answered {results!r}, not one answer per worker")
+    return results
+
+
+class Background:
+    """``call`` on a thread of its own (a collective_rpc that waits for what this thread does next)."""
+
+    def __init__(self, call: Any) -> None:
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.value = call()
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, name="grpo-core-weight-sync-rpc", daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+
+    def result(self, check: bool = True) -> Any:
+        self.thread.join()
+        if self.error is not None:
+            if check:
+                raise self.error
+            return repr(self.error)
+        return self.value
+
+
+def policy_in_memory(trainer: Any) -> dict[str, Any]:
+    """The trainer's policy as the server loads it, without a file: the model's merged weights
+    under their checkpoint names (a tied output layer's included)."""
+    from grpo_core.plugins.backends.local import as_saved, merged_state_dict
+
+    local = declared(trainer, "trainer object", "local_policy")
+    model = getattr(local() if local is not None else trainer, "model", None)
+    if model is None:
+        raise PluginError(
+            f"--weight-sync-opt method=broadcast streams the weights of a model in this process; a {type(trainer).__name__} has none "
+            "here: sync with method=full or method=delta"
+        )
+    tensors: dict[str, Any] = {}
+    for key, weight in merged_state_dict(model).items():
+        tensors.update(as_saved(model, key, weight))
+    return tensors
+
+
 def write_policy(trainer: Any, folder: Path) -> int:
     """The trainer's policy as the server loads it (with a tied model's output layer); the bytes written."""
     trainer.save_weights_for_sampler(str(folder))
@@ -400,7 +541,7 @@ def setup_hint(method: str, error: str) -> str:
         )
     if "HTTP 404" in error:
         return " (start vLLM with VLLM_SERVER_DEV_MODE=1 for /collective_rpc and /reset_prefix_cache)"
-    if method == "delta" and "grpo_core_load_payload" in error:
+    if method in ("delta", "broadcast") and "grpo_core_" in error:
         return (
             f" (start vLLM with --worker-extension-cls {EXTENSION_CLASS}, grpo-core's {Path(vllm_worker.__file__).name} "
             "copied onto its PYTHONPATH as grpo_core_vllm_worker.py)"

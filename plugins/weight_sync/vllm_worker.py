@@ -9,6 +9,11 @@ beside grpo-core's ``vllm.py``, which would shadow vLLM) and start the server wi
 ``--worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension``. Both sides then read one
 format version, checked in every payload's header.
 
+``method=broadcast`` sends no file: the trainer (rank 0) and the server's workers (ranks 1...) form
+a gloo process group of their own over a TCP store the trainer holds (apart from any default group
+either side has: vLLM's own, fsdp's), and the weights stream through it in buckets bounded in bytes,
+each loaded as it arrives.
+
 A payload is one file: 8 bytes (little-endian header length), a JSON header, then each tensor's
 bytes. A full payload holds every tensor's raw bytes; a delta holds, for each tensor that changed,
 its bytes XOR the previous version's, byte-shuffled (all first bytes of the elements, then all
@@ -20,12 +25,13 @@ payload) or reconstructs other bytes (a corrupted file) refuses it and loads not
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
 import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -193,6 +199,54 @@ def typed(tensors: Mapping[str, torch.Tensor], header: dict[str, Any]) -> Iterab
         yield entry["name"], tensors[entry["name"]].view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
+def bucket_plan(layout: Mapping[str, tuple[str, list[int]]], sizes: Mapping[str, int], bucket_bytes: int) -> list[list[list[Any]]]:
+    """The tensors in buckets of at most ``bucket_bytes`` each (a larger tensor goes alone): per
+    bucket, [name, dtype, shape] of each tensor, in order."""
+    buckets: list[list[list[Any]]] = [[]]
+    filled = 0
+    for name in layout:
+        if buckets[-1] and filled + sizes[name] > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append([name, *layout[name]])
+        filled += sizes[name]
+    return [b for b in buckets if b]
+
+
+def open_group(store: Any, group: str, rank: int, world_size: int, timeout: float) -> Any:
+    """A gloo process group of its own on ``store`` (under the prefix ``group``): no default group needed."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(dist.PrefixStore(group, store), rank, world_size, datetime.timedelta(seconds=timeout))
+
+
+def broadcast(group: Any, buffer: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
+
+
+def received(group: Any, plan: list[list[list[Any]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``plan`` as their buckets arrive from rank 0."""
+    for bucket in plan:
+        sizes = [torch.empty(0, dtype=DTYPES[dtype]).element_size() * _numel(shape) for _, dtype, shape in bucket]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        broadcast(group, buffer)
+        offset = 0
+        for (name, dtype, shape), size in zip(bucket, sizes):
+            yield name, buffer[offset : offset + size].view(DTYPES[dtype]).reshape(shape)
+            offset += size
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 class WeightSyncExtension:
     """Mixed into each vLLM worker (``--worker-extension-cls``); called through ``POST /collective_rpc``.
 
@@ -212,3 +266,41 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=typed(tensors, header), is_checkpoint_format=True)
         self._grpo_core_held, self._grpo_core_checksum = tensors, found
         return {"ok": True, "checksum": found, "version": header["version"]}
+
+    def grpo_core_group(self) -> dict[str, Any]:
+        """This worker's place in a broadcast group: the group it joined (None: none), its rank
+        there and the group's size (the trainer and every worker of the server)."""
+        return {
+            "group": getattr(self, "_grpo_core_group_name", None),
+            "rank": 1 + self.rank,
+            "world_size": 1 + self.vllm_config.parallel_config.world_size,
+        }
+
+    def grpo_core_join_group(self, host: str, port: str, group: str, timeout: str) -> dict[str, Any]:
+        """Join the trainer's broadcast group ``group`` through its TCP store at ``host:port``
+        (a group joined before is left: a new one replaces it after a failure)."""
+        import torch.distributed as dist
+
+        place = self.grpo_core_group()
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=float(timeout)))
+            self._grpo_core_process_group = open_group(store, group, place["rank"], place["world_size"], float(timeout))
+        except (RuntimeError, OSError, ValueError) as exc:
+            self._grpo_core_group_name = None
+            return {"ok": False, "error": f"could not join the trainer's group at {host}:{port}: {exc}"}
+        self._grpo_core_group_name = group
+        return {"ok": True, **place, "group": group}
+
+    def grpo_core_receive(self, group: str, plan: str) -> dict[str, Any]:
+        """Receive the weights ``plan`` (JSON: buckets of [name, dtype, shape]) lists, bucket by
+        bucket from the trainer, and load each as it arrives."""
+        if getattr(self, "_grpo_core_group_name", None) != group:
+            return {"ok": False, "error": f"this worker is not in the group {group}"}
+        try:
+            self.reload_weights(weights_iterator=received(self._grpo_core_process_group, json.loads(plan)), is_checkpoint_format=True)
+        except RuntimeError as exc:  # the trainer went away mid-stream: the group is gone
+            self._grpo_core_group_name = None
+            return {"ok": False, "error": f"the broadcast failed: {exc}"}
+        # What a delta would apply to is no longer what this worker serves.
+        self._grpo_core_held = self._grpo_core_checksum = None
+        return {"ok": True}

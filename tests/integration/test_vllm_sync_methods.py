@@ -188,7 +188,28 @@ def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_fu
     sampler.close()
 
 
-@pytest.mark.parametrize("method", ["adapter", "delta"])
+def test_a_full_fine_tune_streams_its_weights_through_a_broadcast_group_without_a_file(delta_tied_server, models, tmp_path):
+    trainer, sampler = connect(delta_tied_server, models["tied"], lora=False)
+    # Buckets of 0.1 MB: the tied model's 1.1 MB go in several.
+    sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="broadcast", bucket_mb=0.1, group_timeout=60.0)
+    full_bytes = write_policy(trainer, tmp_path / "full")
+    for step in (1, 2, 3):
+        optimizer_step(trainer, seed=step)
+        assert sync.verify(trainer, sampler) > 10 * TOLERANCE
+        with scope() as recorded:
+            assert sync.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
+        print(f"broadcast step {step}: {dict(recorded)}")
+        assert recorded["sync/logprob_max_abs_diff"] < TOLERANCE and recorded["sync/repairs"] == 0.0 and recorded["sync/method"] == 3.0
+        # Every weight streamed, the tied output layer's too (the file path writes it beside the checkpoint).
+        assert 0.99 * full_bytes < recorded["sync/bytes"] <= full_bytes
+        assert_samples_match_trainer(trainer, sampler)
+    assert not (tmp_path / "weights").exists()
+    # One group for the whole run.
+    assert len(sync.groups) == 1
+    sampler.close()
+
+
+@pytest.mark.parametrize("method", ["adapter", "delta", "broadcast"])
 def test_the_server_killed_and_restarted_is_waited_for_and_synced_again_in_full(vllm_venv, models, tmp_path, method):
     lora = method == "adapter"
     settings = LORA_SERVER if lora else delta_server(tmp_path / "extension")
@@ -196,7 +217,8 @@ def test_the_server_killed_and_restarted_is_waited_for_and_synced_again_in_full(
     server = start_server(model, tmp_path, settings)
     try:
         trainer, sampler = connect(server, model, lora=lora)
-        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method=method)
+        options = {"group_timeout": 60.0} if method == "broadcast" else {}
+        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method=method, **options)
         for step in (1, 2):
             optimizer_step(trainer, seed=step)
             sync.weight_sync(trainer=trainer, sampler=sampler, step=step)
@@ -211,9 +233,12 @@ def test_the_server_killed_and_restarted_is_waited_for_and_synced_again_in_full(
         print(f"{method}: {dict(recorded)}")
         assert [len(g) for g in groups] == [3] * 5
         assert recorded["sampler/reconnects"] == 1.0 and recorded["sampler/retries"] >= 1.0
-        if not lora:
+        if method == "delta":
             # The restarted server holds none of the deltas' bases: version 2 went whole.
             assert recorded["sync/full_payloads"] == 1.0
+        if method == "broadcast":
+            # The restarted server's workers joined a new group.
+            assert recorded["sync/bytes"] > 0 and len(sync.groups) == 1
         # The restarted server serves version 2 again, checked.
         assert sync.verify(trainer, sampler) < TOLERANCE
         assert_samples_match_trainer(trainer, sampler)

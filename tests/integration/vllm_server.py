@@ -112,7 +112,8 @@ LORA_SERVER = {
     "extra_args": ("--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "2"),
     "extra_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
 }
-"""What a server that takes adapters at run time needs (``--weight-sync-opt method=adapter``), for runs of ``--lora-rank`` up to LORA_RANK."""
+"""What a server that takes adapters at run time needs (``--weight-sync-opt method=adapter``), for
+runs of ``--lora-rank`` up to LORA_RANK."""
 
 
 def delta_server(folder: Path) -> dict:
