@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import attrs
 import httpx
@@ -341,6 +342,8 @@ class FakeVLLMWithAdapters(FakeVLLM):
         if path == "/v1/completions" and body.get("model") != self.name:
             if body["model"] not in self.adapters:
                 return httpx.Response(404, json={"error": {"message": f"The model `{body['model']}` does not exist."}})
+            if body.get("prompt_logprobs") is None:
+                return super().answer(method, path, body)
             tokens = body["prompt"][0]
             with torch.no_grad():
                 logits = self.adapters[body["model"]](input_ids=torch.tensor([tokens])).logits[0]
@@ -401,7 +404,7 @@ def test_a_restarted_server_gets_the_adapter_again_before_it_samples(untied_mode
     with scope() as recorded:
         sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
     assert recorded["sampler/reconnects"] == 1.0 and list(fake.adapters) == [sampler.model]
-    assert fake.adapter_loads[-1]["load_inplace"] is True and recorded["sync/bytes"] == 0.0  # loaded from the folder written
+    assert fake.adapter_loads[-1]["load_inplace"] is True and "sync/bytes" not in recorded  # loaded from the folder written
     assert plugin.verify(trainer, sampler) < 1e-5
 
 
@@ -414,9 +417,11 @@ def test_a_lost_adapter_load_is_repaired_in_place(untied_model_dir, tmp_path):
 
     def lose_the_first_load(method, path, body):
         if path == "/v1/load_lora_adapter" and not lost:
-            lost.append(body)  # answered OK, loaded the base model's weights (B = 0) instead
+            from transformers import AutoModelForCausalLM
+
+            lost.append(body)  # answered OK, but the adapter's name serves the base model
             answer = original(method, path, body)
-            fake.adapters[body["lora_name"]] = fake.adapters[body["lora_name"]].base_model.model
+            fake.adapters[body["lora_name"]] = AutoModelForCausalLM.from_pretrained(fake.base_dir).eval()
             return answer
         return original(method, path, body)
 
@@ -489,10 +494,10 @@ def test_full_every_only_with_method_delta():
         VLLMWeightSync(full_every=3)
     with pytest.raises(ValueError, match="full_every must be >= 1, got 0"):
         VLLMWeightSync(method="delta", full_every=0)
-    with pytest.raises(ValueError, match="method"):
-        from grpo_core.plugins_manager import make_plugin
+    from grpo_core.plugins_manager import make_plugin
 
-        make_plugin("weight_sync.vllm", method="broadcast")
+    with pytest.raises(PluginError, match="option 'method' of weight_sync.vllm: expected one of 'auto', 'full', 'adapter', 'delta', 'broadcast'"):
+        make_plugin("weight_sync.vllm", method="xor")
 
 
 class FakeVLLMWithExtension(FakeVLLM):
@@ -504,6 +509,9 @@ class FakeVLLMWithExtension(FakeVLLM):
         fake = self
 
         class Worker(vllm_worker.WeightSyncExtension):
+            rank = 0
+            vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+
             def reload_weights(self, weights_iterator, is_checkpoint_format):
                 state = dict(weights_iterator)
                 tied = fake.model.config.tie_word_embeddings
@@ -514,10 +522,11 @@ class FakeVLLMWithExtension(FakeVLLM):
         self.payloads: list[tuple[str, dict]] = []
 
     def collective_rpc(self, body):
-        if body.get("method") != "grpo_core_load_payload":
+        if not body.get("method", "").startswith("grpo_core_"):
             return super().collective_rpc(body)
-        answer = self.worker.grpo_core_load_payload(body["kwargs"]["path"])
-        self.payloads.append((Path(body["kwargs"]["path"]).name, answer))
+        answer = getattr(self.worker, body["method"])(**body.get("kwargs", {}))
+        if body["method"] == "grpo_core_load_payload":
+            self.payloads.append((Path(body["kwargs"]["path"]).name, answer))
         return httpx.Response(200, json={"results": [answer]})
 
     def restart(self, initial_state):
@@ -599,3 +608,40 @@ def test_a_server_without_the_worker_extension_names_it(untied_model_dir, tmp_pa
     train_a_step(trainer)
     with pytest.raises(PluginError, match="--worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension.*vllm_worker.py copied"):
         VLLMWeightSync(weights_dir=str(tmp_path), method="delta").weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and_rejoins_after_a_restart(tiny_model_dir, tmp_path):
+    trainer, fake, sampler = delta_setup(tiny_model_dir)  # tied: the output layer streams too
+    initial = {k: v.clone() for k, v in fake.model.state_dict().items()}
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path / "w"), method="broadcast", bucket_mb=0.05, group_timeout=30.0)
+    for step in (1, 2):
+        train_a_step(trainer, scale=0.01, seed=step)
+        assert plugin.verify(trainer, sampler) > 0.01
+        assert sync_recorded(plugin, trainer, sampler, step=step) == step
+        recorded = RECORDED[-1]
+        assert recorded["sync/method"] == 3.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
+        assert recorded["sync/bytes"] == sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+    group = plugin.groups["http://fake"][0]
+    assert fake.worker.grpo_core_group()["group"] == group and not (tmp_path / "w").exists()
+    # A restarted server has no group: it joins a new one before the weights stream again.
+    fake.restart(initial)
+    fake.failures.append(httpx.ConnectError("connection refused"))
+    with scope() as recorded:
+        sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
+    assert recorded["sampler/reconnects"] == 1.0 and plugin.verify(trainer, sampler) < 1e-5
+    assert plugin.groups["http://fake"][0] != group and fake.worker.grpo_core_group()["group"] == plugin.groups["http://fake"][0]
+
+
+def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(untied_model_dir, tmp_path):
+    with pytest.raises(PluginError, match="method=broadcast streams every weight, and this run trains LoRA adapters"):
+        VLLMWeightSync(method="broadcast").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+    lora, _, lora_sampler = lora_setup(untied_model_dir)
+    with pytest.raises(PluginError, match="this trainer trains LoRA adapters: sync them alone with method=adapter"):
+        VLLMWeightSync(method="broadcast").weight_sync(trainer=lora, sampler=lora_sampler, step=1)
+    local, _, sampler = delta_setup(untied_model_dir)
+    train_a_step(local)
+    with pytest.raises(PluginError, match="method=broadcast streams the weights of a model in this process; a RemoteLikeTrainer has none"):
+        VLLMWeightSync(method="broadcast").weight_sync(trainer=RemoteLikeTrainer(local), sampler=sampler, step=1)
+    for name in ("bucket_mb", "group_timeout"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0, got 0"):
+            VLLMWeightSync(method="broadcast", **{name: 0})

@@ -213,3 +213,41 @@ def test_the_module_runs_alone_without_grpo_core(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+
+def test_buckets_are_bounded_in_bytes_and_hold_every_tensor_once_in_order():
+    layout = {"a": ("torch.float32", [10]), "b": ("torch.float32", [30]), "c": ("torch.float32", [5]), "d": ("torch.float32", [5])}
+    sizes = {"a": 40, "b": 120, "c": 20, "d": 20}
+    plan = vllm_worker.bucket_plan(layout, sizes, bucket_bytes=60)
+    assert [[entry[0] for entry in bucket] for bucket in plan] == [["a"], ["b"], ["c", "d"]]  # b alone: larger than a bucket
+    assert plan[2][0] == ["c", "torch.float32", [5]]
+    assert vllm_worker.bucket_plan(layout, sizes, bucket_bytes=1000) == [[[n, *layout[n]] for n in layout]]
+
+
+def test_weights_stream_through_a_group_of_their_own_bucket_by_bucket():
+    """Rank 0 (the trainer) and rank 1 (a worker, here a thread) on a gloo group formed on a TCP
+    store, with no default process group: every tensor arrives bit for bit, in its dtype and shape."""
+    import threading
+
+    import torch.distributed as dist
+
+    tensors = weights()
+    layout = vllm_worker.layout_of(tensors)
+    plan = vllm_worker.bucket_plan(layout, {n: t.numel() * t.element_size() for n, t in tensors.items()}, bucket_bytes=100)
+    assert len(plan) > 1
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    got = {}
+
+    def worker():
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        group = vllm_worker.open_group(client, "g", 1, 2, 30.0)
+        got.update({name: t.clone() for name, t in vllm_worker.received(group, plan)})
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    group = vllm_worker.open_group(store, "g", 0, 2, 30.0)
+    for bucket in plan:
+        vllm_worker.broadcast(group, torch.cat([vllm_worker.as_bytes(tensors[n]) for n, _, _ in bucket]))
+    thread.join()
+    assert not dist.is_initialized()
+    assert_same(got, tensors)
