@@ -357,9 +357,10 @@ class VLLMWeightSync:
         self.held[client.base_url] = self.policy_checksum
         return None
 
-    def stream(self, client: ServerClient, again: bool) -> None:
+    def stream(self, client: ServerClient, again: bool, retry: bool = True) -> None:
         """Stream the written version into the server's workers through its group (joined first
-        when it has none, or none of ours: a restarted server)."""
+        when it has none, or none of ours: a restarted server). A stream that fails (the server
+        went away) is sent once more through a new group, when the server answers again."""
         url = client.base_url
         places = collective_rpc(client, "grpo_core_group", {})
         joined = self.groups.get(url)
@@ -376,14 +377,19 @@ class VLLMWeightSync:
 
             for bucket in plan:
                 vllm_worker.broadcast(group, torch.cat([vllm_worker.as_bytes(tensors[n]) for n, _, _ in bucket]))
-        except RuntimeError as exc:
-            self.groups.pop(url, None)
+        except RuntimeError as exc:  # the group broke: the server went away mid-stream
             answer.join()
-            raise PluginError(f"streaming the weights to the server at {url} failed: {exc}") from None
-        refused = [r for r in answer.result() if not r.get("ok")]
-        if refused:
+            failure = f"streaming the weights to the server at {url} failed: {exc}"
+        else:
+            refused = [r.get("error") for r in answer.result() if not r.get("ok")]
+            failure = f"the server at {url} did not take the streamed weights: {refused[0]}" if refused else None
+        if failure is not None:
             self.groups.pop(url, None)
-            raise PluginError(f"the server at {url} did not take the streamed weights: {refused[0].get('error')}")
+            if not retry:
+                raise PluginError(failure)
+            print(f"weight sync: {failure}; joining a new group to send them again", file=sys.stderr)
+            self.stream(client, again=True, retry=False)
+            return
         record("sync/bytes", sum(sizes.values()), "sum")
 
     def join_group(self, client: ServerClient, world_size: int) -> tuple[str, Any, Any]:
@@ -405,7 +411,7 @@ class VLLMWeightSync:
             answer.join()
             raise PluginError(
                 f"the server at {client.base_url} did not join the weight broadcast group on {self.group_host}:{store.port} "
-                f"within {self.group_timeout:g}s ({exc}; its workers said {answer.result(check=False)}): group_host must be this "
+                f"within {self.group_timeout:g}s ({exc}; its workers said {answer.value or answer.error}): group_host must be this "
                 "machine's address as the server reaches it"
             ) from None
         refused = [r for r in answer.result() if not r.get("ok")]
@@ -483,12 +489,11 @@ class Background:
     def join(self) -> None:
         self.thread.join()
 
-    def result(self, check: bool = True) -> Any:
+    def result(self) -> Any:
+        """What ``call`` returned (it raised: that, raised here)."""
         self.thread.join()
         if self.error is not None:
-            if check:
-                raise self.error
-            return repr(self.error)
+            raise self.error
         return self.value
 
 

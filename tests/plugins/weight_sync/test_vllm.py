@@ -645,3 +645,32 @@ def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(u
     for name in ("bucket_mb", "group_timeout"):
         with pytest.raises(ValueError, match=f"{name} must be > 0, got 0"):
             VLLMWeightSync(method="broadcast", **{name: 0})
+
+
+def test_a_broken_stream_is_sent_again_through_a_new_group(untied_model_dir, tmp_path, capfd):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    plugin = VLLMWeightSync(method="broadcast", group_timeout=30.0)
+    receive = type(fake.worker).grpo_core_receive
+    broken = []
+
+    def receive_then_break(self, group, plan):
+        answer = receive(self, group, plan)
+        if not broken:
+            broken.append(group)
+            self._grpo_core_group_name = None  # as a worker whose group failed mid-stream
+            return {"ok": False, "error": "the broadcast failed: connection reset"}
+        return answer
+
+    type(fake.worker).grpo_core_receive = receive_then_break
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and plugin.groups["http://fake"][0] != broken[0]
+    assert "did not take the streamed weights: the broadcast failed: connection reset; joining a new group" in capfd.readouterr().err
+
+
+def test_a_server_that_cannot_join_the_group_is_a_clear_error(untied_model_dir):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    type(fake.worker).grpo_core_join_group = lambda self, host, port, group, timeout: {"ok": False, "error": "no route to host"}
+    train_a_step(trainer)
+    with pytest.raises(PluginError, match=r"did not join the weight broadcast group on 127.0.0.1:\d+ within 1s .*no route to host.*group_host"):
+        VLLMWeightSync(method="broadcast", group_timeout=1.0).weight_sync(trainer=trainer, sampler=sampler, step=1)
