@@ -7,7 +7,11 @@ every sync, through a corrupted delta and a server killed and restarted.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -273,3 +277,71 @@ def test_grpo_core_run_with_lora_syncs_adapters_alone_and_checks_every_step(lora
     assert all(m["sync/logprob_max_abs_diff"] < TOLERANCE and m["sync/method"] == 1.0 for m in synced)
     assert all(0 < m["sync/bytes"] < 0.01 * full_bytes for m in synced)
     assert not (run_dir / "sampler-weights" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", ["delta", "broadcast"])
+def test_grpo_core_run_of_a_full_fine_tune_syncs_by_method_and_checks_every_step(delta_tied_server, models, tmp_path, tiny_dataset, method):
+    model = models["tied"]
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        "run", "--model", str(model), "--dataset", str(tiny_dataset), "--prompt-template", TEMPLATE,
+        "--max-steps", "3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+        "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--learning-rate", "1e-3",
+        "--sampler", "openai", "--sampler-opt", f"base_url={delta_tied_server.url}",
+        "--weight-sync", "vllm", "--weight-sync-opt", f"method={method}", "--no-drop-zero-variance-groups",
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    synced = [m for m in lines if "sync/logprob_max_abs_diff" in m]
+    assert len(synced) == 3
+    assert all(
+        m["sync/logprob_max_abs_diff"] < TOLERANCE and m["sync/method"] == ["full", "adapter", "delta", "broadcast"].index(method)
+        for m in synced
+    )
+    if method == "broadcast":
+        assert not (run_dir / "sampler-weights").exists()  # no file: the weights streamed
+    else:
+        assert [p.name for p in (run_dir / "sampler-weights").iterdir()] == [f"{PAYLOAD_PREFIX}3.delta"]
+    # The server holds the run's final policy.
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))
+    check = OpenAISampler(base_url=delta_tied_server.url).make_sampler(config=RunConfig(), trainer=trainer)
+    assert VLLMWeightSync().verify(trainer, check) < TOLERANCE
+    check.close()
+
+
+def test_a_broadcast_run_goes_on_through_a_server_kill_and_restart(vllm_venv, models, tmp_path, tiny_dataset):
+    model = models["tied"]
+    server = start_server(model, tmp_path, delta_server(tmp_path / "extension"))
+    try:
+        run_dir = tmp_path / "run"
+        steps = 8
+        command = [
+            sys.executable, "-m", "grpo_core.cli", "run", "--model", str(model), "--dataset", str(tiny_dataset),
+            "--prompt-template", TEMPLATE, "--max-steps", str(steps), "--prompt-groups-per-step", "2",
+            "--completions-per-prompt", "4", "--max-completion-tokens", "6", "--run-dir", str(run_dir),
+            "--learning-rate", "1e-3", "--sampler", "openai", "--sampler-opt", f"base_url={server.url}",
+            "--weight-sync", "vllm", "--weight-sync-opt", "method=broadcast", "--no-drop-zero-variance-groups",
+        ]  # fmt: skip
+        with open(tmp_path / "run.log", "w") as log:
+            run = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.poll() is None, (tmp_path / "run.log").read_text()
+        server.kill()
+        killed_after = metrics.read_text().count("\n")
+        server.start()
+        assert run.wait(timeout=600) == 0, (tmp_path / "run.log").read_text()
+        lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+        print(f"server killed after step {killed_after} of {steps}")
+        assert killed_after < steps and [m["step"] for m in lines] == list(range(1, steps + 1))
+        assert all(m["sync/logprob_max_abs_diff"] < TOLERANCE for m in lines if "sync/logprob_max_abs_diff" in m)
+        trainer = LocalBackend().make_trainer(config=RunConfig(model=str(run_dir / "final")))
+        check = OpenAISampler(base_url=server.url).make_sampler(config=RunConfig(), trainer=trainer)
+        assert VLLMWeightSync().verify(trainer, check) < TOLERANCE
+        check.close()
+    finally:
+        server.stop()
