@@ -366,7 +366,8 @@ class ServerClient:
             self._count("reconnects")
 
     def only_model(self, cards: list[dict[str, Any]]) -> str:
-        models = [m["id"] for m in cards]
+        # A LoRA adapter's card names its base as parent: one a weight sync left loaded is not a second model.
+        models = [m["id"] for m in cards if not m.get("parent")]
         if len(models) != 1:
             raise PluginError(f"the server at {self.base_url} serves {models or 'no models'}; choose one with --sampler-opt model=NAME")
         return models[0]

@@ -451,6 +451,8 @@ class VLLMWeightSync:
             f"(tolerance {self.tolerance:g}) on a {self.probe_tokens}-token probe"
             + (", also after writing and reloading the weights again" if repaired else "")
         )
+        if self.chosen == "broadcast":
+            return f"{message}. Check that the server serves the trainer's model in its dtype"
         if ties_output_layer(self.folder):
             return (
                 f"{message}. The model ties its output layer to the embedding; vLLM's in-place reload leaves a tied output layer "

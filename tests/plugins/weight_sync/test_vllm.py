@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -339,6 +340,9 @@ class FakeVLLMWithAdapters(FakeVLLM):
             if self.adapters.pop(body["lora_name"], None) is None:
                 return httpx.Response(404, json={"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be found."}})
             return httpx.Response(200, text="Success")
+        if path == "/v1/models":
+            cards = [{"id": name, "parent": self.name} for name in self.adapters]
+            return httpx.Response(200, json={"data": [{"id": self.name, "max_model_len": self.max_model_len}, *cards]})
         if path == "/v1/completions" and body.get("model") != self.name:
             if body["model"] not in self.adapters:
                 return httpx.Response(404, json={"error": {"message": f"The model `{body['model']}` does not exist."}})
@@ -392,6 +396,15 @@ def test_a_lora_run_syncs_a_new_adapter_per_version_and_unloads_the_old_one(unti
     assert not any(b.get("load_inplace") for b in fake.adapter_loads)
     # The probe is scored with the adapter, never with the base.
     assert [body["model"] for path, body in fake.requests if body.get("prompt_logprobs") == 0][-1] == names[-1]
+
+
+def test_a_server_left_with_a_run_s_adapter_is_found_serving_its_base_model(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    train_adapters(trainer, seed=1)
+    sync_recorded(VLLMWeightSync(weights_dir=str(tmp_path)), trainer, sampler, step=1)
+    cards = sampler.client.first_contact(5.0)
+    assert len(cards) == 2  # the base and the adapter the run left
+    assert sampler.client.only_model(cards) == "tiny"  # what the next run samples from (or syncs adapters onto)
 
 
 def test_a_restarted_server_gets_the_adapter_again_before_it_samples(untied_model_dir, tmp_path):
@@ -496,7 +509,9 @@ def test_full_every_only_with_method_delta():
         VLLMWeightSync(method="delta", full_every=0)
     from grpo_core.plugins_manager import make_plugin
 
-    with pytest.raises(PluginError, match="option 'method' of weight_sync.vllm: expected one of 'auto', 'full', 'adapter', 'delta', 'broadcast'"):
+    with pytest.raises(
+        PluginError, match="option 'method' of weight_sync.vllm: expected one of 'auto', 'full', 'adapter', 'delta', 'broadcast'"
+    ):
         make_plugin("weight_sync.vllm", method="xor")
 
 
@@ -672,5 +687,33 @@ def test_a_server_that_cannot_join_the_group_is_a_clear_error(untied_model_dir):
     trainer, fake, sampler = delta_setup(untied_model_dir)
     type(fake.worker).grpo_core_join_group = lambda self, host, port, group, timeout: {"ok": False, "error": "no route to host"}
     train_a_step(trainer)
-    with pytest.raises(PluginError, match=r"did not join the weight broadcast group on 127.0.0.1:\d+ within 1s .*no route to host.*group_host"):
+    with pytest.raises(
+        PluginError, match=r"did not join the weight broadcast group on 127.0.0.1:\d+ within 1s .*no route to host.*group_host"
+    ):
         VLLMWeightSync(method="broadcast", group_timeout=1.0).weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_a_broadcast_that_loads_nothing_is_streamed_again_then_stops_the_run_saying_what_to_check(untied_model_dir, monkeypatch, tmp_path):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a folder would go, had the sync made one
+    plugin = VLLMWeightSync(method="broadcast", group_timeout=30.0)
+    worker = type(fake.worker)
+    real, lost = worker.reload_weights, []
+
+    def lose_the_first(self, weights_iterator, is_checkpoint_format):
+        if not lost:
+            lost.append(list(weights_iterator))  # received whole, loaded nowhere
+            return
+        real(self, weights_iterator, is_checkpoint_format)
+
+    worker.reload_weights = lose_the_first
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
+    worker.reload_weights = lambda self, weights_iterator, is_checkpoint_format: list(weights_iterator)
+    train_a_step(trainer, seed=2)
+    with pytest.raises(
+        WeightSyncMismatch, match=r"also after writing and reloading the weights again\. Check that the server serves the trainer's"
+    ):
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=2)
+    assert list(tmp_path.iterdir()) == []
