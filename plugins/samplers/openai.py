@@ -278,8 +278,9 @@ class ServerClient:
     def get(self, path: str, resync: bool = True) -> Any:
         return self.call(self.request("GET", path, None, resync))
 
-    def post(self, path: str, body: dict[str, Any], resync: bool = True) -> Any:
-        return self.call(self.request("POST", path, body, resync))
+    def post(self, path: str, body: dict[str, Any], resync: bool = True, text: bool = False) -> Any:
+        """The decoded JSON answer; ``text``: the answer's text (vLLM's /v1/load_lora_adapter answers in words)."""
+        return self.call(self.request("POST", path, body, resync, text=text))
 
     async def request(
         self,
@@ -289,13 +290,14 @@ class ServerClient:
         resync: bool = True,
         deadline: float | None = None,
         on_failure: Callable[[], None] | None = None,
+        text: bool = False,
     ) -> Any:
         """The decoded JSON answer; retried until the deadline, then :class:`ServerUnavailable`.
 
         ``deadline``: seconds from the first attempt the request may take in all, each attempt's
         wait for an answer included (the first contact's bound); else each attempt may take
         ``timeout`` and failures are retried for ``retry_deadline``. ``on_failure`` runs on each
-        failure that is retried or ends the request."""
+        failure that is retried or ends the request. ``text``: the answer's text, not decoded."""
         started = time.monotonic()
         limit = self.retry_deadline if deadline is None else deadline
         first_failure: float | None = None
@@ -316,6 +318,8 @@ class ServerClient:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             else:
                 if response.is_success:
+                    if text:
+                        return response.text
                     if not response.content:
                         return None
                     try:
@@ -362,7 +366,8 @@ class ServerClient:
             self._count("reconnects")
 
     def only_model(self, cards: list[dict[str, Any]]) -> str:
-        models = [m["id"] for m in cards]
+        # A LoRA adapter's card names its base as parent: one a weight sync left loaded is not a second model.
+        models = [m["id"] for m in cards if not m.get("parent")]
         if len(models) != 1:
             raise PluginError(f"the server at {self.base_url} serves {models or 'no models'}; choose one with --sampler-opt model=NAME")
         return models[0]

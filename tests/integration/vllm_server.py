@@ -71,11 +71,20 @@ class VLLMServer(ServerProcess):
 
     name = "vLLM"
 
-    def __init__(self, model: Path, log: Path, port: int | None = None, name: str = "tiny", extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        port: int | None = None,
+        name: str = "tiny",
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(log, port)
         self.model = model
         self.served_name = name
         self.extra_args = extra_args
+        self.extra_env = extra_env or {}
 
     def start(self, timeout: float = 600.0) -> float:
         """Start and wait until it answers; returns the seconds that took."""
@@ -84,6 +93,7 @@ class VLLMServer(ServerProcess):
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc and /reset_prefix_cache
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a share of the machine's memory
             "OMP_NUM_THREADS": "1",
+            **self.extra_env,
         }
         command = [
             str(venv_python()), "-m", "vllm.entrypoints.openai.api_server",
@@ -95,3 +105,26 @@ class VLLMServer(ServerProcess):
             *self.extra_args,
         ]  # fmt: skip
         return self.launch(command, env, "/health", timeout)
+
+
+LORA_RANK = 8
+LORA_SERVER = {
+    "extra_args": ("--enable-lora", "--max-lora-rank", str(LORA_RANK), "--max-loras", "2"),
+    "extra_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"},
+}
+"""What a server that takes adapters at run time needs (``--weight-sync-opt method=adapter``), for
+runs of ``--lora-rank`` up to LORA_RANK."""
+
+
+def delta_server(folder: Path) -> dict:
+    """What a server that applies weight deltas needs (``--weight-sync-opt method=delta``): grpo-core's
+    worker extension, one dependency-free file, on its PYTHONPATH (a folder of its own: beside
+    grpo-core's ``vllm.py`` it would shadow vLLM)."""
+    from grpo_core.plugins.weight_sync import vllm_worker
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(vllm_worker.__file__, folder / "grpo_core_vllm_worker.py")
+    return {
+        "extra_args": ("--worker-extension-cls", "grpo_core_vllm_worker.WeightSyncExtension"),
+        "extra_env": {"PYTHONPATH": str(folder)},
+    }

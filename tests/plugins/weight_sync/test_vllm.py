@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import attrs
 import httpx
@@ -13,6 +15,7 @@ from grpo_core.config import RunConfig
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
+from grpo_core.plugins.weight_sync import vllm_worker
 from grpo_core.plugins.weight_sync.vllm import (
     TIED_OUTPUT_FILE,
     VLLMWeightSync,
@@ -70,7 +73,16 @@ def test_sync_writes_reloads_clears_the_cache_and_verifies(untied_model_dir, tmp
     assert paths[reload_at + 1] == "/reset_prefix_cache" and paths[reload_at + 2] == "/v1/completions"
     assert fake.requests[reload_at][1] == {"method": "reload_weights", "kwargs": {"weights_path": str((tmp_path / "w").resolve())}}
     assert (tmp_path / "w" / "model.safetensors").exists() and not (tmp_path / "w" / TIED_OUTPUT_FILE).exists()
-    assert set(RECORDED[-1]) == {"sync/logprob_max_abs_diff", "sync/repairs", "time/weight_sync"}
+    assert set(RECORDED[-1]) == {
+        "sync/logprob_max_abs_diff",
+        "sync/repairs",
+        "sync/bytes",
+        "sync/seconds",
+        "sync/method",
+        "time/weight_sync",
+    }
+    # A full sync writes the whole policy, and says so.
+    assert RECORDED[-1]["sync/bytes"] == (tmp_path / "w" / "model.safetensors").stat().st_size and RECORDED[-1]["sync/method"] == 0.0
     assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and RECORDED[-1]["sync/repairs"] == 0.0
     assert RECORDED[-1]["time/weight_sync"] > 0
     # The probe is scored whole on the server.
@@ -301,3 +313,407 @@ def sync_recorded(plugin, trainer, sampler, step):
         version = plugin.weight_sync(trainer=trainer, sampler=sampler, step=step)
     RECORDED.append(recorded)
     return version
+
+
+class FakeVLLMWithAdapters(FakeVLLM):
+    """Also loads peft adapters at run time (/v1/load_lora_adapter, answered in words as vLLM does)
+    and scores prompts with the one a request names: the adapter folder is checked by peft itself."""
+
+    def __init__(self, tokenizer, model, base_dir) -> None:
+        super().__init__(tokenizer, model=model)
+        self.base_dir = base_dir
+        self.adapters: dict[str, object] = {}
+        self.adapter_loads: list[dict] = []
+
+    def answer(self, method, path, body):
+        if path == "/v1/load_lora_adapter":
+            from peft import PeftModel
+            from transformers import AutoModelForCausalLM
+
+            self.adapter_loads.append(body)
+            if body["lora_name"] in self.adapters and not body.get("load_inplace"):
+                return httpx.Response(400, json={"error": {"message": f"The lora adapter '{body['lora_name']}' has already been loaded."}})
+            base = AutoModelForCausalLM.from_pretrained(self.base_dir)
+            self.adapters[body["lora_name"]] = PeftModel.from_pretrained(base, body["lora_path"]).eval()
+            return httpx.Response(200, text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+        if path == "/v1/unload_lora_adapter":
+            if self.adapters.pop(body["lora_name"], None) is None:
+                return httpx.Response(404, json={"error": {"message": f"The lora adapter '{body['lora_name']}' cannot be found."}})
+            return httpx.Response(200, text="Success")
+        if path == "/v1/models":
+            cards = [{"id": name, "parent": self.name} for name in self.adapters]
+            return httpx.Response(200, json={"data": [{"id": self.name, "max_model_len": self.max_model_len}, *cards]})
+        if path == "/v1/completions" and body.get("model") != self.name:
+            if body["model"] not in self.adapters:
+                return httpx.Response(404, json={"error": {"message": f"The model `{body['model']}` does not exist."}})
+            if body.get("prompt_logprobs") is None:
+                return super().answer(method, path, body)
+            tokens = body["prompt"][0]
+            with torch.no_grad():
+                logits = self.adapters[body["model"]](input_ids=torch.tensor([tokens])).logits[0]
+            logprobs = logits.float().log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+            rows = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(tokens[1:], logprobs)]
+            return httpx.Response(200, json={"choices": [{"index": 0, "prompt_logprobs": rows, "finish_reason": "length"}]})
+        return super().answer(method, path, body)
+
+
+def lora_setup(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(model_dir), lora_rank=4, lora_alpha=8.0))
+    fake = FakeVLLMWithAdapters(trainer.tokenizer, AutoModelForCausalLM.from_pretrained(model_dir).eval(), model_dir)
+    client = ServerClient("http://fake", retry_deadline=5.0, transport=httpx.MockTransport(fake), backoff=(0.01, 0.05))
+    return trainer, fake, ServerSampler(client=client, tokenizer=trainer.tokenizer, model="tiny", max_context=256)
+
+
+def train_adapters(trainer, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    trainer.version += 1
+
+
+def test_a_lora_run_syncs_a_new_adapter_per_version_and_unloads_the_old_one(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))  # auto: adapters, the trainer trains LoRA
+    full_bytes = sum(f.stat().st_size for f in untied_model_dir.glob("*.safetensors"))
+    names = []
+    train_adapters(trainer, seed=1)
+    assert plugin.verify(trainer, sampler) > 0.01  # the server serves the base: the check can see the adapters
+    for step in (1, 2):
+        if step == 2:
+            train_adapters(trainer, seed=step)
+        assert sync_recorded(plugin, trainer, sampler, step=step) == step
+        recorded = RECORDED[-1]
+        assert recorded["sync/method"] == 1.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
+        assert 0 < recorded["sync/bytes"] < full_bytes / 5
+        assert sampler.model == f"tiny-grpo-{plugin.adapter_tag}-v{step}" and list(fake.adapters) == [sampler.model]
+        assert [p.name for p in tmp_path.iterdir()] == [f"adapter-v{step}"]
+        names.append(sampler.model)
+    assert [b["lora_path"] for b in fake.adapter_loads] == [str(tmp_path.resolve() / f"adapter-v{s}") for s in (1, 2)]
+    assert not any(b.get("load_inplace") for b in fake.adapter_loads)
+    # The probe is scored with the adapter, never with the base.
+    assert [body["model"] for path, body in fake.requests if body.get("prompt_logprobs") == 0][-1] == names[-1]
+
+
+def test_a_server_left_with_a_run_s_adapter_is_found_serving_its_base_model(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    train_adapters(trainer, seed=1)
+    sync_recorded(VLLMWeightSync(weights_dir=str(tmp_path)), trainer, sampler, step=1)
+    cards = sampler.client.first_contact(5.0)
+    assert len(cards) == 2  # the base and the adapter the run left
+    assert sampler.client.only_model(cards) == "tiny"  # what the next run samples from (or syncs adapters onto)
+
+
+def test_a_restarted_server_gets_the_adapter_again_before_it_samples(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    train_adapters(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    fake.adapters.clear()  # what a restart leaves
+    fake.failures.append(httpx.ConnectError("connection refused"))
+    with scope() as recorded:
+        sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
+    assert recorded["sampler/reconnects"] == 1.0 and list(fake.adapters) == [sampler.model]
+    assert fake.adapter_loads[-1]["load_inplace"] is True and "sync/bytes" not in recorded  # loaded from the folder written
+    assert plugin.verify(trainer, sampler) < 1e-5
+
+
+def test_a_lost_adapter_load_is_repaired_in_place(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    train_adapters(trainer, seed=1)
+    original = fake.answer
+    lost = []
+
+    def lose_the_first_load(method, path, body):
+        if path == "/v1/load_lora_adapter" and not lost:
+            from transformers import AutoModelForCausalLM
+
+            lost.append(body)  # answered OK, but the adapter's name serves the base model
+            answer = original(method, path, body)
+            fake.adapters[body["lora_name"]] = AutoModelForCausalLM.from_pretrained(fake.base_dir).eval()
+            return answer
+        return original(method, path, body)
+
+    fake.answer = lose_the_first_load
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
+    assert fake.adapter_loads[-1]["load_inplace"] is True
+
+
+def test_an_adapter_load_refused_names_the_server_flags(untied_model_dir, tmp_path):
+    trainer, fake, sampler = lora_setup(untied_model_dir)
+    original = fake.answer
+    fake.answer = lambda method, path, body: (
+        httpx.Response(404, json={"detail": "Not Found"}) if path == "/v1/load_lora_adapter" else original(method, path, body)
+    )
+    train_adapters(trainer, seed=1)
+    with pytest.raises(PluginError, match="HTTP 404.*--enable-lora, --max-lora-rank.*VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"):
+        VLLMWeightSync(weights_dir=str(tmp_path)).weight_sync(trainer=trainer, sampler=sampler, step=1)
+    assert sampler.model == "tiny" and sampler.version == 0
+
+
+def test_the_adapter_folder_is_peft_s_format_with_the_trainer_s_scaling(untied_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.plugins.weight_sync.vllm import write_adapter
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(untied_model_dir), lora_rank=4, lora_alpha=8.0))
+    train_adapters(trainer, seed=3)
+    write_adapter(trainer.model, tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and not config["use_rslora"]
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(untied_model_dir), str(tmp_path / "a")).merge_and_unload()
+    from grpo_core.plugins.backends.local import merged_state_dict
+
+    ours = merged_state_dict(trainer.model)
+    theirs = merged.state_dict()
+    assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
+    with pytest.raises(FileExistsError):
+        write_adapter(trainer.model, tmp_path / "a")  # a version's folder is written once
+
+
+def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_one(untied_model_dir, tmp_path):
+    trainer, _, sampler = setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path))
+    train_a_step(trainer)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert plugin.chosen == "full" and RECORDED[-1]["sync/method"] == 0.0 and (tmp_path / "model.safetensors").exists()
+    with pytest.raises(PluginError, match="method=adapter sends the LoRA adapters of the local trainer's model; a LocalTrainer has none"):
+        VLLMWeightSync(weights_dir=str(tmp_path), method="adapter").weight_sync(trainer=trainer, sampler=sampler, step=1)
+    # A LoRA run can still go in full or by deltas.
+    lora, _, lora_sampler = lora_setup(untied_model_dir)
+    train_adapters(lora, seed=1)
+    full = VLLMWeightSync(weights_dir=str(tmp_path / "full"), method="full")
+    sync_recorded(full, lora, lora_sampler, step=1)
+    assert full.chosen == "full" and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and lora_sampler.model == "tiny"
+
+
+def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
+    with pytest.raises(
+        PluginError, match=r"method=adapter sends the LoRA adapters alone, and this run trains every weight \(--lora-rank 0\)"
+    ):
+        VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(), run_dir=tmp_path, total_steps=1, start_step=0)
+    VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+
+
+def test_full_every_only_with_method_delta():
+    with pytest.raises(ValueError, match="full_every spaces the full payloads of method=delta; with method=auto it would do nothing"):
+        VLLMWeightSync(full_every=3)
+    with pytest.raises(ValueError, match="full_every must be >= 1, got 0"):
+        VLLMWeightSync(method="delta", full_every=0)
+    from grpo_core.plugins_manager import make_plugin
+
+    with pytest.raises(
+        PluginError, match="option 'method' of weight_sync.vllm: expected one of 'auto', 'full', 'adapter', 'delta', 'broadcast'"
+    ):
+        make_plugin("weight_sync.vllm", method="xor")
+
+
+class FakeVLLMWithExtension(FakeVLLM):
+    """Also has grpo-core's worker extension: collective_rpc grpo_core_load_payload applies a
+    payload to what it holds and loads the result into its model."""
+
+    def __init__(self, tokenizer, model) -> None:
+        super().__init__(tokenizer, model=model)
+        fake = self
+
+        class Worker(vllm_worker.WeightSyncExtension):
+            rank = 0
+            vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+
+            def reload_weights(self, weights_iterator, is_checkpoint_format):
+                state = dict(weights_iterator)
+                tied = fake.model.config.tie_word_embeddings
+                fake.model.load_state_dict({k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, strict=False)
+                fake.output_weight = state["lm_head.weight"].clone()
+
+        self.worker = Worker()
+        self.payloads: list[tuple[str, dict]] = []
+
+    def collective_rpc(self, body):
+        if not body.get("method", "").startswith("grpo_core_"):
+            return super().collective_rpc(body)
+        answer = getattr(self.worker, body["method"])(**body.get("kwargs", {}))
+        if body["method"] == "grpo_core_load_payload":
+            self.payloads.append((Path(body["kwargs"]["path"]).name, answer))
+        return httpx.Response(200, json={"results": [answer]})
+
+    def restart(self, initial_state):
+        super().restart(initial_state)
+        self.worker = type(self.worker)()
+
+
+def delta_setup(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(model_dir)))
+    fake = FakeVLLMWithExtension(trainer.tokenizer, AutoModelForCausalLM.from_pretrained(model_dir).eval())
+    client = ServerClient("http://fake", retry_deadline=5.0, transport=httpx.MockTransport(fake), backoff=(0.01, 0.05))
+    return trainer, fake, ServerSampler(client=client, tokenizer=trainer.tokenizer, model="tiny", max_context=256)
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "untied_model_dir"], ids=["tied", "untied"])
+def test_delta_sync_sends_a_full_payload_then_deltas_and_a_full_one_every_n_versions(request, model, tmp_path):
+    trainer, fake, sampler = delta_setup(request.getfixturevalue(model))
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path), method="delta", full_every=3)
+    kinds = []
+    for step in range(1, 6):
+        train_a_step(trainer, scale=0.01, seed=step)
+        assert sync_recorded(plugin, trainer, sampler, step=step) == step
+        recorded = RECORDED[-1]
+        assert recorded["sync/method"] == 2.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
+        kinds.append(fake.payloads[-1][0].rsplit(".", 1)[1])
+        assert recorded["sync/full_payloads"] == (kinds[-1] == "full")
+        assert [p.name for p in tmp_path.iterdir()] == [fake.payloads[-1][0]]
+    assert kinds == ["full", "delta", "delta", "full", "delta"]
+    assert all(answer["ok"] for _, answer in fake.payloads)
+
+
+def test_a_server_that_refuses_a_delta_gets_the_full_payload_in_the_same_sync(untied_model_dir, tmp_path):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    initial = {k: v.clone() for k, v in fake.model.state_dict().items()}
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path), method="delta")
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    # The server restarted unnoticed (no dropped connection): it holds no base for the next delta.
+    fake.restart(initial)
+    train_a_step(trainer, seed=2)
+    sync_recorded(plugin, trainer, sampler, step=2)
+    assert [(name, answer["ok"]) for name, answer in fake.payloads] == [
+        ("grpo-core-weights-v1.full", True),
+        ("grpo-core-weights-v2.delta", False),
+        ("grpo-core-weights-v2.full", True),
+    ]
+    assert "this server holds none it was sent" in fake.payloads[1][1]["error"]
+    assert RECORDED[-1]["sync/full_payloads"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grpo-core-weights-v2.delta", "grpo-core-weights-v2.full"]
+
+
+def test_a_delta_sync_mismatch_is_repaired_with_a_full_payload(untied_model_dir, tmp_path):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path), method="delta")
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    train_a_step(trainer, seed=2)
+    real = fake.worker.reload_weights
+
+    def lose_it(weights_iterator, is_checkpoint_format):  # the delta applied and checked, then lost on loading
+        fake.worker.reload_weights = real
+
+    fake.worker.reload_weights = lose_it
+    sync_recorded(plugin, trainer, sampler, step=2)
+    assert [name for name, _ in fake.payloads][-2:] == ["grpo-core-weights-v2.delta", "grpo-core-weights-v2.full"]
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
+
+
+def test_a_server_without_the_worker_extension_names_it(untied_model_dir, tmp_path):
+    trainer, fake, sampler = setup(untied_model_dir)
+    original = fake.answer
+    fake.answer = lambda method, path, body: (
+        httpx.Response(400, json={"error": {"message": "Method grpo_core_load_payload not found"}})
+        if path == "/collective_rpc"
+        else original(method, path, body)
+    )
+    train_a_step(trainer)
+    with pytest.raises(PluginError, match="--worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension.*vllm_worker.py copied"):
+        VLLMWeightSync(weights_dir=str(tmp_path), method="delta").weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and_rejoins_after_a_restart(tiny_model_dir, tmp_path):
+    trainer, fake, sampler = delta_setup(tiny_model_dir)  # tied: the output layer streams too
+    initial = {k: v.clone() for k, v in fake.model.state_dict().items()}
+    plugin = VLLMWeightSync(weights_dir=str(tmp_path / "w"), method="broadcast", bucket_mb=0.05, group_timeout=30.0)
+    for step in (1, 2):
+        train_a_step(trainer, scale=0.01, seed=step)
+        assert plugin.verify(trainer, sampler) > 0.01
+        assert sync_recorded(plugin, trainer, sampler, step=step) == step
+        recorded = RECORDED[-1]
+        assert recorded["sync/method"] == 3.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
+        assert recorded["sync/bytes"] == sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
+    group = plugin.groups["http://fake"][0]
+    assert fake.worker.grpo_core_group()["group"] == group and not (tmp_path / "w").exists()
+    # A restarted server has no group: it joins a new one before the weights stream again.
+    fake.restart(initial)
+    fake.failures.append(httpx.ConnectError("connection refused"))
+    with scope() as recorded:
+        sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
+    assert recorded["sampler/reconnects"] == 1.0 and plugin.verify(trainer, sampler) < 1e-5
+    assert plugin.groups["http://fake"][0] != group and fake.worker.grpo_core_group()["group"] == plugin.groups["http://fake"][0]
+
+
+def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(untied_model_dir, tmp_path):
+    with pytest.raises(PluginError, match="method=broadcast streams every weight, and this run trains LoRA adapters"):
+        VLLMWeightSync(method="broadcast").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+    lora, _, lora_sampler = lora_setup(untied_model_dir)
+    with pytest.raises(PluginError, match="this trainer trains LoRA adapters: sync them alone with method=adapter"):
+        VLLMWeightSync(method="broadcast").weight_sync(trainer=lora, sampler=lora_sampler, step=1)
+    local, _, sampler = delta_setup(untied_model_dir)
+    train_a_step(local)
+    with pytest.raises(PluginError, match="method=broadcast streams the weights of a model in this process; a RemoteLikeTrainer has none"):
+        VLLMWeightSync(method="broadcast").weight_sync(trainer=RemoteLikeTrainer(local), sampler=sampler, step=1)
+    for name in ("bucket_mb", "group_timeout"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0, got 0"):
+            VLLMWeightSync(method="broadcast", **{name: 0})
+
+
+def test_a_broken_stream_is_sent_again_through_a_new_group(untied_model_dir, tmp_path, capfd):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    plugin = VLLMWeightSync(method="broadcast", group_timeout=30.0)
+    receive = type(fake.worker).grpo_core_receive
+    broken = []
+
+    def receive_then_break(self, group, plan):
+        answer = receive(self, group, plan)
+        if not broken:
+            broken.append(group)
+            self._grpo_core_group_name = None  # as a worker whose group failed mid-stream
+            return {"ok": False, "error": "the broadcast failed: connection reset"}
+        return answer
+
+    type(fake.worker).grpo_core_receive = receive_then_break
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and plugin.groups["http://fake"][0] != broken[0]
+    assert "did not take the streamed weights: the broadcast failed: connection reset; joining a new group" in capfd.readouterr().err
+
+
+def test_a_server_that_cannot_join_the_group_is_a_clear_error(untied_model_dir):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    type(fake.worker).grpo_core_join_group = lambda self, host, port, group, timeout: {"ok": False, "error": "no route to host"}
+    train_a_step(trainer)
+    with pytest.raises(
+        PluginError, match=r"did not join the weight broadcast group on 127.0.0.1:\d+ within 1s .*no route to host.*group_host"
+    ):
+        VLLMWeightSync(method="broadcast", group_timeout=1.0).weight_sync(trainer=trainer, sampler=sampler, step=1)
+
+
+def test_a_broadcast_that_loads_nothing_is_streamed_again_then_stops_the_run_saying_what_to_check(untied_model_dir, monkeypatch, tmp_path):
+    trainer, fake, sampler = delta_setup(untied_model_dir)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a folder would go, had the sync made one
+    plugin = VLLMWeightSync(method="broadcast", group_timeout=30.0)
+    worker = type(fake.worker)
+    real, lost = worker.reload_weights, []
+
+    def lose_the_first(self, weights_iterator, is_checkpoint_format):
+        if not lost:
+            lost.append(list(weights_iterator))  # received whole, loaded nowhere
+            return
+        real(self, weights_iterator, is_checkpoint_format)
+
+    worker.reload_weights = lose_the_first
+    train_a_step(trainer, seed=1)
+    sync_recorded(plugin, trainer, sampler, step=1)
+    assert RECORDED[-1]["sync/repairs"] == 1.0 and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5
+    worker.reload_weights = lambda self, weights_iterator, is_checkpoint_format: list(weights_iterator)
+    train_a_step(trainer, seed=2)
+    with pytest.raises(
+        WeightSyncMismatch, match=r"also after writing and reloading the weights again\. Check that the server serves the trainer's"
+    ):
+        plugin.weight_sync(trainer=trainer, sampler=sampler, step=2)
+    assert list(tmp_path.iterdir()) == []
