@@ -199,6 +199,16 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "None: the tinker sampler is refused",
         ),
     },
+    "episode object": {
+        "scored_at_end": Attribute(
+            "bool",
+            False,
+            "True: the environment scores a conversation only when its episode ends (step answers done=True: a rubric "
+            "run at the end), so one the rollout cuts short first (its token budget, a prefix mismatch) has no score: "
+            "its env_reward is None, which reward 'env' counts in reward/failed; False: the rewards its steps gave "
+            "are its score wherever it ends",
+        ),
+    },
     "sampler object": {
         "run_info": Attribute("dict[str, str]", {}, "how it samples (its forward...), in words: written to config.json's run_info.sampler"),
         "own_weights": Attribute("bool", True, "False: it samples from the trainer's own weights (shared), which --loop async refuses"),

@@ -143,6 +143,10 @@ class VerifiersEpisode:
     """One task played to its end: each seat turn's new messages are an observation, the
     policy's turn its reply; the reward comes when the environment's run is over."""
 
+    scored_at_end = True
+    """The task's rubric scores the conversation when the run is over: one the rollout cuts short on
+    its token budget is unscored (None, counted as failed), not 0.0."""
+
     def __init__(self, loop: EventLoop, task: Any, env: Any, rollout_turns: int | None = None) -> None:
         check_task(task)
         self.loop = loop.loop

@@ -12,6 +12,7 @@ import attrs
 from grpo_core import Completion, Prompt, Sample, SamplingParams, hookimpl, option
 from grpo_core.backend import Sampler
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, ToolFormat, detect
 from grpo_core.stages import CallTimeout, call_with_timeout
@@ -79,6 +80,8 @@ class Conversation:
     sampler call that first forwarded it recorded it (see ``Sample.routed_experts``); None where
     the sampler records none."""
     env_reward: float | None = None
+    env_done: bool = False
+    """Whether the episode answered done=True (the environment ended the conversation)."""
     text: str = ""
     """The policy's last turn."""
     finish_reason: str | None = None
@@ -314,7 +317,7 @@ class MultiTurnRollout:
         else:
             observation, done = [], True
         if done:
-            conv.finish_reason = finish
+            conv.finish_reason, conv.env_done = finish, conv.episode is not None
             return
         if len(conv.turns) >= self.max_turns:
             conv.finish_reason = "max_turns"
@@ -440,6 +443,14 @@ class MultiTurnRollout:
             content = f"error: {exc}"
         return {"role": "tool", "name": call.name or "", "content": content}
 
+    @staticmethod
+    def _env_score(conv: Conversation) -> float | None:
+        """The environment's score of the conversation; None where it scores only at the end and
+        the rollout ended the conversation first (unscored: counted as failed, never a silent 0)."""
+        if conv.episode is not None and not conv.env_done and declared(conv.episode, "episode object", "scored_at_end"):
+            return None
+        return conv.env_reward
+
     def _samples_of(self, conv: Conversation) -> list[Sample]:
         """The trajectory as one sample; with per_turn_samples, one per turn, each with the trajectory's outcome."""
         current = (conv.tokens, conv.logprobs, conv.mask, conv.turns[len(conv.earlier_samples) :], conv.routes)
@@ -453,7 +464,7 @@ class MultiTurnRollout:
                 finish_reason=str(conv.finish_reason),
                 policy_version=int(conv.policy_version or 0),
                 turns=turns,
-                env_reward=conv.env_reward,
+                env_reward=self._env_score(conv),
                 routed_experts=routes,
             )
             for tokens, logprobs, mask, turns, routes in [*conv.earlier_samples, current]

@@ -283,6 +283,27 @@ def test_max_total_tokens_cuts_the_turn_that_reaches_it(embedded_tokenizer):
     assert sample.turns[1].end == limit == sample.turns[1].context_end
 
 
+@attrs.define
+class ScoredAtEnd(Endless):
+    """Endless, but its score comes at the end only (as a verifiers task's rubric)."""
+
+    scored_at_end: bool = True
+
+
+@pytest.mark.parametrize(("env", "score"), [(Endless, 0.5), (ScoredAtEnd, None)])
+def test_a_conversation_cut_before_an_end_scored_episode_ends_is_unscored_not_zero(embedded_tokenizer, env, score):
+    tok = embedded_tokenizer
+    opening = ids(tok, "Question: count\nAnswer:")
+    limit = len(opening) + len(ids(tok, " 1")) + 1 + len(ids(tok, "\nmore\nAnswer:")) + 2
+    sampler = ScriptedSampler(tok, [[" 1" + EOS], [" 1 2 3 4 5" + EOS]])
+    (sample,) = run(
+        make_plugin("multi_turn", max_total_tokens=limit, max_turns=10), [Prompt(id="c", text="c")], 1, sampler, env=lambda p: env()
+    )[0]
+    assert sample.finish_reason == "length" and sample.env_reward == score
+    # reward 'env' passes None on: the sample is counted as failed, not scored 0.
+    assert make_plugin("env", "reward").reward(prompt=sample.prompt, samples=[sample]) == [score]
+
+
 def test_an_observation_that_leaves_no_room_ends_the_conversation_after_the_turn(embedded_tokenizer):
     tok = embedded_tokenizer
     opening = ids(tok, "Question: count\nAnswer:")
