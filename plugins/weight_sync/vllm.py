@@ -502,7 +502,7 @@ class Background:
 def policy_in_memory(trainer: Any) -> dict[str, Any]:
     """The trainer's policy as the server loads it, without a file: the model's merged weights
     under their checkpoint names (a tied output layer's included)."""
-    from grpo_core.plugins.backends.local import as_saved, merged_state_dict
+    from grpo_core.engine.lora import as_saved, merged_state_dict
 
     local = declared(trainer, "trainer object", "local_policy")
     model = getattr(local() if local is not None else trainer, "model", None)
@@ -558,7 +558,7 @@ def setup_hint(method: str, error: str) -> str:
 
 def has_local_adapters(trainer: Any) -> bool:
     """Whether the trainer trains LoRA adapters on a model in this process (the local backend's)."""
-    from grpo_core.plugins.backends.local import has_adapters
+    from grpo_core.engine.lora import has_adapters
 
     model = getattr(trainer, "model", None)
     return model is not None and has_adapters(model)
@@ -573,7 +573,7 @@ def write_adapter(model: Any, folder: Path) -> None:
     import peft
     from safetensors.torch import save_file
 
-    from grpo_core.plugins.backends.local import adapted_layers
+    from grpo_core.engine.lora import adapted_layers
 
     tensors, targets, shapes = {}, set(), set()
     for key, layer in adapted_layers(model):

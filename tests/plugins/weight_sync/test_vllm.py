@@ -469,7 +469,7 @@ def test_the_adapter_folder_is_peft_s_format_with_the_trainer_s_scaling(untied_m
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and not config["use_rslora"]
     assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(untied_model_dir), str(tmp_path / "a")).merge_and_unload()
-    from grpo_core.plugins.backends.local import merged_state_dict
+    from grpo_core.engine.lora import merged_state_dict
 
     ours = merged_state_dict(trainer.model)
     theirs = merged.state_dict()
