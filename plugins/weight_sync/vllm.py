@@ -432,17 +432,7 @@ class VLLMWeightSync:
         or on ``client``'s), from the model that serves the written version."""
         tokens = self.probe(trainer.tokenizer, sampler.max_context)
         server = prompt_logprobs(client or sampler.client, self.served_model(sampler), tokens, resync=False)[1:]
-        probe = Sample(
-            prompt=Prompt(id="weight-sync-probe", text=""),
-            tokens=tokens,
-            sampling_logprobs=[0.0] * len(tokens),
-            loss_mask=[1.0] * len(tokens),
-            text="",
-            finish_reason="length",
-            policy_version=trainer.version,
-        )
-        ours = trainer.forward([sample_to_datum(probe)])[0].tolist()
-        return max(abs(a - b) for a, b in zip(server, ours))
+        return probe_difference(trainer, tokens, server)
 
     def _mismatch_message(self, trainer: Any, diff: float, url: str, repaired: bool) -> str:
         message = (
@@ -641,3 +631,19 @@ def write_tied_output_layer(folder: Path, embedding: Any) -> None:
         data = json.loads(index.read_text())
         data["weight_map"]["lm_head.weight"] = TIED_OUTPUT_FILE
         index.write_text(json.dumps(data, indent=2))
+
+
+def probe_difference(trainer: Any, tokens: list[int], engine_logprobs: list[float]) -> float:
+    """The largest |engine - trainer| logprob over the probe ``tokens`` (``engine_logprobs``: the
+    engine's logprob of each token after the first, given those before)."""
+    probe = Sample(
+        prompt=Prompt(id="weight-sync-probe", text=""),
+        tokens=tokens,
+        sampling_logprobs=[0.0] * len(tokens),
+        loss_mask=[1.0] * len(tokens),
+        text="",
+        finish_reason="length",
+        policy_version=trainer.version,
+    )
+    ours = trainer.forward([sample_to_datum(probe)])[0].tolist()
+    return max(abs(a - b) for a, b in zip(engine_logprobs, ours))

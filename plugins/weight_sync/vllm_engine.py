@@ -8,11 +8,10 @@ from typing import Any, Literal
 
 import attrs
 
-from grpo_core import PluginError, Prompt, Sample, hookimpl, option
-from grpo_core.backend import sample_to_datum
+from grpo_core import PluginError, hookimpl, option
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
-from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch, probe_difference
 
 CHUNK_MIB = 512
 
@@ -96,18 +95,7 @@ class VLLMEngineWeightSync:
     def verify(self, trainer: Any, sampler: Any) -> float:
         """The largest |engine - trainer| logprob over the probe's tokens."""
         tokens = VLLMWeightSync(probe_tokens=self.probe_tokens).probe(trainer.tokenizer, sampler.max_context)
-        engine = declared(sampler, "sampler object", "prompt_logprobs")(tokens)[1:]
-        probe = Sample(
-            prompt=Prompt(id="weight-sync-probe", text=""),
-            tokens=tokens,
-            sampling_logprobs=[0.0] * len(tokens),
-            loss_mask=[1.0] * len(tokens),
-            text="",
-            finish_reason="length",
-            policy_version=trainer.version,
-        )
-        ours = trainer.forward([sample_to_datum(probe)])[0].tolist()
-        return max(abs(a - b) for a, b in zip(engine, ours))
+        return probe_difference(trainer, tokens, declared(sampler, "sampler object", "prompt_logprobs")(tokens)[1:])
 
 
 def policy_weights(trainer: Any) -> Iterator[tuple[str, Any]]:
