@@ -101,11 +101,13 @@ def build_model(path, hidden: int, layers: int):
 def test_peak_memory_rises_with_a_larger_model(tiny_dataset, tmp_path):
     """Peak RSS is the process's: each model trains in a process of its own."""
     peaks = {}
-    for label, hidden, layers in (("small", 64, 2), ("large", 512, 6)):  # ~20 M parameters: ~0.3 GB of weights, grads, Adam
+    # ~63 M parameters: ~1 GB of weights, gradients and Adam moments, above any start-up peak (one CI
+    # machine's small run peaked at 0.83 GiB, this machine's at 0.39 GiB).
+    for label, hidden, layers in (("small", 64, 2), ("large", 1024, 4)):
         model = build_model(tmp_path / label, hidden, layers)
         out = grpo_core(*small_run_args(model, tiny_dataset, tmp_path / f"run-{label}", "--logger", "jsonl"))
         assert out.returncode == 0, out.stderr
         metrics = [json.loads(line) for line in (tmp_path / f"run-{label}" / "metrics.jsonl").read_text().splitlines()]
         assert all(0 < m["perf/mfu"] <= 1 for m in metrics)
         peaks[label] = max(m["perf/peak_memory_gib"] for m in metrics)
-    assert peaks["large"] > peaks["small"] + 0.15, peaks
+    assert peaks["large"] > peaks["small"] + 0.3, peaks

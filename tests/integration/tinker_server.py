@@ -128,16 +128,22 @@ def client_env(root: Path) -> dict[str, str]:
     package = root / "grpo_core"
     if not package.exists():
         package.parent.mkdir(parents=True, exist_ok=True)
-        # Links to every file: the checkout's sources, laid out as grpo_core and grpo_core.plugins.
+        # Links to every file: the checkout's sources, laid out as pyproject's package-dir installs them.
         skip = shutil.ignore_patterns("__pycache__")
-        shutil.copytree(src / "core", package, ignore=skip, copy_function=os.symlink)
-        shutil.copytree(src / "plugins", package / "plugins", ignore=skip, copy_function=os.symlink)
+        for name, folder in sorted(_package_dirs(src).items()):  # grpo_core first: the others nest in it
+            shutil.copytree(src / folder, root.joinpath(*name.split(".")), ignore=skip, copy_function=os.symlink)
         dist = root / "grpo_core-0.1.0.dist-info"
         dist.mkdir()
         (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: grpo-core\nVersion: 0.1.0\n")
         (dist / "entry_points.txt").write_text(_entry_points(src))
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{src}", "TINKER_API_KEY": API_KEY, "OMP_NUM_THREADS": "1"}
     return env
+
+
+def _package_dirs(src: Path) -> dict[str, str]:
+    import tomllib
+
+    return tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
 
 def _entry_points(src: Path) -> str:

@@ -388,7 +388,8 @@ def test_vllm_weight_sync_sends_the_merged_policy_of_a_lora_trainer(tmp_path):
     server.start()
     try:
         sampler = OpenAISampler(base_url=server.url, retry_deadline=120.0).make_sampler(config=RunConfig(), trainer=trainer)
-        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), on_mismatch="stop")
+        # method=full: auto would send the adapters alone, which needs a server started with --enable-lora.
+        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="full", on_mismatch="stop")
         with scope() as recorded:
             assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
         assert recorded["sync/logprob_max_abs_diff"] < 1e-3
