@@ -4,8 +4,9 @@ reference that only scores, with the folder a trainer's state is saved in.
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,65 @@ def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> 
         weights.update(load_file(shard, device=str(device)))
     weights.update({name: weights[kept] for name, kept in info["aliases"].items()})
     return {kind: weights, "optimizer": load_optimizer_state(folder, device), "version": info["version"]}
+
+
+@attrs.frozen
+class SavedState:
+    """What :meth:`LocalTrainer.save_state` writes: the trained weights (``kind``: a LoRA run's
+    adapters or the whole model) with the names that share another's storage, the optimizer's
+    state dict, the version. The trainer's live tensors, or their copies in host memory."""
+
+    kind: str
+    weights: dict[str, torch.Tensor]
+    aliases: dict[str, str]
+    """{name: the name whose storage it shares}: stored once (:func:`shared_storage_aliases`)."""
+    optimizer: dict[str, Any] | None
+    version: int
+
+    def write(self, path: str) -> None:
+        from huggingface_hub import save_torch_state_dict
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_torch_state_dict(
+            dict(self.weights),  # it deletes the aliases from the dict it is given
+            folder,
+            filename_pattern=self.kind + "{suffix}.safetensors",
+            max_shard_size=SHARD_SIZE,
+            shared_tensors_to_discard=list(self.aliases),
+        )
+        if self.optimizer is not None:
+            save_optimizer_state(self.optimizer, folder)
+        info = {"weights": self.kind, "version": self.version, "aliases": self.aliases}
+        (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
+
+    def on_host(self) -> SavedState:
+        """The same state, every tensor copied to host memory (:func:`host_copies`): what a later
+        step changes in place (weights, moments, a fused AdamW's step count) no longer changes it.
+        An alias is the copy of the tensor it shares storage with: it is still stored once."""
+        weights = {name: tensor for name, tensor in self.weights.items() if name not in self.aliases}
+        optimizer = None
+        if self.optimizer is not None:
+            # Its per-parameter dicts are the optimizer's own (a step counts in them): copied too.
+            state = {param_id: dict(entries) for param_id, entries in self.optimizer["state"].items()}
+            optimizer = {"state": state, "param_groups": copy.deepcopy(self.optimizer["param_groups"])}
+        entries_of = [weights, *(optimizer["state"].values() if optimizer is not None else ())]
+        places = [(entries, key) for entries in entries_of for key, value in entries.items() if isinstance(value, torch.Tensor)]
+        for (entries, key), copied in zip(places, host_copies([entries[key] for entries, key in places])):
+            entries[key] = copied
+        # In the live dict's order (the shards' layout follows it), aliases beside their storage's owner.
+        weights = {name: weights[self.aliases.get(name, name)] for name in self.weights}
+        return attrs.evolve(self, weights=weights, optimizer=optimizer)
+
+
+def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` copied to host memory: a clone of one there already; a GPU's copied without
+    blocking into pinned memory (torch allocates it so and keeps it cached for the next copy),
+    every copy complete on return (one synchronize per device, not one per tensor)."""
+    copies = [t.to("cpu", non_blocking=True) if t.is_cuda else t.clone() for t in tensors]
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.synchronize(device)
+    return copies
 
 
 @attrs.define(eq=False)
@@ -264,26 +324,26 @@ class LocalTrainer(LocalReference):
         """A folder: the trained weights in their own dtype as sharded safetensors, then the
         optimizer state as sharded safetensors in the dtype it is kept in (``--optimizer-state``),
         the version in trainer.json (see :func:`read_trainer_state`)."""
-        from huggingface_hub import save_torch_state_dict
-
         self._refuse_nonfinite(path)
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
+        self._saved_state().write(path)
+
+    def state_snapshot(self) -> Callable[[str], None]:
+        """What ``save_state`` would write now, copied to host memory, and the function that writes
+        it there later from another thread (declared in hookspecs): core's periodic checkpoints.
+        The copy takes as much host memory as the checkpoint until it is written."""
+        self._refuse_nonfinite("the checkpoint")
+        return self._saved_state().on_host().write
+
+    def _saved_state(self) -> SavedState:
         # A LoRA run saves its adapters only: the base model is the run's --model, loaded again.
-        kind = "adapter" if has_adapters(self.model) else "model"
-        state = trained_state_dict(self.model)
-        aliases = shared_storage_aliases(state)
-        save_torch_state_dict(
-            state,
-            folder,
-            filename_pattern=kind + "{suffix}.safetensors",
-            max_shard_size=SHARD_SIZE,
-            shared_tensors_to_discard=list(aliases),
+        weights = trained_state_dict(self.model)
+        return SavedState(
+            kind="adapter" if has_adapters(self.model) else "model",
+            weights=weights,
+            aliases=shared_storage_aliases(weights),
+            optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+            version=self.version,
         )
-        if self.optimizer is not None:
-            save_optimizer_state(self.optimizer.state_dict(), folder)
-        info = {"weights": kind, "version": self.version, "aliases": aliases}
-        (folder / TRAINER_FILE).write_text(json.dumps(info, indent=1) + "\n")
 
     def load_state(self, path: str) -> None:
         state = read_trainer_state(path, self.device)
