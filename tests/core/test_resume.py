@@ -247,23 +247,15 @@ def test_a_run_directory_holding_a_run_is_refused_unless_overwrite(tiny_model_di
 @pytest.mark.slow
 def test_checkpoints_written_in_the_background_resume_bitwise(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
     import shutil
-    import sys
     import threading
 
-    from grpo_core.engine.trainer import LocalTrainer
-    from tests.conftest import REPO
-
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from checkpoint_writes import background_writes
+    from grpo_core.engine.trainer import SavedState
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run(config(tiny_model_dir, tiny_dataset, whole, checkpoint_every=1))
-    writers, save_state = [], LocalTrainer.save_state
-    monkeypatch.setattr(
-        LocalTrainer, "save_state", lambda self, path: (writers.append(threading.current_thread().name), save_state(self, path))
-    )
-    with background_writes():
-        run(config(tiny_model_dir, tiny_dataset, resumed, checkpoint_every=1, max_steps=4))
+    writers, write = [], SavedState.write
+    monkeypatch.setattr(SavedState, "write", lambda self, path: (writers.append(threading.current_thread().name), write(self, path)))
+    run(config(tiny_model_dir, tiny_dataset, resumed, checkpoint_every=1, max_steps=4))
     assert [c.name for c in complete_checkpoints(resumed)] == ["step-000003", "step-000004"]
     assert writers == ["checkpoint-write"] * 4
     # Step 3's checkpoint was written while step 4 trained: resumed from it, the run is the same.
@@ -276,23 +268,20 @@ def test_checkpoints_written_in_the_background_resume_bitwise(tiny_model_dir, ti
 KILLED_MID_WRITE = """
 import json, sys, threading, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-from checkpoint_writes import background_writes
 from grpo_core.config import RunConfig
-from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.engine.trainer import SavedState
 from grpo_core.train import run
 
-save_state = LocalTrainer.save_state
+write = SavedState.write
 
 def hanging_at_step_2(self, path):
-    save_state(self, path)
+    write(self, path)
     if "step-000002" in path:  # its files are written, the checkpoint is not complete yet
-        Path(sys.argv[3]).write_text(threading.current_thread().name)
+        Path(sys.argv[2]).write_text(threading.current_thread().name)
         time.sleep(600)
 
-LocalTrainer.save_state = hanging_at_step_2
-with background_writes():
-    run(RunConfig(**json.loads(sys.argv[2])))
+SavedState.write = hanging_at_step_2
+run(RunConfig(**json.loads(sys.argv[1])))
 """
 
 
@@ -304,12 +293,10 @@ def test_a_process_killed_during_a_background_write_leaves_the_previous_checkpoi
     import sys
     import time
 
-    from tests.conftest import REPO
-
     run_dir, marker = tmp_path / "r", tmp_path / "writing"
     built_in = dict(checkpoint_every=1, max_steps=3, reward=["format"], plugin_options={"reward": {"format": {"pattern": r"\d"}}})
     settings = config(tiny_model_dir, tiny_dataset, run_dir, **built_in).to_dict()  # the subprocess knows no test plugin
-    args = [sys.executable, "-c", KILLED_MID_WRITE, str(REPO / "benchmarks"), json.dumps(settings), str(marker)]
+    args = [sys.executable, "-c", KILLED_MID_WRITE, json.dumps(settings), str(marker)]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while not marker.exists() and process.poll() is None and time.monotonic() < deadline:

@@ -170,7 +170,8 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_waits_for_it_and_resumes
     with pytest.raises(RunFailed) as caught:
         run(config(tiny_model_dir, tiny_dataset, run_dir, checkpoint_every=1, max_steps=4))
     assert "returned 1 scores for 4 samples" in str(caught.value.cause)
-    assert caught.value.saved == f"steps 1-2 are saved in {run_dir}/checkpoints/step-000002; continue with: grpo-core run --resume {run_dir}"
+    saved = f"steps 1-2 are saved in {run_dir}/checkpoints/step-000002; continue with: grpo-core run --resume {run_dir}"
+    assert caught.value.saved == saved
     assert [c.name for c in complete_checkpoints(run_dir)] == ["step-000001", "step-000002"]
     assert read_trainer_state(run_dir / "checkpoints" / "step-000002" / "trainer")["version"] == 2
     BROKEN_AT_STEP.clear()
