@@ -9,7 +9,10 @@ step's phases, each a sum of what is resident then:
   (:func:`engine.optim.moment_bytes`) + activations + one chunk of the fused head's logits;
 - the optimizer step: weights + gradients + moments + its float32 work buffers (packed slices);
 - the reference's forward (a full fine-tune's KL reference, resident or mapped in for it):
-  weights + moments + the reference's weights.
+  weights + moments + the reference's weights;
+- on a CPU run with periodic checkpoints, the checkpoint being written in the background holds a
+  copy of the trained weights and moments through the next step (on CUDA that copy is in host
+  memory, which this plan does not count).
 
 Activations per token and layer (elements, stored for backward in the compute dtype): the
 layer's input and normed input (2 H), q, k, v before and after their norm and rotation
@@ -109,9 +112,12 @@ def plan(
     checkpointing: bool,
     reference: str | None,
     sampler_copy: bool,
+    checkpoint_copy: bool = False,
 ) -> MemoryPlan:
     """The peak of a step. ``reference``: None (no reference: LoRA or no KL), "memory" (resident)
-    or "offload" (mapped in for its forward only; on CUDA it waits in host memory, not counted)."""
+    or "offload" (mapped in for its forward only; on CUDA it waits in host memory, not counted).
+    ``checkpoint_copy``: a background checkpoint's copy of the trained weights and moments shares
+    this memory (a CPU run's periodic checkpoints)."""
     dtype_bytes = torch.tensor([], dtype=weight_dtype).element_size()
     weights = size.parameters * dtype_bytes
     gradients = size.trained * dtype_bytes
@@ -124,7 +130,8 @@ def plan(
     head_chunk = min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
-    resident = {"weights": weights, "moments": moments, "sampler copy": sampler}
+    checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
+    resident = {"weights": weights, "moments": moments, "sampler copy": sampler, "checkpoint copy": checkpoint}
     phases = {
         "training": {**resident, "gradients": gradients, "activations": activations, "logits chunk": head_chunk},
         "the optimizer step": {**resident, "gradients": gradients, "optimizer buffers": optimizer_work},
@@ -169,7 +176,9 @@ def check_fits(
     size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules))
     samples = config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step
     tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
-    memory = plan(size, weight_dtype, config.optimizer_state, tokens, checkpointing, reference, config.sampling_runs_ahead)
+    periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
+    checkpoint_copy = device.type == "cpu" and periodic
+    memory = plan(size, weight_dtype, config.optimizer_state, tokens, checkpointing, reference, config.sampling_runs_ahead, checkpoint_copy)
     free = free_memory(device)
     if config.memory_check and memory.peak > free:
         raise PluginError(

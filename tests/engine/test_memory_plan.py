@@ -36,6 +36,23 @@ def test_the_peak_adds_what_each_phase_holds(tiny_model_dir):
     resident = plan(size, torch.float32, "fp32", 100, False, "memory", True)
     assert resident.peak - fp32.peak == 2 * 4 * p  # the reference and the sampler's copy
     assert resident.parts["reference"] == resident.parts["sampler copy"] == 4 * p
+    # A background checkpoint's copy: the trained weights and the moments, as they are kept.
+    writing = plan(size, torch.bfloat16, "8bit", 100, False, None, False, checkpoint_copy=True)
+    assert writing.parts["checkpoint copy"] == 2 * p + bf16.parts["moments"]
+    assert writing.peak - bf16.peak == writing.parts["checkpoint copy"]
+
+
+@pytest.mark.parametrize(
+    ("device", "checkpoint_every", "max_steps", "counted"),
+    [("cpu", 50, None, True), ("cpu", 2, 3, True), ("cpu", 0, None, False), ("cpu", 5, 5, False), ("cuda", 2, None, False)],
+    ids=["cpu-default", "cpu-periodic", "cpu-end-only", "cpu-no-step-before-the-end", "cuda-host-memory"],
+)
+def test_a_cpu_runs_periodic_checkpoints_count_their_copy(tiny_model_dir, monkeypatch, device, checkpoint_every, max_steps, counted):
+    """Periodic checkpoints are written in the background from a copy; the end's is written in place."""
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 10**15)
+    config = RunConfig(model=str(tiny_model_dir), checkpoint_every=checkpoint_every, max_steps=max_steps)
+    memory = memory_plan.check_fits(config, str(tiny_model_dir), torch.float32, torch.device(device), None, False)
+    assert (memory.parts["checkpoint copy"] == 12 * model_size(tiny_model_dir).parameters) is counted
 
 
 def test_checkpointing_keeps_one_layer_of_activations_and_the_inputs(tiny_model_dir):
