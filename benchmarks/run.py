@@ -92,32 +92,41 @@ def log(msg: str) -> None:
 
 
 def ensure_trl_venv() -> Path:
-    """benchmarks/.venv-trl with trl==1.16.0 and this interpreter's torch and transformers versions.
+    """benchmarks/.venv-trl with trl==1.16.0 over this interpreter's packages.
 
-    torch is installed first and pinned, so that trl's own torch requirement installs nothing
-    more (an unpinned torch would pull the CUDA build and its GBs of packages).
+    The venv sees this interpreter's site-packages (a .pth file) and installs only what TRL adds:
+    TRL runs on the very torch and transformers grpo-core does, and no second torch is downloaded
+    (an unpinned one would pull the CUDA build and its GBs of packages). Built under a lock: two
+    test workers may ask at once.
     """
+    import sysconfig
+
     import torch
     import transformers
 
     python = TRL_VENV / "bin" / "python"
-    torch_version = torch.__version__.split("+")[0]
-    probe = "import trl, torch, transformers; print(trl.__version__, torch.__version__.split('+')[0], transformers.__version__)"
-    want = f"{TRL_VERSION} {torch_version} {transformers.__version__}"
-    if python.exists():
-        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
-        if out.returncode == 0 and out.stdout.strip() == want:
+    probe = "import trl, torch, transformers; print(trl.__version__, torch.__version__, transformers.__version__)"
+    want = f"{TRL_VERSION} {torch.__version__} {transformers.__version__}"
+
+    def built() -> bool:
+        out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False) if python.exists() else None
+        return out is not None and out.returncode == 0 and out.stdout.strip() == want
+
+    TRL_VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(TRL_VENV.with_name(TRL_VENV.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if built():
             return python
-    log(
-        f"setting up {TRL_VENV} (trl=={TRL_VERSION}, torch=={torch_version}, transformers=={transformers.__version__}); once, a few minutes"
-    )
-    subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, f"torch=={torch_version}"], check=True)
-    subprocess.run([*pip, f"trl=={TRL_VERSION}", f"transformers=={transformers.__version__}", f"torch=={torch_version}"], check=True)
-    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True)
-    if out.stdout.strip() != want:
-        raise RuntimeError(f"{TRL_VENV} has {out.stdout.strip()}, wanted {want}")
+        log(f"setting up {TRL_VENV} (trl=={TRL_VERSION} over this interpreter's torch {torch.__version__}); once, a minute or two")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(TRL_VENV)], check=True)
+        purelib = subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True)
+        base = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+        (Path(purelib.strip()) / "zz-benchmarked-interpreter.pth").write_text("".join(f"{path}\n" for path in base))
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, f"trl=={TRL_VERSION}"], check=True)
+        if not built():
+            out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=False)
+            raise RuntimeError(f"{TRL_VENV} has {out.stdout.strip() or out.stderr.strip()[-500:]}, wanted {want}")
     return python
 
 
