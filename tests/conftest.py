@@ -74,3 +74,15 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gsm8k_test_split() -> Path:
     """GSM8K's test split (1,319 rows, MIT, OpenAI), shipped in tests/data/gsm8k."""
     return DATA / "gsm8k" / "test.jsonl"
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker (and every process it starts) computes on one thread: two
+    workers on two cores, not four threads spinning on two."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
