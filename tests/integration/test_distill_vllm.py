@@ -1,5 +1,6 @@
 """On-policy distillation with the teacher behind a real vLLM server: its prompt logprobs equal the
-local teacher's, and a 50-step run lowers the reverse KL through it as it does locally."""
+local teacher's, and a run through it measures the reverse KL the same run with the local teacher
+does, step by step (that distillation lowers it is tests/plugins/advantages/test_distill.py's)."""
 
 from __future__ import annotations
 
@@ -62,12 +63,15 @@ def test_the_server_teachers_logprobs_are_the_local_teachers(teacher, teacher_se
     assert max(abs(a - b) for x, y in zip(local, served) for a, b in zip(x, y)) < 1e-3
 
 
-def test_distillation_through_the_server_teacher_lowers_the_reverse_kl(teacher_server, tmp_path):
-    run_dir = tmp_path / "run"
-    out = grpo_core(
-        "run", "--advantage", "distill", "--advantage-opt", "teacher=teacher", "--advantage-opt", f"teacher_url={teacher_server.url}",
-        "--max-steps", "50", "--run-dir", str(run_dir), "--logger", "jsonl", env={"OMP_NUM_THREADS": "1"}, timeout=1800,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout + out.stderr
-    kl = [json.loads(line)["distill/reverse_kl"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(kl) == 50 and sum(kl[-10:]) / 10 < 0.7 * sum(kl[:10]) / 10, kl
+def test_a_run_through_the_server_teacher_measures_the_reverse_kl_the_local_teacher_does(teacher, teacher_server, tmp_path):
+    kl = {}
+    for where, options in (("local", [f"teacher={teacher}"]), ("server", ["teacher=teacher", f"teacher_url={teacher_server.url}"])):
+        run_dir = tmp_path / where
+        command = ["run", "--advantage", "distill", "--max-steps", "3", "--run-dir", str(run_dir), "--logger", "jsonl"]
+        out = grpo_core(*command, *(a for o in options for a in ("--advantage-opt", o)), env={"OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stdout + out.stderr
+        kl[where] = [json.loads(line)["distill/reverse_kl"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The same seed samples the same completions; the teachers' logprobs agree within 1e-3, and so
+    # the updates, to rounding.
+    assert len(kl["server"]) == 3 and all(k > 0 for k in kl["server"]), kl
+    assert abs(kl["server"][0] - kl["local"][0]) < 1e-3 and max(abs(a - b) for a, b in zip(kl["server"], kl["local"])) < 1e-2, kl

@@ -196,38 +196,6 @@ def test_bf16_runs_on_two_ranks_and_ends_within_bf16_rounding_of_the_local_bf16_
         assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-2, abs=1e-3)
 
 
-RESHARD = """
-import sys, torch, tinker
-from grpo_core.config import RunConfig
-from grpo_core.plugins.backends.fsdp import FSDPBackend
-world, mode, folder, model = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-trainer = FSDPBackend(nproc=world).make_trainer(config=RunConfig(model=model))
-datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
-                       loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
-def step():
-    trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
-    trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
-if mode == "save":
-    step()
-    trainer.save_state(folder + "/state")
-else:
-    trainer.load_state(folder + "/state")
-step()
-torch.save(trainer.full_state_dict(), f"{folder}/{mode}.pt")
-"""
-
-
-@pytest.mark.slow
-def test_a_checkpoint_of_two_ranks_resumes_on_three(tiny_model_dir, tmp_path):
-    for world, mode in ((2, "save"), (3, "load")):
-        args = [sys.executable, "-c", RESHARD, str(world), mode, str(tmp_path), str(tiny_model_dir)]
-        out = subprocess.run(args, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
-    assert "written by 2 ranks: resharded for 3" in out.stderr
-    two, three = torch.load(tmp_path / "save.pt"), torch.load(tmp_path / "load.pt")
-    assert max(float((two[k] - three[k]).abs().max()) for k in two) <= 1e-6
-
-
 CHECKPOINTED = """
 import sys, torch, tinker
 from grpo_core.config import RunConfig
