@@ -192,6 +192,21 @@ def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_fu
     sampler.close()
 
 
+def test_a_lora_trainer_synced_in_full_sends_its_merged_policy(delta_tied_server, models, tmp_path):
+    """A server without adapter loading gets the merged weights (method=full; auto would send the
+    adapters alone, which needs --enable-lora); the sync's own logprob check passes."""
+    trainer, sampler = connect(delta_tied_server, models["tied"], lora=True)
+    sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="full", on_mismatch="stop")
+    for step in (1, 2, 3):
+        optimizer_step(trainer, seed=step)
+    assert sync.verify(trainer, sampler) > 2 * TOLERANCE  # the adapters moved the policy away from the server's
+    with scope() as recorded:
+        assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
+    assert recorded["sync/logprob_max_abs_diff"] < TOLERANCE
+    assert_samples_match_trainer(trainer, sampler)
+    sampler.close()
+
+
 def test_a_full_fine_tune_streams_its_weights_through_a_broadcast_group_without_a_file(delta_tied_server, models, tmp_path):
     trainer, sampler = connect(delta_tied_server, models["tied"], lora=False)
     # Buckets of 0.1 MB: the tied model's 1.1 MB go in several.

@@ -17,7 +17,6 @@ from grpo_core.engine.lora import adapters_disabled
 from grpo_core.engine.models import load_model
 from grpo_core.engine.trainer import LocalReference, read_trainer_state
 from grpo_core.errors import PluginError
-from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSamplerPlugin
 from grpo_core.plugins.weight_sync.in_process import InProcessWeightSync
@@ -366,32 +365,3 @@ def test_sampler_samples_the_trained_adapters(tiny_model_dir, fast_forward, own_
         assert sampler_matches_trainer(sampler, trainer) > 1e-3
         assert InProcessWeightSync().weight_sync(trainer=trainer, sampler=sampler, step=1) == 1
     assert sampler_matches_trainer(sampler, trainer) < 1e-4
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_weight_sync_sends_the_merged_policy_of_a_lora_trainer(tmp_path):
-    """A server without adapter loading gets the merged weights; the sync's own logprob check passes."""
-    from grpo_core.plugins.samplers.openai import OpenAISampler
-    from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync
-    from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
-
-    ensure_vllm_venv()
-    model = build_server_model(tmp_path / "model", tied=True)
-    _, trainer = make_trainer(model)
-    datums = datums_of(trainer.tokenizer)
-    before = trainer.forward(datums)
-    for _ in range(3):
-        step(trainer, datums, lr=3e-2)
-    assert max(float((a - b).abs().max()) for a, b in zip(trainer.forward(datums), before)) > 1e-2
-    server = VLLMServer(model, tmp_path / "vllm.log")
-    server.start()
-    try:
-        sampler = OpenAISampler(base_url=server.url, retry_deadline=120.0).make_sampler(config=RunConfig(), trainer=trainer)
-        # method=full: auto would send the adapters alone, which needs a server started with --enable-lora.
-        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="full", on_mismatch="stop")
-        with scope() as recorded:
-            assert sync.weight_sync(trainer=trainer, sampler=sampler, step=3) == 3
-        assert recorded["sync/logprob_max_abs_diff"] < 1e-3
-    finally:
-        server.stop()
