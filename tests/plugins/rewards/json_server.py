@@ -58,6 +58,12 @@ def json_server(answer: Callable[[str, Any], Reply]) -> Iterator[JsonServer]:
                 if reply.delay:
                     server.release.wait(reply.delay)
                 data = reply.body if isinstance(reply.body, bytes) else json.dumps(reply.body).encode()
+            finally:
+                # Done before the reply leaves: a client that got it may send its next request
+                # before this thread runs again, and that one must not count as a second in flight.
+                with server.lock:
+                    server.in_flight -= 1
+            try:
                 self.send_response(reply.status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -65,9 +71,6 @@ def json_server(answer: Callable[[str, Any], Reply]) -> Iterator[JsonServer]:
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError):  # the client gave up (a timeout test)
                 pass
-            finally:
-                with server.lock:
-                    server.in_flight -= 1
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
