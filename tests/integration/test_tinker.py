@@ -85,7 +85,8 @@ def test_unit_tests_pass_with_the_sdk_skyrl_speaks(client_python, tmp_path_facto
     """The adapter's other branch: the fake-client tests under tinker==0.24.1 (this process has the current SDK)."""
     tests = ["tests/plugins/backends/test_tinker.py", "tests/plugins/samplers/test_tinker.py"]
     out = subprocess.run(
-        [str(client_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        # -o addopts=: not the checkout's two xdist workers (the client venv has no pytest-xdist).
+        [str(client_python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *tests],
         capture_output=True, text=True, cwd=ROOT, env=client_env(tmp_path_factory.mktemp("unit-client")), timeout=600, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout[-4000:]
