@@ -547,11 +547,14 @@ def setup_hint(method: str, error: str) -> str:
 
 
 def has_local_adapters(trainer: Any) -> bool:
-    """Whether the trainer trains LoRA adapters on a model in this process (the local backend's)."""
+    """Whether the trainer trains LoRA adapters on a model in this process (the local backend's; a
+    tinker trainer's ``model`` is the service's model name, its adapters live on the service)."""
+    import torch
+
     from grpo_core.engine.lora import has_adapters
 
     model = getattr(trainer, "model", None)
-    return model is not None and has_adapters(model)
+    return isinstance(model, torch.nn.Module) and has_adapters(model)
 
 
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -494,6 +494,18 @@ def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_o
     assert full.chosen == "full" and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and lora_sampler.model == "tiny"
 
 
+def test_a_trainer_whose_model_lives_on_a_service_is_synced_in_full():
+    """A tinker trainer's ``model`` is the service's model name (a str), not a module: auto sends
+    the merged policy it writes, and method=adapter says it has no local adapters."""
+    from grpo_core.plugins.weight_sync.vllm import has_local_adapters
+
+    remote = SimpleNamespace(model="Qwen/Qwen3-0.6B")
+    assert not has_local_adapters(remote) and not has_local_adapters(SimpleNamespace())
+    assert VLLMWeightSync().resolve(remote) == "full"
+    with pytest.raises(PluginError, match="a SimpleNamespace has none here: sync with method=full or method=delta"):
+        VLLMWeightSync(method="adapter").resolve(remote)
+
+
 def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
     with pytest.raises(
         PluginError, match=r"method=adapter sends the LoRA adapters alone, and this run trains every weight \(--lora-rank 0\)"
