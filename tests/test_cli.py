@@ -11,7 +11,6 @@ import pytest
 from tests.helpers import (
     SIGNAL,
     captured_run_config,
-    grpo_core,
     grpo_core_in_process,
     make_plugin_package,
     safetensors_of,
@@ -281,7 +280,7 @@ def test_export_writes_a_plain_folder_from_final_or_a_step_and_explains_errors(t
 
 @pytest.mark.slow
 def test_lora_run_on_the_embedded_task_learns(tmp_path):
-    out = grpo_core("run", "--lora-rank", "8", "--learning-rate", LORA_LEARNING_RATE, "--run-dir", str(tmp_path / "run"), timeout=900)
+    out = grpo_core_in_process("run", "--lora-rank", "8", "--learning-rate", LORA_LEARNING_RATE, "--run-dir", str(tmp_path / "run"))
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     print(f"LoRA run: first 10 steps {summary['reward_first']:.3f}, last 10 steps {summary['reward_last']:.3f}")

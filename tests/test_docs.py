@@ -213,6 +213,10 @@ SKIPPED = {
     "docs/scaling-out.md": {},  # filled below: every command there needs a server, GPUs, several hosts or a hub model
 }
 SHORTENED = {
+    # 20 steps of CISPO show nothing two do not: the loss and its option in the run's config and line.
+    "grpo-core run --loss cispo --loss-opt eps_high=0.28 --max-steps 20": (
+        "grpo-core run --loss cispo --loss-opt eps_high=0.28 --max-steps 2"
+    ),
     # A stopped run continued: 200 steps would train 198 more on CPU; one more shows the resume.
     "grpo-core run --resume runs/<time> --max-steps 200": "grpo-core run --resume runs/<time> --max-steps 3",
     # 50 distillation steps take minutes on two CPU cores; two show the teacher loads and trains.

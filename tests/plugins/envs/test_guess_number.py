@@ -129,10 +129,10 @@ def test_the_shipped_model_plays_through_the_multi_turn_rollout_token_for_token(
 @pytest.mark.slow
 def test_rl_on_the_shipped_model_wins_more_games(tmp_path):
     """Measured (docs/igpo.md): outcome-only GRPO, seeds 0-2, goes from ~0.22 to ~0.33 in 60 steps."""
-    from tests.helpers import grpo_core
+    from tests.helpers import grpo_core_in_process
 
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         "run", "--model", str(MODEL), "--dataset", str(MODEL / "task" / "train.jsonl"), "--rollout", "multi_turn",
         "--rollout-opt", "max_turns=6", "--env", "guess_number", "--advantage", "grpo", "--advantage-opt", "std=population",
         "--max-steps", "60", "--prompt-groups-per-step", "4", "--completions-per-prompt", "8", "--max-completion-tokens", "12",

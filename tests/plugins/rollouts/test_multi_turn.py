@@ -12,7 +12,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.metrics import scope
 from grpo_core.plugins.rollouts.multi_turn import PLAIN_TEMPLATE, PrefixMismatch, render
 from grpo_core.types import EnvStep, Turn
-from tests.helpers import grpo_core, grpo_core_in_process, small_run_args
+from tests.helpers import grpo_core_in_process, small_run_args
 from tests.plugins.rollouts.scripted_rollouts import (
     EOS,
     RECORDED,
@@ -517,9 +517,9 @@ def test_a_small_run_through_the_cli_reports_the_conversations(tiny_model_dir, t
 def test_retry_math_trains_through_the_cli_with_the_reward_rising(tmp_path):
     """The embedded model and task, retried on a wrong answer: 40 steps of the embedded preset."""
     run_dir = tmp_path / "run"
-    out = grpo_core(
+    out = grpo_core_in_process(
         "run", "--rollout", "multi_turn", "--env", "retry_math", "--max-steps", "40", "--seed", "0",
-        "--run-dir", str(run_dir), "--checkpoint-every", "0", cwd=tmp_path, timeout=1800,
+        "--run-dir", str(run_dir), "--checkpoint-every", "0", cwd=tmp_path,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     config = json.loads((run_dir / "config.json").read_text())
