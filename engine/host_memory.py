@@ -26,6 +26,10 @@ M_MMAP_THRESHOLD = -3
 TRAINING_MMAP_THRESHOLD = 1 << 20
 """Blocks from 1 MiB up get their own mapping on a CPU: every activation, gradient and weight
 of a real-size model, while the many small tensors of the Python side stay in the heap."""
+HOST_MEMORY_TIGHT = 4
+"""The fixed threshold pays (``--backend-opt return_freed_memory=auto``) where a step's planned peak
+exceeds 1/4 of the host's available memory: below that the memory it saves is not missed, and its
+page faults made a small model's multi-turn step ~1.4x slower (docs/performance.md)."""
 
 
 @functools.cache

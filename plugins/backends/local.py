@@ -1,17 +1,18 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import attrs
+import torch
 
 from grpo_core import hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
-from grpo_core.engine.host_memory import TRAINING_MMAP_THRESHOLD, set_mmap_threshold
+from grpo_core.engine.host_memory import HOST_MEMORY_TIGHT, TRAINING_MMAP_THRESHOLD, set_mmap_threshold
 from grpo_core.engine.lora import add_lora, frozen_copy, has_adapters
-from grpo_core.engine.memory_plan import ASSUMED_PROMPT_TOKENS, check_fits, optimizer_state_line
+from grpo_core.engine.memory_plan import ASSUMED_PROMPT_TOKENS, GB, check_fits, free_memory, optimizer_state_line
 from grpo_core.engine.models import (
     enable_activation_checkpointing,
     load_model,
@@ -82,12 +83,14 @@ class LocalBackend:
         validator=attrs.validators.in_(REFERENCE_PLACES),
     )
 
-    return_freed_memory: bool = option(
-        True,
+    return_freed_memory: bool | Literal["auto"] = option(
+        "auto",
         help=(
             "on a CPU, glibc gives every tensor of 1 MiB or more back to the OS when it is freed (a fixed mmap "
-            "threshold): at the Qwen3-0.6B shape the float32 peak is 1.1 GB lower and the trainer's step 8% slower "
-            "(docs/performance.md); off = glibc's own threshold, which keeps freed weight-sized tensors"
+            "threshold): at the Qwen3-0.6B shape the float32 peak is 1.1 GB lower and the trainer's step 8% slower, "
+            "a small model's multi-turn steps ~1.4x slower (docs/performance.md); false = glibc's own threshold, which "
+            "keeps freed weight-sized tensors; auto = true where the memory plan's peak exceeds a quarter of the "
+            "host's available memory"
         ),
     )
 
@@ -135,9 +138,12 @@ class LocalBackend:
             f"assume prompts of {ASSUMED_PROMPT_TOKENS} tokens",
             file=sys.stderr,
         )
-        if device.type == "cpu" and self.return_freed_memory:
-            # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
-            set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
+        if device.type == "cpu":
+            returned, why = self._returns_freed_memory(memory.peak)
+            print(f"host memory: {why}", file=sys.stderr)
+            if returned:
+                # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
+                set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
         model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
@@ -159,6 +165,20 @@ class LocalBackend:
         )
         print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)
         return trainer
+
+    def _returns_freed_memory(self, planned_peak: int) -> tuple[bool, str]:
+        returned = "tensors of 1 MiB or more go back to the OS when freed"
+        kept = "glibc keeps freed tensors for reuse"
+        if self.return_freed_memory != "auto":
+            return self.return_freed_memory, f"{returned if self.return_freed_memory else kept} (--backend-opt return_freed_memory)"
+        available = free_memory(torch.device("cpu"))
+        # Each large tensor a fresh mapping costs its page faults every step; worth it only where memory is tight.
+        tight = planned_peak * HOST_MEMORY_TIGHT > available
+        verdict = "over" if tight else "under"
+        return tight, (
+            f"{returned if tight else kept} (planned peak {planned_peak / GB:.2f} GB is {verdict} 1/{HOST_MEMORY_TIGHT} of "
+            f"{available / GB:.1f} GB available; --backend-opt return_freed_memory=true|false)"
+        )
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:

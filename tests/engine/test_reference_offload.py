@@ -173,11 +173,24 @@ def test_released_memory_leaves_the_process():
     assert before - after > 200  # MiB: the 256 MiB freed, gone
 
 
-@pytest.mark.parametrize("return_freed_memory", [True, False])
-def test_return_freed_memory_fixes_glibcs_mmap_threshold_on_a_cpu(tiny_model_dir, monkeypatch, return_freed_memory):
+@pytest.mark.parametrize(
+    ("return_freed_memory", "available_gb", "fixed", "line"),
+    [
+        (True, 100.0, True, "host memory: tensors of 1 MiB or more go back to the OS when freed (--backend-opt"),
+        (False, 0.001, False, "host memory: glibc keeps freed tensors for reuse (--backend-opt"),
+        ("auto", 100.0, False, "host memory: glibc keeps freed tensors for reuse (planned peak"),
+        ("auto", 0.5, True, "host memory: tensors of 1 MiB or more go back to the OS when freed (planned peak"),
+    ],
+)
+def test_return_freed_memory_fixes_glibcs_mmap_threshold_where_memory_is_tight(
+    tiny_model_dir, monkeypatch, capsys, return_freed_memory, available_gb, fixed, line
+):
     from grpo_core.plugins.backends import local
 
     thresholds = []
     monkeypatch.setattr(local, "set_mmap_threshold", thresholds.append)
-    LocalBackend(return_freed_memory=return_freed_memory).make_trainer(config=RunConfig(model=str(tiny_model_dir)))
-    assert thresholds == ([1 << 20] if return_freed_memory else [])
+    monkeypatch.setattr(local, "free_memory", lambda device: int(available_gb * 1e9))
+    backend = LocalBackend(return_freed_memory=return_freed_memory)
+    backend.make_trainer(config=RunConfig(model=str(tiny_model_dir), memory_check=False))
+    assert thresholds == ([1 << 20] if fixed else [])
+    assert line in capsys.readouterr().err
