@@ -131,11 +131,12 @@ def plan(
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
-    resident = {"weights": weights, "moments": moments, "sampler copy": sampler, "checkpoint copy": checkpoint}
-    phases = {
-        "training": {**resident, "gradients": gradients, "activations": activations, "logits chunk": head_chunk},
-        "the optimizer step": {**resident, "gradients": gradients, "optimizer buffers": optimizer_work},
-    }
+    # The packed step's buffers and noise table are kept from step to step: resident after the first.
+    resident = {
+        "weights": weights, "moments": moments, "optimizer buffers": optimizer_work, "sampler copy": sampler, "checkpoint copy": checkpoint,
+    }  # fmt: skip
+    # The optimizer step holds what training does less its activations: never the peak.
+    phases = {"training": {**resident, "gradients": gradients, "activations": activations, "logits chunk": head_chunk}}
     if reference is not None:
         phases["the reference's forward"] = {**resident, "reference": weights}
     if reference == "memory":

@@ -30,9 +30,12 @@ def test_the_peak_adds_what_each_phase_holds(tiny_model_dir):
     assert fp32.peak == sum(fp32.parts.values())
     bf16 = plan(size, torch.bfloat16, "8bit", 100, False, None, False)
     assert bf16.parts["weights"] == 2 * p and bf16.parts["moments"] == int(p * (2 + 8 / 256))
-    # The packed step's float32 buffers (weights, gradients, two moments) and its noise table.
-    step = plan(size, torch.bfloat16, "bf16", 1, False, None, False)
-    assert step.phase == "the optimizer step" and step.parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16 + SLICE_ELEMENTS * 4
+    # The packed step's float32 buffers (weights, gradients, two moments) and its noise table, kept
+    # from step to step: in every phase, not only the step's.
+    step = plan(size, torch.bfloat16, "bf16", 100, False, None, False)
+    assert step.phase == "training" and step.parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16 + SLICE_ELEMENTS * 4
+    assert step.peak == sum(step.parts.values())
+    assert fp32.parts["optimizer buffers"] == 0  # torch's fused AdamW: no buffers
     resident = plan(size, torch.float32, "fp32", 100, False, "memory", True)
     assert resident.peak - fp32.peak == 2 * 4 * p  # the reference and the sampler's copy
     assert resident.parts["reference"] == resident.parts["sampler copy"] == 4 * p

@@ -223,11 +223,15 @@ class CountKernels(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.allocated_elements = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
             self.count += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default):
+            self.allocated_elements += out.numel()
+        return out
 
 
 def test_a_step_is_a_few_operations_per_tensor_not_a_dozen():
@@ -242,6 +246,24 @@ def test_a_step_is_a_few_operations_per_tensor_not_a_dozen():
     # One noise multiply per tensor and about ten whole-buffer operations (the earlier
     # implementation issued 13 per tensor: 520 here).
     assert counter.count <= len(params) + 12
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
+def test_the_packed_buffers_are_kept_from_step_to_step(moments):
+    """A large CPU tensor made anew is a fresh mapping whose pages fault in at every step."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 64).bfloat16()) for _ in range(4)]
+    optimizer = StochasticRoundingAdamW(params, lr=1e-3, moments=moments)
+    for p in params:
+        p.grad = torch.randn(64, 64).bfloat16()
+    with CountKernels() as first:
+        optimizer.step()
+    with CountKernels() as second:
+        optimizer.step()
+    buffers = 2 if moments == "fp32" else 4
+    assert first.allocated_elements >= buffers * 4 * 64 * 64
+    # 8-bit moments are requantized through small temporaries; nothing buffer-sized is made again.
+    assert second.allocated_elements < 4 * 64 * 64
 
 
 MOMENT_DTYPES = {
