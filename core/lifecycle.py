@@ -431,7 +431,10 @@ def end_step(
         metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
-    if config.checkpoint_every and step % config.checkpoint_every == 0:
+    # The run's last step is left to its end, which writes it in place: a copy for a background
+    # write would be waited for at once.
+    last = step == config.max_steps or state.interrupted or state.stop_reason is not None
+    if config.checkpoint_every and step % config.checkpoint_every == 0 and not last:
         write_checkpoint(state, config, r.trainer, background=True)
     if state.interrupted:
         state.request_stop(f"interrupted after step {step}")
