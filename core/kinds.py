@@ -192,6 +192,13 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "and returns the function that writes that copy as save_state would, from another thread: periodic checkpoints "
             "are then written while training goes on; None: save_state runs on the training thread",
         ),
+        "save_adapter_for_sampler": Attribute(
+            "callable | None",
+            None,
+            "save_adapter_for_sampler(path): writes the trained LoRA adapters alone as a PEFT adapter folder "
+            "(adapter_config.json, adapter_model.safetensors) that vLLM loads as a LoRA adapter (weight sync vllm "
+            "method=adapter, auto's choice where it is set); None: it trains every weight",
+        ),
         "sampling_client": Attribute(
             "callable | None",
             None,

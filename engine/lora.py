@@ -203,3 +203,39 @@ def frozen_copy(model: Any, weights: bool = True) -> Any:
     clone = copy.deepcopy(model, memo=memo)
     clone.requires_grad_(False)
     return clone.eval()
+
+
+ADAPTER_FILE = "adapter_model.safetensors"
+
+
+def write_peft_adapter(model: Any, folder: Path) -> None:
+    """The LoRA adapters of ``model`` as a peft adapter folder (adapter_config.json and the A and
+    B of each adapted layer), which vLLM loads as a LoRA adapter."""
+    import peft
+    from safetensors.torch import save_file
+
+    tensors, targets, shapes = {}, set(), set()
+    for key, layer in adapted_layers(model):
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if getattr(layer, "parameter_name", None) is not None or len(active) != 1 or layer.fan_in_fan_out:
+            raise PluginError(
+                f"a vLLM LoRA adapter holds adapters of linear layers, one per layer; {key.removesuffix('.weight')} has "
+                f"{'an adapter on an expert weight' if getattr(layer, 'parameter_name', None) else f'{len(active)} active adapters'}: "
+                "sync with method=full or method=delta"
+            )
+        name, module = active[0], key.removesuffix(".weight")
+        tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A[name].weight.detach().to("cpu").contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = layer.lora_B[name].weight.detach().to("cpu").contiguous()
+        targets.add(module.rsplit(".", 1)[-1])
+        shapes.add((layer.r[name], layer.scaling[name]))
+    if len(shapes) != 1:
+        raise PluginError(
+            f"the adapters have {len(shapes)} ranks and scalings; a vLLM LoRA adapter has one: sync with method=full or method=delta"
+        )
+    rank, scaling = shapes.pop()
+    folder.mkdir(parents=True)
+    # alpha as vLLM reads it (scaling = alpha / rank): the trainer's scaling, whichever way it was set.
+    peft.LoraConfig(r=rank, lora_alpha=scaling * rank, target_modules=sorted(targets), lora_dropout=0.0, bias="none").save_pretrained(
+        str(folder)
+    )
+    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})

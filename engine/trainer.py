@@ -19,7 +19,14 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
 from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
-from grpo_core.engine.lora import adapters_disabled, has_adapters, load_trained_state_dict, save_merged_model, trained_state_dict
+from grpo_core.engine.lora import (
+    adapters_disabled,
+    has_adapters,
+    load_trained_state_dict,
+    save_merged_model,
+    trained_state_dict,
+    write_peft_adapter,
+)
 from grpo_core.engine.models import SHARD_SIZE, shared_storage_aliases, train_mode
 from grpo_core.engine.moe_routing import routing_problem, tapped
 from grpo_core.engine.optim import (
@@ -215,6 +222,14 @@ class LocalTrainer(LocalReference):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.routing_problem = routing_problem(self.model)
+
+    @property
+    def save_adapter_for_sampler(self) -> Callable[[str], None] | None:
+        """Where its model trains LoRA adapters: the function that writes them alone as a PEFT
+        adapter folder (declared in hookspecs)."""
+        if not has_adapters(self.model):
+            return None
+        return lambda path: write_peft_adapter(self.model, Path(path))
 
     @property
     def run_info(self) -> dict[str, str]:

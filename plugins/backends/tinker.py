@@ -378,8 +378,47 @@ class TinkerTrainer:
         self.tokenizer.save_pretrained(path)
         return path
 
+    def save_adapter_for_sampler(self, path: str) -> None:
+        """The service's LoRA adapter of the current weights alone, as a PEFT adapter folder that
+        vLLM loads (declared in hookspecs): MBs where the merged model is GBs."""
+        with tempfile.TemporaryDirectory(prefix="grpo-core-tinker-weights-") as download:
+            sdk.download_weights(self.service, self.training, self._checkpoint_name(), self.sampler_path(), Path(download))
+            write_servable_adapter(Path(download), Path(path))
+
 
 ADAPTER_CONFIG = "adapter_config.json"
+
+
+def write_servable_adapter(weights: Path, out: Path) -> None:
+    """``out``: the service's LoRA adapter in ``weights`` as vLLM loads one (adapter_config.json as
+    the service wrote it, its factors in adapter_model.safetensors); refused where it is no adapter
+    of linear layers (a full model, or an embedding's or output layer's factors, which a vLLM LoRA
+    adapter does not carry)."""
+    from safetensors.torch import load_file, save_file
+
+    from grpo_core.engine.lora import ADAPTER_FILE
+
+    full = "sync with --weight-sync-opt method=full or method=delta (the merged model)"
+    if not (weights / ADAPTER_CONFIG).is_file():
+        raise PluginError(f"the service's weights are no LoRA adapter ({sorted(p.name for p in weights.iterdir())}): {full}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(weights.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    if not tensors:
+        raise PluginError(f"the service's LoRA adapter holds no safetensors file ({sorted(p.name for p in weights.iterdir())})")
+    targets = set()
+    for key in tensors:
+        module, _, factor = key.removesuffix(".weight").rpartition(".")
+        if factor not in ("lora_A", "lora_B") or module.rpartition(".")[2] in ("embed_tokens", "lm_head"):
+            raise PluginError(f"the service's LoRA adapter holds {key}, not a factor of a linear layer that vLLM adapts: {full}")
+        targets.add(module.rpartition(".")[2])
+    config = json.loads((weights / ADAPTER_CONFIG).read_text())
+    # What a reader of PEFT's format needs and a service may leave out: the type, the modules adapted.
+    config.setdefault("peft_type", "LORA")
+    config["target_modules"] = config.get("target_modules") or sorted(targets)
+    out.mkdir(parents=True)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / ADAPTER_FILE), metadata={"format": "pt"})
 
 
 def write_merged_model(base: str, weights: Path, out: Path) -> None:

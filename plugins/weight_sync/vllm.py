@@ -57,10 +57,11 @@ class VLLMWeightSync:
       the first sync, every full_every versions, and whenever a server refuses a delta (it holds
       other weights, or the result's checksum differs).
     - broadcast (a full fine-tune whose trainer holds its model in this process: local, fsdp): no
-      file. The trainer opens a gloo process group of its own (a TCP store on group_host, apart
-      from any default group) with the server's workers (the same worker extension), and streams
-      the weights in buckets of bucket_mb, each loaded as it arrives. A server that restarted, or
-      a group that failed, is joined again.
+      file. The trainer opens a process group of its own (a TCP store on group_host, apart from any
+      default group) with the server's workers (the same worker extension): gloo through host
+      memory, or nccl GPU to GPU (group_backend; auto: nccl where the trainer's weights and every
+      worker are on CUDA), and streams the weights in buckets of bucket_mb, each loaded as it
+      arrives. A server that restarted, or a group that failed, is joined again.
 
     After loading, the server's prefix cache is cleared and a probe sequence is scored on the
     server (prompt logprobs) to compare with the trainer's logprobs of the same tokens. Beyond the
@@ -80,7 +81,8 @@ class VLLMWeightSync:
 
     Any trainer whose save_weights_for_sampler writes a transformers model folder can be synced in
     full or by deltas: the local trainer, or the tinker trainer (the service's LoRA adapter merged
-    into --model). Adapters alone go from the local trainer's LoRA model.
+    into --model). Adapters alone go from a trainer that writes them (save_adapter_for_sampler: the
+    local trainer of a --lora-rank run, the tinker trainer: the service's adapter as it is).
     """
 
     weights_dir: str = option("", help="folder the policy is written to, which the server reads (empty = RUN_DIR/sampler-weights)")
@@ -100,6 +102,11 @@ class VLLMWeightSync:
         "delta (what changed, applied by the server's worker extension), broadcast (streamed to that extension, no file)",
     )
     group_host: str = option("127.0.0.1", help="method=broadcast: this machine's address as the server's workers reach it")
+    group_backend: Literal["auto", "gloo", "nccl"] = option(
+        "auto",
+        help="method=broadcast: gloo (through host memory, any device), nccl (GPU to GPU: the trainer's weights and every "
+        "server worker on CUDA devices, none shared), auto (nccl where both sides are on CUDA, else gloo)",
+    )
     bucket_mb: float = option(256.0, help="method=broadcast: the most MB streamed at once")
     group_timeout: float = option(120.0, help="method=broadcast: seconds to form the group or stream one bucket before it fails")
     full_every: int | None = option(None, help=f"method=delta: a full payload every N versions (default {FULL_EVERY}; 1 = always full)")
@@ -123,14 +130,17 @@ class VLLMWeightSync:
     """method=delta: the version of the last full payload written."""
     held: dict[str, str] = attrs.field(factory=dict, init=False)
     """method=delta: the checksum of the weights each server holds, by address."""
-    groups: dict[str, tuple[str, Any, Any]] = attrs.field(factory=dict, init=False)
-    """method=broadcast: each server's group (name, process group, the TCP store it was formed on), by address."""
+    groups: dict[str, tuple[str, Any, Any, Any]] = attrs.field(factory=dict, init=False)
+    """method=broadcast: each server's group (name, process group, the TCP store it was formed on, the
+    device buckets are sent from), by address."""
 
     def __attrs_post_init__(self) -> None:
         if self.tolerance <= 0:
             raise ValueError(f"tolerance must be > 0, got {self.tolerance}")
         if self.probe_tokens < 2:
             raise ValueError(f"probe_tokens must be >= 2, got {self.probe_tokens}")
+        if self.group_backend != "auto" and self.method != "broadcast":
+            raise ValueError(f"group_backend chooses method=broadcast's group; with method={self.method} it would do nothing")
         if self.full_every is not None:
             if self.method != "delta":
                 raise ValueError(f"full_every spaces the full payloads of method=delta; with method={self.method} it would do nothing")
@@ -176,11 +186,11 @@ class VLLMWeightSync:
     def resolve(self, trainer: Any) -> str:
         """The method this run syncs with (decided at the first sync)."""
         if self.chosen is None:
-            lora = has_local_adapters(trainer)
+            lora = declared(trainer, "trainer object", "save_adapter_for_sampler") is not None
             if self.method == "adapter" and not lora:
                 raise PluginError(
-                    "--weight-sync-opt method=adapter sends the LoRA adapters of the local trainer's model; "
-                    f"a {type(trainer).__name__} has none here: sync with method=full or method=delta"
+                    "--weight-sync-opt method=adapter sends the trainer's LoRA adapters alone; "
+                    f"a {type(trainer).__name__} trains none here: sync with method=full or method=delta"
                 )
             if self.method == "broadcast" and lora:
                 raise PluginError(
@@ -259,7 +269,7 @@ class VLLMWeightSync:
             for old in folder.glob(f"{ADAPTER_PREFIX}*"):
                 shutil.rmtree(old)  # a server reads an adapter when it loads it, never after
             adapter = folder / f"{ADAPTER_PREFIX}{trainer.version}"
-            write_adapter(trainer.model, adapter)
+            declared(trainer, "trainer object", "save_adapter_for_sampler")(str(adapter))
             record("sync/bytes", sum(f.stat().st_size for f in adapter.iterdir()), "sum")
         elif method == "delta":
             self.write_payload(trainer)
@@ -365,8 +375,8 @@ class VLLMWeightSync:
         places = collective_rpc(client, "grpo_core_group", {})
         joined = self.groups.get(url)
         if again or joined is None or any(place.get("group") != joined[0] for place in places):
-            joined = self.join_group(client, places[0]["world_size"])
-        name, group, _ = joined
+            joined = self.join_group(client, places[0]["world_size"], self.resolve_group_backend(places))
+        name, group, _, device = joined
         tensors = self.policy
         layout = vllm_worker.layout_of(tensors)
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
@@ -376,7 +386,8 @@ class VLLMWeightSync:
             import torch
 
             for bucket in plan:
-                vllm_worker.broadcast(group, torch.cat([vllm_worker.as_bytes(tensors[n]) for n, _, _ in bucket]))
+                bucket_bytes = [tensors[n].detach().contiguous().reshape(-1).view(torch.uint8).to(device) for n, _, _ in bucket]
+                vllm_worker.broadcast(group, torch.cat(bucket_bytes))
         except RuntimeError as exc:  # the group broke: the server went away mid-stream
             answer.join()
             failure = f"streaming the weights to the server at {url} failed: {exc}"
@@ -392,10 +403,25 @@ class VLLMWeightSync:
             return
         record("sync/bytes", sum(sizes.values()), "sum")
 
-    def join_group(self, client: ServerClient, world_size: int) -> tuple[str, Any, Any]:
-        """A new group of this trainer (rank 0) and the server's workers."""
+    def resolve_group_backend(self, places: list[dict[str, Any]]) -> str:
+        """The broadcast group's backend for the trainer's weights (the written policy's device)
+        and the server's workers (``places``: where each one is)."""
+        trainer_device = next(iter(self.policy.values())).device.type if self.policy else "cpu"
+        on_cuda = trainer_device == "cuda" and all(str(place.get("device", "cpu")).startswith("cuda") for place in places)
+        if self.group_backend == "nccl" and not on_cuda:
+            workers = ", ".join(sorted({str(place.get("device", "cpu")) for place in places}))
+            raise PluginError(
+                f"--weight-sync-opt group_backend=nccl streams GPU to GPU; the trainer's weights are on {trainer_device}, the "
+                f"server's workers on {workers}: use group_backend=gloo (or auto)"
+            )
+        return "nccl" if self.group_backend == "nccl" or (self.group_backend == "auto" and on_cuda) else "gloo"
+
+    def join_group(self, client: ServerClient, world_size: int, backend: str) -> tuple[str, Any, Any, Any]:
+        """A new group of this trainer (rank 0) and the server's workers: (its name, the process
+        group, the TCP store it was formed on, the device its buckets are sent from)."""
         import datetime
 
+        import torch
         import torch.distributed as dist
 
         self.groups.pop(client.base_url, None)
@@ -404,9 +430,14 @@ class VLLMWeightSync:
         )
         name = f"grpo-core-{uuid.uuid4().hex[:12]}"
         kwargs = {"host": self.group_host, "port": str(store.port), "group": name, "timeout": str(self.group_timeout)}
+        if backend != "gloo":  # a server's copy of the extension from before nccl takes gloo groups without the argument
+            kwargs["backend"] = backend
+        device = next(iter(self.policy.values())).device if backend == "nccl" else torch.device("cpu")
         answer = Background(lambda: collective_rpc(client, "grpo_core_join_group", kwargs))
         try:
-            group = vllm_worker.open_group(store, name, 0, world_size, self.group_timeout)
+            if backend == "nccl":
+                torch.cuda.set_device(device)
+            group = vllm_worker.open_group(store, name, 0, world_size, self.group_timeout, backend)
         except RuntimeError as exc:
             answer.join()
             raise PluginError(
@@ -417,7 +448,8 @@ class VLLMWeightSync:
         refused = [r for r in answer.result() if not r.get("ok")]
         if refused:
             raise PluginError(f"the server at {client.base_url} could not join the weight broadcast group: {refused[0].get('error')}")
-        self.groups[client.base_url] = (name, group, store)
+        self.groups[client.base_url] = (name, group, store, device)
+        print(f"weight sync: a {backend} group with the server at {client.base_url} ({world_size - 1} worker(s))", file=sys.stderr)
         return self.groups[client.base_url]
 
     def probe(self, tokenizer: Any, max_context: int | None) -> list[int]:
@@ -544,53 +576,6 @@ def setup_hint(method: str, error: str) -> str:
             "copied onto its PYTHONPATH as grpo_core_vllm_worker.py)"
         )
     return ""
-
-
-def has_local_adapters(trainer: Any) -> bool:
-    """Whether the trainer trains LoRA adapters on a model in this process (the local backend's; a
-    tinker trainer's ``model`` is the service's model name, its adapters live on the service)."""
-    import torch
-
-    from grpo_core.engine.lora import has_adapters
-
-    model = getattr(trainer, "model", None)
-    return isinstance(model, torch.nn.Module) and has_adapters(model)
-
-
-ADAPTER_FILE = "adapter_model.safetensors"
-
-
-def write_adapter(model: Any, folder: Path) -> None:
-    """The LoRA adapters of ``model`` as a peft adapter folder (adapter_config.json and the A and
-    B of each adapted layer), which vLLM loads as a LoRA adapter."""
-    import peft
-    from safetensors.torch import save_file
-
-    from grpo_core.engine.lora import adapted_layers
-
-    tensors, targets, shapes = {}, set(), set()
-    for key, layer in adapted_layers(model):
-        active = [a for a in layer.active_adapters if a in layer.lora_A]
-        if getattr(layer, "parameter_name", None) is not None or len(active) != 1 or layer.fan_in_fan_out:
-            raise PluginError(
-                f"--weight-sync-opt method=adapter sends adapters of linear layers, one per layer; {key.removesuffix('.weight')} has "
-                f"{'an adapter on an expert weight' if getattr(layer, 'parameter_name', None) else f'{len(active)} active adapters'}: "
-                "sync with method=full or method=delta"
-            )
-        name, module = active[0], key.removesuffix(".weight")
-        tensors[f"base_model.model.{module}.lora_A.weight"] = layer.lora_A[name].weight.detach().to("cpu").contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = layer.lora_B[name].weight.detach().to("cpu").contiguous()
-        targets.add(module.rsplit(".", 1)[-1])
-        shapes.add((layer.r[name], layer.scaling[name]))
-    if len(shapes) != 1:
-        raise PluginError(f"--weight-sync-opt method=adapter: the adapters have {len(shapes)} ranks and scalings; a vLLM adapter has one")
-    rank, scaling = shapes.pop()
-    folder.mkdir(parents=True)
-    # alpha as vLLM reads it (scaling = alpha / rank): the trainer's scaling, whichever way it was set.
-    peft.LoraConfig(r=rank, lora_alpha=scaling * rank, target_modules=sorted(targets), lora_dropout=0.0, bias="none").save_pretrained(
-        str(folder)
-    )
-    save_file(tensors, str(folder / ADAPTER_FILE), metadata={"format": "pt"})
 
 
 def ties_output_layer(folder: Path) -> bool:

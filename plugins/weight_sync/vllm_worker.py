@@ -10,9 +10,9 @@ beside grpo-core's ``vllm.py``, which would shadow vLLM) and start the server wi
 format version, checked in every payload's header.
 
 ``method=broadcast`` sends no file: the trainer (rank 0) and the server's workers (ranks 1...) form
-a gloo process group of their own over a TCP store the trainer holds (apart from any default group
-either side has: vLLM's own, fsdp's), and the weights stream through it in buckets bounded in bytes,
-each loaded as it arrives.
+a process group of their own over a TCP store the trainer holds (apart from any default group
+either side has: vLLM's own, fsdp's), gloo through host memory or nccl GPU to GPU, and the weights
+stream through it in buckets bounded in bytes, each loaded as it arrives.
 
 A payload is one file: 8 bytes (little-endian header length), a JSON header, then each tensor's
 bytes. A full payload holds every tensor's raw bytes; a delta holds, for each tensor that changed,
@@ -213,11 +213,25 @@ def bucket_plan(layout: Mapping[str, tuple[str, list[int]]], sizes: Mapping[str,
     return [b for b in buckets if b]
 
 
-def open_group(store: Any, group: str, rank: int, world_size: int, timeout: float) -> Any:
-    """A gloo process group of its own on ``store`` (under the prefix ``group``): no default group needed."""
+GROUP_BACKENDS = ("gloo", "nccl")
+"""gloo: through host memory, any device; nccl: GPU to GPU, every rank on a CUDA device of its own."""
+
+
+def open_group(store: Any, group: str, rank: int, world_size: int, timeout: float, backend: str = "gloo") -> Any:
+    """A process group of its own on ``store`` (under the prefix ``group``): no default group needed.
+    An nccl group binds this process's current CUDA device."""
     import torch.distributed as dist
 
-    return dist.ProcessGroupGloo(dist.PrefixStore(group, store), rank, world_size, datetime.timedelta(seconds=timeout))
+    prefixed, deadline = dist.PrefixStore(group, store), datetime.timedelta(seconds=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, deadline)
+    if backend != "nccl":
+        raise ValueError(f"group backend {backend!r}: use one of {', '.join(GROUP_BACKENDS)}")
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise RuntimeError("an nccl group needs a CUDA device and a torch built with NCCL, which this process lacks: use gloo")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = deadline
+    return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
 
 def broadcast(group: Any, buffer: torch.Tensor) -> None:
@@ -228,11 +242,12 @@ def broadcast(group: Any, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], options).wait()
 
 
-def received(group: Any, plan: list[list[list[Any]]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors of ``plan`` as their buckets arrive from rank 0."""
+def received(group: Any, plan: list[list[list[Any]]], device: Any = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``plan`` as their buckets arrive from rank 0, on ``device`` (where the group's
+    backend receives: the host for gloo, this process's GPU for nccl)."""
     for bucket in plan:
         sizes = [torch.empty(0, dtype=DTYPES[dtype]).element_size() * _numel(shape) for _, dtype, shape in bucket]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         broadcast(group, buffer)
         offset = 0
         for (name, dtype, shape), size in zip(bucket, sizes):
@@ -269,26 +284,31 @@ class WeightSyncExtension:
 
     def grpo_core_group(self) -> dict[str, Any]:
         """This worker's place in a broadcast group: the group it joined (None: none), its rank
-        there and the group's size (the trainer and every worker of the server)."""
+        there, the group's size (the trainer and every worker of the server) and the device its
+        model is on (an nccl group needs every worker on a GPU)."""
         return {
             "group": getattr(self, "_grpo_core_group_name", None),
             "rank": 1 + self.rank,
             "world_size": 1 + self.vllm_config.parallel_config.world_size,
+            "device": str(getattr(self, "device", "cpu")),
         }
 
-    def grpo_core_join_group(self, host: str, port: str, group: str, timeout: str) -> dict[str, Any]:
-        """Join the trainer's broadcast group ``group`` through its TCP store at ``host:port``
-        (a group joined before is left: a new one replaces it after a failure)."""
+    def grpo_core_join_group(self, host: str, port: str, group: str, timeout: str, backend: str = "gloo") -> dict[str, Any]:
+        """Join the trainer's broadcast group ``group`` (``backend``: :data:`GROUP_BACKENDS`) through
+        its TCP store at ``host:port`` (a group joined before is left: a new one replaces it after a failure)."""
         import torch.distributed as dist
 
         place = self.grpo_core_group()
         try:
+            if backend == "nccl":
+                torch.cuda.set_device(torch.device(place["device"]))  # the GPU the group binds: this worker's
             store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=float(timeout)))
-            self._grpo_core_process_group = open_group(store, group, place["rank"], place["world_size"], float(timeout))
+            self._grpo_core_process_group = open_group(store, group, place["rank"], place["world_size"], float(timeout), backend)
         except (RuntimeError, OSError, ValueError) as exc:
             self._grpo_core_group_name = None
-            return {"ok": False, "error": f"could not join the trainer's group at {host}:{port}: {exc}"}
+            return {"ok": False, "error": f"could not join the trainer's {backend} group at {host}:{port}: {exc}"}
         self._grpo_core_group_name = group
+        self._grpo_core_group_device = place["device"] if backend == "nccl" else "cpu"
         return {"ok": True, **place, "group": group}
 
     def grpo_core_receive(self, group: str, plan: str) -> dict[str, Any]:
@@ -297,7 +317,8 @@ class WeightSyncExtension:
         if getattr(self, "_grpo_core_group_name", None) != group:
             return {"ok": False, "error": f"this worker is not in the group {group}"}
         try:
-            self.reload_weights(weights_iterator=received(self._grpo_core_process_group, json.loads(plan)), is_checkpoint_format=True)
+            streamed = received(self._grpo_core_process_group, json.loads(plan), self._grpo_core_group_device)
+            self.reload_weights(weights_iterator=streamed, is_checkpoint_format=True)
         except RuntimeError as exc:  # the trainer went away mid-stream: the group is gone
             self._grpo_core_group_name = None
             return {"ok": False, "error": f"the broadcast failed: {exc}"}

@@ -205,12 +205,14 @@ def test_the_policy_written_for_a_sampler_is_a_model_with_the_services_logprobs(
 
 def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(client, tmp_path):
     """--trainer tinker --sampler openai --weight-sync vllm against skyrl and a real vLLM server:
-    each sync writes the merged policy, vLLM reloads it, and the sync's own check (the server's
-    logprobs vs the service's) holds; final/ is a model with the service's logprobs, and exports."""
-    from tests.integration.vllm_server import VLLMServer, ensure_vllm_venv
+    each sync sends the service's adapter alone (method=auto), vLLM loads it as a LoRA adapter of
+    a new name, and the sync's own check (the server's logprobs vs the service's) holds; final/ is a
+    model with the service's logprobs, and exports."""
+    from tests.integration.vllm_server import LORA_RANK, LORA_SERVER, VLLMServer, ensure_vllm_venv
 
     ensure_vllm_venv()
-    server = VLLMServer(ASSETS, tmp_path / "vllm.log")
+    assert RANK <= LORA_RANK
+    server = VLLMServer(ASSETS, tmp_path / "vllm.log", **LORA_SERVER)
     print(f"vLLM server started in {server.start():.0f}s")
     try:
         run_dir = tmp_path / "run"
@@ -230,7 +232,10 @@ def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(clien
         assert [m["step"] for m in metrics] == [1, 2, 3] and all(m["tokens/completion"] > 0 for m in metrics)
         # One sync right after each step, the last one too (the server goes on serving the final policy).
         assert len(synced) == 3 and all(m["sync/logprob_max_abs_diff"] < 1e-3 for m in synced)
-        assert (run_dir / "sampler-weights" / "model.safetensors").exists()
+        full_bytes = (ASSETS / "model.safetensors").stat().st_size
+        print("sync bytes", [m["sync/bytes"] for m in synced], "of the model's", full_bytes)
+        assert all(m["sync/method"] == 1.0 and 0 < m["sync/bytes"] < full_bytes / 4 for m in synced)
+        assert [p.name for p in (run_dir / "sampler-weights").iterdir()] == ["adapter-v3"]
         final = client("model_vs_service", folder=str(run_dir / "final"))
         print(f"final/ vs the service's weights: max |diff| {final['max_abs_diff']:.2e} over {final['tokens']} tokens; "
               f"vs the base model {final['base_max_abs_diff']:.2e}")  # fmt: skip

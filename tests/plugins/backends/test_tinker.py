@@ -687,6 +687,48 @@ def test_save_weights_for_sampler_writes_the_merged_model_and_the_remote_path(ti
     assert len([c for c in training.calls if c[0] == "save_weights_for_sampler"]) == 1
 
 
+def test_the_adapter_written_for_a_sampler_is_the_services_adapter_as_vllm_loads_it(tiny_model_dir, tmp_path, monkeypatch):
+    """save_adapter_for_sampler (weight sync vllm's method=adapter) downloads the service's adapter
+    and writes it in PEFT's file names, whatever the service named its file: peft applies it as the
+    service does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    factors = lora_factors(base, "linear")
+    adapter = write_adapter(tmp_path / "adapter", factors)  # no peft_type, target_modules None: filled in
+    (adapter / "adapter_model.safetensors").rename(adapter / "weights.safetensors")
+    monkeypatch.setattr(tinker_sdk, "SDK_VERSION", (0, 24))  # the archive download (0.38's export is the other test's)
+    trainer, training = make_trainer()
+    trainer.service.create_rest_client = lambda: FakeRest({"archive": archived(adapter, tmp_path)})
+    trainer.version = 1
+    trainer.save_adapter_for_sampler(str(tmp_path / "served"))
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    served = PeftModel.from_pretrained(base, str(tmp_path / "served"))
+    tokens = list(range(5, 30))
+    with torch.no_grad():
+        ours = served(torch.tensor([tokens])).logits[0]
+    assert (ours - adapted_logits(tiny_model_dir, factors, "linear", ALPHA / RANK, tokens)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["embedding_peft", "lm_head", "full model"])
+def test_weights_that_a_vllm_adapter_cannot_carry_are_refused_naming_the_full_sync(tiny_model_dir, tmp_path, layout):
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.plugins.backends.tinker import write_servable_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    if layout == "full model":
+        base.save_pretrained(tmp_path / "weights")
+        match = r"the service's weights are no LoRA adapter \(\['config.json'"
+    else:
+        write_adapter(tmp_path / "weights", lora_factors(base, layout), embedding_keys="peft")
+        match = "holds base_model.model.(model.embed_tokens|lm_head).lora_(embedding_)?A.weight, not a factor of a linear layer"
+    with pytest.raises(PluginError, match=match + ".*method=full or method=delta"):
+        write_servable_adapter(tmp_path / "weights", tmp_path / "served")
+    assert not (tmp_path / "served").exists()
+
+
 def test_an_export_naming_a_file_outside_its_folder_is_refused_and_deleted(tmp_path, monkeypatch):
     (tmp_path / "x").write_text("")
     rest = FakeRest({"files": {"../../escape.txt": (tmp_path / "x").as_uri()}})

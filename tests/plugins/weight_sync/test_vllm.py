@@ -460,11 +460,9 @@ def test_the_adapter_folder_is_peft_s_format_with_the_trainer_s_scaling(untied_m
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo_core.plugins.weight_sync.vllm import write_adapter
-
     trainer = LocalBackend().make_trainer(config=RunConfig(model=str(untied_model_dir), lora_rank=4, lora_alpha=8.0))
     train_adapters(trainer, seed=3)
-    write_adapter(trainer.model, tmp_path / "a")
+    trainer.save_adapter_for_sampler(str(tmp_path / "a"))
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and not config["use_rslora"]
     assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -475,7 +473,7 @@ def test_the_adapter_folder_is_peft_s_format_with_the_trainer_s_scaling(untied_m
     theirs = merged.state_dict()
     assert all(torch.allclose(ours[k], theirs[k], atol=1e-6) for k in ours)
     with pytest.raises(FileExistsError):
-        write_adapter(trainer.model, tmp_path / "a")  # a version's folder is written once
+        trainer.save_adapter_for_sampler(str(tmp_path / "a"))  # a version's folder is written once
 
 
 def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_one(untied_model_dir, tmp_path):
@@ -484,7 +482,8 @@ def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_o
     train_a_step(trainer)
     sync_recorded(plugin, trainer, sampler, step=1)
     assert plugin.chosen == "full" and RECORDED[-1]["sync/method"] == 0.0 and (tmp_path / "model.safetensors").exists()
-    with pytest.raises(PluginError, match="method=adapter sends the LoRA adapters of the local trainer's model; a LocalTrainer has none"):
+    assert trainer.save_adapter_for_sampler is None  # a full fine-tune
+    with pytest.raises(PluginError, match="method=adapter sends the trainer's LoRA adapters alone; a LocalTrainer trains none here"):
         VLLMWeightSync(weights_dir=str(tmp_path), method="adapter").weight_sync(trainer=trainer, sampler=sampler, step=1)
     # A LoRA run can still go in full or by deltas.
     lora, _, lora_sampler = lora_setup(untied_model_dir)
@@ -494,16 +493,17 @@ def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_o
     assert full.chosen == "full" and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and lora_sampler.model == "tiny"
 
 
-def test_a_trainer_whose_model_lives_on_a_service_is_synced_in_full():
-    """A tinker trainer's ``model`` is the service's model name (a str), not a module: auto sends
-    the merged policy it writes, and method=adapter says it has no local adapters."""
-    from grpo_core.plugins.weight_sync.vllm import has_local_adapters
-
+def test_auto_sends_adapters_from_any_trainer_that_writes_them_and_the_policy_from_one_that_does_not():
+    """Whatever holds the model (a tinker trainer's lives on a service: its ``model`` is a name),
+    what decides is the declared ``save_adapter_for_sampler``."""
     remote = SimpleNamespace(model="Qwen/Qwen3-0.6B")
-    assert not has_local_adapters(remote) and not has_local_adapters(SimpleNamespace())
     assert VLLMWeightSync().resolve(remote) == "full"
-    with pytest.raises(PluginError, match="a SimpleNamespace has none here: sync with method=full or method=delta"):
+    with pytest.raises(PluginError, match="a SimpleNamespace trains none here: sync with method=full or method=delta"):
         VLLMWeightSync(method="adapter").resolve(remote)
+    writes_adapters = SimpleNamespace(model="Qwen/Qwen3-0.6B", save_adapter_for_sampler=lambda path: None)
+    assert VLLMWeightSync().resolve(writes_adapters) == "adapter"
+    with pytest.raises(PluginError, match=r"save_adapter_for_sampler must be callable \| None"):
+        VLLMWeightSync().resolve(SimpleNamespace(save_adapter_for_sampler="adapter/"))
 
 
 def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
@@ -525,6 +525,32 @@ def test_full_every_only_with_method_delta():
         PluginError, match="option 'method' of weight_sync.vllm: expected one of 'auto', 'full', 'adapter', 'delta', 'broadcast'"
     ):
         make_plugin("weight_sync.vllm", method="xor")
+
+
+def test_the_broadcast_groups_backend_is_nccl_only_where_both_sides_are_on_cuda():
+    with pytest.raises(ValueError, match="group_backend chooses method=broadcast's group; with method=delta it would do nothing"):
+        VLLMWeightSync(method="delta", group_backend="gloo")
+    on_cpu, on_gpu = {"w": torch.zeros(1)}, {"w": SimpleNamespace(device=torch.device("cuda", 0))}
+    cpu_workers, gpu_workers = [{"device": "cpu"}], [{"device": "cuda:0"}, {"device": "cuda:1"}]
+    cases = [
+        ("auto", on_cpu, cpu_workers, "gloo"),
+        ("auto", on_gpu, cpu_workers, "gloo"),
+        ("auto", on_cpu, gpu_workers, "gloo"),
+        ("auto", on_gpu, gpu_workers, "nccl"),
+        ("auto", on_gpu, [{}], "gloo"),  # a worker extension from before nccl says no device
+        ("gloo", on_gpu, gpu_workers, "gloo"),
+        ("nccl", on_gpu, gpu_workers, "nccl"),
+    ]
+    for backend, policy, places, expected in cases:
+        sync = VLLMWeightSync(method="broadcast", group_backend=backend)
+        sync.policy = policy
+        assert sync.resolve_group_backend(places) == expected, (backend, policy, places)
+    sync = VLLMWeightSync(method="broadcast", group_backend="nccl")
+    sync.policy = on_cpu
+    with pytest.raises(
+        PluginError, match="group_backend=nccl streams GPU to GPU; the trainer's weights are on cpu, the server's workers on cuda:0, cuda:1"
+    ):
+        sync.resolve_group_backend(gpu_workers)
 
 
 class FakeVLLMWithExtension(FakeVLLM):

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -251,3 +252,25 @@ def test_weights_stream_through_a_group_of_their_own_bucket_by_bucket():
     thread.join()
     assert not dist.is_initialized()
     assert_same(got, tensors)
+
+
+def test_an_nccl_group_needs_cuda_and_an_unknown_backend_is_refused():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="an nccl group needs a CUDA device and a torch built with NCCL.*use gloo"):
+            vllm_worker.open_group(store, "g", 0, 2, 5.0, "nccl")
+    with pytest.raises(ValueError, match="group backend 'mpi': use one of gloo, nccl"):
+        vllm_worker.open_group(store, "g", 0, 2, 5.0, "mpi")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA can form the nccl group")
+def test_a_worker_on_a_cpu_answers_that_it_cannot_join_an_nccl_group():
+    worker = FakeWorker()
+    worker.rank, worker.device = 0, torch.device("cpu")
+    worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
+    assert worker.grpo_core_group() == {"group": None, "rank": 1, "world_size": 2, "device": "cpu"}
+    answer = worker.grpo_core_join_group("127.0.0.1", "1", "g", "5", backend="nccl")
+    assert answer["ok"] is False and answer["error"].startswith("could not join the trainer's nccl group at 127.0.0.1:1: ")
+    assert worker.grpo_core_group()["group"] is None
