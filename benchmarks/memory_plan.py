@@ -43,7 +43,7 @@ def worker(dtype: str, optimizer_state: str, model: str, steps: int, batch: int,
     import torch
 
     from grpo_core.config import RunConfig
-    from grpo_core.engine.memory_plan import model_size, plan
+    from grpo_core.engine.memory_plan import CPU_RUNTIME_BYTES, model_size, plan
     from grpo_core.plugins.backends.local import LocalBackend
 
     torch.set_num_threads(1)
@@ -63,7 +63,8 @@ def worker(dtype: str, optimizer_state: str, model: str, steps: int, batch: int,
     for _ in range(steps):
         trainer.forward_backward_custom(datums, loss_fn)
         trainer.optim_step(tinker.AdamParams(learning_rate=1e-5))
-    estimate = plan(model_size(model), getattr(torch, dtype), optimizer_state, batch * tokens, False, None, False)
+    size = model_size(model)
+    estimate = plan(size, getattr(torch, dtype), optimizer_state, batch * tokens, False, None, False, runtime=CPU_RUNTIME_BYTES)
     return {
         "dtype": dtype,
         "state": optimizer_state,

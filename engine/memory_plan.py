@@ -35,6 +35,10 @@ from grpo_core.engine.fused_logprobs import CPU_CHUNK_BYTES
 from grpo_core.engine.optim import SLICE_ELEMENTS, moment_bytes
 
 GB = 1e9
+CPU_RUNTIME_BYTES = 170 * 10**6
+"""What a CPU process's first forward and backward take whatever the model's size: autograd's,
+oneDNN's and the allocator's state. Measured 0.17 GB (benchmarks/memory_plan.py, the embedded
+model's shape, 2026-11-27); on CUDA the device's free memory is read after its context is made."""
 ASSUMED_PROMPT_TOKENS = 128
 """Prompt tokens per sequence the activation estimate assumes (prompts are measured later)."""
 
@@ -113,27 +117,31 @@ def plan(
     reference: str | None,
     sampler_copy: bool,
     checkpoint_copy: bool = False,
+    runtime: int = 0,
 ) -> MemoryPlan:
     """The peak of a step. ``reference``: None (no reference: LoRA or no KL), "memory" (resident)
     or "offload" (mapped in for its forward only; on CUDA it waits in host memory, not counted).
     ``checkpoint_copy``: a background checkpoint's copy of the trained weights and moments shares
-    this memory (a CPU run's periodic checkpoints)."""
+    this memory (a CPU run's periodic checkpoints). ``runtime``: bytes the first forward and
+    backward take whatever the model (:data:`CPU_RUNTIME_BYTES` on a CPU)."""
     dtype_bytes = torch.tensor([], dtype=weight_dtype).element_size()
     weights = size.parameters * dtype_bytes
     gradients = size.trained * dtype_bytes
     moments = int(size.trained * moment_bytes(optimizer_state))
     packed = optimizer_state != "fp32" or weight_dtype != torch.float32
     # Float32 weight and gradient buffers (and both moments' where they are not float32), and the
-    # int32 noise table where bf16 values are rounded.
+    # int32 noise table where bf16 values are rounded (bf16 weights or moments).
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
-    optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 if packed else 0
+    rounds = weight_dtype == torch.bfloat16 or optimizer_state == "bf16"
+    optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 * rounds if packed else 0
     head_chunk = min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
     # The packed step's buffers and noise table are kept from step to step: resident after the first.
     resident = {
-        "weights": weights, "moments": moments, "optimizer buffers": optimizer_work, "sampler copy": sampler, "checkpoint copy": checkpoint,
+        "runtime": runtime, "weights": weights, "moments": moments, "optimizer buffers": optimizer_work, "sampler copy": sampler,
+        "checkpoint copy": checkpoint,
     }  # fmt: skip
     # The optimizer step holds what training does less its activations: never the peak.
     phases = {"training": {**resident, "gradients": gradients, "activations": activations, "logits chunk": head_chunk}}
@@ -179,7 +187,10 @@ def check_fits(
     tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
     checkpoint_copy = device.type == "cpu" and periodic
-    memory = plan(size, weight_dtype, config.optimizer_state, tokens, checkpointing, reference, config.sampling_runs_ahead, checkpoint_copy)
+    runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
+    memory = plan(
+        size, weight_dtype, config.optimizer_state, tokens, checkpointing, reference, config.sampling_runs_ahead, checkpoint_copy, runtime
+    )
     free = free_memory(device)
     if config.memory_check and memory.peak > free:
         raise PluginError(

@@ -36,6 +36,8 @@ def test_the_peak_adds_what_each_phase_holds(tiny_model_dir):
     assert step.phase == "training" and step.parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16 + SLICE_ELEMENTS * 4
     assert step.peak == sum(step.parts.values())
     assert fp32.parts["optimizer buffers"] == 0  # torch's fused AdamW: no buffers
+    # Float32 weights with 8-bit moments round nothing: no noise table.
+    assert plan(size, torch.float32, "8bit", 100, False, None, False).parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16
     resident = plan(size, torch.float32, "fp32", 100, False, "memory", True)
     assert resident.peak - fp32.peak == 2 * 4 * p  # the reference and the sampler's copy
     assert resident.parts["reference"] == resident.parts["sampler copy"] == 4 * p
@@ -56,6 +58,8 @@ def test_a_cpu_runs_periodic_checkpoints_count_their_copy(tiny_model_dir, monkey
     config = RunConfig(model=str(tiny_model_dir), checkpoint_every=checkpoint_every, max_steps=max_steps)
     memory = memory_plan.check_fits(config, str(tiny_model_dir), torch.float32, torch.device(device), None, False)
     assert (memory.parts["checkpoint copy"] == 12 * model_size(tiny_model_dir).parameters) is counted
+    # A CPU process's own first forward and backward; CUDA's context is outside the free memory read.
+    assert memory.parts["runtime"] == (memory_plan.CPU_RUNTIME_BYTES if device == "cpu" else 0)
 
 
 def test_checkpointing_keeps_one_layer_of_activations_and_the_inputs(tiny_model_dir):
