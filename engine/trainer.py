@@ -180,6 +180,10 @@ class LocalReference:
     offloaded: OffloadedWeights | None = None
     """Where the model's weights wait between forwards when they are offloaded (its parameters
     are empty then)."""
+    return_freed_memory: bool = False
+    """On a CPU, give the C heap's free pages back to the OS where a phase has just freed its
+    memory (the local backend's ``return_freed_memory``): a lower peak where memory is tight, the
+    next phase's page faults and the trim itself (~15 % of a small model's step) where it is not."""
     forward_fn: TransformersForward = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -188,9 +192,13 @@ class LocalReference:
         with self._weights():
             self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
 
+    def _release_freed_memory(self) -> None:
+        if self.return_freed_memory:
+            release_freed_memory(self.device)
+
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         # What sampling freed leaves the process before the weights are mapped in beside it.
-        release_freed_memory(self.device)
+        self._release_freed_memory()
         with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
             return [lp.cpu() for lp in logprobs]
@@ -273,7 +281,7 @@ class LocalTrainer(LocalReference):
     def forward_routed(self, datums: Sequence[tinker.Datum]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``forward``, and the experts each datum's input tokens were routed to, ``[tokens, layers, top_k]``
         (those it carries, where it carries some): what --router-replay R2 records in pi_old's forward."""
-        release_freed_memory(self.device)
+        self._release_freed_memory()
         with torch.no_grad(), self._routing(datums) as routing:
             if routing is None:
                 raise ValueError(f"no routing to record: {self.routing_problem}")
@@ -281,7 +289,7 @@ class LocalTrainer(LocalReference):
             return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
-        release_freed_memory(self.device)
+        self._release_freed_memory()
         # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
         record("perf/padding_free", float(self.forward_fn.packs), "max")
         routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
@@ -320,7 +328,7 @@ class LocalTrainer(LocalReference):
             self.version += 1
             if not self.weights_finite():
                 raise NonFiniteWeights(nonfinite_step_message(grad_norm, adam_params))
-        release_freed_memory(self.device)  # the gradients clip_and_step freed
+        self._release_freed_memory()  # the gradients clip_and_step freed
         self.nonfinite_loss = False
         return step_metrics(grad_norm, adam_params, skip)
 

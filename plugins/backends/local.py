@@ -87,7 +87,8 @@ class LocalBackend:
         "auto",
         help=(
             "on a CPU, glibc gives every tensor of 1 MiB or more back to the OS when it is freed (a fixed mmap "
-            "threshold): at the Qwen3-0.6B shape the float32 peak is 1.1 GB lower and the trainer's step 8% slower, "
+            "threshold) and the heap's free pages after each phase (malloc_trim): at the Qwen3-0.6B shape the float32 "
+            "peak is 1.1 GB lower and the trainer's step 8% slower, "
             "a small model's multi-turn steps ~1.4x slower (docs/performance.md); false = glibc's own threshold, which "
             "keeps freed weight-sized tensors; auto = true where the memory plan's peak exceeds a quarter of the "
             "host's available memory"
@@ -138,6 +139,7 @@ class LocalBackend:
             f"assume prompts of {ASSUMED_PROMPT_TOKENS} tokens",
             file=sys.stderr,
         )
+        returned = False
         if device.type == "cpu":
             returned, why = self._returns_freed_memory(memory.peak)
             print(f"host memory: {why}", file=sys.stderr)
@@ -162,12 +164,13 @@ class LocalBackend:
             seed=config.seed,
             optimizer_state=config.optimizer_state,
             activation_checkpointing=checkpointing,
+            return_freed_memory=returned,
         )
         print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)
         return trainer
 
     def _returns_freed_memory(self, planned_peak: int) -> tuple[bool, str]:
-        returned = "tensors of 1 MiB or more go back to the OS when freed"
+        returned = "tensors of 1 MiB or more go back to the OS when freed, the heap's free pages after each phase"
         kept = "glibc keeps freed tensors for reuse"
         if self.return_freed_memory != "auto":
             return self.return_freed_memory, f"{returned if self.return_freed_memory else kept} (--backend-opt return_freed_memory)"
@@ -182,15 +185,16 @@ class LocalBackend:
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
+        like_trainer = {"padding_free": trainer.padding_free, "return_freed_memory": trainer.return_freed_memory}
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
-            return LocalReference(trainer.model, trainer.device, adapters_off=True, padding_free=trainer.padding_free)
+            return LocalReference(trainer.model, trainer.device, adapters_off=True, **like_trainer)
         # Forward-only, in the trainer's dtype: bf16 in a bf16 run, float32 (exact) in a float32 one.
         if self.reference == "memory" or (self.reference == AUTO and trainer.device.type != "cpu"):
             print("reference: memory (a frozen copy beside the trainer)", file=sys.stderr)
-            return LocalReference(frozen_copy(trainer.model), trainer.device, padding_free=trainer.padding_free)
+            return LocalReference(frozen_copy(trainer.model), trainer.device, **like_trainer)
         model = frozen_copy(trainer.model, weights=False)
         folder = model_folder(config.model)
         offloaded = offload(model, trainer.model, folder)
         print(f"reference: {offloaded.where}", file=sys.stderr)
-        return LocalReference(model, trainer.device, offloaded=offloaded, padding_free=trainer.padding_free)
+        return LocalReference(model, trainer.device, offloaded=offloaded, **like_trainer)

@@ -176,21 +176,30 @@ def test_released_memory_leaves_the_process():
 @pytest.mark.parametrize(
     ("return_freed_memory", "available_gb", "fixed", "line"),
     [
-        (True, 100.0, True, "host memory: tensors of 1 MiB or more go back to the OS when freed (--backend-opt"),
-        (False, 0.001, False, "host memory: glibc keeps freed tensors for reuse (--backend-opt"),
-        ("auto", 100.0, False, "host memory: glibc keeps freed tensors for reuse (planned peak"),
-        ("auto", 0.5, True, "host memory: tensors of 1 MiB or more go back to the OS when freed (planned peak"),
+        (True, 100.0, True, "tensors of 1 MiB or more go back to the OS when freed, the heap's free pages after each phase (--"),
+        (False, 0.001, False, "glibc keeps freed tensors for reuse (--backend-opt"),
+        ("auto", 100.0, False, "glibc keeps freed tensors for reuse (planned peak"),
+        ("auto", 0.5, True, "tensors of 1 MiB or more go back to the OS when freed, the heap's free pages after each phase (planned"),
     ],
 )
 def test_return_freed_memory_fixes_glibcs_mmap_threshold_where_memory_is_tight(
     tiny_model_dir, monkeypatch, capsys, return_freed_memory, available_gb, fixed, line
 ):
+    from grpo_core.engine import trainer as trainer_module
     from grpo_core.plugins.backends import local
 
-    thresholds = []
+    thresholds, trims = [], []
     monkeypatch.setattr(local, "set_mmap_threshold", thresholds.append)
     monkeypatch.setattr(local, "free_memory", lambda device: int(available_gb * 1e9))
+    monkeypatch.setattr(trainer_module, "release_freed_memory", trims.append)
     backend = LocalBackend(return_freed_memory=return_freed_memory)
-    backend.make_trainer(config=RunConfig(model=str(tiny_model_dir), memory_check=False))
+    config = RunConfig(model=str(tiny_model_dir), memory_check=False)
+    trainer = backend.make_trainer(config=config)
     assert thresholds == ([1 << 20] if fixed else [])
-    assert line in capsys.readouterr().err
+    assert f"host memory: {line}" in capsys.readouterr().err
+    # The heap's free pages too, by the trainer and its reference, where a phase has freed memory.
+    reference = backend.make_reference(config=config, trainer=trainer)
+    datums = datums_of(trainer.tokenizer)
+    trainer.forward(datums)
+    reference.forward(datums)
+    assert trims == ([torch.device("cpu")] * 2 if fixed else [])
