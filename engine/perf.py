@@ -10,6 +10,7 @@ import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -92,12 +93,30 @@ def peak_memory_gib(device: torch.device) -> float:
         peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         return peak / GIB
+    peak = linux_peak_rss()
+    if peak is not None:
+        return peak / GIB
     # ru_maxrss is in KiB on Linux, in bytes on macOS.
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / GIB if sys.platform == "darwin" else rss * 1024 / GIB
 
 
+def linux_peak_rss() -> int | None:
+    """The process's peak resident bytes (VmHWM), or None where /proc has none (not Linux).
+
+    Not ``ru_maxrss``: Linux keeps that across ``execve``, so a run started from a larger process
+    (a test runner, a notebook) would report its parent's peak."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
 def memory_line(device: torch.device) -> str:
     if device.type == "cuda":
         return "torch.cuda.max_memory_allocated over each step (reset at its end; step 1: since the process began)"
-    return "the process's peak resident memory since it began (getrusage ru_maxrss: the OS keeps no per-step peak)"
+    return "the process's peak resident memory since it began (VmHWM, else getrusage's ru_maxrss: no per-step peak on a CPU)"
