@@ -3,9 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from tests.integration.tinker_server import client_env
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: ~10 s
 def test_the_client_path_imports_every_package_the_wheel_installs(tmp_path):
     env = client_env(tmp_path / "client")
     code = (

@@ -26,6 +26,7 @@ def trainers(tmp_path_factory):
     fsdp.close()
 
 
+@pytest.mark.slow  # 2 ranks started and an MoE model built: 10-20 s
 def test_fsdp_forces_and_returns_routes_as_the_local_trainer(trainers):
     fsdp, local = trainers
     assert fsdp.routing_problem is None
