@@ -228,6 +228,31 @@ def test_a_full_fine_tune_streams_its_weights_through_a_broadcast_group_without_
     sampler.close()
 
 
+def test_an_fsdp_trainer_streams_the_whole_copy_its_rank_0_keeps(delta_tied_server, models, tmp_path):
+    """Two ranks (gloo) train; the broadcast sends rank 0's whole copy, kept current after each step."""
+    from grpo_core.plugins.backends.fsdp import FSDPBackend
+
+    model = models["tied"]
+    trainer = FSDPBackend(nproc=2).make_trainer(config=RunConfig(model=str(model)))
+    try:
+        sampler = OpenAISampler(base_url=delta_tied_server.url, retry_deadline=180.0).make_sampler(config=RunConfig(), trainer=trainer)
+        sampler.client.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}})
+        sampler.client.post("/reset_prefix_cache", {})
+        sync = VLLMWeightSync(weights_dir=str(tmp_path / "weights"), method="broadcast", group_timeout=60.0)
+        for step in (1, 2):
+            optimizer_step(trainer, seed=step)
+            assert sync.verify(trainer, sampler) > 10 * TOLERANCE
+            with scope() as recorded:
+                assert sync.weight_sync(trainer=trainer, sampler=sampler, step=step) == step
+            print(f"fsdp broadcast step {step}: {dict(recorded)}")
+            assert recorded["sync/logprob_max_abs_diff"] < TOLERANCE and recorded["sync/method"] == 3.0
+        assert_samples_match_trainer(trainer, sampler)
+        assert not (tmp_path / "weights").exists()
+        sampler.close()
+    finally:
+        trainer.close()
+
+
 # One restart at the plugin level (~110 s of CI's budget), with the method a restart breaks most: a
 # delta needs its base on the server. A restarted server's lost adapter is loaded again before
 # sampling in tests/plugins/weight_sync/test_vllm.py (a fake server); a run through a restart is
