@@ -386,8 +386,7 @@ class VLLMWeightSync:
             import torch
 
             for bucket in plan:
-                bucket_bytes = [tensors[n].detach().contiguous().reshape(-1).view(torch.uint8).to(device) for n, _, _ in bucket]
-                vllm_worker.broadcast(group, torch.cat(bucket_bytes))
+                vllm_worker.broadcast(group, torch.cat([vllm_worker.as_bytes(tensors[n], device) for n, _, _ in bucket]))
         except RuntimeError as exc:  # the group broke: the server went away mid-stream
             answer.join()
             failure = f"streaming the weights to the server at {url} failed: {exc}"
@@ -403,10 +402,16 @@ class VLLMWeightSync:
             return
         record("sync/bytes", sum(sizes.values()), "sum")
 
+    def policy_device(self) -> Any:
+        """Where the written policy's tensors are (the trainer's device)."""
+        import torch
+
+        return next(iter(self.policy.values())).device if self.policy else torch.device("cpu")
+
     def resolve_group_backend(self, places: list[dict[str, Any]]) -> str:
         """The broadcast group's backend for the trainer's weights (the written policy's device)
         and the server's workers (``places``: where each one is)."""
-        trainer_device = next(iter(self.policy.values())).device.type if self.policy else "cpu"
+        trainer_device = self.policy_device().type
         on_cuda = trainer_device == "cuda" and all(str(place.get("device", "cpu")).startswith("cuda") for place in places)
         if self.group_backend == "nccl" and not on_cuda:
             workers = ", ".join(sorted({str(place.get("device", "cpu")) for place in places}))
@@ -432,7 +437,7 @@ class VLLMWeightSync:
         kwargs = {"host": self.group_host, "port": str(store.port), "group": name, "timeout": str(self.group_timeout)}
         if backend != "gloo":  # a server's copy of the extension from before nccl takes gloo groups without the argument
             kwargs["backend"] = backend
-        device = next(iter(self.policy.values())).device if backend == "nccl" else torch.device("cpu")
+        device = self.policy_device() if backend == "nccl" else torch.device("cpu")
         answer = Background(lambda: collective_rpc(client, "grpo_core_join_group", kwargs))
         try:
             if backend == "nccl":

@@ -60,9 +60,9 @@ class PayloadMismatch(ValueError):
     """A delta that does not apply to the weights held, or whose result is not the trainer's."""
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor (on the CPU, whatever its dtype; no copy when it is there)."""
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+def as_bytes(tensor: torch.Tensor, device: Any = "cpu") -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on ``device`` (whatever its dtype; no copy when it is there)."""
+    return tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
 
 
 def checksum(tensors: Mapping[str, torch.Tensor], layout: Mapping[str, tuple[str, list[int]]]) -> str:

@@ -254,19 +254,19 @@ def test_weights_stream_through_a_group_of_their_own_bucket_by_bucket():
     assert_same(got, tensors)
 
 
-def test_an_nccl_group_needs_cuda_and_an_unknown_backend_is_refused():
+def test_an_nccl_group_needs_cuda_and_an_unknown_backend_is_refused(monkeypatch):
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="an nccl group needs a CUDA device and a torch built with NCCL.*use gloo"):
-            vllm_worker.open_group(store, "g", 0, 2, 5.0, "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what a CPU machine says, here on any machine
+    with pytest.raises(RuntimeError, match="an nccl group needs a CUDA device and a torch built with NCCL.*use gloo"):
+        vllm_worker.open_group(store, "g", 0, 2, 5.0, "nccl")
     with pytest.raises(ValueError, match="group backend 'mpi': use one of gloo, nccl"):
         vllm_worker.open_group(store, "g", 0, 2, 5.0, "mpi")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA can form the nccl group")
-def test_a_worker_on_a_cpu_answers_that_it_cannot_join_an_nccl_group():
+def test_a_worker_on_a_cpu_answers_that_it_cannot_join_an_nccl_group(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     worker = FakeWorker()
     worker.rank, worker.device = 0, torch.device("cpu")
     worker.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(world_size=1))
