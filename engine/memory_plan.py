@@ -118,17 +118,20 @@ def plan(
     sampler_copy: bool,
     checkpoint_copy: bool = False,
     runtime: int = 0,
+    optimizer_kernel: str = "eager",
 ) -> MemoryPlan:
     """The peak of a step. ``reference``: None (no reference: LoRA or no KL), "memory" (resident)
     or "offload" (mapped in for its forward only; on CUDA it waits in host memory, not counted).
     ``checkpoint_copy``: a background checkpoint's copy of the trained weights and moments shares
     this memory (a CPU run's periodic checkpoints). ``runtime``: bytes the first forward and
-    backward take whatever the model (:data:`CPU_RUNTIME_BYTES` on a CPU)."""
+    backward take whatever the model (:data:`CPU_RUNTIME_BYTES` on a CPU). ``optimizer_kernel``:
+    the compiled step updates bfloat16 weights in place, without the eager one's buffers."""
     dtype_bytes = torch.tensor([], dtype=weight_dtype).element_size()
     weights = size.parameters * dtype_bytes
     gradients = size.trained * dtype_bytes
     moments = int(size.trained * moment_bytes(optimizer_state))
-    packed = optimizer_state != "fp32" or weight_dtype != torch.float32
+    in_place = optimizer_kernel == "compiled" and weight_dtype == torch.bfloat16
+    packed = not in_place and (optimizer_state != "fp32" or weight_dtype != torch.float32)
     # Float32 weight and gradient buffers (and both moments' where they are not float32), and the
     # int32 noise table where bf16 values are rounded (bf16 weights or moments).
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
@@ -176,7 +179,13 @@ def optimizer_state_line(optimizer_state: str, weight_dtype: torch.dtype, device
 
 
 def check_fits(
-    config: Any, folder: str, weight_dtype: torch.dtype, device: torch.device, reference: str | None, checkpointing: bool
+    config: Any,
+    folder: str,
+    weight_dtype: torch.dtype,
+    device: torch.device,
+    reference: str | None,
+    checkpointing: bool,
+    optimizer_kernel: str = "eager",
 ) -> MemoryPlan:
     """The plan of a local run (printed by the caller); raises ``PluginError`` naming the settings
     that would make it fit when it cannot fit the device's free memory (unless --no-memory-check)."""
@@ -189,7 +198,16 @@ def check_fits(
     checkpoint_copy = device.type == "cpu" and periodic
     runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
     memory = plan(
-        size, weight_dtype, config.optimizer_state, tokens, checkpointing, reference, config.sampling_runs_ahead, checkpoint_copy, runtime
+        size,
+        weight_dtype,
+        config.optimizer_state,
+        tokens,
+        checkpointing,
+        reference,
+        config.sampling_runs_ahead,
+        checkpoint_copy,
+        runtime,
+        optimizer_kernel,
     )
     free = free_memory(device)
     if config.memory_check and memory.peak > free:

@@ -21,6 +21,13 @@ with exact integer tensor operations that give the same bits on every device. A 
 exactly and a resumed run continues as an uninterrupted one would, with nothing extra in the
 checkpoint (whose layout is unchanged: torch's AdamW state with float32 moments).
 
+Where torch.compile can build kernels (``--backend-opt optimizer_kernel``), bfloat16 weights with
+float32 moments take one compiled pass per tensor instead (:func:`_one_pass_update`): the same
+update and the same noise, computed in registers with no float32 copy and no table, reading and
+writing each element's bytes once. It rounds the float32 update as the eager kernel does up to
+the order of its float32 operations: the weights agree but for an element in thousands, one
+bfloat16 step apart; a run repeats, and resumes, bitwise on the kernel it ran with.
+
 Where the moments are kept (``--optimizer-state``, :data:`MOMENT_FORMATS`): ``fp32`` (8 B per
 parameter, the default), ``bf16`` (4 B: stochastically rounded like the weights, with noise keyed
 apart from theirs), ``8bit`` (2 B plus a float32 scale per :data:`QUANT_BLOCK` elements: see
@@ -34,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import tinker
 import torch
@@ -109,6 +116,100 @@ def add_element_noise(bits: torch.Tensor, key: int) -> None:
         bits[first:].add_(table[: n - first])
 
 
+def hash_noise(counters: torch.Tensor) -> torch.Tensor:
+    """``noise_table``'s entries at ``counters`` (int32 in [0, 2^24)), computed in int32 instead of
+    looked up: products wrap modulo 2^32 as the table's masked int64 ones do, and the shifts are
+    made logical by masks. Elementwise, so a compiled kernel computes it in registers."""
+    x = counters ^ (counters >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x5BD1E995
+    return ((x ^ ((x >> 15) & 0x1FFFF)) >> 16) & 0xFFFF
+
+
+def _one_pass_update(
+    weight: torch.Tensor, gradient: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, offset: torch.Tensor, hyper: torch.Tensor
+) -> None:
+    """AdamW on one slice (1-D) of a bfloat16 ``weight`` with float32 moments, its float32 result
+    rounded stochastically with the noise :func:`add_element_noise` adds (the counters offset by
+    ``offset``, a 0-d int32 tensor) and written back: compiled, one pass over the slice's memory.
+    ``hyper`` holds the step's factors as torch's fused AdamW computes them, in float64, before
+    they meet float32 (:meth:`StochasticRoundingAdamW._one_pass_factors`)."""
+    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias_correction2_sqrt, eps = hyper.unbind()
+    gradient_32 = gradient.float()
+    exp_avg.lerp_(gradient_32, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(gradient_32, gradient_32 * one_minus_beta2)
+    updated = weight.float() * decay
+    updated = updated - step_size * exp_avg / (exp_avg_sq.sqrt() / bias_correction2_sqrt + eps)
+    counters = (torch.arange(weight.numel(), dtype=torch.int32, device=weight.device) + offset) & (SLICE_ELEMENTS - 1)
+    weight.copy_(((updated.view(torch.int32) + hash_noise(counters)) & -(1 << 16)).view(torch.float32))
+
+
+@functools.cache
+def compiled_one_pass_update() -> Callable[..., None]:
+    """:func:`_one_pass_update` compiled once per process for every slice length (dynamic shapes)."""
+    return torch.compile(_one_pass_update, dynamic=True, fullgraph=True)
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot build kernels for ``device`` here, or None."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "Triton (torch.compile's CUDA code generator) is not installed"
+    if device.type == "cpu":
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        try:
+            get_cpp_compiler()
+        except Exception as exc:  # inductor raises its own error types, which differ by version
+            return f"torch.compile finds no C++ compiler for CPU kernels ({str(exc).splitlines()[0]}); install g++ or set CXX"
+        return None
+    return f"torch.compile does not build kernels for {device.type} devices"
+
+
+AUTO = "auto"
+OPTIMIZER_KERNELS = (AUTO, "compiled", "eager")
+
+
+def resolve_optimizer_kernel(requested: str, weight_dtype: torch.dtype, moments: str, device: torch.device) -> tuple[str, str]:
+    """The kernel of the stochastic-rounding step (compiled or eager) and the start line's why;
+    raises PluginError where ``requested`` (:data:`OPTIMIZER_KERNELS`) cannot apply."""
+    from grpo_core.errors import PluginError
+
+    if requested not in OPTIMIZER_KERNELS:
+        raise PluginError(f"--backend-opt optimizer_kernel={requested}: use one of {', '.join(OPTIMIZER_KERNELS)}")
+    if weight_dtype != torch.bfloat16:
+        if requested == "compiled":
+            raise PluginError(
+                f"--backend-opt optimizer_kernel=compiled: the compiled step rounds bfloat16 weights, these are "
+                f"{str(weight_dtype).removeprefix('torch.')}: use --dtype bfloat16, or optimizer_kernel=auto"
+            )
+        if moments == "fp32":
+            return "eager", "torch's fused AdamW (float32 weights and moments)"
+        return "eager", f"eager (float32 weights with {moments} moments)"
+    if moments != "fp32":
+        if requested == "compiled":
+            raise PluginError(
+                f"--backend-opt optimizer_kernel=compiled keeps float32 moments; --optimizer-state {moments} takes the "
+                "eager step: use optimizer_kernel=auto or eager"
+            )
+        return "eager", f"eager (the compiled step keeps float32 moments, these are {moments})"
+    problem = compile_problem(device)
+    if requested == "compiled" and problem:
+        raise PluginError(f"--backend-opt optimizer_kernel=compiled: {problem}")
+    if requested == "eager":
+        return "eager", "eager (optimizer_kernel=eager: float32 buffers, a noise table)"
+    if problem:
+        return "eager", f"eager ({problem})"
+    if requested == AUTO and device.type != "cuda":
+        return "eager", (
+            f"eager (auto on {device.type}: building the compiled step takes 3-13 s, more than it saves in most runs "
+            "there; optimizer_kernel=compiled for a long one)"
+        )
+    return "compiled", "compiled (one torch.compile'd pass over each bfloat16 tensor, built at the first step)"
+
+
 def truncate_to_bf16(x_fp32: torch.Tensor) -> torch.Tensor:
     """The bfloat16 of a float32's top 16 bits (1-D, contiguous): a strided view, no conversion.
 
@@ -179,12 +280,19 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         seed: int = 0,
         moments: str = "fp32",
+        kernel: str = "eager",
     ) -> None:
         if moments not in MOMENT_FORMATS:
             raise ValueError(f"moments {moments!r}: use one of {', '.join(MOMENT_FORMATS)}")
+        if kernel not in ("eager", "compiled"):
+            raise ValueError(f"kernel {kernel!r}: use eager or compiled")
+        if kernel == "compiled" and moments != "fp32":
+            raise ValueError(f"the compiled kernel keeps float32 moments; moments {moments!r} take the eager one")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.seed = seed
         self.moments = moments
+        self.kernel = kernel
+        self._built = False
         self._kept_buffers: dict[torch.device, list[torch.Tensor]] = {}
         if moments == "offload" and any(p.device.type != "cuda" for group in self.param_groups for p in group["params"]):
             raise ValueError("moments 'offload' keep Adam's moments in host memory for CUDA parameters; these are in it already")
@@ -253,6 +361,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             exact: dict[torch.device, list[torch.Tensor]] = {}
             packed: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+            one_pass: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
             for p in group["params"]:
                 index += 1
                 if p.grad is None:
@@ -260,6 +369,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 self.state[p]["step"] += 1
                 if p.dtype == torch.float32 and self.moments == "fp32":
                     exact.setdefault(p.device, []).append(p)
+                elif p.dtype == torch.bfloat16 and self.kernel == "compiled":
+                    one_pass.setdefault(p.device, []).append((index, p))
                 else:
                     packed.setdefault(p.device, []).append((index, p))
             for device, params in exact.items():
@@ -268,6 +379,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 self._fused_adamw(group, states, params, [p.grad for p in params], exp_avgs, exp_avg_sqs, device)
             for device, indexed in packed.items():
                 self._step_packed(group, indexed, device)
+            for device, indexed in one_pass.items():
+                self._step_one_pass(group, indexed, device)
 
     def _fused_adamw(
         self,
@@ -297,6 +410,42 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             amsgrad=False,
             maximize=False,
         )
+
+    def _step_one_pass(self, group: dict, indexed: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
+        """Update the bfloat16 (parameter index, parameter) of ``indexed`` in place, one compiled
+        pass per slice of SLICE_ELEMENTS (:func:`_one_pass_update`): no float32 copies, no noise
+        table. Every step's settings and noise offsets reach the device in two copies, not one per
+        tensor, and nothing waits for the device."""
+        steps = sorted({self.state[p]["step"] for _, p in indexed})
+        hyper_S_7 = torch.tensor([self._one_pass_factors(group, s) for s in steps], dtype=torch.float32, device=device)
+        slices = [
+            (index, p, slice_index, start) for index, p in indexed for slice_index, start in enumerate(range(0, p.numel(), SLICE_ELEMENTS))
+        ]
+        keys = [noise_key(self.seed, self.state[p]["step"], index, slice_index) % SLICE_ELEMENTS for index, p, slice_index, _ in slices]
+        offsets = torch.tensor(keys, dtype=torch.int32, device=device)
+        update = compiled_one_pass_update()
+        for (_, p, _, start), offset in zip(slices, offsets):
+            state = self.state[p]
+            pieces = [t.view(-1)[start : start + SLICE_ELEMENTS] for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+            try:
+                update(*pieces, offset, hyper_S_7[steps.index(state["step"])])
+            except Exception as exc:  # torch.compile's errors differ by version and device
+                if self._built:
+                    raise
+                # The first call builds the kernel before it changes anything.
+                raise RuntimeError(
+                    f"the compiled optimizer step could not be built on {device} ({type(exc).__name__}: "
+                    f"{(str(exc).strip() or '?').splitlines()[0]}); --backend-opt optimizer_kernel=eager runs without it"
+                ) from exc
+            self._built = True
+
+    @staticmethod
+    def _one_pass_factors(group: dict, step: int) -> list[float]:
+        """What :func:`_one_pass_update` multiplies by at ``step``, in float64 as torch's fused
+        kernel makes them (1 - beta2 rounded to float32 alone would be 5e-5 off)."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        step_size = lr / (1 - beta1**step)
+        return [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, step_size, math.sqrt(1 - beta2**step), group["eps"]]
 
     def _step_packed(self, group: dict, indexed: list[tuple[int, torch.Tensor]], device: torch.device) -> None:
         """Update the (parameter index, parameter) of ``indexed`` through float32 buffers, packed
@@ -383,11 +532,14 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     state[key].view(-1)[start:end].copy_(piece)
 
 
-def make_optimizer(params: list[torch.Tensor], seed: int, device: torch.device, moments: str = "fp32") -> torch.optim.Optimizer:
+def make_optimizer(
+    params: list[torch.Tensor], seed: int, device: torch.device, moments: str = "fp32", kernel: str = "eager"
+) -> torch.optim.Optimizer:
     """AdamW over ``params``: torch's fused kernel for float32 weights and moments; stochastic
-    rounding for bf16 weights; moments kept as ``moments`` says (:data:`MOMENT_FORMATS`)."""
+    rounding for bf16 weights (by ``kernel``: compiled or eager); moments kept as ``moments`` says
+    (:data:`MOMENT_FORMATS`)."""
     if moments != "fp32" or any(p.dtype != torch.float32 for p in params):
-        return StochasticRoundingAdamW(params, seed=seed, moments=moments)
+        return StochasticRoundingAdamW(params, seed=seed, moments=moments, kernel=kernel)
     # The fused kernel updates every tensor in one pass: 4-5x faster than foreach on CPU.
     return torch.optim.AdamW(params, fused=device.type in ("cpu", "cuda"))
 

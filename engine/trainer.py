@@ -219,6 +219,8 @@ class LocalTrainer(LocalReference):
     """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     optimizer_state: str = "fp32"
     """How Adam's moments are kept (``--optimizer-state``: engine.optim.MOMENT_FORMATS)."""
+    optimizer_kernel: str = "eager"
+    """The stochastic-rounding step's kernel: compiled or eager (engine.optim.resolve_optimizer_kernel)."""
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
@@ -341,7 +343,8 @@ class LocalTrainer(LocalReference):
             raise NonFiniteWeights(f"the policy's weights hold NaN or inf: {what} not written")
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return make_optimizer([p for p in self.model.parameters() if p.requires_grad], self.seed, self.device, self.optimizer_state)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return make_optimizer(params, self.seed, self.device, self.optimizer_state, self.optimizer_kernel)
 
     def save_state(self, path: str) -> None:
         """A folder: the trained weights in their own dtype as sharded safetensors, then the

@@ -36,6 +36,10 @@ def test_the_peak_adds_what_each_phase_holds(tiny_model_dir):
     assert step.phase == "training" and step.parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16 + SLICE_ELEMENTS * 4
     assert step.peak == sum(step.parts.values())
     assert fp32.parts["optimizer buffers"] == 0  # torch's fused AdamW: no buffers
+    # The compiled step updates bf16 weights in place: no buffers, no table; other moments still pack.
+    assert plan(size, torch.bfloat16, "fp32", 100, False, None, False, optimizer_kernel="compiled").parts["optimizer buffers"] == 0
+    eager = plan(size, torch.bfloat16, "fp32", 100, False, None, False, optimizer_kernel="eager")
+    assert eager.parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 8 + SLICE_ELEMENTS * 4
     # Float32 weights with 8-bit moments round nothing: no noise table.
     assert plan(size, torch.float32, "8bit", 100, False, None, False).parts["optimizer buffers"] == min(p, SLICE_ELEMENTS) * 16
     resident = plan(size, torch.float32, "fp32", 100, False, "memory", True)

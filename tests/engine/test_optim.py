@@ -14,6 +14,7 @@ from grpo_core.engine.optim import (
     noise_table,
     truncate_to_bf16,
 )
+from grpo_core.errors import PluginError
 
 MASK32 = (1 << 32) - 1
 
@@ -413,3 +414,168 @@ def test_reduced_moments_resume_bitwise_from_the_state_dict(monkeypatch, moments
         ValueError, match=rf"holds exp_avg torch.float32.*other moments than these \({moments}\); resume with the --optimizer-state"
     ):
         optimizer_for(resumed).load_state_dict(run(5, 1)[1].state_dict())
+
+
+def compiled_and_eager(steps: int) -> tuple[list, list, StochasticRoundingAdamW, StochasticRoundingAdamW]:
+    """``make_params``'s parameters trained ``steps`` steps by the compiled and by the eager kernel."""
+    eager_params, compiled_params = make_params(), make_params()
+    eager = StochasticRoundingAdamW(eager_params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), seed=5)
+    compiled = StochasticRoundingAdamW(compiled_params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), seed=5, kernel="compiled")
+    for _ in range(steps):
+        run(5, 1, eager_params, eager)
+        run(5, 1, compiled_params, compiled)
+    return eager_params, compiled_params, eager, compiled
+
+
+@pytest.mark.slow  # builds the kernel: 3-13 s on 2 cores
+@pytest.mark.parametrize("slice_elements", [1 << 24, 64], ids=["whole", "sliced"])
+def test_the_compiled_step_is_the_eager_one_up_to_float32_rounding(monkeypatch, slice_elements):
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", slice_elements)
+    eager_params, compiled_params, eager, compiled = compiled_and_eager(3)
+    differ = 0
+    for e, c in zip(eager_params, compiled_params):
+        assert c.dtype == e.dtype
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = eager.state[e][key].abs().max()
+            assert torch.allclose(compiled.state[c][key], eager.state[e][key], rtol=1e-5, atol=1e-6 * scale)
+        # The same noise on the same float32 update: a weight differs only where the update's last
+        # float32 bits moved it across a rounding boundary, and then by one bf16 step.
+        unequal = e != c
+        differ += int(unequal.sum())
+        steps = (e.float().view(torch.int32) - c.float().view(torch.int32)).abs()[unequal]
+        assert bool((steps == 1 << 16).all()) if e.dtype == torch.bfloat16 else not unequal.any()
+    assert differ <= 2  # of 1,343 bf16 weights, 3 steps
+    assert compiled.state[compiled_params[0]]["step"] == 3
+
+
+@pytest.mark.slow  # builds the kernel
+def test_the_compiled_step_repeats_resumes_bitwise_and_keys_the_noise_by_seed(monkeypatch):
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", 64)  # several slices per tensor
+
+    def trained(seed, steps, params=None, optimizer=None):
+        params = params if params is not None else make_params()
+        optimizer = optimizer or StochasticRoundingAdamW(params, lr=1e-2, weight_decay=0.1, seed=seed, kernel="compiled")
+        return run(seed, steps, params, optimizer)
+
+    straight, _ = trained(5, 4)
+    again, _ = trained(5, 4)
+    other, _ = trained(6, 4)
+    assert all(torch.equal(a, b) for a, b in zip(straight, again))
+    assert not all(torch.equal(a, b) for a, b in zip(straight[:-1], other[:-1]))
+    params, optimizer = trained(5, 2)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = StochasticRoundingAdamW(resumed, lr=1e-2, weight_decay=0.1, seed=5, kernel="compiled")
+    fresh.load_state_dict(optimizer.state_dict())
+    trained(5, 2, resumed, fresh)
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+@pytest.mark.slow  # builds the kernel afresh
+def test_the_compiled_step_is_one_generated_kernel_called_once_per_tensor(monkeypatch):
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    optim.compiled_one_pass_update.cache_clear()
+    metrics.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls = []
+    compiled = optim.compiled_one_pass_update()
+    monkeypatch.setattr(optim, "compiled_one_pass_update", lambda: lambda *a: calls.append(a[0].numel()) or compiled(*a))
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in [(16, 16)] * 20 + [(100,)] * 20]
+    optimizer = StochasticRoundingAdamW(params, lr=1e-3, kernel="compiled")
+    built = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape).bfloat16()
+        optimizer.step()
+        built.append((metrics.generated_kernel_count, torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before))
+    # One kernel per graph; every length shares a graph (dynamic shapes; dynamo makes a second one
+    # for views that start inside their storage); nothing is built at the second step.
+    assert built[0] == built[1] and built[0][0] == built[0][1] <= 2
+    assert calls == [p.numel() for p in params] * 2
+
+
+def test_the_compiled_kernels_noise_is_the_tables():
+    counters = torch.arange(1 << 20, dtype=torch.int32)
+    assert torch.equal(optim.hash_noise(counters), noise_table(1 << 20, torch.device("cpu")))
+    top = torch.tensor([(1 << 24) - 1], dtype=torch.int32)
+    assert optim.hash_noise(top).item() == python_mix((1 << 24) - 1, (0x7FEB352D, 0x5BD1E995)) >> 16
+
+
+def test_a_compiled_step_that_cannot_be_built_says_so_and_changes_nothing(monkeypatch):
+    def refuses(*args):
+        raise RuntimeError("InductorError: CppCompileError: C++ compile error\nmore lines")
+
+    monkeypatch.setattr(optim, "compiled_one_pass_update", lambda: refuses)
+    params = make_params()
+    before = [p.detach().clone() for p in params]
+    optimizer = StochasticRoundingAdamW(params, lr=1e-2, kernel="compiled")
+    set_grads(params, 0)
+    with pytest.raises(
+        RuntimeError,
+        match=r"could not be built on cpu \(RuntimeError: InductorError: CppCompileError: C\+\+ compile error\); "
+        "--backend-opt optimizer_kernel=eager runs without it",
+    ):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before[:-1], params[:-1]))
+
+
+def test_the_compiled_kernel_is_refused_for_moments_it_does_not_keep():
+    with pytest.raises(ValueError, match="the compiled kernel keeps float32 moments; moments '8bit' take the eager one"):
+        StochasticRoundingAdamW(make_params(), moments="8bit", kernel="compiled")
+    with pytest.raises(ValueError, match="kernel 'triton': use eager or compiled"):
+        StochasticRoundingAdamW(make_params(), kernel="triton")
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("requested", "dtype", "moments", "device", "problem", "kernel", "line"),
+    [
+        ("auto", torch.bfloat16, "fp32", CUDA, None, "compiled", "compiled (one torch.compile'd pass over each bfloat16 tensor"),
+        ("auto", torch.bfloat16, "fp32", CPU, None, "eager", "eager (auto on cpu: building the compiled step takes 3-13 s"),
+        ("compiled", torch.bfloat16, "fp32", CPU, None, "compiled", "compiled (one torch.compile'd pass"),
+        ("eager", torch.bfloat16, "fp32", CUDA, None, "eager", "eager (optimizer_kernel=eager: float32 buffers, a noise table)"),
+        ("auto", torch.bfloat16, "fp32", CUDA, "Triton is missing", "eager", "eager (Triton is missing)"),
+        ("auto", torch.bfloat16, "8bit", CUDA, None, "eager", "eager (the compiled step keeps float32 moments, these are 8bit)"),
+        ("auto", torch.float32, "fp32", CUDA, None, "eager", "torch's fused AdamW (float32 weights and moments)"),
+        ("eager", torch.float32, "bf16", CPU, None, "eager", "eager (float32 weights with bf16 moments)"),
+    ],
+)
+def test_the_optimizer_kernel_is_chosen_by_device_weights_and_moments(
+    monkeypatch, requested, dtype, moments, device, problem, kernel, line
+):
+    monkeypatch.setattr(optim, "compile_problem", lambda d: problem)
+    chosen, why = optim.resolve_optimizer_kernel(requested, dtype, moments, device)
+    assert chosen == kernel and why.startswith(line), why
+
+
+@pytest.mark.parametrize(
+    ("dtype", "moments", "problem", "message"),
+    [
+        (torch.float32, "fp32", None, "the compiled step rounds bfloat16 weights, these are float32: use --dtype bfloat16"),
+        (torch.bfloat16, "bf16", None, "keeps float32 moments; --optimizer-state bf16 takes the eager step"),
+        (torch.bfloat16, "fp32", "no C++ compiler here", "optimizer_kernel=compiled: no C\\+\\+ compiler here"),
+    ],
+)
+def test_a_compiled_kernel_that_cannot_apply_is_refused(monkeypatch, dtype, moments, problem, message):
+    monkeypatch.setattr(optim, "compile_problem", lambda d: problem)
+    with pytest.raises(PluginError, match=message):
+        optim.resolve_optimizer_kernel("compiled", dtype, moments, CPU)
+    with pytest.raises(PluginError, match="optimizer_kernel=fused: use one of auto, compiled, eager"):
+        optim.resolve_optimizer_kernel("fused", dtype, moments, CPU)
+
+
+def test_compile_problem_names_the_missing_code_generator(monkeypatch):
+    import torch.utils._triton
+    from torch._inductor import config
+
+    assert optim.compile_problem(CPU) is None  # g++ on the machines this runs on
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler-xyz"))
+    assert optim.compile_problem(CPU).startswith("torch.compile finds no C++ compiler for CPU kernels (")
+    assert optim.compile_problem(CPU).endswith("install g++ or set CXX")
+    monkeypatch.setattr(torch.utils._triton, "has_triton", lambda: False)
+    assert optim.compile_problem(CUDA) == "Triton (torch.compile's CUDA code generator) is not installed"
+    assert optim.compile_problem(torch.device("meta")) == "torch.compile does not build kernels for meta devices"

@@ -683,3 +683,40 @@ def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset
     run(config(tiny_model_dir, tiny_dataset, resumed, **{**settings, "max_steps": 2}))
     assert run(config(tiny_model_dir, tiny_dataset, resumed, **settings), resume=True)["steps"] == 4
     assert_same_run(whole, resumed)
+
+
+@pytest.mark.slow  # builds the compiled kernel
+def test_optimizer_kernel_compiled_steps_bf16_weights_in_one_pass(tiny_model_dir, capsys, monkeypatch):
+    from grpo_core.engine import optim
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+
+    cfg = RunConfig(model=str(tiny_model_dir), dtype="bfloat16")
+    trainer = LocalBackend(optimizer_kernel="compiled").make_trainer(config=cfg)
+    assert "optimizer kernel: compiled (one torch.compile'd pass over each bfloat16 tensor" in capsys.readouterr().err
+    assert trainer.optimizer_kernel == "compiled"
+    sampler = LocalSamplerPlugin().make_sampler(config=cfg, trainer=trainer)
+    calls = []
+    compiled = optim.compiled_one_pass_update()
+    monkeypatch.setattr(optim, "compiled_one_pass_update", lambda: lambda *a: calls.append(a[0].numel()) or compiled(*a))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    train_one_step(trainer, sampler)
+    assert trainer.optimizer.kernel == "compiled"
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert sorted(calls) == sorted(p.numel() for p in trained)  # every tensor, through the one kernel
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+
+
+def test_optimizer_kernel_defaults_to_eager_on_a_cpu_and_refuses_compiled_float32_before_loading(tiny_model_dir, capsys, monkeypatch):
+    from grpo_core.plugins.backends import local
+
+    _, _, trainer, _ = make(tiny_model_dir, dtype="bfloat16")
+    assert "optimizer kernel: eager (auto on cpu: building the compiled step takes 3-13 s" in capsys.readouterr().err
+    assert trainer.optimizer_kernel == "eager"
+    _, _, trainer, _ = make(tiny_model_dir)
+    assert "optimizer kernel: torch's fused AdamW (float32 weights and moments)" in capsys.readouterr().err
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("loaded a model for a refused option"))
+    with pytest.raises(PluginError, match="optimizer_kernel=compiled: the compiled step rounds bfloat16 weights, these are float32"):
+        LocalBackend(optimizer_kernel="compiled").make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    with pytest.raises(ValueError, match="'optimizer_kernel' must be in"):
+        LocalBackend(optimizer_kernel="fast")
