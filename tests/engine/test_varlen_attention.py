@@ -23,7 +23,7 @@ from grpo_core.engine.models import load_model, model_path
 from grpo_core.engine.varlen_attention import VARLEN, choose_attention, packed_sequence_lengths
 from grpo_core.errors import PluginError
 from grpo_core.plugins.backends.local import LocalBackend
-from tests.engine.ragged_datums import datum, ragged_datums
+from tests.engine.ragged_datums import ragged_datums
 
 CUDA = torch.device("cuda")
 
@@ -84,7 +84,10 @@ def load(path, attention, dtype=torch.float32):
 @pytest.mark.parametrize("model", ["default", "gqa_llama"])
 def test_packed_logprobs_and_gradients_through_varlen_equal_the_block_mask_path(model, tmp_path, kernel_calls, monkeypatch):
     path = model_path("default") if model == "default" else gqa_llama_dir(tmp_path)
-    block_mask, varlen = TransformersForward(load(path, "sdpa"), padding_free=True), TransformersForward(load(path, VARLEN), padding_free=True)
+    block_mask, varlen = (
+        TransformersForward(load(path, "sdpa"), padding_free=True),
+        TransformersForward(load(path, VARLEN), padding_free=True),
+    )
     assert block_mask.packs and varlen.packs
     datums = ragged_datums()
     masks = []
@@ -139,7 +142,9 @@ def test_padded_rows_and_a_cache_are_sdpas(kernel_calls):
     want = sdpa_forward.hidden_states(ids_B_T, positions_B_T, mask_B_T)
     got = varlen_forward.hidden_states(ids_B_T, positions_B_T, mask_B_T)
     assert kernel_calls == [] and torch.equal(got, want)
-    assert torch.equal(varlen.generate(ids_B_T[:1], max_new_tokens=3, do_sample=False), sdpa.generate(ids_B_T[:1], max_new_tokens=3, do_sample=False))
+    assert torch.equal(
+        varlen.generate(ids_B_T[:1], max_new_tokens=3, do_sample=False), sdpa.generate(ids_B_T[:1], max_new_tokens=3, do_sample=False)
+    )
     assert kernel_calls == []
 
 
@@ -211,12 +216,18 @@ def test_a_torch_whose_varlen_attn_lacks_the_keywords_is_refused(tiny_model_dir,
     ("config", "problem"),
     [
         (transformers.Gemma2Config(num_hidden_layers=2), "Gemma2ForCausalLM has no flash and sdpa attention"),
-        (transformers.MistralConfig(num_hidden_layers=2, sliding_window=64), "MistralForCausalLM has sliding-window or other non-causal layers"),
+        (
+            transformers.MistralConfig(num_hidden_layers=2, sliding_window=64),
+            "MistralForCausalLM has sliding-window or other non-causal layers",
+        ),
         (
             transformers.Qwen3Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1),
             "Qwen3ForCausalLM has sliding-window or other non-causal layers",
         ),
-        (transformers.LlamaConfig(hidden_size=512, num_attention_heads=1), "LlamaForCausalLM's heads are 512 wide, flash attention's at most 256"),
+        (
+            transformers.LlamaConfig(hidden_size=512, num_attention_heads=1),
+            "LlamaForCausalLM's heads are 512 wide, flash attention's at most 256",
+        ),
     ],
     ids=["softcapping", "mistral_sliding", "qwen3_sliding_layers", "wide_heads"],
 )
@@ -241,10 +252,13 @@ def test_varlen_on_a_cpu_is_refused_before_the_model_loads(tiny_model_dir, monke
     with pytest.raises(PluginError) as err:
         LocalBackend(attn_implementation=VARLEN).make_trainer(config=RunConfig(model=str(tiny_model_dir)))
     assert str(err.value) == (
-        "--backend-opt attn_implementation=varlen: varlen_attn is a CUDA kernel and this run is on cpu; use auto (sdpa with a block mask here)"
+        "--backend-opt attn_implementation=varlen: varlen_attn is a CUDA kernel and this run is on cpu; "
+        "use auto (sdpa with a block mask here)"
     )
     # A backend that loads a model without choosing first (fsdp) gets the same refusal from load_model.
-    with pytest.raises(PluginError, match="^attn_implementation=varlen: varlen_attn is a CUDA kernel and this run is on cpu; use auto or sdpa$"):
+    with pytest.raises(
+        PluginError, match="^attn_implementation=varlen: varlen_attn is a CUDA kernel and this run is on cpu; use auto or sdpa$"
+    ):
         load_model(str(tiny_model_dir), torch.device("cpu"), VARLEN)
 
 
@@ -264,11 +278,16 @@ def test_auto_where_varlen_runs_trains_through_it_names_it_and_saves_sdpa(tiny_m
         monkeypatch.setattr(module, "varlen_problem", lambda *a: None)
     trainer = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
     assert trainer.model.config._attn_implementation == VARLEN and trainer.forward_fn.packs
-    line = "sequences that run whole are packed, not padded (varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask)"
+    line = (
+        "sequences that run whole are packed, not padded "
+        "(varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask)"
+    )
     assert trainer.run_info["padding"] == line
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"; {line}")
     paths = []
-    monkeypatch.setattr(engine_logprobs, "_logprobs_packed", lambda *a, _f=engine_logprobs._logprobs_packed, **k: paths.append(1) or _f(*a, **k))
+    monkeypatch.setattr(
+        engine_logprobs, "_logprobs_packed", lambda *a, _f=engine_logprobs._logprobs_packed, **k: paths.append(1) or _f(*a, **k)
+    )
     kernel_calls.clear()
     trainer.forward_backward_custom(ragged_datums(), lambda d, lps: (sum(lp.sum() for lp in lps), {}))
     assert paths == [1] and len(kernel_calls) == trainer.model.config.num_hidden_layers
