@@ -231,7 +231,10 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             {
                 "trainer": {
                     "forward": TRAINER_FORWARD,
-                    "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
+                    "padding": (
+                        "sequences that run whole are packed, not padded (sdpa attention isolates them with a "
+                        "block-diagonal mask; not varlen: varlen_attn is a CUDA kernel and this run is on cpu)"
+                    ),
                 },
                 "sampler": {
                     "forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)",
