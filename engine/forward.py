@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from grpo_core.engine.varlen_attention import VARLEN, packed_attention_line, packed_forward
 from grpo_core.errors import PluginError
 
 
@@ -86,7 +87,7 @@ class TransformersForward:
     def padding_line(self) -> str:
         """The padding decision and why, in words (for the run's first lines)."""
         if self.packs:
-            return f"sequences that run whole are packed, not padded ({self.model.config._attn_implementation} attention isolates them)"
+            return f"sequences that run whole are packed, not padded ({packed_attention_line(self.model)})"
         return f"sequences are padded ({self.packing_problem})"
 
     def new_cache(self, capacity: int | None = None) -> Any:
@@ -111,15 +112,26 @@ class TransformersForward:
         keep: int = 0,
         weights: None = None,
     ) -> torch.Tensor:
-        out = self.model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=past_key_values is not None,
-            **{self.cache_argument: past_key_values},
-        )
+        with self._sequence_lengths(input_ids, position_ids, attention_mask, past_key_values) as lengths:
+            out = self.model.base_model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=past_key_values is not None,
+                **{self.cache_argument: past_key_values},
+                **lengths,
+            )
         hidden_B_S_E = out.last_hidden_state
         return hidden_B_S_E[:, -keep:] if keep else hidden_B_S_E
+
+    def _sequence_lengths(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past_key_values: Any
+    ) -> AbstractContextManager[dict[str, Any]]:
+        """Rows without padding or a cache: varlen attention keeps their sequences apart by the
+        lengths their position ids give (no mask built); any other call is sdpa's (no arguments)."""
+        if self.model.config._attn_implementation == VARLEN and attention_mask is None and past_key_values is None:
+            return packed_forward(position_ids.expand(input_ids.shape))
+        return nullcontext({})
 
     def __call__(self, *args: Any, logits_to_keep: int = 0, **kwargs: Any) -> torch.Tensor:
         return self.head(self.hidden_states(*args, keep=logits_to_keep, **kwargs))
@@ -135,11 +147,16 @@ class TransformersForward:
         hidden value on the embedded model) hides under a bound of a few units of rounding. A
         sequence packed after two different ones must come out the same (nothing leaks between
         sequences, to a few float32 units of rounding), and as it does alone (its positions restart).
+
+        Varlen attention has no float32 kernel: it is checked in the model's dtype under the same
+        bound, which holds there because it computes each packed sequence from that sequence's
+        values alone (the second sequence gets the same bits after either first one); a leak
+        changes them.
         """
         device, attention = self.model.device, self.model.config._attn_implementation
         first_a, first_b, second = [3, 1, 4], [2, 7, 1], [5, 9, 2, 6]
         positions_1_7 = torch.tensor([[0, 1, 2, 0, 1, 2, 3]], device=device)
-        with computing_in_float32(self.model):
+        with nullcontext() if attention == VARLEN else computing_in_float32(self.model):
             after_a, after_b = (
                 self.hidden_states(torch.tensor([first + second], device=device), positions_1_7)[0, 3:].float()
                 for first in (first_a, first_b)
@@ -158,7 +175,9 @@ class TransformersForward:
     def _check_head(self) -> None:
         ids_1_T = torch.tensor([[0, 1, 2]], device=self.model.device)
         positions_1_T = torch.arange(3, device=self.model.device).unsqueeze(0)
-        own = self.model(input_ids=ids_1_T, position_ids=positions_1_T).logits.float()
+        # The model's own call through the same attention kernel as ours.
+        with self._sequence_lengths(ids_1_T, positions_1_T, None, None) as lengths:
+            own = self.model(input_ids=ids_1_T, position_ids=positions_1_T, **lengths).logits.float()
         ours = self(ids_1_T, positions_1_T).float()
         if not torch.allclose(own, ours, rtol=1e-3, atol=1e-3):
             raise PluginError(

@@ -14,6 +14,7 @@ import torch
 
 from grpo_core.embedded import ASSETS
 from grpo_core.engine.architectures import attention_implementation
+from grpo_core.engine.varlen_attention import SAVED_AS, VARLEN, varlen_problem
 from grpo_core.errors import PluginError
 
 PRECISION_NOTES = {
@@ -83,6 +84,8 @@ def load_model(name: str, device: torch.device, attn_implementation: str, dtype:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         attention = attention_implementation(attn_implementation, path)
+        if attention == VARLEN:
+            _refuse_varlen(path, device, dtype)
         # Straight into the run's dtype and onto its device: no float32 host copy on the way.
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
@@ -93,9 +96,19 @@ def load_model(name: str, device: torch.device, attn_implementation: str, dtype:
         tokenizer.pad_token = tokenizer.eos_token
     # Written into every config.json saved from this model, so that a saved policy loads with the
     # attention it was trained with (grpo-core eval, export, from_pretrained).
-    model.config.attn_implementation = model.config._attn_implementation
+    # varlen is sdpa for everything but packed rows, and only grpo-core registers it.
+    model.config.attn_implementation = SAVED_AS if attention == VARLEN else model.config._attn_implementation
     disable_dropout(model)
     return model.eval(), tokenizer
+
+
+def _refuse_varlen(path: str, device: torch.device, dtype: torch.dtype) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    problem = varlen_problem(device, dtype, config, AutoModelForCausalLM._model_mapping.get(type(config), None))
+    if problem:
+        raise PluginError(f"attn_implementation=varlen: {problem}; use auto or sdpa")
 
 
 def disable_dropout(model: Any) -> None:

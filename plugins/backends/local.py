@@ -24,6 +24,7 @@ from grpo_core.engine.models import (
 from grpo_core.engine.optim import OPTIMIZER_KERNELS, resolve_optimizer_kernel
 from grpo_core.engine.reference_offload import offload
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
+from grpo_core.engine.varlen_attention import choose_attention
 from grpo_core.errors import PluginError
 
 REFERENCE_PLACES = (AUTO, "memory", "offload")
@@ -57,8 +58,10 @@ class LocalBackend:
     attn_implementation: str = option(
         AUTO,
         help=(
-            "transformers attention implementation; auto = the one the model folder records, else sdpa where the "
-            "architecture has it, eager where not (Gemma2); saved with the policy"
+            "transformers attention implementation; varlen = packed rows through torch's varlen flash kernel (no "
+            "[S, S] mask; CUDA, bf16/fp16, plain causal attention; sdpa otherwise); auto = varlen where it can run, "
+            "else the one the model folder records, else sdpa where the architecture has it, eager where not "
+            "(Gemma2); saved with the policy (varlen as sdpa)"
         ),
     )
     fast_forward: bool = option(
@@ -146,6 +149,7 @@ class LocalBackend:
             if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu")
             else "offload"
         )
+        attention = choose_attention(self.attn_implementation, model_path(config.model), device, dtype, self.padding_free)
         planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
         memory = check_fits(config, model_path(config.model), dtype, device, reference, planned_checkpointing, kernel)
         print(
@@ -160,7 +164,7 @@ class LocalBackend:
             if returned:
                 # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
                 set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
-        model, tokenizer = load_model(config.model, device, self.attn_implementation, dtype=dtype)
+        model, tokenizer = load_model(config.model, device, attention, dtype=dtype)
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
         checkpointing, why = resolve_checkpointing(

@@ -119,7 +119,10 @@ def test_the_trainer_and_its_reference_pack_by_default_and_the_start_line_says_s
     assert "trainer forward: transformers (" in capsys.readouterr().err.splitlines()[-1]
     reference = LocalBackend().make_reference(config=RunConfig(model=str(tiny_model_dir)), trainer=trainer)
     assert trainer.forward_fn.packs and reference.forward_fn.packs
-    assert trainer.forward_fn.padding_line() == "sequences that run whole are packed, not padded (sdpa attention isolates them)"
+    assert trainer.forward_fn.padding_line() == (
+        "sequences that run whole are packed, not padded (sdpa attention isolates them with a block-diagonal mask; "
+        "not varlen: varlen_attn is a CUDA kernel and this run is on cpu)"
+    )
     paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")
     datums = ragged_datums()
     trainer.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps), {}))
@@ -228,7 +231,10 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             {
                 "trainer": {
                     "forward": TRAINER_FORWARD,
-                    "padding": "sequences that run whole are packed, not padded (sdpa attention isolates them)",
+                    "padding": (
+                        "sequences that run whole are packed, not padded (sdpa attention isolates them with a "
+                        "block-diagonal mask; not varlen: varlen_attn is a CUDA kernel and this run is on cpu)"
+                    ),
                 },
                 "sampler": {
                     "forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)",
