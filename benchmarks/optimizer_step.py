@@ -84,5 +84,6 @@ def main() -> None:
     for name, seconds in results.items():
         print(f"{name:36s} {seconds * 1e3:9.1f} ms {seconds / baseline:6.2f}x")
 
+
 if __name__ == "__main__":
     main()
