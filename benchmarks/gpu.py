@@ -77,6 +77,8 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
     "grpo-core": ("grpo-core", []),  # its defaults: bf16 on CUDA
     "grpo-core-gc": ("grpo-core", ["--gradient-checkpointing"]),
     "grpo-core-no-gc": ("grpo-core", ["--no-gradient-checkpointing"]),
+    # The stochastic-rounding AdamW's eager kernel (buffers and a noise table) against its compiled default on CUDA.
+    "grpo-core-eager-optimizer": ("grpo-core", ["--backend-opt", "optimizer_kernel=eager"]),
     # TRL's defaults: fp32 weights and AdamW state under bf16 autocast, gradient checkpointing, generate
     "TRL": ("trl", ["--bf16", "--gradient-checkpointing"]),
     "TRL-vllm": ("trl", ["--bf16", "--gradient-checkpointing", "--vllm-colocate"]),

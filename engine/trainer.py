@@ -221,6 +221,8 @@ class LocalTrainer(LocalReference):
     """How Adam's moments are kept (``--optimizer-state``: engine.optim.MOMENT_FORMATS)."""
     optimizer_kernel: str = "eager"
     """The stochastic-rounding step's kernel: compiled or eager (engine.optim.resolve_optimizer_kernel)."""
+    optimizer_line: str = "torch's fused AdamW (float32 weights and moments)"
+    """Which optimizer step runs and why, in words (run_info)."""
     version: int = 0
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
@@ -244,7 +246,7 @@ class LocalTrainer(LocalReference):
     @property
     def run_info(self) -> dict[str, str]:
         """How it trains, for config.json (declared in hookspecs)."""
-        info = {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line()}
+        info = {"forward": TRAINER_FORWARD, "padding": self.forward_fn.padding_line(), "optimizer": self.optimizer_line}
         if self.routing_problem is None:
             info["routing"] = "each token's experts recorded (forced where a datum carries them) in one forward: no shared prompt prefix"
         info["mfu_peak"] = peak_flops(self.device, self._weights_dtype)[1]

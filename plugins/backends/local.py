@@ -182,6 +182,7 @@ class LocalBackend:
             seed=config.seed,
             optimizer_state=config.optimizer_state,
             optimizer_kernel=kernel,
+            optimizer_line=kernel_why,
             activation_checkpointing=checkpointing,
             return_freed_memory=returned,
         )

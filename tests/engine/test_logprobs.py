@@ -235,6 +235,7 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
                         "sequences that run whole are packed, not padded (sdpa attention isolates them with a "
                         "block-diagonal mask; not varlen: varlen_attn is a CUDA kernel and this run is on cpu)"
                     ),
+                    "optimizer": "torch's fused AdamW (float32 weights and moments)",
                 },
                 "sampler": {
                     "forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)",
@@ -247,7 +248,11 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
             0.0,
             0.0,
             {
-                "trainer": {"forward": TRAINER_FORWARD, "padding": "sequences are padded (--backend-opt padding_free=false)"},
+                "trainer": {
+                    "forward": TRAINER_FORWARD,
+                    "padding": "sequences are padded (--backend-opt padding_free=false)",
+                    "optimizer": "torch's fused AdamW (float32 weights and moments)",
+                },
                 "sampler": {
                     "forward": "transformers (--backend-opt fast_forward=false)",
                     "decode": "eager (transformers' forward over a StaticCache; the host looks every 16 steps)",
