@@ -26,7 +26,6 @@ MODELS = ("default", "compute")
 
 def batch(step: int, shared: bool, generator: object) -> list:
     import torch
-
     from tinker import Datum, ModelInput
 
     prompt_tokens, datums = 10 + 3 * step, []
@@ -37,7 +36,9 @@ def batch(step: int, shared: bool, generator: object) -> list:
         completion = torch.randint(2, 300, (5 + (7 * step + 3 * g) % 30,), generator=generator).tolist()
         tokens = prompt + completion
         weights = [0.0] * (prompt_tokens - 1) + [1.0] * len(completion)
-        datums.append(Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+        datums.append(
+            Datum(model_input=ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights})
+        )
     return datums
 
 

@@ -23,9 +23,7 @@ AUTO_OFF = {
         "off (auto: on a CPU compiling the layers takes ~1 min at start and saves ~0.03 s of the embedded model's "
         "0.09 s step, docs/performance.md; --backend-opt compile=true turns it on)"
     ),
-    "cuda": (
-        "off (auto: not measured on a GPU yet, so not on by default; --backend-opt compile=true turns it on)"
-    ),
+    "cuda": ("off (auto: not measured on a GPU yet, so not on by default; --backend-opt compile=true turns it on)"),
 }
 
 
