@@ -27,6 +27,11 @@ AUTO_OFF = {
 }
 
 
+BACKEND = "inductor"
+"""torch.compile's backend; the tests swap in ``aot_eager``, which traces the same forward and
+backward graphs in seconds instead of generating and building their code."""
+
+
 def compile_problem(device: torch.device) -> str | None:
     """Why inductor cannot compile for ``device`` here (its C++ compiler on a CPU, Triton on
     CUDA), with the fix; None when it can."""
@@ -81,15 +86,18 @@ class CompiledLayers:
                 "(_no_split_modules) to compile; use --backend-opt compile=false"
             )
         self.calls = [self._call_of(layer) for layer in self.layers]
+        self.compiled_calls = 0
+        """Layer calls that ran compiled (a cached one, the shared-prompt path's, runs eagerly)."""
 
-    @staticmethod
-    def _call_of(layer: torch.nn.Module) -> Any:
+    def _call_of(self, layer: torch.nn.Module) -> Any:
         eager = layer._call_impl
-        compiled = torch.compile(eager, dynamic=True)
+        compiled = torch.compile(eager, dynamic=True, backend=BACKEND)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            cached = kwargs.get("cache", kwargs.get("past_key_values")) is not None
-            return eager(*args, **kwargs) if cached else compiled(*args, **kwargs)
+            if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
+                return eager(*args, **kwargs)
+            self.compiled_calls += 1
+            return compiled(*args, **kwargs)
 
         return call
 
