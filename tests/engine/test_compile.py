@@ -1,7 +1,7 @@
 """Regional compile of the trainer's and the reference's forward (engine/compile.py): the layers
 compiled only inside the trainer's calls, the same logprobs and gradients as eager, no recompile
-per length, and the refusals. The quick tests compile with ``aot_eager`` (the same traced graphs,
-no code generation); one slow test runs inductor itself."""
+per length, and the refusals. They compile with ``aot_eager`` (the same traced forward and backward
+graphs, without inductor's code generation, which takes ~1 min here: benchmarks/compile.py runs it)."""
 
 from __future__ import annotations
 
@@ -133,8 +133,9 @@ def test_checkpointed_compiled_trainer_equals_eager(tiny_model_dir, fresh_dynamo
     for trainer in trainers:
         enable_activation_checkpointing(trainer.model)
     (eager_logprobs, eager_grads), (logprobs, grads) = (logprobs_and_grads(trainer, datums) for trainer in trainers)
-    # The forward, and the recompute in backward, through both layers.
-    assert trainers[1].compiled_layers.compiled_calls == 4
+    # One compiled call per layer: dynamo traces transformers' checkpoint, so the recompute in
+    # backward is part of the compiled graph.
+    assert trainers[1].compiled_layers.compiled_calls == 2
     for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     for name in grads:
@@ -179,19 +180,3 @@ def test_compiled_reference_scores_as_eager(tiny_model_dir, fresh_dynamo):
     assert reference.compiled_layers.compiled_calls == 2
     for ours, theirs in zip(compiled, eager, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_inductor_compiled_step_equals_eager(tiny_model_dir):
-    """inductor itself (C++ code built here): logprobs and gradients as eager in float32."""
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    datums = ragged_datums()[:4]
-    eager_logprobs, eager_grads = logprobs_and_grads(trainer_of(tiny_model_dir, False), datums)
-    logprobs, grads = logprobs_and_grads(trainer_of(tiny_model_dir, True), datums)
-    assert frames_compiled() >= 1 and torch._dynamo.utils.counters["inductor"]
-    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-3, atol=1e-5, msg=name)
-    torch._dynamo.reset()

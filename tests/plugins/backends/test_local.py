@@ -683,3 +683,27 @@ def test_a_run_with_reduced_moments_resumes_bitwise(tiny_model_dir, tiny_dataset
     run(config(tiny_model_dir, tiny_dataset, resumed, **{**settings, "max_steps": 2}))
     assert run(config(tiny_model_dir, tiny_dataset, resumed, **settings), resume=True)["steps"] == 4
     assert_same_run(whole, resumed)
+
+
+def test_compile_auto_says_off_and_why_at_start(tiny_model_dir, capsys):
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    assert trainer.compiled_layers is None
+    assert "compile: off (auto: on a CPU compiling the layers takes ~1 min" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--backend-opt", "compile=maybe"), "option 'compile' of backend.local: expected true or false, got 'maybe'"),
+        (("--backend", "fsdp", "--backend-opt", "nproc=2", "--backend-opt", "compile=true"), "the fsdp backend runs its layers eagerly"),
+    ],
+    ids=["bad_value", "fsdp_true"],
+)
+def test_compile_refusals_name_the_option(args, message):
+    from tests.helpers import grpo_core_in_process
+
+    result = grpo_core_in_process("run", *args, "--max-steps", "1")
+    assert result.returncode != 0
+    assert message in result.stderr
