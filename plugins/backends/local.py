@@ -101,7 +101,7 @@ class LocalBackend:
         help=(
             "torch.compile each decoder layer of the trainer's and the reference's forward (dynamic shapes: no "
             "recompile per length); true = compiled (refused where inductor has no C++ compiler / Triton); "
-            "auto = off, measured not to pay on a CPU and not measured on a GPU (docs/performance.md)"
+            "auto = off: on a CPU its 20-70 s of compiling do not pay for small models; not measured on a GPU (docs/performance.md)"
         ),
     )
 
