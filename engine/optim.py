@@ -47,6 +47,7 @@ import tinker
 import torch
 
 from grpo_core.backend import routes_data
+from grpo_core.engine.compile import compile_problem
 from grpo_core.engine.logprobs import DatumRouting
 from grpo_core.engine.moe_routing import load_max_over_mean
 
@@ -149,23 +150,6 @@ def _one_pass_update(
 def compiled_one_pass_update() -> Callable[..., None]:
     """:func:`_one_pass_update` compiled once per process for every slice length (dynamic shapes)."""
     return torch.compile(_one_pass_update, dynamic=True, fullgraph=True)
-
-
-def compile_problem(device: torch.device) -> str | None:
-    """Why torch.compile cannot build kernels for ``device`` here, or None."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return None if has_triton() else "Triton (torch.compile's CUDA code generator) is not installed"
-    if device.type == "cpu":
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        try:
-            get_cpp_compiler()
-        except Exception as exc:  # inductor raises its own error types, which differ by version
-            return f"torch.compile finds no C++ compiler for CPU kernels ({str(exc).splitlines()[0]}); install g++ or set CXX"
-        return None
-    return f"torch.compile does not build kernels for {device.type} devices"
 
 
 AUTO = "auto"

@@ -16,6 +16,7 @@ import tinker
 import torch
 
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
+from grpo_core.engine.compile import CompiledLayers
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
 from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
@@ -184,13 +185,18 @@ class LocalReference:
     """On a CPU, give the C heap's free pages back to the OS where a phase has just freed its
     memory (the local backend's ``return_freed_memory``): a lower peak where memory is tight, the
     next phase's page faults and the trim itself (~15 % of a small model's step) where it is not."""
+    compile: bool = False
+    """Run its forwards (and backwards) with each decoder layer compiled (:mod:`grpo_core.engine.compile`)."""
     forward_fn: TransformersForward = attrs.field(init=False)
+    compiled_layers: CompiledLayers | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         # Measured: with gradients, and for scoring whole sequences, transformers' forward is the
         # faster one; the fused decoder wins in sampling only (docs/performance.md).
         with self._weights():
             self.forward_fn = TransformersForward(self.model, padding_free=self.padding_free)
+        if self.compile:
+            self.compiled_layers = CompiledLayers(self.model)
 
     def _release_freed_memory(self) -> None:
         if self.return_freed_memory:
@@ -199,9 +205,12 @@ class LocalReference:
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         # What sampling freed leaves the process before the weights are mapped in beside it.
         self._release_freed_memory()
-        with torch.no_grad(), self._weights(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
+        with torch.no_grad(), self._weights(), self._compiled(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
             return [lp.cpu() for lp in logprobs]
+
+    def _compiled(self) -> AbstractContextManager[None]:
+        return self.compiled_layers.active() if self.compiled_layers is not None else nullcontext()
 
     def _weights(self) -> AbstractContextManager[None]:
         return self.offloaded.loaded() if self.offloaded is not None else nullcontext()
@@ -286,7 +295,7 @@ class LocalTrainer(LocalReference):
         """``forward``, and the experts each datum's input tokens were routed to, ``[tokens, layers, top_k]``
         (those it carries, where it carries some): what --router-replay R2 records in pi_old's forward."""
         self._release_freed_memory()
-        with torch.no_grad(), self._routing(datums) as routing:
+        with torch.no_grad(), self._compiled(), self._routing(datums) as routing:
             if routing is None:
                 raise ValueError(f"no routing to record: {self.routing_problem}")
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
@@ -298,7 +307,7 @@ class LocalTrainer(LocalReference):
         record("perf/padding_free", float(self.forward_fn.packs), "max")
         routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
         # The backward inside the routing: checkpointed layers recompute with the same forced experts.
-        with self._routing(datums) as routing:
+        with self._compiled(), self._routing(datums) as routing:
             with train_mode(self.model) if self.activation_checkpointing else nullcontext():
                 logprobs, entropy_by_datum = target_logprobs(
                     self.forward_fn,

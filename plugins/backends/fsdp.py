@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import tinker
@@ -121,6 +121,10 @@ class FSDPBackend:
             "optimizer steps on the CPU: a GPU then holds activations and one layer's gathered weights (docs/scaling-out.md)"
         ),
     )
+    compile: bool | Literal["auto"] = option(
+        "auto",
+        help="as --backend local's, but the fsdp backend's layers run eagerly: true is refused here; auto = off",
+    )
 
     default_sampler = "local"
     default_weight_sync = "in_process"
@@ -135,6 +139,11 @@ class FSDPBackend:
             raise PluginError("--backend fsdp: give the number of ranks, --backend-opt nproc=N (N >= 2), or start the run with torchrun")
         if world == 1:
             raise PluginError("--backend fsdp with one rank shards nothing: use --backend local")
+        if self.compile is True:
+            raise PluginError(
+                "--backend-opt compile=true: the fsdp backend runs its layers eagerly (compiling them before fully_shard "
+                "is not implemented); compiled layers run on --backend local, or leave compile out"
+            )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
         if config.optimizer_state != "fp32":
@@ -175,6 +184,7 @@ class FSDPBackend:
         )
         print(f"precision: {PRECISION_NOTES[spec.dtype]}", file=sys.stderr)
         print(f"gradient checkpointing: {why}", file=sys.stderr)
+        print("compile: off (the fsdp backend runs its layers eagerly; --backend local compiles them)", file=sys.stderr)
         where = "pinned host memory (cpu_offload)" if self.cpu_offload else f"each {device.type} rank"
         print(
             f"optimizer state: fp32 moments, sharded: 16/{world} = {16 / world:.3g} B per parameter on {where} "

@@ -9,6 +9,7 @@ import torch
 from grpo_core import hookimpl, option
 from grpo_core.config import RunConfig
 from grpo_core.engine.architectures import AUTO
+from grpo_core.engine.compile import resolve_compile
 from grpo_core.engine.forward import TRAINER_FORWARD
 from grpo_core.engine.host_memory import HOST_MEMORY_TIGHT, TRAINING_MMAP_THRESHOLD, set_mmap_threshold
 from grpo_core.engine.lora import add_lora, frozen_copy, has_adapters
@@ -109,6 +110,14 @@ class LocalBackend:
         ),
         validator=attrs.validators.in_(OPTIMIZER_KERNELS),
     )
+    compile: bool | Literal["auto"] = option(
+        "auto",
+        help=(
+            "torch.compile each decoder layer of the trainer's and the reference's forward (dynamic shapes: no "
+            "recompile per length); true = compiled (refused where inductor has no C++ compiler / Triton); "
+            "auto = off: on a CPU its 20-70 s of compiling do not pay for small models; not measured on a GPU (docs/performance.md)"
+        ),
+    )
 
     default_sampler = "local"
     default_weight_sync = "in_process"
@@ -139,9 +148,11 @@ class LocalBackend:
                 "host memory already: use fp32, or bf16 / 8bit to make them smaller"
             )
         kernel, kernel_why = resolve_optimizer_kernel(self.optimizer_kernel, dtype, config.optimizer_state, device)
+        compiled, compile_line = resolve_compile(self.compile, device)
         print(f"precision: {why}", file=sys.stderr)
         print(optimizer_state_line(config.optimizer_state, dtype, device), file=sys.stderr)
         print(f"optimizer kernel: {kernel_why}", file=sys.stderr)
+        print(f"compile: {compile_line}", file=sys.stderr)
         reference = (
             None
             if config.lora_rank
@@ -185,6 +196,7 @@ class LocalBackend:
             optimizer_line=kernel_why,
             activation_checkpointing=checkpointing,
             return_freed_memory=returned,
+            compile=compiled,
         )
         print(f"trainer forward: {TRAINER_FORWARD}; {trainer.forward_fn.padding_line()}", file=sys.stderr)
         return trainer
@@ -205,7 +217,11 @@ class LocalBackend:
 
     @hookimpl
     def make_reference(self, config: RunConfig, trainer: LocalTrainer) -> LocalReference:
-        like_trainer = {"padding_free": trainer.padding_free, "return_freed_memory": trainer.return_freed_memory}
+        like_trainer = {
+            "padding_free": trainer.padding_free,
+            "return_freed_memory": trainer.return_freed_memory,
+            "compile": trainer.compile,
+        }
         if has_adapters(trainer.model):
             # The base model is the initial policy: the trainer's own model, adapters off.
             return LocalReference(trainer.model, trainer.device, adapters_off=True, **like_trainer)

@@ -721,3 +721,27 @@ def test_optimizer_kernel_defaults_to_eager_on_a_cpu_and_refuses_compiled_float3
         LocalBackend(optimizer_kernel="compiled").make_trainer(config=RunConfig(model=str(tiny_model_dir)))
     with pytest.raises(ValueError, match="'optimizer_kernel' must be in"):
         LocalBackend(optimizer_kernel="fast")
+
+
+def test_compile_auto_says_off_and_why_at_start(tiny_model_dir, capsys):
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    assert trainer.compiled_layers is None
+    assert "compile: off (auto: on a CPU compiling the layers takes 20-70 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--backend-opt", "compile=maybe"), "option 'compile' of backend.local: expected true or false, got 'maybe'"),
+        (("--backend", "fsdp", "--backend-opt", "nproc=2", "--backend-opt", "compile=true"), "the fsdp backend runs its layers eagerly"),
+    ],
+    ids=["bad_value", "fsdp_true"],
+)
+def test_compile_refusals_name_the_option(args, message):
+    from tests.helpers import grpo_core_in_process
+
+    result = grpo_core_in_process("run", *args, "--max-steps", "1")
+    assert result.returncode != 0
+    assert message in result.stderr
