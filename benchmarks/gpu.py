@@ -79,6 +79,8 @@ CONTENDERS: dict[str, tuple[str, list[str]]] = {
     "grpo-core-no-gc": ("grpo-core", ["--no-gradient-checkpointing"]),
     # The stochastic-rounding AdamW's eager kernel (buffers and a noise table) against its compiled default on CUDA.
     "grpo-core-eager-optimizer": ("grpo-core", ["--backend-opt", "optimizer_kernel=eager"]),
+    # Each decoder layer compiled (off by default: not measured on a GPU yet).
+    "grpo-core-compile": ("grpo-core", ["--backend-opt", "compile=true"]),
     # TRL's defaults: fp32 weights and AdamW state under bf16 autocast, gradient checkpointing, generate
     "TRL": ("trl", ["--bf16", "--gradient-checkpointing"]),
     "TRL-vllm": ("trl", ["--bf16", "--gradient-checkpointing", "--vllm-colocate"]),

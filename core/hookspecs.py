@@ -11,7 +11,8 @@ selects and what core reads from them besides hooks; the catalog, the checks at 
   implementation; their hooks are ``firstresult``.
 - ``env`` (``--env NAME``) is at most one environment; ``tool`` (``--tool NAME``, repeatable) any
   number of tools, each called by the rollout when the policy names it.
-- ``reward`` and ``on_step``, ``on_run_start``, ``on_run_end`` are called on every active plugin;
+- ``check_config`` (any kind may implement it), ``reward`` and ``on_step``, ``on_run_start``,
+  ``on_run_end`` are called on every active plugin;
   ``keep_group`` on every selected group filter, in order, until one drops the group.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
 """
@@ -55,6 +56,17 @@ def load_tokenizer(config: RunConfig) -> tuple[Any, int | None]:
 
     :param config: the resolved run configuration.
     :returns: ``(tokenizer, max_context)``; max_context is None when the model does not say.
+    """
+
+
+@hookspec
+def check_config(config: RunConfig) -> None:
+    """Refuse what this plugin cannot do with ``config``, before anything loads: called on every
+    selected plugin of any kind once the plugins are chosen, before the data, the tokenizer and
+    the models (a model load or an engine start can take minutes, a refusal should not wait for
+    them). Raise ``grpo_core.errors.PluginError`` naming the input and the fix.
+
+    :param config: the resolved run configuration.
     """
 
 

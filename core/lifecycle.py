@@ -297,6 +297,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     check_model_folder(config.model)
     selection = select_plugins(config)
     pm = selection.manager
+    pm.hook.check_config(config=config)
     dataset = load_dataset(config, selection.rewards_needing_answer)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)

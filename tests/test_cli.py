@@ -329,3 +329,27 @@ def test_reward_weights_from_flags_and_from_a_toml_table_reach_the_run_as_the_sa
 def test_a_template_typed_on_the_command_line_has_its_escapes_read_once(monkeypatch):
     code, _, config = captured_run_config(monkeypatch, "--prompt-template", r'Q: {prompt}\n"A\\n":')
     assert code == 0 and config.prompt_template == 'Q: {prompt}\n"A\\n":'
+
+
+@pytest.mark.parametrize(
+    ("extra", "message", "vllm"),
+    [
+        (["--sampler-opt", "decode=graphs"], "decode=graphs captures the decode step in a CUDA graph, and the model is on cpu", True),
+        (["--sampler", "vllm"], "--sampler vllm needs vLLM in this environment", False),
+    ],
+)
+def test_a_sampler_setting_the_device_cannot_take_is_refused_before_the_trainer_loads(
+    tiny_model_dir, tiny_dataset, tmp_path, monkeypatch, extra, message, vllm
+):
+    import sys
+
+    from grpo_core.plugins.backends import local
+
+    if not vllm:
+        monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("the trainer loaded before the refusal"))
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", *extra))
+    assert out.returncode != 0
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()

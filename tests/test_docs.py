@@ -56,8 +56,8 @@ def test_the_hooks_page_has_every_hook_with_its_parameters(site):
     from grpo_core import hookspecs
 
     text = text_of(site / "reference" / "hooks" / "index.html")
-    for name in ("load_tokenizer", "make_trainer", "make_sampler", "make_reference", "weight_sync", "rollout", "reward",
-                 "advantage", "loss", "on_run_start", "on_step", "on_run_end"):  # fmt: skip
+    for name in ("check_config", "load_tokenizer", "make_trainer", "make_sampler", "make_reference", "weight_sync", "rollout",
+                 "reward", "advantage", "loss", "on_run_start", "on_step", "on_run_end"):  # fmt: skip
         assert getattr(hookspecs, name).grpo_core_spec is not None
         assert f"def {name}(" in text
     assert "groups: the step's scored prompt groups" in text and "first result wins" in text

@@ -27,6 +27,7 @@ from grpo_core.engine.decoding import (
 from grpo_core.engine.fast_decoder import FastDecoder
 from grpo_core.engine.logprobs import left_padded_positions, pad_rows
 from grpo_core.engine.lora import frozen_copy, load_trained_state_dict, trained_state_dict
+from grpo_core.engine.models import resolve_precision
 from grpo_core.engine.moe_routing import RoutingTap, routing_problem, tapped
 from grpo_core.engine.trainer import LocalTrainer
 from grpo_core.errors import PluginError
@@ -54,6 +55,11 @@ class LocalSamplerPlugin:
         help="decode steps between the host's looks at the batch (stop strings, all rows finished): one device->host copy each",
         validator=validate_positive,
     )
+
+    @hookimpl
+    def check_config(self, config: RunConfig) -> None:
+        # The model's device is the run's: a decode path it cannot take is refused before it loads.
+        decode_mode(self.decode, resolve_precision(config.device, config.dtype)[0])
 
     @hookimpl
     def make_sampler(self, config: RunConfig, trainer: Any) -> LocalSampler:

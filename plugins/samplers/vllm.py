@@ -89,6 +89,12 @@ class VLLMSamplerPlugin:
         return 2 if full_replace else 1
 
     @hookimpl
+    def check_config(self, config: Any) -> None:
+        # vLLM missing, or a sleep mode its device cannot honour: said before the trainer loads.
+        import_vllm()
+        self.sleep_level(config, vllm_device_type())
+
+    @hookimpl
     def make_sampler(self, config: Any, trainer: Any) -> VLLMSampler:
         from grpo_core.engine.models import model_path
         from grpo_core.engine.trainer import LocalTrainer
