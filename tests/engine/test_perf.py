@@ -99,6 +99,7 @@ os.execv(sys.executable, [sys.executable, "-c",
 """
 
 
+@pytest.mark.slow  # 4-6 s: the quick suite stays under its 5 minutes
 def test_a_run_started_from_a_larger_process_reports_its_own_peak():
     """Linux keeps ru_maxrss across execve: a run started by a test runner or a notebook that had
     grown reported the parent's peak (two models of 16x the size measured the same 1.74 GiB)."""

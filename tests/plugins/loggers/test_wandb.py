@@ -91,6 +91,7 @@ def run_folders(root):
     return sorted((root / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.slow  # 4-6 s: the quick suite stays under its 5 minutes
 def test_an_offline_run_writes_metrics_config_and_its_id_under_the_run_directory(tmp_path):
     run_steps(make_plugin("wandb", samples_every=0), tmp_path, [1, 2, 3])
     (folder,) = run_folders(tmp_path)

@@ -102,6 +102,7 @@ def test_listed_by_grpo_core_plugins():
     assert "score_answer" in info["help"] and "<answer>" in info["help"]
 
 
+@pytest.mark.slow  # 4-6 s: the quick suite stays under its 5 minutes
 def test_a_three_step_run_on_the_embedded_model(tmp_path):
     out = grpo_core_in_process(
         "run", "--dataset", "reasoning_gym:basic_arithmetic", "--reward", "reasoning_gym", "--max-steps", "3",
