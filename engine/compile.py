@@ -52,15 +52,24 @@ def compile_problem(device: torch.device) -> str | None:
     return f"inductor does not compile for {device.type} here"
 
 
-def resolve_compile(setting: bool | str, device: torch.device) -> tuple[bool, str]:
+def resolve_compile(setting: bool | str, device: torch.device, every_forward_cached: str | None = None) -> tuple[bool, str]:
     """Whether the trainer's and the reference's layers are compiled, and why (the run's first
-    lines). ``true`` where inductor cannot compile is refused, with the fix."""
+    lines). ``true`` is refused, with the fix, where inductor cannot compile, and where
+    ``every_forward_cached`` says why every forward of the run would take the shared-prompt path,
+    whose layers run eagerly: the option would do nothing."""
     if setting is False:
         return False, "off (--backend-opt compile=false)"
     if setting is True:
         problem = compile_problem(device)
         if problem is not None:
             raise PluginError(f"--backend-opt compile=true: {problem}; or --backend-opt compile=false")
+        if every_forward_cached is not None:
+            raise PluginError(
+                f"--backend-opt compile=true would compile nothing: {every_forward_cached}, so every forward runs a group's "
+                "prompt once and its completions over the prompt's KV cache, whose layers run eagerly (a cache that grows "
+                "layer by layer would build one graph per layer); add --gradient-checkpointing (whole sequences in one "
+                "pass), or compile=false"
+            )
         return True, (
             "on: each decoder layer compiled with dynamic shapes, in the first steps (--backend-opt compile=true); "
             "the shared-prompt path's cached layers run eagerly"

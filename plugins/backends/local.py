@@ -114,7 +114,8 @@ class LocalBackend:
         "auto",
         help=(
             "torch.compile each decoder layer of the trainer's and the reference's forward (dynamic shapes: no "
-            "recompile per length); true = compiled (refused where inductor has no C++ compiler / Triton); "
+            "recompile per length); true = compiled (refused where inductor has no C++ compiler / Triton, and without "
+            "--gradient-checkpointing, where every forward runs over a shared prompt's cache, eagerly); "
             "auto = off: on a CPU its 20-70 s of compiling do not pay for small models; not measured on a GPU (docs/performance.md)"
         ),
     )
@@ -148,7 +149,13 @@ class LocalBackend:
                 "host memory already: use fp32, or bf16 / 8bit to make them smaller"
             )
         kernel, kernel_why = resolve_optimizer_kernel(self.optimizer_kernel, dtype, config.optimizer_state, device)
-        compiled, compile_line = resolve_compile(self.compile, device)
+        planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
+        # A group's completions share their prompt: without checkpointing (or router replay, one pass
+        # each) every forward runs the prompt once and the completions over its cache.
+        cached = None
+        if not planned_checkpointing and config.router_replay == "off":
+            cached = f"groups of {config.completions_per_prompt} completions share their prompt and --gradient-checkpointing is off"
+        compiled, compile_line = resolve_compile(self.compile, device, cached)
         print(f"precision: {why}", file=sys.stderr)
         print(optimizer_state_line(config.optimizer_state, dtype, device), file=sys.stderr)
         print(f"optimizer kernel: {kernel_why}", file=sys.stderr)
@@ -161,7 +168,6 @@ class LocalBackend:
             else "offload"
         )
         attention = choose_attention(self.attn_implementation, model_path(config.model), device, dtype, self.padding_free)
-        planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
         memory = check_fits(config, model_path(config.model), dtype, device, reference, planned_checkpointing, kernel)
         print(
             f"{memory.line()}; a full fine-tune's KL reference counted where the loss would use one; activations "

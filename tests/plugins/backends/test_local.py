@@ -745,3 +745,19 @@ def test_compile_refusals_name_the_option(args, message):
     result = grpo_core_in_process("run", *args, "--max-steps", "1")
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_compile_true_that_would_compile_nothing_is_refused_before_loading(tiny_model_dir, monkeypatch, capsys):
+    from grpo_core.plugins.backends import local
+
+    real_load = local.load_model
+    monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("loaded a model for a refused option"))
+    cached = RunConfig(model=str(tiny_model_dir), completions_per_prompt=4)
+    said = r"compile=true would compile nothing: groups of 4 completions share their prompt and --gradient-checkpointing is off, "
+    with pytest.raises(PluginError, match=said + ".*add --gradient-checkpointing"):
+        LocalBackend(compile=True).make_trainer(config=cached)
+    monkeypatch.setattr(local, "load_model", real_load)
+    # Whole sequences in one pass with checkpointing: compiled.
+    config = RunConfig(model=str(tiny_model_dir), completions_per_prompt=4, gradient_checkpointing=True)
+    assert LocalBackend(compile=True).make_trainer(config=config).compiled_layers is not None
+    assert "compile: on: each decoder layer compiled" in capsys.readouterr().err
