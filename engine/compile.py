@@ -37,8 +37,10 @@ def compile_problem(device: torch.device) -> str | None:
     """Why inductor cannot compile for ``device`` here (its C++ compiler on a CPU, Triton on
     CUDA), with the fix; None when it can."""
     if device.type == "cpu":
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+        except ImportError:  # grpo-core runs on torch >= 2.4; inductor's C++ builder came later
+            return f"torch {torch.__version__} has no inductor C++ builder that grpo-core knows (torch >= 2.5 has it)"
         try:
             get_cpp_compiler()
         except Exception as exc:  # inductor raises its own InvalidCxxCompiler, or an OSError

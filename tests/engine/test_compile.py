@@ -14,7 +14,7 @@ import torch._dynamo
 import torch._dynamo.utils
 
 from grpo_core.engine import compile as regional
-from grpo_core.engine.compile import CompiledLayers, decoder_layers, resolve_compile
+from grpo_core.engine.compile import CompiledLayers, compile_problem, decoder_layers, resolve_compile
 from grpo_core.engine.models import load_model
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.errors import PluginError
@@ -180,3 +180,11 @@ def test_compiled_reference_scores_as_eager(tiny_model_dir, fresh_dynamo):
     assert reference.compiled_layers.compiled_calls == 2
     for ours, theirs in zip(compiled, eager, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_torch_without_inductors_cpp_builder_is_named(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch._inductor.cpp_builder", None)
+    problem = compile_problem(CPU)
+    assert problem.startswith(f"torch {torch.__version__} has no inductor C++ builder") and "torch >= 2.5" in problem
