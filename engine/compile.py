@@ -76,6 +76,8 @@ def resolve_compile(setting: bool | str, device: torch.device, every_forward_cac
             "on: each decoder layer compiled with dynamic shapes, in the first steps (--backend-opt compile=true); "
             "the shared-prompt path's cached layers run eagerly"
         )
+    if every_forward_cached is not None:
+        return False, f"off (auto: {every_forward_cached}: every forward runs over a shared prompt's KV cache, eagerly)"
     return False, AUTO_OFF.get(device.type, f"off (auto: not measured on {device.type}; --backend-opt compile=true turns it on)")
 
 
