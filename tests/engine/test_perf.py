@@ -78,7 +78,9 @@ def test_the_matmul_probe_counts_two_flops_per_multiply_add(monkeypatch):
 
 def test_cpu_peak_memory_is_the_processes_peak_rss(monkeypatch):
     peak = perf.peak_memory_gib(torch.device("cpu"))
-    assert 0 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / perf.GIB
+    # The kernel counts the two from per-thread RSS counters it folds in lazily: they may differ by a
+    # few hundred KiB (a fresh clone's quick suite saw VmHWM 0.013 % above ru_maxrss).
+    assert 0 < peak <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / perf.GIB * 1.01
     assert peak == perf.linux_peak_rss() / perf.GIB  # VmHWM (the project runs and is tested on Linux)
     assert perf.memory_line(torch.device("cpu")).startswith("the process's peak resident memory since it began")
     # Without /proc (macOS): getrusage's figure.
