@@ -293,3 +293,30 @@ def test_auto_where_varlen_runs_trains_through_it_names_it_and_saves_sdpa(tiny_m
     assert paths == [1] and len(kernel_calls) == trainer.model.config.num_hidden_layers
     trainer.model.save_pretrained(tmp_path / "policy")
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["attn_implementation"] == "sdpa"
+
+
+@pytest.mark.slow  # traces the layers (aot_eager): ~10 s
+def test_compiled_layers_take_the_packed_rows_lengths_through_varlen(kernel_calls, monkeypatch):
+    """The default GPU path with --backend-opt compile=true: packed rows, varlen attention, compiled layers."""
+    import torch._dynamo
+
+    from grpo_core.engine import compile as regional
+    from grpo_core.engine.compile import CompiledLayers
+
+    monkeypatch.setattr(regional, "BACKEND", "aot_eager")  # the traced graphs, without inductor's code
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        forward = TransformersForward(load(model_path("default"), VARLEN), padding_free=True)
+        layers = CompiledLayers(forward.model)
+        kernel_calls.clear()
+        with layers.active() if compiled else torch.enable_grad():
+            logprobs, _ = target_logprobs(forward, ragged_datums(), torch.device("cpu"), packed=True)
+            sum(lp.sum() for lp in logprobs).backward()
+        assert len(kernel_calls) == forward.model.config.num_hidden_layers and layers.compiled_calls == (4 if compiled else 0)
+        results.append((logprobs, {n: p.grad for n, p in forward.model.named_parameters()}))
+    torch._dynamo.reset()
+    (want, want_grads), (got, got_grads) = results
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for n, w in want_grads.items():
+        assert float((got_grads[n] - w).norm()) <= 1e-5 * float(w.norm()), n
