@@ -104,8 +104,8 @@ class LocalBackend:
         AUTO,
         help=(
             "the AdamW step of bfloat16 weights (float32 moments, stochastic rounding): compiled = one torch.compile'd "
-            "pass over each tensor, built at the first step (3-13 s on a CPU; there 1.3x torch's fused float32 AdamW "
-            "against eager's 2.7x, docs/performance.md); eager = float32 buffers and a noise table; auto = compiled on "
+            "pass over each tensor, built at the first step (3-13 s on a CPU; there 1.7-2.0x torch's fused float32 AdamW "
+            "against eager's 2.6-3.0x, docs/performance.md); eager = float32 buffers and a noise table; auto = compiled on "
             "CUDA where Triton is installed, eager elsewhere"
         ),
         validator=attrs.validators.in_(OPTIMIZER_KERNELS),
