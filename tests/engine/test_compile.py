@@ -23,6 +23,15 @@ from tests.engine.ragged_datums import datum, ragged_datums
 CPU = torch.device("cpu")
 
 
+def assert_same_as_eager(logprobs, grads, eager_logprobs, eager_grads) -> None:
+    """Compiled logprobs and gradients equal the eager ones to float32 rounding."""
+    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == eager_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def frames_compiled() -> int:
     """Frames dynamo traced (first compiles and recompiles) since the test began."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -113,11 +122,7 @@ def test_compiled_trainer_equals_eager_and_compiles_frames(tiny_model_dir, fresh
     assert len(trainer.compiled_layers.layers) == 2 == len(decoder_layers(trainer.model))
     logprobs, grads = logprobs_and_grads(trainer, datums)
     assert trainer.compiled_layers.compiled_calls == 2  # one packed forward through both layers
-    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == eager_grads.keys()
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_eager(logprobs, grads, eager_logprobs, eager_grads)
     # Outside its calls the model is as it was: the sampler's forward and a deepcopy run eagerly.
     assert all(layer._compiled_call_impl is None for layer in trainer.compiled_layers.layers)
     copied = copy.deepcopy(trainer.model)
@@ -136,10 +141,7 @@ def test_checkpointed_compiled_trainer_equals_eager(tiny_model_dir, fresh_dynamo
     # One compiled call per layer: dynamo traces transformers' checkpoint, so the recompute in
     # backward is part of the compiled graph.
     assert trainers[1].compiled_layers.compiled_calls == 2
-    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_eager(logprobs, grads, eager_logprobs, eager_grads)
 
 
 @pytest.mark.slow
@@ -164,10 +166,7 @@ def test_shared_prefix_runs_cached_layers_eagerly_and_equals_eager(tiny_model_di
     logprobs, grads = logprobs_and_grads(trainer, datums)
     # Its two forwards both bring the KV cache: eager, nothing compiled per layer.
     assert trainer.compiled_layers.compiled_calls == 0 and frames_compiled() == 0
-    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    for name in grads:
-        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_as_eager(logprobs, grads, eager_logprobs, eager_grads)
 
 
 @pytest.mark.slow
