@@ -240,7 +240,7 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "client": Attribute(
             "object | None",
             None,
-            "the ServerClient (grpo_core.plugins.samplers.openai) of the OpenAI-compatible server it samples from, which "
+            "the ServerClient (grpo_core.remote.server_client) of the OpenAI-compatible server it samples from, which "
             "weight sync vllm reloads and checks; None: it samples from no such server",
         ),
         "load_weights": Attribute(

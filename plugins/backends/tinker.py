@@ -22,8 +22,8 @@ from grpo_core.engine.models import model_path
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.loss import LossInputs, aggregate, validate_positive
-from grpo_core.plugins.backends import tinker_sdk as sdk
 from grpo_core.plugins_manager import make_plugin
+from grpo_core.remote import tinker_sdk as sdk
 
 STATE_FORMAT = "grpo-core-tinker-state-1"
 POINTER_FILE = "tinker_weights.json"

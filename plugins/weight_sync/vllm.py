@@ -17,8 +17,8 @@ from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.backend import sample_to_datum
 from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
-from grpo_core.plugins.samplers.openai import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
-from grpo_core.plugins.weight_sync import vllm_worker
+from grpo_core.remote import vllm_worker
+from grpo_core.remote.server_client import TOKENIZER_PROBE, ServerClient, ServerResponseError, prompt_logprobs
 
 TIED_OUTPUT_FILE = "lm_head.safetensors"
 UNTIE_FLAG = """--hf-overrides '{"tie_word_embeddings": false}'"""

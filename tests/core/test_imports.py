@@ -10,6 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "core"
 ENGINE = ROOT / "engine"
+REMOTE = ROOT / "remote"
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -111,6 +112,37 @@ def test_engine_imports_no_plugin():
     # The trainer and the logprobs among them: a check over a moved or empty folder would pass on nothing.
     assert {"trainer.py", "logprobs.py", "optim.py"} <= {p.name for p in ENGINE.glob("*.py")}
     assert forbidden(ENGINE, ("grpo_core.plugins",)) == {}
+
+
+def test_remote_imports_no_plugin_and_declares_no_hook():
+    """remote/ (code that talks to other processes) serves plugins of every kind: it imports none
+    of them, and neither declares nor implements a hook."""
+    assert {"server_client.py", "tinker_sdk.py", "vllm_worker.py"} <= {p.name for p in REMOTE.glob("*.py")}
+    assert forbidden(REMOTE, ("grpo_core.plugins", "grpo_core.hookspecs", "pluggy")) == {}
+    hooks = {
+        str(path.relative_to(REMOTE)): name
+        for path in sorted(REMOTE.rglob("*.py"))
+        for name in ("hookimpl", "hookspec")
+        if name in imported_names(path.read_text())
+    }
+    assert hooks == {}
+
+
+def imported_names(source: str) -> set[str]:
+    """The names ``source`` imports or reads as attributes (``grpo_core.hookimpl``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+    return found
+
+
+def test_a_hook_in_remote_code_is_found():
+    assert "hookimpl" in imported_names("from grpo_core import hookimpl")
+    assert "hookimpl" in imported_names("import grpo_core\n\n@grpo_core.hookimpl\ndef reward(): pass")
+    assert "hookimpl" not in imported_names("HOOKS = 'hookimpl'")
 
 
 def test_every_kind_of_import_is_found(tmp_path):

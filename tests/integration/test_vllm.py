@@ -21,8 +21,9 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import OpenAISampler, ServerResponseError, ServerSampler
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from grpo_core.remote.server_client import ServerResponseError
 from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
 

@@ -22,8 +22,8 @@ from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import OpenAISampler
-from grpo_core.plugins.weight_sync import vllm_worker
 from grpo_core.plugins.weight_sync.vllm import PAYLOAD_PREFIX, VLLMWeightSync, write_policy
+from grpo_core.remote import vllm_worker
 from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.test_vllm import assert_samples_match_trainer, optimizer_step
 from tests.integration.vllm_server import LORA_RANK, LORA_SERVER, VLLMServer, build_server_model, delta_server, ensure_vllm_venv

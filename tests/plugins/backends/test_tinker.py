@@ -20,9 +20,9 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import aggregate
-from grpo_core.plugins.backends import tinker_sdk
 from grpo_core.plugins.backends.tinker import BuiltinLoss, TinkerBackend, TinkerTrainer, builtin_loss, token_weights
 from grpo_core.plugins_manager import build_manager, redact_plugin_options
+from grpo_core.remote import tinker_sdk
 from tests.plugins.backends.tinker_losses import step_loss
 
 

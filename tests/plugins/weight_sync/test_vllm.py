@@ -14,8 +14,7 @@ from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
-from grpo_core.plugins.weight_sync import vllm_worker
+from grpo_core.plugins.samplers.openai import ServerSampler
 from grpo_core.plugins.weight_sync.vllm import (
     TIED_OUTPUT_FILE,
     VLLMWeightSync,
@@ -23,6 +22,8 @@ from grpo_core.plugins.weight_sync.vllm import (
     saved_input_embedding,
     write_tied_output_layer,
 )
+from grpo_core.remote import vllm_worker
+from grpo_core.remote.server_client import ServerClient
 from tests.plugins.samplers.fake_server import FakeVLLM
 
 
