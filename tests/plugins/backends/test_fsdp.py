@@ -10,9 +10,10 @@ import torch
 from grpo_core import make_plugin
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.sharded import shares
 from grpo_core.errors import PluginError
 from grpo_core.loss import AGGREGATIONS
-from grpo_core.plugins.backends.fsdp import FSDPBackend, shares
+from grpo_core.plugins.backends.fsdp import FSDPBackend
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import train_on_groups
