@@ -30,6 +30,7 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
     "object | None": lambda v: True,
+    "dict | None": lambda v: v is None or isinstance(v, dict),
     "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
 }
 
@@ -147,7 +148,16 @@ KIND_TABLE: dict[str, Kind] = {
         hooks=("loss",),
         runs="one",
         wrapped=True,
-        attributes={"needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)")},
+        attributes={
+            "needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)"),
+            "service_loss": Attribute(
+                "dict | None",
+                None,
+                "the Tinker service's built-in loss that computes what this loss computes, as {'loss_fn': "
+                "'importance_sampling' | 'ppo' | 'cispo', 'agg': its aggregation, 'loss_fn_config': the service's options "
+                "or None}: the tinker backend trains with it in one call; None: only its loss hook computes it",
+            ),
+        },
     ),
     "logger": Kind(hooks=("on_run_start", "on_step", "on_run_end"), runs="any"),
 }

@@ -27,6 +27,13 @@ class Prompt:
     metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
+def prompt_text(prompt: Prompt) -> str:
+    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines."""
+    if prompt.messages is not None:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
+    return prompt.text or ""
+
+
 @attrs.define
 class Completion:
     """What a sampler returns for one generated continuation of a prompt."""

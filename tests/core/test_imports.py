@@ -11,6 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "core"
 ENGINE = ROOT / "engine"
 REMOTE = ROOT / "remote"
+PLUGINS = ROOT / "plugins"
+
+BETWEEN_KINDS = {
+    ("envs/retry_math.py", "grpo_core.plugins.rewards.gsm8k"): "the environment checks an answer by the gsm8k reward's own rule",
+    ("envs/verifiers.py", "grpo_core.plugins.rollouts.multi_turn"): "the environment reads multi_turn's max_turns default",
+}
+"""The imports from one plugin kind into another that are allowed, each with its reason: a plugin
+that needs a behaviour of another kind asks for it through a declared attribute (core/kinds.py)."""
 
 
 def imports_of(path: Path, modules: set[str]) -> set[str]:
@@ -143,6 +151,37 @@ def test_a_hook_in_remote_code_is_found():
     assert "hookimpl" in imported_names("from grpo_core import hookimpl")
     assert "hookimpl" in imported_names("import grpo_core\n\n@grpo_core.hookimpl\ndef reward(): pass")
     assert "hookimpl" not in imported_names("HOOKS = 'hookimpl'")
+
+
+def imports_between_kinds(folder: Path) -> set[tuple[str, str]]:
+    """(module, imported module) for every import in ``folder``/<kind>/ of a module of another kind."""
+    found = set()
+    for path in sorted(folder.glob("*/*.py")):
+        kind = path.parent.name
+        for module in imported_modules(path.read_text()):
+            parts = module.split(".")
+            if parts[:2] == ["grpo_core", "plugins"] and len(parts) > 2 and parts[2] != kind:
+                found.add((str(path.relative_to(folder)), ".".join(parts[:4])))
+    return found
+
+
+def test_plugin_kinds_import_each_other_only_on_the_allow_list():
+    found = imports_between_kinds(PLUGINS)
+    assert found <= set(BETWEEN_KINDS), sorted(found - set(BETWEEN_KINDS))
+    assert len(BETWEEN_KINDS) <= 3 and set(BETWEEN_KINDS) <= found  # no stale entry
+
+
+def test_an_import_between_kinds_is_found(tmp_path):
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "backends" / "b.py").write_text(
+        "from grpo_core.plugins.backends.local import LocalBackend\n"
+        "def f():\n    from grpo_core.plugins.losses.cispo import CISPOLoss\n"
+        "from grpo_core.plugins import samplers\n"
+    )
+    assert imports_between_kinds(tmp_path) == {
+        ("backends/b.py", "grpo_core.plugins.losses.cispo"),
+        ("backends/b.py", "grpo_core.plugins.samplers"),
+    }
 
 
 def test_every_kind_of_import_is_found(tmp_path):

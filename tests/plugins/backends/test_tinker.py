@@ -138,6 +138,22 @@ def test_a_key_the_sdk_refuses_is_one_line_without_the_key():
     assert "not-a-tml-key-secret" not in str(info.value)
 
 
+def test_a_subclass_of_a_builtin_loss_is_not_mapped(monkeypatch):
+    """A loss subclass may compute something else: the service computes only the built-in class itself."""
+    from grpo_core.plugins.losses.cispo import CISPOLoss
+
+    @attrs.define
+    class Sharper(CISPOLoss):
+        pass
+
+    assert CISPOLoss().service_loss["loss_fn"] == "cispo" and Sharper().service_loss is None
+    config = RunConfig(loss=["sharper"])
+    monkeypatch.setattr("grpo_core.plugins.backends.tinker.make_plugin", lambda name, kind, **options: Sharper())
+    assert builtin_loss(config) is None
+    monkeypatch.setattr("grpo_core.plugins.backends.tinker.make_plugin", lambda name, kind, **options: CISPOLoss())
+    assert builtin_loss(config).name == "cispo"
+
+
 @pytest.mark.parametrize(
     "loss, options, expected",
     [
