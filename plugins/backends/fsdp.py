@@ -84,8 +84,12 @@ class FSDPBackend:
     default_sampler = "local"
     default_weight_sync = "in_process"
 
-    def check(self, config: RunConfig) -> int:
-        """The world size, after refusing what this backend cannot do (before anything loads)."""
+    @hookimpl
+    def check_config(self, config: RunConfig) -> None:
+        self.world_size(config)
+
+    def world_size(self, config: RunConfig) -> int:
+        """The world size, after refusing what this backend cannot do."""
         launched = torchrun_world()
         if launched is not None and self.nproc:
             raise PluginError(f"--backend-opt nproc={self.nproc}: torchrun started the ranks (WORLD_SIZE={launched}); leave nproc out")
@@ -120,12 +124,11 @@ class FSDPBackend:
 
     @hookimpl
     def load_tokenizer(self, config: RunConfig) -> tuple[Any, int | None]:
-        self.check(config)
         return LocalBackend(attn_implementation=self.attn_implementation).load_tokenizer(config=config)
 
     @hookimpl
     def make_trainer(self, config: RunConfig) -> FSDPTrainer:
-        world = self.check(config)
+        world = self.world_size(config)
         device, dtype, _ = resolve_precision(config.device, config.dtype)
         checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
         spec = ModelSpec(
@@ -161,7 +164,7 @@ class FSDPBackend:
     def serve_rank(self, config: RunConfig) -> int:
         """What a rank other than 0 that torchrun started runs instead of the loop: it serves rank
         0's trainer; returns the exit code."""
-        self.check(config)
+        self.world_size(config)
         device, _, _ = resolve_precision(config.device, config.dtype)
         rank = int(os.environ["RANK"])
         return serve(join_group(rank, int(os.environ["WORLD_SIZE"]), device.type, None, ShardedRank))

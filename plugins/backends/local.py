@@ -136,18 +136,23 @@ class LocalBackend:
         return tokenizer, max_context
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> LocalTrainer:
+    def check_config(self, config: RunConfig) -> None:
         if config.lora_rank and self.reference == "offload":
             raise PluginError(
                 "--backend-opt reference=offload: a LoRA run's reference is the trainer's own model with its adapters off; "
                 "there is no copy to offload"
             )
-        device, dtype, why = resolve_precision(config.device, config.dtype)
+        device, _, _ = resolve_precision(config.device, config.dtype)
         if config.optimizer_state == "offload" and device.type != "cuda":
             raise PluginError(
                 f"--optimizer-state offload streams Adam's moments from host memory to a GPU; on {device.type} they are in "
                 "host memory already: use fp32, or bf16 / 8bit to make them smaller"
             )
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig) -> LocalTrainer:
+        self.check_config(config)
+        device, dtype, why = resolve_precision(config.device, config.dtype)
         kernel, kernel_why = resolve_optimizer_kernel(self.optimizer_kernel, dtype, config.optimizer_state, device)
         planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
         # A group's completions share their prompt: without checkpointing (or router replay, one pass

@@ -88,9 +88,7 @@ class TinkerBackend:
         return LocalBackend().load_tokenizer(config=config)
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> TinkerTrainer:
-        from transformers import AutoTokenizer
-
+    def check_config(self, config: RunConfig) -> None:
         if config.gradient_checkpointing:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
         if config.optimizer_state != "fp32":
@@ -100,6 +98,13 @@ class TinkerBackend:
             )
         if config.dtype != "auto":
             raise PluginError(f"--dtype {config.dtype} applies to the local trainer only: a Tinker service chooses its own precision")
+        self.lora_rank(config)
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig) -> TinkerTrainer:
+        from transformers import AutoTokenizer
+
+        self.check_config(config)
         rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))

@@ -137,6 +137,9 @@ class VLLMWeightSync:
     @hookimpl
     def on_run_start(self, config: Any, run_dir: Path, total_steps: int | None, start_step: int) -> None:
         self.run_dir = Path(run_dir)
+
+    @hookimpl
+    def check_config(self, config: Any) -> None:
         if self.method == "adapter" and not config.lora_rank:
             raise PluginError(
                 "--weight-sync-opt method=adapter sends the LoRA adapters alone, and this run trains every weight (--lora-rank 0): "

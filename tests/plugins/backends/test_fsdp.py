@@ -202,7 +202,7 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
         monkeypatch.setenv(key, value)
     config = RunConfig(model=str(tiny_model_dir), **settings)
     with pytest.raises(PluginError, match=message):
-        FSDPBackend(**options).load_tokenizer(config=config)
+        FSDPBackend(**options).check_config(config=config)
 
 
 def test_resume_may_change_nproc_and_no_other_option_of_the_backend(tmp_path):
@@ -230,4 +230,4 @@ def test_cuda_needs_a_gpu_per_rank(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(PluginError, match="2 ranks here, 1 GPUs"):
-        FSDPBackend(nproc=2).load_tokenizer(config=RunConfig(model=str(tiny_model_dir), device="cuda"))
+        FSDPBackend(nproc=2).check_config(config=RunConfig(model=str(tiny_model_dir), device="cuda"))

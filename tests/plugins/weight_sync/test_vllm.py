@@ -506,8 +506,8 @@ def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
     with pytest.raises(
         PluginError, match=r"method=adapter sends the LoRA adapters alone, and this run trains every weight \(--lora-rank 0\)"
     ):
-        VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(), run_dir=tmp_path, total_steps=1, start_step=0)
-    VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+        VLLMWeightSync(method="adapter").check_config(config=RunConfig())
+    VLLMWeightSync(method="adapter").check_config(config=RunConfig(lora_rank=4))
 
 
 def test_full_every_only_with_method_delta():
@@ -683,7 +683,7 @@ def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and
 
 def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(untied_model_dir, tmp_path):
     with pytest.raises(PluginError, match="method=broadcast streams every weight, and this run trains LoRA adapters"):
-        VLLMWeightSync(method="broadcast").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+        VLLMWeightSync(method="broadcast").check_config(config=RunConfig(lora_rank=4))
     lora, _, lora_sampler = lora_setup(untied_model_dir)
     with pytest.raises(PluginError, match="this trainer trains LoRA adapters: sync them alone with method=adapter"):
         VLLMWeightSync(method="broadcast").weight_sync(trainer=lora, sampler=lora_sampler, step=1)
