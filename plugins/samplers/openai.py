@@ -27,7 +27,7 @@ AUTO_MAX_WINDOW = 256
 PROMPTS_PER_REQUEST = 8
 """Several prompts per request: one request per prompt reaches the server as a trickle over
 connections kept open, and an idle engine starts on the first arrivals alone (on a CPU shared with
-the server, that made a step 2-4x slower; docs/performance.md, "Sampling through a server")."""
+the server, that made steps several times slower: docs/performance.md, "Sampling through a server")."""
 
 
 @attrs.define

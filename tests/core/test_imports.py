@@ -1,5 +1,7 @@
-"""The modules of core/ import each other without a circle, and no plugin or engine code, counting
-every import: at the top, under ``TYPE_CHECKING``, inside functions, and by name
+"""The architecture as tests: the modules of core/ import each other without a circle, and no
+plugin or engine code; engine/ imports no plugin; remote/ imports no plugin and holds no hook;
+plugins of one kind import another kind's only on a short allow-list; the docs list every kind and
+module. Every import counts: at the top, under ``TYPE_CHECKING``, inside functions, and by name
 (``importlib.import_module``)."""
 
 from __future__ import annotations
@@ -219,3 +221,22 @@ DOC = "grpo_core.plugins.losses.cispo:CISPOLoss in a string is no import"
             "grpo_core.plugins.group_filters.zero_variance.ZeroVarianceFilter",
         ]
     }
+
+
+def test_the_docs_name_every_kind_and_contributing_every_module():
+    """docs/concepts.md's table of kinds is KIND_TABLE's, and CONTRIBUTING's layout names every
+    module of core/, engine/ and remote/ and every folder of plugins/."""
+    import re
+
+    from grpo_core.hookspecs import KIND_TABLE
+
+    concepts = (ROOT / "docs" / "concepts.md").read_text().split("## Plugins")[1]
+    rows = re.findall(r"^\| (\w+) \| (.*?) \| .* \|$", concepts, re.M)
+    assert [kind for kind, _ in rows[1:]] == list(KIND_TABLE)
+    for kind, hooks in rows[1:]:
+        assert set(re.findall(r"`(\w+)`", hooks)) == set(KIND_TABLE[kind].hooks), kind
+    layout = (ROOT / "CONTRIBUTING.md").read_text().split("## Layout")[1].split("\n## ")[0]
+    modules = [f"{p.stem}.py" for folder in (CORE, ENGINE, REMOTE) for p in sorted(folder.glob("*.py")) if p.stem != "__init__"]
+    assert [m for m in modules if f"`{m}`" not in layout] == []
+    kinds = [p.name for p in sorted(PLUGINS.iterdir()) if (p / "__init__.py").is_file()]
+    assert [k for k in kinds if f"`{k}/`" not in layout] == []
