@@ -327,7 +327,10 @@ class Gateway:
         self.server = ThreadingHTTPServer((HOST, 0), _Handler)
         self.server.daemon_threads = True
         self.server.gateway = self  # type: ignore[attr-defined]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="grpo-core-agent-gateway", daemon=True)
+        # A short poll: close() waits for the serving loop to look.
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, name="grpo-core-agent-gateway", daemon=True
+        )
         self.thread.start()
 
     @property
