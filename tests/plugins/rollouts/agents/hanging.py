@@ -1,4 +1,4 @@
-"""An agent that makes one call, starts a child that sleeps too, and never ends."""
+"""An agent that makes one call, starts a child that sleeps too (its pid appended to the file CHILDREN names), and never ends."""
 
 import os
 import subprocess
@@ -10,5 +10,6 @@ import httpx
 headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
 httpx.post(f"{os.environ['OPENAI_BASE_URL']}/completions", json={"prompt": "Question: 1\nAnswer:"}, headers=headers, timeout=600)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-print(child.pid, flush=True)
+with open(os.environ["CHILDREN"], "a") as children:
+    children.write(f"{child.pid}\n")
 time.sleep(600)
