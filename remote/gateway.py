@@ -341,7 +341,9 @@ class Gateway:
         """The session's ``OPENAI_BASE_URL``."""
         return f"{self.url}/s/{session.id}/v1"
 
-    def open(self, generate: Generate, chat: Chat, params: SamplingParams, max_context: int | None, override_sampling: bool = False) -> Session:
+    def open(
+        self, generate: Generate, chat: Chat, params: SamplingParams, max_context: int | None, override_sampling: bool = False
+    ) -> Session:
         session = Session(secrets.token_urlsafe(12), generate, chat, params, max_context, self.model, override_sampling)
         with self._lock:
             self.sessions[session.id] = session
@@ -394,7 +396,9 @@ class _Handler(BaseHTTPRequestHandler):
             if (method == "GET") != (endpoint == "models"):
                 raise RequestError(f"{method} {endpoint} is not served (models is GET, completions POST)", 405)
             if endpoint == "models":
-                self._send(200, {"object": "list", "data": [{"id": gateway.model, "object": "model", "created": 0, "owned_by": "grpo-core"}]})
+                self._send(
+                    200, {"object": "list", "data": [{"id": gateway.model, "object": "model", "created": 0, "owned_by": "grpo-core"}]}
+                )
                 return
             reply, chunks = session.chat_completion(body) if endpoint == "chat/completions" else session.completion(body)
             if body.get("stream"):

@@ -158,7 +158,9 @@ class AgentRollout:
     """
 
     command: str = option("", help="the program to run for each sample, as a command line (split like a shell, run without one)")
-    timeout: float = option(300.0, help="seconds a program may run before its process group is killed (a failed sample)", validator=_positive)
+    timeout: float = option(
+        300.0, help="seconds a program may run before its process group is killed (a failed sample)", validator=_positive
+    )
     max_concurrent: int = option(8, help="most programs running at once", validator=_positive)
     template: Literal["auto", "tokenizer", "plain"] = option(
         "auto",
@@ -241,7 +243,9 @@ class AgentRollout:
                 self._gateway.close()
                 self._gateway = None
 
-    def _run(self, gateway: Gateway, prompt: Prompt, generate: Any, chat: AgentChat, params: SamplingParams, max_context: int | None) -> Outcome:
+    def _run(
+        self, gateway: Gateway, prompt: Prompt, generate: Any, chat: AgentChat, params: SamplingParams, max_context: int | None
+    ) -> Outcome:
         """Run the program for one sample, bounded by its timeout; a session of its own records its calls."""
         with self._slots:
             session = gateway.open(generate, chat, params, max_context, self.override_sampling)
@@ -299,8 +303,15 @@ class AgentRollout:
                 final = outcome.calls[-1].content or ""
                 group += [
                     Sample(
-                        prompt=prompt, tokens=s.tokens, sampling_logprobs=s.logprobs, loss_mask=s.mask, text=final,
-                        finish_reason=s.finish_reason, policy_version=min(s.versions), turns=s.turns, env_reward=outcome.reward,
+                        prompt=prompt,
+                        tokens=s.tokens,
+                        sampling_logprobs=s.logprobs,
+                        loss_mask=s.mask,
+                        text=final,
+                        finish_reason=s.finish_reason,
+                        policy_version=min(s.versions),
+                        turns=s.turns,
+                        env_reward=outcome.reward,
                     )  # fmt: skip
                     for s in segments
                 ]

@@ -159,7 +159,9 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_a_malformed_one_as_text(g
     assert call["type"] == "function" and call["function"]["name"] == "add"
     assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3} and call["id"].startswith("call_")
     assert script.seen[0][1].stop == ["</tool_call>"]  # the format's stop string, with tools only
-    rendered = tokenizer.apply_chat_template(body["messages"], tools=[t["function"] for t in TOOLS], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        body["messages"], tools=[t["function"] for t in TOOLS], add_generation_prompt=True, tokenize=False
+    )
     assert "add" in tokenizer.decode(script.seen[0][0]) and tokenizer.decode(script.seen[0][0]).startswith(rendered[:30])
     malformed = client.post("/chat/completions", json=body).json()["choices"][0]
     assert "tool_calls" not in malformed["message"] and malformed["message"]["content"].startswith("<tool_call>")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -203,7 +206,9 @@ def test_a_tool_calling_streaming_agent_is_one_trajectory_through_its_tool_call(
     tokenizer.chat_template = TOOL_TEMPLATE
     call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     sampler = ScriptedSampler(tokenizer, [[call_text], ["The answer is 5." + EOS]], max_context=1024)
-    groups, metrics = roll(agent("tool_calling"), sampler, prompts=[attrs.evolve(PROMPT, text="what is 2 plus 3?")], num_samples=1, max_tokens=64)
+    groups, metrics = roll(
+        agent("tool_calling"), sampler, prompts=[attrs.evolve(PROMPT, text="what is 2 plus 3?")], num_samples=1, max_tokens=64
+    )
     (sample,) = groups[0]
     assert metrics["agent/prefix_breaks"] == 0 and metrics["agent/calls_mean"] == 2
     assert sample.env_reward == 1.0 and sample.text == "The answer is 5."
@@ -244,3 +249,32 @@ def test_a_run_whose_every_program_crashes_exits_1_without_a_traceback(tiny_mode
     assert out.returncode == 1 and "Traceback" not in out.stderr and "internal error" not in out.stderr
     assert "error: every agent program failed (8 of 8; 0 timed out) and none has succeeded in this run" in out.stderr
     assert "it exited with exit code 1: the agent broke down" in out.stderr
+
+
+REPO = Path(__file__).resolve().parents[3]
+PAGE = REPO / "docs" / "agents.md"
+
+
+def test_the_docs_show_the_example_agent_as_it_is():
+    blocks = re.findall(r"^```python\n(.*?)^```", PAGE.read_text(), flags=re.S | re.M)
+    assert (REPO / "examples" / "agent.py").read_text() in blocks
+    assert "grpo_core" not in (REPO / "examples" / "agent.py").read_text()
+
+
+@pytest.mark.slow
+def test_the_docs_command_trains_the_example_agent_on_the_embedded_model_every_step(tmp_path):
+    """Acceptance: an agent written with httpx alone, two turns where its first answer is wrong,
+    trains 3 steps of the embedded model (its chat template grpo-core's plain one); completion
+    tokens are trained on every step."""
+    (command,) = re.findall(r"^grpo-core run --rollout agent .*$", PAGE.read_text(), flags=re.M)
+    args = shlex.split(command)[1:]
+    # The docs' `python` is the one running the tests (it has httpx); the run folder goes to tmp_path.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    out = grpo_core_in_process(*args, "--run-dir", str(tmp_path / "run"), cwd=REPO, env={"PATH": path})
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["train/tokens"] > 0 and m["agent/failed"] == 0 and m["agent/prefix_breaks"] == 0
+        assert 1.0 <= m["agent/calls_mean"] <= 2.0 and m["reward/failed"] == 0
+    assert any(m["agent/calls_mean"] > 1.0 for m in metrics)  # wrong first answers got their second turn

@@ -13,7 +13,10 @@ with open(os.environ["COUNTER"], "a+") as counter:
     counter.write("x")
 headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
 reply = httpx.post(
-    f"{os.environ['OPENAI_BASE_URL']}/completions", json={"prompt": json.loads(os.environ["GRPO_ROW"])["text"]}, headers=headers, timeout=600
+    f"{os.environ['OPENAI_BASE_URL']}/completions",
+    json={"prompt": json.loads(os.environ["GRPO_ROW"])["text"]},
+    headers=headers,
+    timeout=600,
 ).json()
 if started % 2:
     raise SystemExit("the agent broke down")
