@@ -230,7 +230,7 @@ def run_args(tiny_model_dir, tiny_dataset, run_dir, name, *extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loop", ["sync", "async"])
-def test_a_run_trains_an_agent_program_through_the_cli(tiny_model_dir, tiny_dataset, tmp_path, loop):
+def test_a_run_trains_an_agent_program_through_the_cli_and_resumes(tiny_model_dir, tiny_dataset, tmp_path, loop):
     run_dir = tmp_path / "run"
     out = grpo_core_in_process(*run_args(tiny_model_dir, tiny_dataset, run_dir, "two_turn", "--loop", loop))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -241,6 +241,11 @@ def test_a_run_trains_an_agent_program_through_the_cli(tiny_model_dir, tiny_data
     for m in metrics:
         assert m["agent/calls_mean"] == 2.0 and m["agent/failed"] == 0 and m["agent/prefix_breaks"] == 0
         assert m["train/samples"] == 8 and m["train/tokens"] > 0 and m["reward/failed"] == 0
+    # Resumed: the program and its options come back from config.json, the gateway with a new key.
+    resumed = grpo_core_in_process("run", "--resume", str(run_dir), "--max-steps", "3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[2]["agent/calls_mean"] == 2.0 and metrics[2]["train/tokens"] > 0
 
 
 @pytest.mark.slow
@@ -278,3 +283,61 @@ def test_the_docs_command_trains_the_example_agent_on_the_embedded_model_every_s
         assert m["train/tokens"] > 0 and m["agent/failed"] == 0 and m["agent/prefix_breaks"] == 0
         assert 1.0 <= m["agent/calls_mean"] <= 2.0 and m["reward/failed"] == 0
     assert any(m["agent/calls_mean"] > 1.0 for m in metrics)  # wrong first answers got their second turn
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    return build_chat_tokenizer("qwen3")
+
+
+def probe(tmp_path, monkeypatch, sampler, num_samples=1, **options):
+    """The probe agent's view of the programs run with ``options``, and the rollout's groups (its error when it refused)."""
+    log = tmp_path / f"probe{len(list(tmp_path.iterdir()))}"
+    monkeypatch.setenv("PROBE", str(log))
+    try:
+        groups, _ = roll(agent("probe", **options), sampler, num_samples=num_samples)
+    except PluginError as exc:
+        groups = str(exc)
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else [], groups
+
+
+@pytest.mark.slow  # ten programs, one at a time for a part
+def test_the_options_reach_the_programs_and_the_gateway(tmp_path, monkeypatch, qwen3_tokenizer):
+    call_text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    sampler = Answers(qwen3_tokenizer, ids(qwen3_tokenizer, call_text))
+    # override_sampling: the probe's temperature 0.5 is refused, then sampled with the run's; model_name.
+    seen, refused = probe(tmp_path, monkeypatch, sampler, model_name="mine")
+    assert [s["status"] for s in seen] == [400] and "differs from the run's temperature 1.0" in seen[0]["body"]["error"]["message"]
+    assert "it made no call to the gateway" in refused and {s["model"] for s in seen} == {"mine"}
+    seen, groups = probe(tmp_path, monkeypatch, sampler, override_sampling=True)
+    assert [s["status"] for s in seen] == [200] and {s["model"] for s in seen} == {"policy"} and len(groups[0]) == 1
+    # tool_format: auto reads Qwen's hermes calls; read as llama3, the same reply is text.
+    calls = [s["body"]["choices"][0]["message"]["tool_calls"] for s in seen]
+    assert [[c["function"]["name"] for c in called] for called in calls] == [["add"]]
+    seen, _ = probe(tmp_path, monkeypatch, sampler, override_sampling=True, tool_format="llama3")
+    assert {s["body"]["choices"][0]["message"]["content"] for s in seen} == {call_text}
+    # template: plain writes the contents in a row, whatever the tokenizer's own.
+    seen, groups = probe(tmp_path, monkeypatch, sampler, override_sampling=True, template="plain")
+    assert qwen3_tokenizer.decode(groups[0][0].tokens[: groups[0][0].turns[0].start]) == "2 plus 3?"
+    # max_concurrent: one program at a time, or both at once.
+    one, _ = probe(tmp_path, monkeypatch, sampler, 2, override_sampling=True, max_concurrent=1)
+    first, second = sorted(one, key=lambda s: s["started"])
+    assert first["ended"] <= second["started"]
+    both, _ = probe(tmp_path, monkeypatch, sampler, 2, override_sampling=True)
+    first, second = sorted(both, key=lambda s: s["started"])
+    assert second["started"] < first["ended"]
+
+
+def test_template_tokenizer_is_refused_for_a_tokenizer_without_one(embedded_tokenizer):
+    with pytest.raises(PluginError, match="the tokenizer has no chat template"):
+        roll(agent("two_turn", template="tokenizer"), Answers(embedded_tokenizer, [1]))
+
+
+def test_one_gateway_serves_a_run_and_ends_with_it(tmp_path, monkeypatch, embedded_tokenizer):
+    monkeypatch.setenv("COUNTER", str(tmp_path / "counter"))
+    rollout = agent("counted_crash")
+    gateway = rollout.gateway()
+    assert rollout.gateway() is gateway
+    rollout.on_run_end()
+    assert rollout._gateway is None and rollout.gateway() is not gateway
+    rollout.on_run_end()
