@@ -24,16 +24,12 @@ from grpo_core.async_loop import SharedSampler
 from grpo_core.backend import Sampler
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
 from grpo_core.plugins.rollouts.multi_turn import chat_template, decode, render, tool_format_name, without_end_of_turn
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, MARKERS, ToolFormat
 from grpo_core.remote.gateway import Call, Gateway
 from grpo_core.types import Turn
-
-
-def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be positive, got {value}")
 
 
 @attrs.frozen
@@ -159,9 +155,9 @@ class AgentRollout:
 
     command: str = option("", help="the program to run for each sample, as a command line (split like a shell, run without one)")
     timeout: float = option(
-        300.0, help="seconds a program may run before its process group is killed (a failed sample)", validator=_positive
+        300.0, help="seconds a program may run before its process group is killed (a failed sample)", validator=validate_positive
     )
-    max_concurrent: int = option(8, help="most programs running at once", validator=_positive)
+    max_concurrent: int = option(8, help="most programs running at once", validator=validate_positive)
     template: Literal["auto", "tokenizer", "plain"] = option(
         "auto",
         help=(
