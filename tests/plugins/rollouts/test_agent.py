@@ -341,3 +341,29 @@ def test_one_gateway_serves_a_run_and_ends_with_it(tmp_path, monkeypatch, embedd
     rollout.on_run_end()
     assert rollout._gateway is None and rollout.gateway() is not gateway
     rollout.on_run_end()
+
+
+def test_an_openai_compatible_server_sampler_serves_behind_the_gateway(tiny_model_dir):
+    """The openai sampler (a stand-in vLLM server, several calls at once) behind the gateway: the
+    server's tokens and logprobs are what the samples hold, turns extending each other."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
+    from tests.plugins.samplers.fake_server import FakeVLLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fake = FakeVLLM(tokenizer)
+    client = ServerClient("http://fake/v1", api_key="", concurrency=4, retry_deadline=5.0, transport=httpx.MockTransport(fake))
+    sampler = ServerSampler(client=client, tokenizer=tokenizer, model="tiny", concurrent_samples=4)
+    groups, metrics = roll(agent("two_turn"), sampler, max_tokens=4)
+    assert metrics["agent/calls_mean"] == 2 and metrics["agent/prefix_breaks"] == 0
+    prompts = [body["prompt"][0] for path, body in fake.requests if path == "/v1/completions"]
+    assert len(prompts) == 4
+    for sample in groups[0]:
+        for turn in sample.turns:
+            # The server's completion of the prompt before the turn: token k is (sum(prompt) + k) mod V.
+            prompt = sample.tokens[: turn.start]
+            assert prompt in prompts
+            assert sample.tokens[turn.start : turn.end] == [(sum(prompt) + k) % len(tokenizer) for k in range(4)]
+            assert sample.sampling_logprobs[turn.start : turn.end] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
