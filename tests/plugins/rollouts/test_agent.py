@@ -110,6 +110,7 @@ def test_a_run_is_refused_before_anything_loads_without_a_program_or_with_r3(tmp
     assert config.reward == {"agent": 1.0} and RunConfig(rollout="agent", reward={"gsm8k": 1.0}).reward == {"gsm8k": 1.0}
 
 
+@pytest.mark.slow  # a trainer and four calls of two programs: seconds
 def test_a_two_turn_agent_trains_on_its_turns_with_the_trainers_logprobs(tiny_model_dir):
     """The local sampler on a tiny model behind the gateway: each program's two calls are one
     trajectory, and the trainer's logprobs of its tokens equal those the gateway recorded (fp32)."""
