@@ -167,7 +167,7 @@ class Session:
         else:
             raise RequestError("prompt must be a string or a list of token ids (one prompt per request)")
         logprobs = body.get("logprobs")
-        if logprobs not in (None, 0):
+        if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
             raise RequestError("logprobs: only 0 is served (each sampled token's logprob, no alternatives)")
         call = self._sample(body, tokens, [], text)
         call.content = self.tokenizer.decode(call.tokens, skip_special_tokens=True)
@@ -230,7 +230,7 @@ class Session:
         if model is not None and model != self.model:
             raise RequestError(f"model {model!r} is not served here: the policy is {self.model!r} (OPENAI_MODEL)", 404, "model_not_found")
         for key, neutral in NEUTRAL.items():
-            if body.get(key, neutral) not in (neutral, None):
+            if body.get(key) and body[key] != neutral:  # absent, null, 0, false or empty: as neutral
                 raise RequestError(f"{key}={body[key]!r} is not served: the policy is sampled as the run samples it")
         run = self.params
         for key in ("temperature", "top_p", "top_k"):

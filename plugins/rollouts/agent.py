@@ -250,7 +250,7 @@ class AgentRollout:
                 "OPENAI_BASE_URL": gateway.base_url(session),
                 "OPENAI_API_KEY": gateway.key,
                 "OPENAI_MODEL": self.model_name,
-                "GRPO_ROW": json.dumps(row_of(prompt)),
+                "GRPO_ROW": json.dumps(row_of(prompt), default=str),
             }
             timed_out = False
             try:
@@ -273,7 +273,8 @@ class AgentRollout:
                 stdout, stderr = process.communicate()
             calls = gateway.end(session)
         if session.error is not None:
-            raise PluginError(f"the agent gateway failed: {type(session.error).__name__}: {session.error}") from session.error
+            # The sampler's (or the gateway's) error, not the program's: raised as a rollout's own would be.
+            raise session.error
         reward, bad_reward = reward_line(stdout)
         failure = (
             f"it ran past its timeout of {self.timeout:g} s" if timed_out

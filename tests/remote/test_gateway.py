@@ -117,7 +117,8 @@ def test_a_completion_prompt_extending_an_earlier_one_keeps_its_tokens_and_token
 def test_the_runs_sampling_settings_hold_and_a_request_may_only_narrow_them(gateway, tokenizer):
     script = Script(tokenizer, *["what"] * 4)
     session, client = open_session(gateway, tokenizer, script, temperature=0.7, stop=["\n"])
-    ok = client.post("/completions", json={"prompt": "Q", "max_tokens": 4, "stop": "!", "temperature": 0.7, "n": 1})
+    neutral = {"n": 1, "logit_bias": {}, "presence_penalty": 0, "echo": False, "seed": 3, "user": "me"}
+    ok = client.post("/completions", json={"prompt": "Q", "max_tokens": 4, "stop": "!", "temperature": 0.7, **neutral})
     assert ok.status_code == 200
     params = script.seen[0][1]
     assert params.max_tokens == 4 and params.stop == ["\n", "!"] and params.temperature == 0.7
@@ -130,6 +131,9 @@ def test_the_runs_sampling_settings_hold_and_a_request_may_only_narrow_them(gate
         ({"model": "gpt-4o"}, 404, "the policy is 'tiny'"),
         ({"max_tokens": 0}, 400, "max_tokens must be a positive integer"),
         ({"logprobs": 5}, 400, "logprobs: only 0"),
+        ({"logprobs": True}, 400, "logprobs: only 0"),
+        ({"logit_bias": {"5": 100}}, 400, "logit_bias={'5': 100} is not served"),
+        ({"echo": True}, 400, "echo=True is not served"),
         ({"prompt": list(range(1024))}, 400, "leaves no room in the model's context of 1024"),
         ({"prompt": {"text": "Q"}}, 400, "prompt must be a string or a list of token ids"),
     ]:

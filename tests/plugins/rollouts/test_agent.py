@@ -368,3 +368,12 @@ def test_an_openai_compatible_server_sampler_serves_behind_the_gateway(tiny_mode
             assert prompt in prompts
             assert sample.tokens[turn.start : turn.end] == [(sum(prompt) + k) % len(tokenizer) for k in range(4)]
             assert sample.sampling_logprobs[turn.start : turn.end] == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+
+
+def test_a_sampler_error_behind_the_gateway_is_raised_by_the_rollout(embedded_tokenizer):
+    class Broken(Answers):
+        def sample(self, prompts, num_samples, params):
+            raise ConnectionError("the server went away")
+
+    with pytest.raises(ConnectionError, match="the server went away"):
+        roll(agent("two_turn"), Broken(embedded_tokenizer, [1]), num_samples=1)
