@@ -377,3 +377,18 @@ def test_a_sampler_error_behind_the_gateway_is_raised_by_the_rollout(embedded_to
 
     with pytest.raises(ConnectionError, match="the server went away"):
         roll(agent("two_turn"), Broken(embedded_tokenizer, [1]), num_samples=1)
+
+
+def test_a_template_that_drops_reasoning_breaks_the_prefix_into_two_samples_with_one_reward(qwen3_tokenizer):
+    """Qwen3's template drops a past turn's reasoning: the second call does not extend the first
+    one's tokens, so each is a sample of its own (agent/prefix_breaks), both with the program's reward."""
+    reply = "<think>\nadd 1 and 2\n</think>\n\nThe answer is 3." + EOS
+    sampler = ScriptedSampler(qwen3_tokenizer, [[reply], [reply]], max_context=1024)
+    groups, metrics = roll(agent("two_turn"), sampler, num_samples=1, max_tokens=64)
+    assert metrics["agent/prefix_breaks"] == 1 and metrics["agent/calls_mean"] == 2
+    first, second = groups[0]
+    assert [len(first.turns), len(second.turns)] == [1, 1] and first.env_reward == second.env_reward == 1.0
+    assert first.text == second.text == "<think>\nadd 1 and 2\n</think>\n\nThe answer is 3."
+    # The second prompt is the template's own rendering: the first turn without its reasoning.
+    history = qwen3_tokenizer.decode(second.tokens[: second.turns[0].start])
+    assert "<|im_start|>assistant\nThe answer is 3.<|im_end|>" in history and "add 1 and 2" not in history
