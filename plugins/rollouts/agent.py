@@ -252,7 +252,7 @@ class AgentRollout:
                 "OPENAI_MODEL": self.model_name,
                 "GRPO_ROW": json.dumps(row_of(prompt), default=str),
             }
-            timed_out = False
+            timed_out, stdout = False, None
             try:
                 process = subprocess.Popen(
                     self.argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -264,12 +264,13 @@ class AgentRollout:
             try:
                 stdout, stderr = process.communicate(timeout=self.timeout)
             except subprocess.TimeoutExpired:
-                timed_out = True
+                # Past the deadline: its own, or that of what it started and left holding its output.
+                timed_out = process.poll() is None
             finally:
                 # Its own process group: what it started ends with it.
                 with contextlib.suppress(ProcessLookupError, PermissionError):  # the group has ended already
                     os.killpg(process.pid, signal.SIGKILL)
-            if timed_out:
+            if stdout is None:  # its output, once nothing holds it any more
                 stdout, stderr = process.communicate()
             calls = gateway.end(session)
         if session.error is not None:
@@ -338,7 +339,12 @@ def row_of(prompt: Prompt) -> dict[str, Any]:
 
 
 def _exit(code: int) -> str:
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 def _last_line(stderr: str) -> str:

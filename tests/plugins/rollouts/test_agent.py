@@ -145,19 +145,24 @@ def test_a_two_turn_agent_trains_on_its_turns_with_the_trainers_logprobs(tiny_mo
 
 @pytest.mark.slow  # it waits for the deadline
 def test_a_hanging_program_is_ended_at_its_deadline_with_its_process_group(tmp_path, monkeypatch, embedded_tokenizer):
+    """Program p hangs: it fails at its deadline. Program q exits with its reward while a child of
+    its own holds its output: it succeeds, read once the deadline ends the child. Both children end."""
     children = tmp_path / "children"
     monkeypatch.setenv("CHILDREN", str(children))
     sampler = Answers(embedded_tokenizer, ids(embedded_tokenizer, " 3"))
     t0 = time.perf_counter()
-    with pytest.raises(PluginError, match=r"every agent program failed \(2 of 2; 2 timed out\).*past its timeout of 5 s"):
-        roll(agent("hanging", timeout=5), sampler)
+    groups, metrics = roll(agent("hanging", timeout=4), sampler, prompts=[PROMPT, attrs.evolve(PROMPT, id="q")], num_samples=1)
     assert time.perf_counter() - t0 < 30
+    assert metrics["agent/timeouts"] == 1 and metrics["agent/failed"] == 1
+    assert groups[0] == [] and [s.env_reward for s in groups[1]] == [1.0]
     pids = [int(p) for p in children.read_text().split()]
     assert len(pids) == 2
     deadline = time.time() + 10
     while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)
+    with pytest.raises(PluginError, match=r"every agent program failed \(1 of 1; 1 timed out\).*past its timeout of 1 s"):
+        roll(agent("hanging", timeout=1), sampler, num_samples=1)
 
 
 def alive(pid: int) -> bool:
