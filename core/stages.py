@@ -229,8 +229,11 @@ def check_sampling_settings(config: RunConfig) -> None:
             "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
             "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
         )
-    if not config.dynamic_sampling and config.max_sampling_rounds != RunConfig().max_sampling_rounds:
-        raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
+    if config.max_sampling_rounds != RunConfig().max_sampling_rounds:
+        if config.loop == "sync" and not config.dynamic_sampling:
+            raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop) and the async loop")
+        if config.loop == "async" and config.synchronous_training:
+            raise PluginError("--max-sampling-rounds would do nothing: --synchronous-training trains what one batch kept")
 
 
 def check_router_replay_model(config: RunConfig) -> None:
@@ -338,11 +341,13 @@ def record_perf(metrics: Metrics, trainer: Trainer) -> None:
     if metrics.get("time/sample", 0.0) > 0:
         values["perf/sample_tokens_per_s"] = metrics.get("tokens/completion", 0.0) / metrics["time/sample"]
     seconds, tokens = metrics.get("time/train", 0.0), metrics.get("train/forward_tokens", 0.0)
+    counters = declared(trainer, "trainer object", "perf_counters")
+    measured = counters() if counters is not None else {}
+    # The tokens the trainer ran where it counts them (a group's shared prompt once), not those it was sent.
+    tokens = measured.get("forward_tokens", tokens)
     if seconds > 0 and tokens:
         values["perf/train_tokens_per_s"] = tokens / seconds
-    counters = declared(trainer, "trainer object", "perf_counters")
     if counters is not None:
-        measured = counters()
         if seconds > 0 and tokens and measured.get("parameters") and measured.get("peak_flops"):
             values["perf/mfu"] = 6.0 * measured["parameters"] * tokens / seconds / measured["peak_flops"]
         if "peak_memory_gib" in measured:

@@ -315,6 +315,45 @@ def test_overwrite_replaces_only_what_grpo_core_wrote_and_keeps_the_data_the_run
     assert steps_in(run_dir) == 2 and data.read_bytes() == tiny_dataset.read_bytes()
 
 
+def test_overwrite_removes_only_the_files_the_old_run_listed_not_a_users_file_inside_its_folders(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "r"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1")
+    assert grpo_core_in_process(*args).returncode == 0
+    listed = json.loads((run_dir / "manifest.json").read_text())["files"]
+    assert {"config.json", "summary.json", "final/model.safetensors"} <= set(listed) and ".lock" not in listed
+    assert any(f.startswith("checkpoints/step-000001/") for f in listed)
+    # Folders named as grpo-core names its own: a logger's the old run never used, checkpoints/, final/.
+    (run_dir / "wandb").mkdir()
+    for name in ("wandb/keep.txt", "checkpoints/NOTES.txt", "final/analysis.ipynb"):
+        (run_dir / name).write_text("mine")
+    before = tree(run_dir)
+    out = grpo_core_in_process(*args, "--overwrite", "--seed", "1")
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: --overwrite only replaces what grpo-core wrote, and {run_dir} also holds checkpoints/NOTES.txt, "
+         f"final/analysis.ipynb, wandb/keep.txt, which it did not write: move them out of {run_dir}, or choose another --run-dir"],
+    )  # fmt: skip
+    assert tree(run_dir) == before
+    for name in ("wandb/keep.txt", "checkpoints/NOTES.txt", "final/analysis.ipynb"):
+        (run_dir / name).unlink()
+    out = grpo_core_in_process(*args, "--overwrite", "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((run_dir / "config.json").read_text())["seed"] == 1
+
+
+def test_without_a_manifest_overwrite_replaces_only_top_level_files_grpo_core_writes(tmp_path):
+    from grpo_core.run_dir import overwrite_refusal
+
+    run_dir = tmp_path / "old"  # a run of an older grpo-core, or one stopped during its start: no manifest.json
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-000001" / "state.json").write_text("{}")
+    keys = ("model", "dataset", "backend", "rollout", "reward", "advantage", "loss", "plugin_options")
+    (run_dir / "config.json").write_text(json.dumps({**dict.fromkeys(keys, "x"), "plugin_options": {}}))
+    entries = ["checkpoints", "config.json"]
+    assert "also holds checkpoints/step-000001/state.json, which it did not write" in overwrite_refusal(run_dir, entries)
+    assert overwrite_refusal(run_dir, ["config.json"]) is None
+
+
 def refusing_plugins(tmp_path):
     """Flags of plugins that refuse in their start (on_run_start, once the models have loaded)."""
     (tmp_path / "empty").mkdir(exist_ok=True)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 
 INSTALL = 'pip install "grpo-core[vllm]"'
@@ -89,7 +90,16 @@ class VLLMSamplerPlugin:
         return 2 if full_replace else 1
 
     @hookimpl
-    def check_config(self, config: Any) -> None:
+    def check_config(self, config: Any, plugins: dict[str, list[Any]]) -> None:
+        backend = plugins["backend"][0]
+        if declared(backend, "backend", "serve_rank") is not None:
+            # vLLM's init_distributed_environment forms a group over the process's default one, which
+            # the backend's other ranks never join: the start would wait forever.
+            raise PluginError(
+                f"--sampler vllm runs a vLLM engine in the trainer's process, and the {type(backend).__name__} trains in "
+                "several processes whose other ranks would never join the engine's process group: sample from a server "
+                "(--sampler openai --weight-sync vllm), or train in one process (--backend local)"
+            )
         # vLLM missing, or a sleep mode its device cannot honour: said before the trainer loads.
         import_vllm()
         self.sleep_level(config, vllm_device_type())

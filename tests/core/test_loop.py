@@ -187,7 +187,8 @@ def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_mod
     out = grpo_core_in_process(*args, *split, "--weight-decay", "0.5", "--learning-rate", "0.1", "--logger", "jsonl")
     assert out.returncode == 1, out.stdout + out.stderr
     metrics = metrics_of(r)
-    assert len(metrics) == 2 and json.loads((r / "summary.json").read_text())["steps"] == 2
+    summary = json.loads((r / "summary.json").read_text())
+    assert len(metrics) == 2 and summary["steps"] == 2 and summary["exit_code"] == 1
     for m in metrics:
         assert m["train/tokens"] == 0 and m["optim/updates"] == 0 and m["optim/skipped_no_trained_tokens"] == 1
         assert m["completion/masked_truncated"] == m["train/samples"] == 8 and m["policy/version"] == 0

@@ -127,6 +127,14 @@ def test_perf_metrics_are_rates_of_the_steps_tokens_and_the_trainers_counters():
         "perf/mfu": pytest.approx(6 * 1e6 * 1000 / 0.5 / 1e11),
         "perf/peak_memory_gib": 1.5,
     }
+    # A trainer that counts the tokens it ran (a group's shared prompt once): the rates are of those.
+    ran = {**counters, "forward_tokens": 250.0}
+    assert perf_of(STEP, SimpleNamespace(perf_counters=lambda: ran)) == {
+        "perf/sample_tokens_per_s": 200.0,
+        "perf/train_tokens_per_s": 500.0,
+        "perf/mfu": pytest.approx(6 * 1e6 * 250 / 0.5 / 1e11),
+        "perf/peak_memory_gib": 1.5,
+    }
     # A trainer without counters (tinker, a server's): the rates only, which any trainer has.
     assert perf_of(STEP, SimpleNamespace()) == {"perf/sample_tokens_per_s": 200.0, "perf/train_tokens_per_s": 2000.0}
     # Counters it lacks are left out, not made up.
