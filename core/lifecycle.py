@@ -53,6 +53,7 @@ from grpo_core.errors import EXIT_ERROR, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
+from grpo_core.options import missing_folder
 from grpo_core.plugins_manager import write_config
 from grpo_core.run_dir import (
     DATA_FILE,
@@ -175,9 +176,12 @@ def nothing_trained(r: Run) -> str | None:
         kept = f"{state.groups_trained:g} groups of {state.samples_kept:g} samples"
         return f"nothing was trained: {steps} kept {kept}, but no token of theirs was trained ({why}); {fix}"
     if dropped.get("failed"):
+        fix = "fix the reward and start again"
+        if state.reward_failures.last_was_cut:
+            fix = f"raise --max-completion-tokens ({r.config.max_completion_tokens}: the budget they ran out of) or allow fewer turns"
         return (
             f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
-            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); fix the reward and start again"
+            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); {fix}"
         )
     if state.start_step:
         return None
@@ -660,7 +664,7 @@ def check_model_folder(model: str) -> None:
     """A local ``--model`` folder that cannot be a model is refused before anything loads it, saying
     what it is: a run folder, a folder without a tokenizer, weights cut short."""
     folder = Path(model)
-    if not folder.exists() and looks_like_a_path(model):
+    if missing_folder(model):
         raise PluginError(f"--model {model}: no such folder (a model is a local folder or a hub name such as Qwen/Qwen3-0.6B)")
     if not folder.is_dir():
         return  # a hub name, or the embedded model
@@ -679,12 +683,6 @@ def check_model_folder(model: str) -> None:
         problem = safetensors_problem(weights)
         if problem:
             raise PluginError(f"model folder {model}: {weights.name} {problem}; copy or download it again")
-
-
-def looks_like_a_path(model: str) -> bool:
-    """A ``--model`` that can only be a folder: a hub name is ``name`` or ``owner/name``, never absolute,
-    relative to ``.`` or ``~``, or deeper."""
-    return Path(model).is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or model.endswith("/") or "\\" in model
 
 
 def safetensors_problem(path: Path) -> str | None:

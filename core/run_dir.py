@@ -82,8 +82,13 @@ def locked(path: Path) -> Iterator[None]:
         raise PluginError(f"run directory {path} is a file")
     created = [p for p in (path, *path.parents) if not p.exists()]  # the folder, and those above it made for it
     lock_created = not (path / LOCK_FILE).exists()
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise PluginError(
+            f"run directory {path} cannot be written: {exc.strerror or exc} ({exc.filename}); choose another --run-dir"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

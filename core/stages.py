@@ -84,14 +84,15 @@ def score_groups(
         if not group:
             continue
         for r in selection.rewards:
+            scored = True
             try:
                 scores = list(call_with_timeout(lambda r=r, group=group: r.plugin.reward(prompt=group[0].prompt, samples=group), timeout))
             except CallTimeout as exc:
-                scores = [None] * len(group)
+                scores, scored = [None] * len(group), False
                 timeouts += 1
                 failures.last_error = f"reward '{r.name}' {exc}"
             except Exception as exc:  # a reward's bug must not lose the run: the group is marked failed
-                scores = [None] * len(group)
+                scores, scored = [None] * len(group), False
                 errors += 1
                 failures.last_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
@@ -104,6 +105,11 @@ def score_groups(
                 )
             for sample, score in zip(group, scores):
                 ok = score is not None and not math.isnan(score)
+                if score is None and sample.finish_reason == "length" and scored:
+                    failures.last_error = f"reward '{r.name}' gave no score to a completion cut at its token budget"
+                    failures.last_was_cut = True
+                elif not ok:
+                    failures.last_was_cut = False
                 sample.rewards[r.name] = float(score) if ok else None
                 if ok:
                     per_reward[r.name].append(float(score))

@@ -158,6 +158,9 @@ class RewardFailures:
 
     in_a_row: int = 0
     last_error: str | None = None
+    last_was_cut: bool = False
+    """The last failure was a sample cut at its token budget that its reward could not score (an
+    environment that scores a conversation at its end): more tokens fix it, not the reward."""
 
 
 CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken")

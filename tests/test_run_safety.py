@@ -501,3 +501,13 @@ def test_the_disk_plan_is_a_start_line(tiny_model_dir, tiny_dataset, tmp_path):
         out.stderr,
         re.M,
     ), out.stderr
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line_and_exit_1(tiny_model_dir, tiny_dataset, tmp_path):
+    (tmp_path / "afile").write_text("")
+    run_dir = tmp_path / "afile" / "r"
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir))
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: run directory {run_dir} cannot be written: Not a directory ({run_dir}); choose another --run-dir"],
+    )
