@@ -93,6 +93,12 @@ KIND_TABLE: dict[str, Kind] = {
                 "its trainer's save_state writes the weights and optimizer state into the checkpoint folder, so the disk plan "
                 "at start counts them; False: a service keeps them, and the plan counts final/ only",
             ),
+            "checkpoint_weights": Attribute(
+                "str | None",
+                None,
+                "the dtype its checkpoints hold the weights in whatever --dtype (fsdp: float32, its master weights), for "
+                "the disk plan at start; None: --dtype's",
+            ),
             "serve_rank": Attribute(
                 "callable | None",
                 None,

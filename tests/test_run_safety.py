@@ -511,3 +511,19 @@ def test_a_run_dir_that_cannot_be_made_is_one_line_and_exit_1(tiny_model_dir, ti
         1,
         [f"error: run directory {run_dir} cannot be written: Not a directory ({run_dir}); choose another --run-dir"],
     )
+
+
+@pytest.mark.parametrize("optimizer_state", ["bf16", "8bit"])
+def test_the_disk_plan_sizes_a_checkpoint_as_its_optimizer_state_writes_it(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state):
+    from grpo_core.checkpoint import folder_bytes, human
+
+    run_dir = tmp_path / "r"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", "--optimizer-state", optimizer_state)
+    out = grpo_core_in_process(*args)
+    assert out.returncode == 0, out.stderr
+    planned = next(line for line in out.stderr.splitlines() if line.startswith("disk plan: each checkpoint about "))
+    assert f" + {optimizer_state} AdamW moments), 1 to write" in planned
+    written = folder_bytes(run_dir / "checkpoints" / "step-000001")
+    number, unit = planned.removeprefix("disk plan: each checkpoint about ").split()[:2]
+    each = float(number) * {"kB": 1e3, "MB": 1e6}[unit]
+    assert abs(each - written) < 0.1 * written, (planned, human(written))
