@@ -142,8 +142,8 @@ class VLLMSamplerPlugin:
         with kept_process_state():
             llm = vllm.LLM(**engine_args)
         print(
-            f"vllm engine ({device_type}, {dtype}) started in {time.perf_counter() - started:.1f}s; "
-            f"sleep while training: {f'level {level}' if level else 'off'}",
+            f"vllm engine ({device_type}, {dtype}) started in {time.perf_counter() - started:.1f}s; sleep while training: "
+            + sleep_words(level, device_type),
             file=sys.stderr,
         )
         return VLLMSampler(
@@ -262,7 +262,7 @@ class VLLMSampler:
     @property
     def run_info(self) -> dict[str, str]:
         """How it samples, for config.json (declared in hookspecs)."""
-        sleep = f"sleeps at level {self.sleep_level} while training" if self.sleep_level else "never sleeps"
+        sleep = f"sleep while training: {sleep_words(self.sleep_level, self.device_type)}"
         return {"engine": f"vllm.LLM in this process on {self.device_type}, processed logprobs; {sleep}"}
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
@@ -358,6 +358,13 @@ class VLLMSampler:
     def close(self) -> None:
         """Free the engine's memory for whatever the process does next."""
         self.llm = None
+
+
+def sleep_words(level: int, device_type: str) -> str:
+    """The engine's sleep in words: off, a level, or calls that free nothing (vLLM off CUDA)."""
+    if not level:
+        return "off"
+    return f"level {level}" if device_type == "cuda" else f"off (level {level} calls, which free nothing on {device_type})"
 
 
 def staged(weights: Iterable[tuple[str, Any]], device: Any, max_bytes: int) -> Iterator[tuple[str, Any]]:
