@@ -147,6 +147,8 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
+        if not config.memory_check:
+            raise PluginError("--no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)")
         if config.optimizer_state != "fp32":
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
@@ -163,6 +165,10 @@ class FSDPBackend:
             if torch.cuda.device_count() < here:
                 raise PluginError(f"--backend fsdp puts one rank on each GPU: {here} ranks here, {torch.cuda.device_count()} GPUs")
         return world
+
+    @hookimpl
+    def check_config(self, config: RunConfig) -> None:
+        self.check(config)
 
     @hookimpl
     def load_tokenizer(self, config: RunConfig) -> tuple[Any, int | None]:
