@@ -251,12 +251,15 @@ def record_files(path: Path) -> None:
 
 
 def unlisted_files(path: Path, names: list[str]) -> list[str]:
-    """The files under ``names`` that the old run's manifest does not list: a user's, kept. Without a
-    manifest (a run of an older grpo-core, or one stopped during its start) only top-level files count as the run's."""
+    """The files inside the folders ``names`` that the old run's manifest does not list: a user's,
+    kept. A top-level file of a name grpo-core writes is the run's (metrics.jsonl, created by a step
+    that was killed before its manifest was rewritten); without a manifest (a run of an older
+    grpo-core, or one stopped during its start) those are all that count as the run's."""
     try:
         listed = set(json.loads((path / MANIFEST_FILE).read_text())["files"])
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        listed = {name for name in names if (path / name).is_file()}
+        listed = set()
+    listed |= {name for name in names if (path / name).is_file()}
     return [file for file in files_in(path, names) if file not in listed]
 
 

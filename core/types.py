@@ -66,6 +66,9 @@ class EnvStep:
     """Observation messages appended to the conversation (role ``user`` or ``tool``)."""
     reward: float = 0.0
     done: bool = False
+    cut_at_max_turns: bool = False
+    """With ``done``: the episode ended because the rollout takes no more turns (an environment told
+    the rollout's max_turns, as verifiers' seat is), not on its own; counted in multi_turn/max_turns_frac."""
 
 
 @runtime_checkable
