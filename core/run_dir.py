@@ -246,8 +246,11 @@ def record_files(path: Path) -> None:
     that step's new files (which ``--overwrite`` then refuses, named, rather than guesses about).
     """
     temporary = path / f"{TMP_PREFIX}{MANIFEST_FILE}"
-    temporary.write_text(json.dumps({"files": files_in(path, written_names(path))}, indent=0) + "\n")
-    os.replace(temporary, path / MANIFEST_FILE)
+    # A manifest that cannot be written (a full disk) stops no run: the one before it stays, and
+    # --overwrite refuses, named, what it does not list.
+    with contextlib.suppress(OSError):
+        temporary.write_text(json.dumps({"files": files_in(path, written_names(path))}, indent=0) + "\n")
+        os.replace(temporary, path / MANIFEST_FILE)
 
 
 def unlisted_files(path: Path, names: list[str]) -> list[str]:
