@@ -58,7 +58,9 @@ class DiskPlan:
         shapes = tensor_shapes(folder) if folder is not None else None
         each = final = None
         if shapes is not None:
-            each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank)
+            saved_as = declared(backend, "backend", "checkpoint_weights")
+            saved_bytes = DTYPE_BYTES[saved_as] if saved_as is not None else None
+            each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank, config.optimizer_state, saved_bytes)
         if not declared(backend, "backend", "local_checkpoints"):
             each, each_is = 0, "the backend's service keeps the trainer's state"
         if trainer_bytes is not None:

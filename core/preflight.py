@@ -14,6 +14,7 @@ from grpo_core.config import RunConfig
 from grpo_core.data import steps_available
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.options import missing_folder
 from grpo_core.run_dir import is_run_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -51,6 +52,8 @@ def check_model_folder(model: str) -> None:
     """A local ``--model`` folder that cannot be a model is refused before anything loads it, saying
     what it is: a run folder, a folder without a tokenizer, weights cut short."""
     folder = Path(model)
+    if missing_folder(model):
+        raise PluginError(f"--model {model}: no such folder (a model is a local folder or a hub name such as Qwen/Qwen3-0.6B)")
     if not folder.is_dir():
         return  # a hub name, or the embedded model
     if is_run_config(folder / "config.json"):

@@ -25,7 +25,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
-from grpo_core.engine.models import SHARD_SIZE, load_model, resolve_checkpointing, resolve_precision, shared_storage_aliases
+from grpo_core.engine.models import load_model, resolve_checkpointing, resolve_precision, save_state_as_model, shared_storage_aliases
 from grpo_core.engine.moe_routing import num_experts, routing_problem
 from grpo_core.engine.optim import forward_backward_output, load_metrics, nonfinite_step_message, step_metrics
 from grpo_core.engine.rank_group import Group, join_group, serve, start_group, torchrun_world
@@ -83,6 +83,7 @@ class FSDPBackend:
 
     default_sampler = "local"
     default_weight_sync = "in_process"
+    checkpoint_weights = "float32"  # the sharded master weights; a layer computes in --dtype
 
     @hookimpl
     def check_config(self, config: RunConfig) -> None:
@@ -105,6 +106,8 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
+        if not config.memory_check:
+            raise PluginError("--no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)")
         if config.optimizer_state != "fp32":
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
@@ -274,7 +277,7 @@ class FSDPTrainer:
         state = self.full_state_dict()
         for alias in shared_storage_aliases(state):  # a tied weight is stored once, as the local trainer stores it
             del state[alias]
-        self.group.local.models["policy"].lm.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+        save_state_as_model(self.group.local.models["policy"].lm, state, path)
         self.tokenizer.save_pretrained(path)
         return path
 

@@ -139,7 +139,14 @@ class VLLMWeightSync:
         self.run_dir = Path(run_dir)
 
     @hookimpl
-    def check_config(self, config: Any) -> None:
+    def check_config(self, config: Any, plugins: dict[str, list[Any]]) -> None:
+        # A server sampler names this sync as its default; any other holds no server to reload.
+        sampler = plugins["sampler"][0]
+        if declared(sampler, "sampler", "default_weight_sync") != "vllm":
+            raise PluginError(
+                f"weight sync 'vllm' reloads an inference server's weights, and the {type(sampler).__name__} samples in this "
+                "process: use a server sampler (--sampler openai with a vLLM server), or drop --weight-sync"
+            )
         if self.method == "adapter" and not config.lora_rank:
             raise PluginError(
                 "--weight-sync-opt method=adapter sends the LoRA adapters alone, and this run trains every weight (--lora-rank 0): "

@@ -14,7 +14,7 @@ from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import ServerSampler
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
 from grpo_core.plugins.weight_sync.vllm_methods import TIED_OUTPUT_FILE, BroadcastSync, saved_input_embedding, write_tied_output_layer
 from grpo_core.remote import vllm_worker
@@ -227,6 +227,37 @@ def test_needs_a_server_sampler(tiny_model_dir):
     trainer = LocalBackend().make_trainer(config=config)
     with pytest.raises(PluginError, match="needs a server sampler"):
         VLLMWeightSync().weight_sync(trainer=trainer, sampler=LocalSamplerPlugin().make_sampler(config=config, trainer=trainer), step=1)
+
+
+@pytest.mark.parametrize(("flags", "sampler"), [([], "LocalSamplerPlugin"), (["--sampler", "local"], "LocalSamplerPlugin")])
+def test_an_in_process_sampler_is_refused_by_check_config_before_anything_is_written(
+    tiny_model_dir, tiny_dataset, tmp_path, flags, sampler
+):
+    from tests.helpers import grpo_core_in_process, small_run_args
+
+    run_dir = tmp_path / "r"
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *flags, "--weight-sync", "vllm"))
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: weight sync 'vllm' reloads an inference server's weights, and the {sampler} samples in this process: "
+         "use a server sampler (--sampler openai with a vLLM server), or drop --weight-sync"],
+    )  # fmt: skip
+    assert not run_dir.exists()  # nothing trained, nothing to resume into a loop
+
+
+def test_check_config_accepts_the_server_sampler_and_vllm_engine_only_the_vllm_sampler():
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+    from grpo_core.plugins.samplers.vllm import VLLMSamplerPlugin
+    from grpo_core.plugins.weight_sync.vllm_engine import VLLMEngineWeightSync
+
+    config = RunConfig()
+    VLLMWeightSync().check_config(config=config, plugins={"sampler": [OpenAISampler()]})
+    VLLMEngineWeightSync().check_config(config=config, plugins={"sampler": [VLLMSamplerPlugin()]})
+    for sampler in (LocalSamplerPlugin(), OpenAISampler()):
+        with pytest.raises(PluginError, match="weight sync 'vllm_engine' loads weights into an in-process vLLM engine"):
+            VLLMEngineWeightSync().check_config(config=config, plugins={"sampler": [sampler]})
+    with pytest.raises(PluginError, match="weight sync 'vllm' reloads an inference server's weights, and the VLLMSamplerPlugin"):
+        VLLMWeightSync().check_config(config=config, plugins={"sampler": [VLLMSamplerPlugin()]})
 
 
 def test_options_are_checked():
@@ -506,8 +537,8 @@ def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
     with pytest.raises(
         PluginError, match=r"method=adapter sends the LoRA adapters alone, and this run trains every weight \(--lora-rank 0\)"
     ):
-        VLLMWeightSync(method="adapter").check_config(config=RunConfig())
-    VLLMWeightSync(method="adapter").check_config(config=RunConfig(lora_rank=4))
+        VLLMWeightSync(method="adapter").check_config(config=RunConfig(), plugins={"sampler": [OpenAISampler()]})
+    VLLMWeightSync(method="adapter").check_config(config=RunConfig(lora_rank=4), plugins={"sampler": [OpenAISampler()]})
 
 
 def test_full_every_only_with_method_delta():
@@ -683,7 +714,7 @@ def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and
 
 def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(untied_model_dir, tmp_path):
     with pytest.raises(PluginError, match="method=broadcast streams every weight, and this run trains LoRA adapters"):
-        VLLMWeightSync(method="broadcast").check_config(config=RunConfig(lora_rank=4))
+        VLLMWeightSync(method="broadcast").check_config(config=RunConfig(lora_rank=4), plugins={"sampler": [OpenAISampler()]})
     lora, _, lora_sampler = lora_setup(untied_model_dir)
     with pytest.raises(PluginError, match="this trainer trains LoRA adapters: sync them alone with method=adapter"):
         VLLMWeightSync(method="broadcast").weight_sync(trainer=lora, sampler=lora_sampler, step=1)
