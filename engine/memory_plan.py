@@ -55,14 +55,19 @@ class ModelSize:
     vocab: int
 
 
-def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
-    """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
-    how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
+def meta_model(folder: str | Path) -> tuple[Any, Any]:
+    """The config of the model in ``folder`` and the model built from it on the meta device (shapes, no storage)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return config, AutoModelForCausalLM.from_config(config)
+
+
+def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
+    """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
+    how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
+    config, model = meta_model(folder)
     parameters = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     trained = parameters
     if lora_rank:
@@ -94,6 +99,11 @@ def activation_bytes(size: ModelSize, tokens: int, dtype_bytes: int, checkpointi
     if checkpointing:
         return tokens * dtype_bytes * (size.layers * size.hidden + per_layer)
     return tokens * dtype_bytes * size.layers * per_layer
+
+
+def logits_chunk_bytes(size: ModelSize, tokens: int) -> int:
+    """What the fused head holds at once for ``tokens`` tokens: about four logits-sized tensors of a chunk."""
+    return min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4
 
 
 @attrs.frozen
@@ -137,7 +147,7 @@ def plan(
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
     rounds = weight_dtype == torch.bfloat16 or optimizer_state == "bf16"
     optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 * rounds if packed else 0
-    head_chunk = min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
+    head_chunk = logits_chunk_bytes(size, tokens)
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
@@ -192,8 +202,7 @@ def check_fits(
     from grpo_core.errors import PluginError
 
     size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules))
-    samples = config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step
-    tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+    tokens = planned_tokens(config)
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
     checkpoint_copy = device.type == "cpu" and periodic
     runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
@@ -219,6 +228,13 @@ def check_fits(
     return memory
 
 
+def planned_tokens(config: Any, ranks: int = 1) -> int:
+    """The tokens of the rows one of ``ranks`` ranks runs in a forward and backward (a minibatch's
+    share), each prompt assumed :data:`ASSUMED_PROMPT_TOKENS` long."""
+    samples = max(1, config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step)
+    return -(-samples // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+
+
 def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device: torch.device, checkpointing: bool) -> list[str]:
     """The settings that would lower the estimate, most effective first."""
     options = []
@@ -239,3 +255,132 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
         options.append("--gradient-checkpointing (one layer's activations at a time)")
     options.append("--backend fsdp (weights, gradients and moments sharded over GPUs)")
     return options
+
+
+def layer_parameters(folder: str | Path) -> int:
+    """The parameters of the model's largest decoder layer: the unit the fsdp backend gathers whole
+    (the classes its ``_no_split_modules`` names; 0 where it names none)."""
+    _, model = meta_model(folder)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names), default=0)
+
+
+def sharded_plan(
+    size: ModelSize,
+    layer: int,
+    ranks: int,
+    compute_dtype: torch.dtype,
+    tokens: int,
+    checkpointing: bool,
+    reference: bool,
+    sampler_copy: bool,
+    runtime: int = 0,
+    offload: bool = False,
+) -> MemoryPlan:
+    """Rank 0's peak in an fsdp step over ``ranks`` ranks (the widest rank: only it holds
+    ``sampler_copy``, --sampler local's whole copy of the policy in ``compute_dtype``).
+
+    Every rank holds a 1/N shard of the float32 master weights, their float32 gradients and the
+    float32 AdamW moments (whatever ``compute_dtype``; ``offload``: in host memory, not on the
+    device), and with a ``reference`` a 1/N shard of it in ``compute_dtype``. Training is the peak
+    (the reference's forward and the optimizer step hold less): the root's weights (everything
+    outside the decoder layers, ``layer`` parameters each) gathered in ``compute_dtype`` for the
+    whole command, a layer gathered and the next one prefetched; in backward the root's and one
+    layer's unsharded gradients, reduced in float32; the activations of the rank's share of the
+    rows (``tokens``) and a fused-head logits chunk."""
+    compute_bytes = torch.tensor([], dtype=compute_dtype).element_size()
+    shard = -(-size.parameters // ranks)
+    held = 0 if offload else 1
+    root = max(0, size.parameters - size.layers * layer)
+    parts = {
+        "runtime": runtime,
+        "weights": held * 4 * shard,
+        "gradients": held * 4 * shard,
+        "moments": held * int(shard * moment_bytes("fp32")),
+        "gathered weights": (root + 2 * layer) * compute_bytes,
+        "unsharded gradients": (root + layer) * 4,
+        "activations": activation_bytes(size, tokens, compute_bytes, checkpointing),
+        "logits chunk": logits_chunk_bytes(size, tokens),
+        "reference": shard * compute_bytes if reference else 0,
+        "sampler copy": size.parameters * compute_bytes if sampler_copy else 0,
+    }
+    return MemoryPlan(parts=parts, peak=sum(parts.values()), phase="training")
+
+
+@attrs.frozen
+class ShardedFit:
+    """An fsdp run's plan: rank 0's, and what the device it runs on must hold."""
+
+    rank0: MemoryPlan
+    ranks_here: int
+    """The ranks that share this device's memory: one per GPU on CUDA, every rank on this host on a CPU."""
+    needed: int
+    free: int
+
+    def line(self) -> str:
+        where = "one rank per GPU" if self.ranks_here == 1 else f"{self.ranks_here} ranks on this host need {self.needed / GB:.2f} GB"
+        return f"{self.rank0.line()} on rank 0 ({where}; the others hold the same less the sampler copy)"
+
+
+def check_sharded_fits(
+    config: Any,
+    folder: str,
+    ranks: int,
+    ranks_here: int,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    checkpointing: bool,
+    sampler_copy: bool,
+    offload: bool = False,
+) -> ShardedFit:
+    """The plan of an fsdp run (printed by the caller), before any rank starts; raises
+    ``PluginError`` naming what would make it fit when the ranks sharing this device's memory
+    (``ranks_here``: all of this host's on a CPU) need more than it has free (unless --no-memory-check).
+    A KL reference is counted: LoRA, which has none, is refused by the fsdp backend."""
+    from grpo_core.errors import PluginError
+
+    size = model_size(folder)
+    runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
+    rank0 = sharded_plan(
+        size,
+        layer_parameters(folder),
+        ranks,
+        compute_dtype,
+        planned_tokens(config, ranks),
+        checkpointing,
+        reference=True,
+        sampler_copy=sampler_copy,
+        runtime=runtime,
+        offload=offload,
+    )
+    shared = 1 if device.type == "cuda" else ranks_here
+    needed = rank0.peak + (shared - 1) * (rank0.peak - rank0.parts["sampler copy"])
+    fit = ShardedFit(rank0=rank0, ranks_here=shared, needed=needed, free=free_memory(device))
+    if config.memory_check and fit.needed > fit.free:
+        raise PluginError(
+            f"{fit.line()}: {device.type} has {fit.free / GB:.2f} GB free. To fit, try "
+            + "; ".join(sharded_ways_to_fit(config, ranks, compute_dtype, device, checkpointing, sampler_copy, offload))
+            + ". --no-memory-check runs it anyway"
+        )
+    return fit
+
+
+def sharded_ways_to_fit(
+    config: Any, ranks: int, compute_dtype: torch.dtype, device: torch.device, checkpointing: bool, sampler_copy: bool, offload: bool
+) -> list[str]:
+    """The settings that would lower an fsdp run's estimate. More ranks only help on CUDA: on a
+    CPU every rank's shard is in the same host memory."""
+    options = []
+    if device.type == "cuda":
+        options.append(f"more ranks than {ranks} (weights, gradients and moments split more ways)")
+        if not offload:
+            options.append("--backend-opt cpu_offload=true (the shards in host memory)")
+    if sampler_copy:
+        options.append("--sampler openai (rank 0 keeps no whole copy of the policy)")
+    if compute_dtype == torch.float32:
+        options.append("--dtype bfloat16 (gathered weights and activations in bf16; the shards stay float32)")
+    if not checkpointing:
+        options.append("--gradient-checkpointing (one layer's activations at a time)")
+    if 2 * config.minibatches_per_step <= config.prompt_groups_per_step:
+        options.append(f"--minibatches-per-step {2 * config.minibatches_per_step} (half the rows in each forward and backward)")
+    return options or [f"a {device.type} with more free memory (every setting that lowers the plan is in use)"]
