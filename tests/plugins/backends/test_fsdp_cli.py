@@ -106,6 +106,22 @@ def test_the_run_logs_entropy_as_the_local_one_and_says_its_rows_are_padded(whol
 
 
 @pytest.mark.slow
+def test_the_run_prints_its_memory_plan_and_logs_mfu_over_both_ranks_and_the_memory_peak(whole_runs):
+    import json
+
+    base, sharded = whole_runs
+    plan = [line for line in sharded.stderr.splitlines() if line.startswith("memory plan:")]
+    assert len(plan) == 1 and "on rank 0 (2 ranks on this host need" in plan[0], sharded.stderr
+    assert sharded.stderr.index("memory plan:") < sharded.stderr.index("trainer: fsdp, 2 ranks")  # planned before the ranks start
+    metrics = [json.loads(line) for line in (base / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert 0 < m["perf/mfu"] <= 1, m
+        assert m["perf/peak_memory_gib"] > 0 and m["perf/train_tokens_per_s"] > 0
+        # The tokens the ranks ran are every sequence whole (one pass): those core counted it was sent.
+        assert m["perf/train_tokens_per_s"] == pytest.approx(m["train/forward_tokens"] / m["time/train"])
+
+
+@pytest.mark.slow
 def test_sigkill_of_rank0_then_resume_is_bitwise_the_unbroken_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
     base, _ = whole_runs
     killed = tmp_path / "killed"
