@@ -55,19 +55,14 @@ class ModelSize:
     vocab: int
 
 
-def meta_model(folder: str | Path) -> tuple[Any, Any]:
-    """The config of the model in ``folder`` and the model built from it on the meta device (shapes, no storage)."""
+def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
+    """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
+    how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        return config, AutoModelForCausalLM.from_config(config)
-
-
-def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
-    """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
-    how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
-    config, model = meta_model(folder)
+        model = AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     trained = parameters
     if lora_rank:
@@ -202,7 +197,8 @@ def check_fits(
     from grpo_core.errors import PluginError
 
     size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules))
-    tokens = planned_tokens(config)
+    samples = config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step
+    tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
     checkpoint_copy = device.type == "cpu" and periodic
     runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
@@ -228,13 +224,6 @@ def check_fits(
     return memory
 
 
-def planned_tokens(config: Any, ranks: int = 1) -> int:
-    """The tokens of the rows one of ``ranks`` ranks runs in a forward and backward (a minibatch's
-    share), each prompt assumed :data:`ASSUMED_PROMPT_TOKENS` long."""
-    samples = max(1, config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step)
-    return -(-samples // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
-
-
 def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device: torch.device, checkpointing: bool) -> list[str]:
     """The settings that would lower the estimate, most effective first."""
     options = []
@@ -257,10 +246,21 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
     return options
 
 
+def rank_tokens(config: Any, ranks: int) -> int:
+    """The tokens of the rows the widest of ``ranks`` ranks runs in a forward and backward (its
+    share of a minibatch), each prompt assumed :data:`ASSUMED_PROMPT_TOKENS` long."""
+    samples = max(1, config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step)
+    return -(-samples // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+
+
 def layer_parameters(folder: str | Path) -> int:
     """The parameters of the model's largest decoder layer: the unit the fsdp backend gathers whole
-    (the classes its ``_no_split_modules`` names; 0 where it names none)."""
-    _, model = meta_model(folder)
+    (the classes its ``_no_split_modules`` names; 0 where it names none). Built on the meta device
+    (the fsdp backend trains text models only: ``model_size``'s own build is for every kind)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     names = set(getattr(model, "_no_split_modules", None) or ())
     return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names), default=0)
 
@@ -346,7 +346,7 @@ def check_sharded_fits(
         layer_parameters(folder),
         ranks,
         compute_dtype,
-        planned_tokens(config, ranks),
+        rank_tokens(config, ranks),
         checkpointing,
         reference=True,
         sampler_copy=sampler_copy,
