@@ -69,6 +69,9 @@ class FSDPBackend:
     and final/ are a transformers folder in the model's dtype, gathered on rank 0. --sampler
     local keeps a full copy of the policy on rank 0 (for small models and tests); real sizes
     sample from a server (--sampler openai --weight-sync vllm). LoRA is not supported here.
+    Before any rank starts, a memory plan per rank (docs/scaling-out.md, Memory per rank) refuses
+    a run that cannot fit (--no-memory-check runs it anyway); perf/mfu is over the N ranks' peak,
+    perf/peak_memory_gib the largest rank's.
     """
 
     nproc: int = option(
