@@ -96,11 +96,6 @@ def activation_bytes(size: ModelSize, tokens: int, dtype_bytes: int, checkpointi
     return tokens * dtype_bytes * size.layers * per_layer
 
 
-def logits_chunk_bytes(size: ModelSize, tokens: int) -> int:
-    """What the fused head holds at once for ``tokens`` tokens: about four logits-sized tensors of a chunk."""
-    return min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4
-
-
 @attrs.frozen
 class MemoryPlan:
     parts: dict[str, int]
@@ -142,7 +137,7 @@ def plan(
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
     rounds = weight_dtype == torch.bfloat16 or optimizer_state == "bf16"
     optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 * rounds if packed else 0
-    head_chunk = logits_chunk_bytes(size, tokens)
+    head_chunk = min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
@@ -300,7 +295,7 @@ def sharded_plan(
         "gathered weights": (root + 2 * layer) * compute_bytes,
         "unsharded gradients": (root + layer) * 4,
         "activations": activation_bytes(size, tokens, compute_bytes, checkpointing),
-        "logits chunk": logits_chunk_bytes(size, tokens),
+        "logits chunk": min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4,  # as the local plan's
         "reference": shard * compute_bytes if reference else 0,
         "sampler copy": size.parameters * compute_bytes if sampler_copy else 0,
     }
