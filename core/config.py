@@ -158,8 +158,16 @@ class RunConfig:
         DEFAULT,
         (
             "prompts: a JSONL or Parquet file, a folder saved by HF datasets (FOLDER[:SPLIT]), "
-            "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); "
+            "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT), an http(s) URL of a JSONL or Parquet file (fetched once, cached); "
             "'default' or 'default:train' = the embedded task's train split, 'default:test' its test split"
+        ),
+        MODEL_AND_DATA,
+    )
+    mix: list[str] = _field(
+        [],
+        (
+            "a mixture of datasets in place of --dataset, one NAME[:WEIGHT]=DATASET per source, repeated "
+            "(--mix math:3=math.jsonl --mix code=code.jsonl); drawn by weight, metrics under data/NAME/ (docs/datasets.md)"
         ),
         MODEL_AND_DATA,
     )
@@ -173,6 +181,9 @@ class RunConfig:
         ),
         MODEL_AND_DATA,
         from_text=decode_escapes,
+    )
+    fetch_timeout: float = _field(
+        600.0, "seconds a dataset URL may take to download before the run stops", MODEL_AND_DATA, resumable=True, validator=_positive
     )
     max_rows: int | None = _field(None, "use at most this many dataset rows", MODEL_AND_DATA, validator=_positive)
     skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping", MODEL_AND_DATA)
@@ -292,6 +303,12 @@ class RunConfig:
     eval_dataset: str | None = _field(
         None,
         "the held-out prompts, as --dataset names them (default: default:test when training on the embedded task)",
+        EVALUATION,
+        resumable=True,
+    )
+    eval_mix: list[str] = _field(
+        [],
+        "held-out prompts from several sources, NAME=DATASET repeated (as --mix): each also measured apart, eval/data/NAME/...",
         EVALUATION,
         resumable=True,
     )

@@ -124,6 +124,7 @@ KIND_TABLE: dict[str, Kind] = {
             ),
             "long_prompts": Attribute("str", "error", "'skip': a prompt too long for the context is skipped (counted), else refused"),
             "chat_template": Attribute("bool | None", None, "whether it wraps plain prompts in the chat template (eval says so)"),
+            "token_prompts": Attribute("bool", False, "it samples pre-tokenized rows (Prompt.tokens) as they are; else those are refused"),
         },
     ),
     "env": Kind(

@@ -47,12 +47,13 @@ from grpo_core.checkpoint import (
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
+from grpo_core.mixture import parse_mix, shares
 from grpo_core.plugins_manager import write_config
 from grpo_core.run_dir import (
     DATA_FILE,
@@ -298,7 +299,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     selection = select_plugins(config)
     pm = selection.manager
     pm.hook.check_config(config=config)
-    dataset = load_dataset(config, selection.rewards_needing_answer)
+    dataset = load_dataset(config, selection.rewards_needing_answer, refetch=not resume)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
@@ -341,10 +342,10 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     STARTING.get().replace_old_run()
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
     write_config(config, run_dir / "config.json", run_info)
-    record_data(run_dir, *rows)
+    record_data(run_dir, *rows, [f.record() for f in dataset.fetched])
     start_plugins(pm, lambda plugin: id(plugin) in loggers, start_args)
     state.rng = capture_rng(sampler)
-    order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
+    order = dataset.batches(config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
     if evaluator is not None:
         evaluator.sampler = sampler
@@ -409,6 +410,8 @@ def end_step(
     metrics["policy/version"] = r.trainer.version
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
+    if config.mix:
+        metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics))
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, metrics, config.max_nonfinite_steps_in_a_row)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record

@@ -132,6 +132,11 @@ def score_groups(
         record("reward/timeouts", timeouts, "sum")
         for name, values in per_reward.items():
             record(f"reward/{name}", _mean(values), "mean", weight=len(values))
+        for group in groups:
+            if group and group[0].prompt.source is not None:  # a mixture's: each source's prompts and reward
+                scored = [s.reward for s in group if s.reward is not None]
+                record(f"data/{group[0].prompt.source}/prompts", 1, "sum")
+                record(f"data/{group[0].prompt.source}/reward", _mean(scored), "mean", weight=len(scored))
         record("tokens/completion", sum(s.num_completion_tokens for s in samples), "sum")
         record("tokens/completion_mean", _mean([s.num_completion_tokens for s in samples]), "mean", weight=len(samples))
         record("completion/truncated_frac", _mean([s.finish_reason == "length" for s in samples]), "mean", weight=len(samples))

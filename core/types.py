@@ -16,8 +16,10 @@ import attrs
 class Prompt:
     """One dataset row, ready to be rolled out.
 
-    ``text`` is a plain prompt; ``messages`` a chat (list of ``{"role", "content"}``); exactly
-    one is set. ``answer`` is the reference a reward compares against (e.g. a GSM8K answer).
+    ``text`` is a plain prompt; ``messages`` a chat (list of ``{"role", "content"}``); ``tokens``
+    the prompt's token ids, given pre-tokenized and sampled as they are (no template, no special
+    tokens added); exactly one is set. ``answer`` is the reference a reward compares against
+    (e.g. a GSM8K answer).
     """
 
     id: str
@@ -25,6 +27,9 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     answer: str | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    tokens: list[int] | None = None
+    source: str | None = None
+    """The name of the mixture's source the row came from (``--mix NAME=...``); None outside a mixture."""
 
 
 @attrs.define
