@@ -29,6 +29,7 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "str": lambda v: isinstance(v, str),
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
+    "dict | None": lambda v: v is None or isinstance(v, dict),
     "object | None": lambda v: True,
     "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
 }
@@ -143,7 +144,17 @@ KIND_TABLE: dict[str, Kind] = {
         },
     ),
     "advantage": Kind(hooks=("advantage", "prepare_advantages"), runs="one", required=("advantage",)),
-    "group_filter": Kind(hooks=("keep_group",), runs="any"),
+    "group_filter": Kind(
+        hooks=("keep_group", "keep_prompt"),
+        runs="any",
+        attributes={
+            "checkpoint_state": Attribute(
+                "dict | None",
+                None,
+                "JSON it changes in place as the run goes: each checkpoint holds a copy, a resumed run puts it back",
+            ),
+        },
+    ),
     "loss": Kind(
         hooks=("loss",),
         runs="one",

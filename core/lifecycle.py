@@ -69,7 +69,7 @@ from grpo_core.run_dir import (
     remove,
     restore,
 )
-from grpo_core.selection import select_plugins
+from grpo_core.selection import Selection, select_plugins
 from grpo_core.types import RunState, SamplingParams
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -328,6 +328,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     unobserved = None
     if newest is not None:
         load_checkpoint(newest, trainer, sampler, state)
+        restore_filter_states(selection, state)
         state.reward_failures.in_a_row = state.reward_failures_in_a_row
         state.start_step = state.step
         unobserved = read_unobserved(newest)
@@ -358,6 +359,23 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
     return r
+
+
+def keep_filter_states(selection: Selection, state: RunState) -> None:
+    """A copy of each group filter's ``checkpoint_state`` as this step left it: what its checkpoint holds."""
+    for name, plugin in selection.group_filters.items():
+        kept = declared(plugin, "group_filter", "checkpoint_state")
+        if kept is not None:
+            state.filter_states[name] = json.loads(json.dumps(kept))
+
+
+def restore_filter_states(selection: Selection, state: RunState) -> None:
+    """Put back the group filters' ``checkpoint_state`` the resumed checkpoint holds (in place: the plugin keeps its dict)."""
+    for name, saved in state.filter_states.items():
+        kept = declared(selection.group_filters[name], "group_filter", "checkpoint_state") if name in selection.group_filters else None
+        if kept is not None:
+            kept.clear()
+            kept.update(json.loads(json.dumps(saved)))
 
 
 def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:
@@ -435,6 +453,7 @@ def end_step(
         metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
+    keep_filter_states(r.selection, state)
     # The run's last step is left to its end, which writes it in place: a copy for a background
     # write would be waited for at once.
     last = step == config.max_steps or state.interrupted or state.stop_reason is not None

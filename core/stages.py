@@ -166,7 +166,9 @@ def compute_advantages(
     """
     # Found by name like any group filter: the core imports no plugin.
     filters = {"zero_variance": make_plugin("zero_variance", "group_filter")} if drop_zero_variance else {}
-    filters.update(group_filters or {})
+    # A filter may implement keep_prompt only (it passes over prompts before their rollout).
+    asked = {id(impl.plugin) for impl in pm.hook.keep_group.get_hookimpls()}
+    filters.update({name: f for name, f in (group_filters or {}).items() if id(f) in asked})
     with scope() as metrics:
         kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
     return kept, metrics

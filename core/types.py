@@ -165,7 +165,7 @@ class RewardFailures:
     last_error: str | None = None
 
 
-CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken")
+CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken", "filter_states")
 """The fields of :class:`RunState` a checkpoint holds (its ``state.json``, in this order)."""
 
 
@@ -185,7 +185,10 @@ class RunState:
     history: list[float | None] = attrs.field(factory=list)
     """``reward/total`` of every step so far (the summary compares its first and last steps)."""
     prompts_taken: int = 0
-    """``--dynamic-sampling``: prompts the sync loop took from the run's order (a step may take more than its batch)."""
+    """``--dynamic-sampling`` or a group filter's ``keep_prompt``: prompts the sync loop took from the run's
+    order, those passed over included (a step may take more than its batch)."""
+    filter_states: dict[str, Any] = attrs.field(factory=dict)
+    """The ``checkpoint_state`` of each group filter that keeps one, by name, as the last step left it."""
     stop_reason: str | None = None
     signal: int | None = None
     """The signal (SIGINT, SIGTERM) that asked the run to stop."""
