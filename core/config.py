@@ -182,14 +182,14 @@ class RunConfig:
         MODEL_AND_DATA,
         from_text=decode_escapes,
     )
-    fetch_timeout: float = _field(
-        600.0, "seconds a dataset URL may take to download before the run stops", MODEL_AND_DATA, resumable=True, validator=_positive
-    )
     max_rows: int | None = _field(None, "use at most this many dataset rows", MODEL_AND_DATA, validator=_positive)
     skip_bad_rows: bool = _field(False, "leave out malformed dataset rows (counted) instead of stopping", MODEL_AND_DATA)
     epochs: int = _field(1, "passes over the dataset", MODEL_AND_DATA, validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", MODEL_AND_DATA, resumable=True, validator=_positive)
     shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch", MODEL_AND_DATA)
+    fetch_timeout: float = _field(
+        600.0, "seconds a dataset URL may take to download before the run stops", MODEL_AND_DATA, resumable=True, validator=_positive
+    )
 
     backend: str = _field("local", "trainer backend (the policy being trained, and its reference)", PLUGINS)
     sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's", PLUGINS)

@@ -178,7 +178,8 @@ def training_eval(
         if config.mix or embedded_split(config.dataset) is None:
             trains_on = "a mixture (--mix)" if config.mix else config.dataset
             raise PluginError(
-                f"--eval-every: the run trains on {trains_on}; pass --eval-dataset (or --eval-mix) with the held-out rows to evaluate on"
+                f"--eval-every: the run trains on {trains_on}; pass --eval-dataset with the held-out rows to evaluate on "
+                "(or --eval-mix with several sources)"
             )
         dataset_name = EVAL_DATASET
     eval_config = attrs.evolve(config, dataset=dataset_name or DEFAULT_DATASET, mix=config.eval_mix, max_rows=config.eval_prompts)

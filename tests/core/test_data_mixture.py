@@ -180,7 +180,7 @@ def test_eval_names_its_own_sources_and_measures_each(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        (dict(eval_every=1), r"the run trains on a mixture \(--mix\); pass --eval-dataset \(or --eval-mix\)"),
+        (dict(eval_every=1), r"the run trains on a mixture \(--mix\); pass --eval-dataset with the held-out rows"),
         (dict(eval_every=1, eval_mix=["a:2=x.jsonl"]), "--eval-mix a:2=x.jsonl: a weight does nothing there"),
         (dict(eval_every=1, eval_mix=["a=x.jsonl"], eval_dataset="default:test"), "--eval-dataset and --eval-mix both name"),
         (dict(eval_mix=["a=x.jsonl"]), "--eval-mix would do nothing"),
