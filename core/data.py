@@ -149,7 +149,7 @@ def load_dataset(config: RunConfig, answer_needed_by: Sequence[str] = (), refetc
         skipped: list[str] | None = [] if config.skip_bad_rows else None
         prompts = load_prompts(source, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
         _report_skips(skipped or [], f"bad rows of {source.path}", "--skip-bad-rows")
-        if prompts[0].tokens is not None and config.prompt_template is not None:
+        if prompts[0].tokens is not None and config.prompt_template not in (None, "{prompt}"):
             raise DataError(f"{source.path}: the prompts are token ids, which no template changes; drop --prompt-template")
         if mixed.name:
             for prompt in prompts:
@@ -536,8 +536,8 @@ def prompt_settings(config: RunConfig) -> dict[str, Any]:
     }
     rollout_options.update(config.options_for("rollout", config.rollout))
     return {
-        "dataset": dataset_name(config.dataset),
-        "embedded_task": split is not None,
+        "dataset": " ".join(config.mix) if config.mix else dataset_name(config.dataset),
+        "embedded_task": split is not None and not config.mix,
         "trained_from": config.model,
         "prompt_field": config.prompt_field,
         "answer_field": config.answer_field,

@@ -17,7 +17,7 @@ from grpo_core.mixture import MixSource, mixture_batches, parse_mix, shares
 from grpo_core.train import run
 from grpo_core.types import Prompt
 from tests.core.tiny_runs import config, length_reward, metrics_of, weights_of  # noqa: F401 - length_reward: the 'length' reward
-from tests.helpers import captured_run_config
+from tests.helpers import captured_run_config, grpo_core_in_process
 
 
 def rows(tmp_path, name, n, word="plus"):
@@ -189,3 +189,23 @@ def test_eval_names_its_own_sources_and_measures_each(tiny_model_dir, tmp_path):
 def test_eval_settings_that_cannot_work_are_refused(tiny_model_dir, tmp_path, kw, message):
     with pytest.raises(PluginError, match=message):
         run(mixed_run(tiny_model_dir, tmp_path, tmp_path / "run", max_steps=1, **kw))
+
+
+def test_grpo_core_eval_measures_each_source_of_a_mixture(tiny_model_dir, tmp_path):
+    plus, minus = rows(tmp_path, "p.jsonl", 3), rows(tmp_path, "q.jsonl", 2, "minus")
+    out = grpo_core_in_process(
+        "eval", "--model", str(tiny_model_dir), "--mix", f"plus={plus}", "--mix", f"minus={minus}", "--reward", "format",
+        "--prompt-template", "Q: {prompt}", "--max-completion-tokens", "4", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["prompts"] == 5
+    assert {"data/plus/reward_mean", "data/minus/reward_mean", "data/plus/pass@1", "data/minus/pass@1"} <= set(result)
+
+
+def test_a_policy_trained_on_a_mixture_names_it_and_is_not_taken_for_the_embedded_task(tmp_path):
+    from grpo_core.data import prompt_settings
+
+    settings = prompt_settings(RunConfig(mix=["a:2=x.jsonl", "b=y.jsonl"]))
+    assert settings["dataset"] == "a:2=x.jsonl b=y.jsonl" and settings["embedded_task"] is False
+    assert prompt_settings(RunConfig())["embedded_task"] is True

@@ -77,6 +77,8 @@ def test_a_prompt_template_is_refused_for_token_rows(tmp_path):
     with pytest.raises(DataError, match="the prompts are token ids, which no template changes; drop --prompt-template"):
         load_dataset(RunConfig(dataset=str(path), prompt_template="Q: {prompt}"))
     assert load_dataset(RunConfig(dataset=str(path))).prompts[0].tokens == [1, 2]
+    # The identity template (what an eval reads from a policy trained on token rows) changes nothing: no refusal.
+    assert load_dataset(RunConfig(dataset=str(path), prompt_template="{prompt}")).prompts[0].tokens == [1, 2]
 
 
 def dataset_of(path):
