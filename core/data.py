@@ -2,11 +2,14 @@
 
 Rows come from a JSONL file, a Parquet file, a folder written by HF ``datasets``'
 ``save_to_disk``, or a Hugging Face hub dataset (``dataset_source``); the last three need the
-``datasets`` extra. ``load_dataset`` reads and checks every row at start (UTF-8, JSON, a
-non-empty prompt, an answer when a selected reward needs one), whatever its source;
-``check_prompt_lengths`` then measures every prompt with the rollout's own encoding against
-the model's context. A bad row is a DataError naming its file and line (or index), or, when
-asked for, a skip that is counted and reported.
+``datasets`` extra. A URL is fetched into a cache first (``grpo_core.fetch``); several sources
+make a mixture (``--mix``, ``grpo_core.mixture``). A prompt is text, a chat (``messages``) or
+token ids (a list in the prompt field, sampled as given; ``check_token_prompts``).
+``load_dataset`` reads and checks every row at start (UTF-8, JSON, a non-empty prompt, an answer
+when a selected reward needs one), whatever its source; ``check_prompt_lengths`` then measures
+every prompt with the rollout's own encoding against the model's context. A bad row is a
+DataError naming its file and line (or index), or, when asked for, a skip that is counted and
+reported.
 
 The embedded task has two splits, ``default:train`` (also plain ``default``) and
 ``default:test``; given by name or by the path of its file, it keeps its prompt template.
