@@ -253,7 +253,8 @@ def keep_prompt(prompt: Prompt) -> bool:
     ``sampling/passed_over``). Called in the order's sequence, between steps of the synchronous loop
     (after the ``on_step`` of the step before), so that a filter that learns from the steps'
     groups (the ``curriculum``) decides the same way when a resumed run repeats it. A filter whose
-    decisions depend on what it saw keeps that in its ``checkpoint_state``.
+    decisions depend on what it saw gives it to checkpoints with ``state_dict()`` and takes it back
+    on resume with ``load_state_dict(state)`` (declared attributes of the kind).
 
     :param prompt: the prompt the order comes to.
     :returns: True to roll it out, False to pass over it.

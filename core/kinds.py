@@ -29,7 +29,6 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "str": lambda v: isinstance(v, str),
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
-    "dict | None": lambda v: v is None or isinstance(v, dict),
     "object | None": lambda v: True,
     "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
 }
@@ -148,10 +147,11 @@ KIND_TABLE: dict[str, Kind] = {
         hooks=("keep_group", "keep_prompt"),
         runs="any",
         attributes={
-            "checkpoint_state": Attribute(
-                "dict | None",
-                None,
-                "JSON it changes in place as the run goes: each checkpoint holds a copy, a resumed run puts it back",
+            "state_dict": Attribute(
+                "callable | None", None, "state_dict() -> JSON of what its answers depend on: each checkpoint holds it"
+            ),
+            "load_state_dict": Attribute(
+                "callable | None", None, "load_state_dict(state): a resumed run hands back what state_dict() gave at its checkpoint"
             ),
         },
     ),

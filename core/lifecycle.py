@@ -362,20 +362,22 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
 
 
 def keep_filter_states(selection: Selection, state: RunState) -> None:
-    """A copy of each group filter's ``checkpoint_state`` as this step left it: what its checkpoint holds."""
+    """Each group filter's ``state_dict()`` as this step left it: what its checkpoint holds."""
     for name, plugin in selection.group_filters.items():
-        kept = declared(plugin, "group_filter", "checkpoint_state")
-        if kept is not None:
-            state.filter_states[name] = json.loads(json.dumps(kept))
+        state_dict = declared(plugin, "group_filter", "state_dict")
+        if state_dict is not None:
+            state.filter_states[name] = state_dict()
 
 
 def restore_filter_states(selection: Selection, state: RunState) -> None:
-    """Put back the group filters' ``checkpoint_state`` the resumed checkpoint holds (in place: the plugin keeps its dict)."""
+    """Hand each group filter the state the resumed checkpoint holds for it."""
     for name, saved in state.filter_states.items():
-        kept = declared(selection.group_filters[name], "group_filter", "checkpoint_state") if name in selection.group_filters else None
-        if kept is not None:
-            kept.clear()
-            kept.update(json.loads(json.dumps(saved)))
+        if name not in selection.group_filters:
+            continue  # --group-filter is a setting --resume keeps: a filter gone is one that kept no state
+        load = declared(selection.group_filters[name], "group_filter", "load_state_dict")
+        if load is None:
+            raise PluginError(f"group filter '{name}' has a state_dict but no load_state_dict: a resumed run cannot give it its state")
+        load(saved)
 
 
 def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:

@@ -188,7 +188,7 @@ class RunState:
     """``--dynamic-sampling`` or a group filter's ``keep_prompt``: prompts the sync loop took from the run's
     order, those passed over included (a step may take more than its batch)."""
     filter_states: dict[str, Any] = attrs.field(factory=dict)
-    """The ``checkpoint_state`` of each group filter that keeps one, by name, as the last step left it."""
+    """The ``state_dict()`` of each group filter that has one, by name, as the last step left it."""
     stop_reason: str | None = None
     signal: int | None = None
     """The signal (SIGINT, SIGTERM) that asked the run to stop."""

@@ -40,30 +40,30 @@ def asked(curriculum, *ids):
 def test_always_and_never_solved_prompts_rest_for_rest_passes_then_come_back():
     curriculum = make_plugin("curriculum", rest=2)
     observe(curriculum, group("solved", [1.0, 1.0]), group("unsolved", [0.0, 0.2]), group("mixed", [1.0, 0.0]), group("failed", [None]))
-    assert curriculum.checkpoint_state == {"rates": {"mixed": [0.5]}, "resting": {"solved": [2, "solved"], "unsolved": [2, "unsolved"]}}
+    assert curriculum.state_dict() == {"rates": {"mixed": [0.5]}, "resting": {"solved": [2, "solved"], "unsolved": [2, "unsolved"]}}
     kept, metrics = asked(curriculum, "solved", "unsolved", "mixed", "failed", "new")
     assert kept == [False, False, True, True, True]
     assert metrics == {"curriculum/resting": 2.0, "curriculum/passed_over_solved": 1.0, "curriculum/passed_over_unsolved": 1.0}
     assert asked(curriculum, "solved", "unsolved")[0] == [False, False]
     # Back after two passes, measured afresh.
     assert asked(curriculum, "solved", "unsolved") == ([True, True], {"curriculum/resting": 0.0})
-    assert curriculum.checkpoint_state["resting"] == {}
+    assert curriculum.state_dict()["resting"] == {}
 
 
 def test_the_threshold_decides_what_solves_a_prompt():
     curriculum = make_plugin("curriculum", threshold=0.5)
     observe(curriculum, group("a", [0.5, 0.7]), group("b", [0.49, 0.1]))
-    assert curriculum.checkpoint_state["resting"] == {"a": [1, "solved"], "b": [1, "unsolved"]}
+    assert curriculum.state_dict()["resting"] == {"a": [1, "solved"], "b": [1, "unsolved"]}
 
 
 def test_a_window_needs_that_many_groups_all_solved_or_all_unsolved():
     curriculum = make_plugin("curriculum", window=2)
     observe(curriculum, group("a", [1.0]), group("b", [1.0]))
-    assert curriculum.checkpoint_state["resting"] == {}
+    assert curriculum.state_dict()["resting"] == {}
     observe(curriculum, group("a", [1.0]), group("b", [0.0]))
-    assert curriculum.checkpoint_state == {"rates": {"b": [1.0, 0.0]}, "resting": {"a": [1, "solved"]}}
+    assert curriculum.state_dict() == {"rates": {"b": [1.0, 0.0]}, "resting": {"a": [1, "solved"]}}
     observe(curriculum, group("b", [0.0]))  # b's last two: 0 and 0
-    assert curriculum.checkpoint_state["resting"]["b"] == [1, "unsolved"]
+    assert curriculum.state_dict()["resting"]["b"] == [1, "unsolved"]
 
 
 @pytest.mark.parametrize(
@@ -118,6 +118,39 @@ def test_a_run_passes_over_resting_prompts_counts_them_and_resumes_bitwise(tiny_
     assert [computed_only(m) for m in metrics_of(resumed)] == [computed_only(m) for m in lines]
     a, b = weights_of(whole), weights_of(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_its_state_goes_back_as_it_was_given(tmp_path):
+    curriculum = make_plugin("curriculum")
+    observe(curriculum, group("a", [1.0]), group("b", [1.0, 0.0]))
+    saved = curriculum.state_dict()
+    assert json.loads(json.dumps(saved)) == saved == {"rates": {"b": [0.5]}, "resting": {"a": [1, "solved"]}}
+    fresh = make_plugin("curriculum")
+    fresh.load_state_dict(saved)
+    assert asked(fresh, "a", "b")[0] == [False, True]
+    assert saved["resting"] == {"a": [1, "solved"]}  # the checkpoint's copy is not the plugin's own
+
+
+def test_a_filter_with_a_state_but_no_way_to_load_it_is_refused_on_resume():
+    from grpo_core.lifecycle import restore_filter_states
+    from grpo_core.types import RunState
+
+    @attrs.define
+    class Forgetful:
+        def state_dict(self):
+            return {}
+
+    fake = attrs.make_class("Selection", {"group_filters": attrs.field()})({"forgetful": Forgetful()})
+    with pytest.raises(PluginError, match="group filter 'forgetful' has a state_dict but no load_state_dict"):
+        restore_filter_states(fake, RunState(run_dir=".", filter_states={"forgetful": {}}))
+
+
+def test_the_async_loop_passes_over_resting_prompts_too(tiny_model_dir, tmp_path):
+    run(curriculum_run(tiny_model_dir, tmp_path, tmp_path / "run", loop="async", max_head_offpolicy_versions=0))
+    lines = metrics_of(tmp_path / "run")
+    by_reason = sum(m.get("curriculum/passed_over_solved", 0) + m.get("curriculum/passed_over_unsolved", 0) for m in lines)
+    # Its workers take prompts ahead of the steps that observe them: some rest, never more than the 8.
+    assert 0 < sum(m["sampling/passed_over"] for m in lines) == by_reason <= 8
 
 
 def test_without_the_curriculum_every_prompt_is_rolled_out(tiny_model_dir, tmp_path):
