@@ -146,6 +146,7 @@ def mixed_run(tiny_model_dir, tmp_path, run_dir, **kw):
     return config(tiny_model_dir, "default", run_dir, mix=[f"math:3={math_rows}", f"other={other}"], **kw)
 
 
+@pytest.mark.slow
 def test_a_run_reports_each_sources_share_and_reward_and_resumes_bitwise(tiny_model_dir, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     run(mixed_run(tiny_model_dir, tmp_path, whole, max_steps=4))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -33,8 +34,13 @@ def test_token_id_rows_become_prompts_of_those_ids_with_no_template(tmp_path):
     assert [p.id for p in prompts] == ["ids.jsonl:1", "ids.jsonl:3"] and prompts[0].answer == "4"
 
 
-def test_the_rollout_samples_the_ids_as_they_are_without_chat_template_or_special_tokens():
-    tokenizer = build_tiny_tokenizer()
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_tokenizer()
+
+
+def test_the_rollout_samples_the_ids_as_they_are_without_chat_template_or_special_tokens(tokenizer):
+    tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = "{% for m in messages %}<|pad|>{{ m['content'] }}{% endfor %}"
     prompt = Prompt(id="r:1", tokens=[3, 1, 4])
     assert encode_prompt(tokenizer, prompt, chat_template=True) == [3, 1, 4]
@@ -85,8 +91,7 @@ def dataset_of(path):
     return Dataset(load_prompts(path), path, str(path), "{prompt}")
 
 
-def test_ids_outside_the_vocabulary_are_refused_with_their_row(tmp_path):
-    tokenizer = build_tiny_tokenizer()
+def test_ids_outside_the_vocabulary_are_refused_with_their_row(tmp_path, tokenizer):
     vocabulary = len(tokenizer)
     path = write(tmp_path, [{"question": [1, vocabulary - 1]}, {"question": [2, 3, vocabulary]}])
     with pytest.raises(
@@ -97,16 +102,16 @@ def test_ids_outside_the_vocabulary_are_refused_with_their_row(tmp_path):
     check_prompt_lengths(dataset_of(ok), SingleTurnRollout(), tokenizer, None, 8)
 
 
-def test_a_rollout_that_builds_prompts_from_text_refuses_token_rows(tmp_path):
+def test_a_rollout_that_builds_prompts_from_text_refuses_token_rows(tmp_path, tokenizer):
     path = write(tmp_path, [{"question": [1, 2]}])
     with pytest.raises(DataError, match="the prompts are token ids, which the MultiTurnRollout rollout does not take"):
-        check_prompt_lengths(dataset_of(path), MultiTurnRollout(), build_tiny_tokenizer(), None, 8)
+        check_prompt_lengths(dataset_of(path), MultiTurnRollout(), tokenizer, None, 8)
 
 
-def test_token_rows_are_measured_against_the_context(tmp_path):
+def test_token_rows_are_measured_against_the_context(tmp_path, tokenizer):
     path = write(tmp_path, [{"question": [1] * 10}])
     with pytest.raises(DataError, match=r"ids.jsonl:1: 10 prompt tokens \+ 8 completion tokens > 16"):
-        check_prompt_lengths(dataset_of(path), SingleTurnRollout(), build_tiny_tokenizer(), 16, 8)
+        check_prompt_lengths(dataset_of(path), SingleTurnRollout(), tokenizer, 16, 8)
 
 
 def test_the_fingerprint_tells_token_rows_apart_and_keeps_text_rows_as_before():
@@ -130,6 +135,7 @@ def test_a_bad_id_exits_1_with_one_line(tiny_model_dir, tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_a_pre_tokenized_run_samples_and_trains_exactly_as_the_same_prompts_as_text(tiny_model_dir, tiny_dataset, tmp_path):
     from transformers import AutoTokenizer
 

@@ -159,6 +159,7 @@ def test_a_large_download_shows_progress_and_a_small_one_does_not(server, monkey
     assert f"fetching {server.url('/rows.jsonl')}" in err and f"{len(ROWS)} bytes" in err.replace("/", " ")
 
 
+@pytest.mark.slow
 def test_a_run_trains_on_a_url_records_it_and_its_resume_reads_the_cache(server, tiny_model_dir, tmp_path):
     url = server.url("/rows.jsonl")
     run_dir = tmp_path / "run"
