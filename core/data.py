@@ -496,6 +496,9 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
         )
     if not kept:
         raise DataError(f"{dataset.path}: every prompt is too long for the model's context of {max_context} tokens; first: {long[0]}")
+    emptied = [name for name in dataset.mixture if not any(prompt.source == name for prompt in kept)]
+    if emptied:
+        raise DataError(f"--mix: every prompt of the source {emptied[0]} is too long for the model's context of {max_context} tokens")
     dataset.prompts = kept
     dataset.skipped_long_prompts = long
     _report_skips(long, f"prompts too long for the model's context ({dataset.path})", "long_prompts=skip")

@@ -79,6 +79,8 @@ def mixture_batches(
 
 
 def _source_order(rows: list[Prompt], rng: random.Random, shuffle: bool) -> Iterator[Prompt]:
+    if not rows:
+        raise ValueError("a mixture's source has no prompts (the data checks refuse one)")
     while True:
         order = list(rows)
         if shuffle:

@@ -210,3 +210,18 @@ def test_a_policy_trained_on_a_mixture_names_it_and_is_not_taken_for_the_embedde
     settings = prompt_settings(RunConfig(mix=["a:2=x.jsonl", "b=y.jsonl"]))
     assert settings["dataset"] == "a:2=x.jsonl b=y.jsonl" and settings["embedded_task"] is False
     assert prompt_settings(RunConfig())["embedded_task"] is True
+
+
+def test_a_source_whose_prompts_are_all_too_long_is_refused(tmp_path):
+    from grpo_core.data import check_prompt_lengths
+    from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+    from tests.conftest import build_tiny_tokenizer
+
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "what is 1 plus 2? " * 20}) + "\n")
+    dataset = load_dataset(RunConfig(mix=[f"short={rows(tmp_path, 's.jsonl', 2)}", f"long={long}"]))
+    rollout = SingleTurnRollout(long_prompts="skip", chat_template=False)
+    with pytest.raises(DataError, match="--mix: every prompt of the source long is too long for the model's context of 40 tokens"):
+        check_prompt_lengths(dataset, rollout, build_tiny_tokenizer(), 40, 8)
+    with pytest.raises(ValueError, match="a mixture's source has no prompts"):
+        next(mixture_batches(prompts_of({"a": 2}), {"a": 1.0, "b": 1.0}, 2, 1, 0, True))
