@@ -50,6 +50,7 @@ from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import PluginError
+from grpo_core.fetch import is_url
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
@@ -658,6 +659,9 @@ def check_settings(config: RunConfig) -> None:
         )
     if config.learning_rate == 0:
         print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
+    sources = [config.dataset, config.eval_dataset or "", *(spec.partition("=")[2] for spec in [*config.mix, *config.eval_mix])]
+    if config.fetch_timeout != attrs.fields(RunConfig).fetch_timeout.default and not any(is_url(source) for source in sources):
+        raise PluginError(f"--fetch-timeout {config.fetch_timeout:g} would do nothing: no dataset of the run is a URL")
 
 
 def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:

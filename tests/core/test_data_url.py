@@ -146,7 +146,7 @@ def test_an_unreachable_host_is_one_clear_error(tmp_path, monkeypatch):
 def test_the_deadline_stops_a_slow_download_and_leaves_nothing(server, tmp_path):
     server.slow = 0.05
     with pytest.raises(DataError, match=r"not fetched within --fetch-timeout 0.3 s"):
-        fetch(server.url("/rows.jsonl"), 0.3, refetch=True)
+        load_dataset(RunConfig(dataset=server.url("/rows.jsonl"), fetch_timeout=0.3), refetch=True)
     assert cache_entries(tmp_path) == []
 
 
@@ -184,3 +184,8 @@ def test_a_404_exits_1_with_one_line_and_no_traceback(server, tiny_model_dir, tm
     assert result.returncode == 1
     assert f"{url}: the server answered HTTP 404 Not Found" in result.stderr and "Traceback" not in result.stderr
     assert cache_entries(tmp_path) == [] and not (tmp_path / "run" / "data.json").exists()
+
+
+def test_a_fetch_timeout_without_a_url_is_refused(tiny_model_dir, tiny_dataset, tmp_path):
+    with pytest.raises(PluginError, match="--fetch-timeout 5 would do nothing: no dataset of the run is a URL"):
+        run(config(tiny_model_dir, tiny_dataset, tmp_path / "run", fetch_timeout=5.0))
