@@ -189,3 +189,8 @@ def test_a_404_exits_1_with_one_line_and_no_traceback(server, tiny_model_dir, tm
 def test_a_fetch_timeout_without_a_url_is_refused(tiny_model_dir, tiny_dataset, tmp_path):
     with pytest.raises(PluginError, match="--fetch-timeout 5 would do nothing: no dataset of the run is a URL"):
         run(config(tiny_model_dir, tiny_dataset, tmp_path / "run", fetch_timeout=5.0))
+
+
+def test_without_a_cached_copy_a_url_is_fetched_even_when_not_asked_to(server):
+    url = server.url("/rows.jsonl")
+    assert len(load_dataset(RunConfig(dataset=url)).prompts) == 8 and server.requests == {"/rows.jsonl": 1}
