@@ -120,6 +120,11 @@ class Sample:
     a ``[len(tokens) - 1, layers, top_k]`` tensor of expert indices (see
     :attr:`Completion.routed_experts`), or None where the sampler records none. What
     ``--router-replay R3`` forces the trainer's forward to use."""
+    images: dict[str, Any] | None = None
+    """An image prompt's image tensors as its model's processor made them (``pixel_values``, and
+    ``image_sizes`` or the like where the model takes them), the same dict for every sample of its
+    group: what the trainer's forward places over the prompt's image tokens, as the sampler did.
+    None for a prompt without images."""
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import attrs
 import tinker
 import torch
 
+from grpo_core.backend import IMAGE_INPUT
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.engine.fused_logprobs import LinearHead, LowRank, linear_logprobs
 from grpo_core.engine.moe_routing import RoutingTap
+from grpo_core.engine.vision import PlacedImages
 from grpo_core.errors import PluginError
 
 
@@ -47,13 +50,27 @@ def target_logprobs(
     starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
     distinct = list(dict.fromkeys(prefixes))
-    if not one_pass and routing is None and len(distinct) < len(prefixes) and all(distinct):
+    images = datum_images(forward.model, datums, inputs, starts)
+    # Image prompts run whole: two prompts of one text and different images have the same tokens.
+    if not one_pass and routing is None and images is None and len(distinct) < len(prefixes) and all(distinct):
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device, entropy)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
-            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy)
-    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy)
+            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy, images)
+    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy, images)
+
+
+def datum_images(model: Any, datums: Sequence[tinker.Datum], inputs: list, starts: list[int]) -> PlacedImages | None:
+    """The image tensors the datums carry (``loss_fn_inputs["image.*"]``), to place over their
+    prompts' image tokens; None where no datum carries any."""
+    images = [
+        {k.removeprefix(IMAGE_INPUT): v.to_torch() for k, v in d.loss_fn_inputs.items() if k.startswith(IMAGE_INPUT)} or None
+        for d in datums
+    ]
+    if not any(images):
+        return None
+    return PlacedImages(model, inputs, images, starts)
 
 
 @attrs.define(eq=False)
@@ -203,6 +220,7 @@ def _logprobs_one_pass(
     device: torch.device,
     routing: DatumRouting | None = None,
     entropy: bool = False,
+    images: PlacedImages | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     input_ids_B_T, attention_B_T = pad_rows(inputs)
     targets_B_T, _ = pad_rows(targets)
@@ -211,12 +229,13 @@ def _logprobs_one_pass(
         routing.place([i * T for i in range(B)], B * T)
     start = min(*starts, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
-    hidden_B_K_E = forward.hidden_states(
-        input_ids=input_ids_B_T.to(device),
-        position_ids=torch.arange(T).expand(B, T).to(device),
-        attention_mask=None if attention_B_T is None else attention_B_T.to(device),
-        keep=T - start,
-    )
+    with images.placed([i * T for i in range(B)]) if images is not None else nullcontext():
+        hidden_B_K_E = forward.hidden_states(
+            input_ids=input_ids_B_T.to(device),
+            position_ids=torch.arange(T).expand(B, T).to(device),
+            attention_mask=None if attention_B_T is None else attention_B_T.to(device),
+            keep=T - start,
+        )
     scored_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs], entropy)
 
     def rows(scores_B_K: torch.Tensor) -> list[torch.Tensor]:
@@ -271,6 +290,7 @@ def _logprobs_packed(
     device: torch.device,
     routing: DatumRouting | None = None,
     entropy: bool = False,
+    images: PlacedImages | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Every sequence whole, packed into ``rows`` with position ids that restart at 0 on each
     sequence and no attention mask: transformers' packed-sequence detection then keeps each
@@ -292,7 +312,8 @@ def _logprobs_packed(
         positions_R_W[r, at:] = torch.arange(width - at)
     if routing is not None:
         routing.place(offsets, R * width)
-    hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
+    with images.placed(offsets) if images is not None else nullcontext():
+        hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
     # Only the trained positions go through the head, in the order of the sequences.
     at_N = torch.cat([torch.arange(offsets[i] + s, offsets[i] + len(x)) for i, (x, s) in enumerate(zip(inputs, starts))])
     targets_N = torch.tensor([t for y, s in zip(targets, starts) for t in y[s:]], dtype=torch.long)

@@ -58,17 +58,19 @@ class ModelSize:
 def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
     """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
     how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from grpo_core.engine.vision import auto_model_class, vision_parts
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     parameters = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
     trained = parameters
     if lora_rank:
         from grpo_core.engine.lora import add_lora
 
-        model = add_lora(model, lora_rank, lora_alpha, list(lora_targets))
+        model = add_lora(model, lora_rank, lora_alpha, list(lora_targets), excluded=vision_parts(model))
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         parameters += trained
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
