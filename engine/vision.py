@@ -53,12 +53,12 @@ def load_vision_model(path: str, config: Any, device: torch.device, dtype: torch
     processor does not load here (:func:`processor_at`)."""
     from transformers import AutoModelForImageTextToText
 
+    processor_at(path)
     if config.model_type in POSITIONS_FROM_IMAGES:
         raise PluginError(
             f"model type '{config.model_type}': its position ids follow each image's grid (M-RoPE), which grpo-core's "
             "trainer and sampler do not compute; LLaVA-style models (positions 0..n-1) train"
         )
-    processor_at(path)
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
     )
@@ -75,11 +75,15 @@ def processor_at(path: str) -> Any:
     try:
         processor = AutoProcessor.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - transformers' processors fail in their own ways; the user needs the model and the reason
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        hint = ""
-        if "torchvision" in why or _torchvision_problem() is not None:
-            hint = f"; its processor needs torchvision, which does not work beside this torch ({_torchvision_problem() or why})"
-        raise PluginError(f"cannot load the processor of vision-language model '{path}': {why}{hint}") from None
+        why = _first_line(exc)
+        if "torchvision" in str(exc).lower():
+            broken = _torchvision_problem()
+            why = (
+                f"it needs torchvision, which does not import beside this torch ({broken})"
+                if broken
+                else f"it needs torchvision, which is not installed: install the torchvision built for torch {torch.__version__} ({why})"
+            )
+        raise PluginError(f"cannot load the processor of vision-language model '{path}': {why}") from None
     if getattr(processor, "image_processor", None) is None:
         raise PluginError(f"'{path}' is a vision-language model, but its processor ({type(processor).__name__}) has no image processor")
     return processor
@@ -95,8 +99,12 @@ def _torchvision_problem() -> str | None:
     try:
         import torchvision  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - a mismatched wheel raises RuntimeError ("operator torchvision::nms does not exist") or others
-        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return _first_line(exc)
     return None
+
+
+def _first_line(exc: Exception) -> str:
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def image_token_id(model: Any) -> int | None:
@@ -133,6 +141,13 @@ def parts_pattern(names: Sequence[str]) -> str:
 def freeze(model: Any, names: Sequence[str]) -> None:
     for name in names:
         model.get_submodule(name).requires_grad_(False)
+
+
+def save_processor(model: Any, tokenizer: Any, path: str) -> None:
+    """Beside a vision-language model's saved weights, the processor it was loaded with (the
+    image processor and chat template a loader of the folder needs); nothing for a text model."""
+    if vision_parts(model):
+        processor_at(tokenizer.name_or_path).save_pretrained(path)
 
 
 def encode_image_prompt(tokenizer: Any, prompt: Prompt) -> tuple[list[int], dict[str, torch.Tensor]]:
