@@ -12,7 +12,6 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.data import load_prompts
 from grpo_core.engine import vision
 from grpo_core.engine.forward import TransformersForward
-from tests.engine.test_logprobs import spy
 from grpo_core.engine.logprobs import target_logprobs
 from grpo_core.engine.lora import add_lora
 from grpo_core.engine.models import load_model
@@ -28,6 +27,7 @@ from grpo_core.engine.vision import (
 from grpo_core.errors import DataError, PluginError
 from grpo_core.plugins.samplers.local import LocalSampler
 from grpo_core.types import Sample, SamplingParams
+from tests.engine.test_logprobs import spy
 
 IMAGE_TOKENS = 4
 """Per image of the tiny model: (28 / 14)² patches."""
@@ -119,7 +119,7 @@ def test_the_trainers_logprobs_of_image_prompts_are_the_models_own(loaded, promp
     logprobs, _ = target_logprobs(forward, datums, torch.device("cpu"), packed=packed)
     assert paths == ["_logprobs_packed" if packed else "_logprobs_one_pass"]
     start = len(encoded[0][0]) - 1
-    for sample, (tokens, images), lp in zip(samples, encoded, logprobs):
+    for sample, (_, images), lp in zip(samples, encoded, logprobs):
         own = own_logprobs(model, sample.tokens, images, start)
         torch.testing.assert_close(lp[start:], own, rtol=0, atol=1e-5)
         assert torch.all(lp[:start] == 0)
