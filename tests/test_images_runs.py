@@ -129,3 +129,42 @@ def test_skip_bad_rows_counts_a_missing_image(tiny_vlm_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"skipped 1 bad rows of {rows} (--skip-bad-rows); first: {rows}:2: message 1 part 1: image file not found" in out.stderr
     assert metrics(tmp_path / "run")[0]["data/skipped_bad_rows"] == 1
+
+
+def test_the_async_loop_carries_image_tensors_to_the_sampler(tiny_vlm_dir, rows, tmp_path):
+    out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "2", "--loop", "async", "--max-head-offpolicy-versions", "0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for m in metrics(tmp_path / "run"):
+        assert m["mismatch/logprob_abs_max"] <= 1e-4, m  # on-policy: the sampler's policy is the trainer's
+
+
+class TextOnlySampler:
+    """A sampler that does not declare takes_images (a server sampler, the tinker one)."""
+
+    version = 0
+    max_context = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def sample(self, prompts, num_samples, params):
+        raise AssertionError("not reached: image prompts are refused first")
+
+
+def test_a_sampler_that_does_not_take_images_is_refused_naming_the_prompt(tiny_vlm_dir, rows):
+    from transformers import AutoTokenizer
+
+    from grpo_core.data import load_prompts
+    from grpo_core.errors import PluginError
+    from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout
+    from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
+    from grpo_core.types import SamplingParams
+
+    prompts = load_prompts(rows)
+    sampler = TextOnlySampler(AutoTokenizer.from_pretrained(tiny_vlm_dir))
+    with pytest.raises(PluginError, match=r"^prompt rows.jsonl:1 has images, but the TextOnlySampler does not take image prompts$"):
+        SingleTurnRollout().rollout(prompts[:2], 2, sampler, SamplingParams())
+    with pytest.raises(
+        PluginError, match=r"^prompt rows.jsonl:1 has images, which the multi_turn rollout does not take \(single_turn does\)$"
+    ):
+        MultiTurnRollout().rollout(prompts[:1], 2, sampler, SamplingParams(), env=None, tools={})
