@@ -231,7 +231,7 @@ class SharedSampler:
         try:
             # Image prompts' tensors go with the batch, a text prompt's as None (only a sampler that takes images gets them).
             images = [i for c in batch for i in (c.images or [None] * len(c.prompts))]
-            with_images = {"images": images} if any(images) else {}
+            with_images = {"images": images} if any(i is not None for i in images) else {}
             groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params, **with_images)
             offset = 0
             for c in batch:

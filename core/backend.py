@@ -113,7 +113,7 @@ class Sampler(Protocol):
     # async loop's workers (default 1: the in-process sampler generates one call at a time, and
     # the async loop hands it the calls queued behind a generation as one batched call).
     # Optional, where ``takes_images`` is True (declared in hookspecs): ``sample(prompts, num_samples,
-    # params, images=...)`` with each prompt's image tensors (``Sample.images``, None for a text prompt).
+    # params, images=...)`` with each prompt's ``PromptImages`` (None for a text prompt).
     # Optional, for exact resume: ``state_dict() -> dict`` (its RNG, version, and weights it
     # keeps apart from the trainer's) and ``load_state_dict(state)``. A sampler without them
     # (a remote server) resumes with fresh randomness.

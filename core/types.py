@@ -28,6 +28,18 @@ class Prompt:
 
 
 @attrs.define
+class PromptImages:
+    """An image prompt's images as a sampler takes them (``sample(..., images=...)``)."""
+
+    sources: list[str]
+    """Each image as the row gave it, resolved (:mod:`grpo_core.images`): an absolute path, an
+    http(s) URL or a data URL; what a server or an engine that reads images itself gets."""
+    tensors: dict[str, Any]
+    """The model's processor's tensors of them (``pixel_values``...): what an in-process sampler
+    places over the prompt's image tokens, and what the samples carry to the trainer."""
+
+
+@attrs.define
 class Completion:
     """What a sampler returns for one generated continuation of a prompt."""
 

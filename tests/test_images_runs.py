@@ -168,3 +168,11 @@ def test_a_sampler_that_does_not_take_images_is_refused_naming_the_prompt(tiny_v
         PluginError, match=r"^prompt rows.jsonl:1 has images, which the multi_turn rollout does not take \(single_turn does\)$"
     ):
         MultiTurnRollout().rollout(prompts[:1], 2, sampler, SamplingParams(), env=None, tools={})
+
+
+def test_the_fsdp_backend_refuses_a_vision_language_model(tiny_vlm_dir, rows, tmp_path):
+    out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "1", "--backend", "fsdp", "--backend-opt", "nproc=2")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: --backend fsdp does not train vision-language models (their vision parts are not sharded): use --backend local"
+    )

@@ -10,7 +10,8 @@ from grpo_core.backend import Sampler
 from grpo_core.engine.vision import encode_image_prompt
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.images import has_images
+from grpo_core.images import has_images, image_sources
+from grpo_core.types import PromptImages
 
 
 @attrs.define
@@ -36,7 +37,7 @@ class SingleTurnRollout:
         encoded = [self.encode(tokenizer, p) for p in prompts]
         fits = [self._fits(p, tokens, sampler.max_context, params.max_tokens) for p, tokens in zip(prompts, encoded)]
         prompt_tokens = [tokens for tokens, ok in zip(encoded, fits) if ok]
-        with_images = {"images": [i for i, ok in zip(images, fits) if ok]} if any(images) else {}
+        with_images = {"images": [i for i, ok in zip(images, fits) if ok]} if any(i is not None for i in images) else {}
         groups = iter(sampler.sample(prompt_tokens, num_samples, params, **with_images) if prompt_tokens else [])
         kept = [(p, tokens, next(groups), i) for p, tokens, ok, i in zip(prompts, encoded, fits, images) if ok]
         texts = iter(tokenizer.batch_decode([c.tokens for _, _, g, _ in kept for c in g], skip_special_tokens=True))
@@ -52,7 +53,7 @@ class SingleTurnRollout:
                     finish_reason=c.finish_reason,
                     policy_version=sampler.version,
                     routed_experts=c.routed_experts,
-                    images=prompt_images,
+                    images=None if prompt_images is None else prompt_images.tensors,
                 )
                 for c in group
             ]
@@ -71,12 +72,12 @@ class SingleTurnRollout:
             f"the model's {max_context}: shorten it, lower --max-completion-tokens, or pass --rollout-opt long_prompts=skip"
         )
 
-    def _encode_images(self, tokenizer: Any, prompt: Prompt, sampler: Sampler) -> dict[str, Any]:
+    def _encode_images(self, tokenizer: Any, prompt: Prompt, sampler: Sampler) -> PromptImages:
         if not declared(sampler, "sampler object", "takes_images"):
             raise PluginError(f"prompt {prompt.id} has images, but the {type(sampler).__name__} does not take image prompts")
-        tokens, images = encode_image_prompt(tokenizer, prompt)
+        tokens, tensors = encode_image_prompt(tokenizer, prompt)
         self._token_cache[prompt.id] = tokens
-        return images
+        return PromptImages(image_sources(prompt.messages), tensors)
 
     def encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
         """The prompt's tokens as the sampler will see them (chat template applied or not).

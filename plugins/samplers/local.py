@@ -229,10 +229,11 @@ class LocalSampler:
         valid_U_P = None if attention is None else attention.to(self.device)
         stepper = stepper_for(self.forward_fn, capacity=P + params.max_tokens)
         placed = nullcontext()
-        if images is not None and any(images):
+        if images is not None and any(i is not None for i in images):
             # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
             offsets = [u * P + P - len(p) for u, p in enumerate(prompts)]
-            placed = PlacedImages(self.model, prompts, images, [len(p) for p in prompts]).placed(offsets)
+            tensors = [None if i is None else i.tensors for i in images]
+            placed = PlacedImages(self.model, prompts, tensors, [len(p) for p in prompts]).placed(offsets)
         with placed:
             logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
         if tap is not None:

@@ -26,7 +26,7 @@ from grpo_core.engine.vision import (
 )
 from grpo_core.errors import DataError, PluginError
 from grpo_core.plugins.samplers.local import LocalSampler
-from grpo_core.types import Sample, SamplingParams
+from grpo_core.types import PromptImages, Sample, SamplingParams
 from tests.engine.test_logprobs import spy
 
 IMAGE_TOKENS = 4
@@ -161,7 +161,7 @@ def test_the_local_sampler_prefills_with_the_images(loaded, prompts):
     sampler = LocalSampler(model=model, tokenizer=tokenizer, device=torch.device("cpu"), seed=0)
     encoded = [encode_image_prompt(tokenizer, p) for p in (prompts[0], prompts[7])]
     params = SamplingParams(max_tokens=5)
-    groups = sampler.sample([t for t, _ in encoded], 2, params, images=[i for _, i in encoded])
+    groups = sampler.sample([t for t, _ in encoded], 2, params, images=[PromptImages([], i) for _, i in encoded])
     for (tokens, images), group in zip(encoded, groups):
         for completion in group:
             own = own_logprobs(model, tokens + completion.tokens, images, len(tokens) - 1)
