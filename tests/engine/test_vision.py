@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from attrs import evolve as attrs_evolve
 
 from grpo_core.backend import sample_to_datum
 from grpo_core.data import load_prompts
@@ -224,3 +225,18 @@ def qwen_vl_folder(tmp_path):
     processor = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor"}
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor))
     return tmp_path
+
+
+def test_the_memory_plan_counts_the_vision_parts_as_trained_only_when_they_train(tiny_vlm_dir):
+    from grpo_core.engine.memory_plan import model_size
+
+    model, _ = load_model(str(tiny_vlm_dir), torch.device("cpu"), "sdpa")
+    everything = sum(p.numel() for p in model.parameters())
+    freeze(model, frozen_vision_parts(model, False))
+    language = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < language < everything
+    assert model_size(tiny_vlm_dir) == attrs_evolve(model_size(tiny_vlm_dir, train_vision=True), trained=language)
+    assert model_size(tiny_vlm_dir, train_vision=True).trained == everything
+    adapters = add_lora(model, 4, 8.0, ["auto"], excluded=frozen_vision_parts(model, False))
+    expected = sum(p.numel() for p in adapters.parameters() if p.requires_grad)
+    assert model_size(tiny_vlm_dir, lora_rank=4, lora_alpha=8.0).trained == expected
