@@ -186,6 +186,8 @@ class PlacedImages:
     ) -> None:
         self.model = model
         token = image_token_id(model)
+        if token is None or not hasattr(model, "get_image_features"):
+            raise PluginError(f"image prompts reach a {model.config.model_type} model, which is not a vision-language model")
         self.positions = [
             [t for t, token_id in enumerate(ids[:n]) if token_id == token] if tensors else []
             for ids, tensors, n in zip(sequences, images, prompt_lengths)

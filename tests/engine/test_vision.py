@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import torch
-from attrs import evolve as attrs_evolve
 
 from grpo_core.backend import sample_to_datum
 from grpo_core.data import load_prompts
@@ -235,8 +235,15 @@ def test_the_memory_plan_counts_the_vision_parts_as_trained_only_when_they_train
     freeze(model, frozen_vision_parts(model, False))
     language = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert 0 < language < everything
-    assert model_size(tiny_vlm_dir) == attrs_evolve(model_size(tiny_vlm_dir, train_vision=True), trained=language)
+    assert model_size(tiny_vlm_dir) == attrs.evolve(model_size(tiny_vlm_dir, train_vision=True), trained=language)
     assert model_size(tiny_vlm_dir, train_vision=True).trained == everything
     adapters = add_lora(model, 4, 8.0, ["auto"], excluded=frozen_vision_parts(model, False))
     expected = sum(p.numel() for p in adapters.parameters() if p.requires_grad)
     assert model_size(tiny_vlm_dir, lora_rank=4, lora_alpha=8.0).trained == expected
+
+
+def test_image_datums_scored_by_a_text_model_are_refused(tiny_model_dir, loaded, prompts):
+    text_model, _ = load_model(str(tiny_model_dir), torch.device("cpu"), "sdpa")
+    tokens, images = encode_image_prompt(loaded[1], prompts[0])
+    with pytest.raises(PluginError, match="^image prompts reach a qwen3 model, which is not a vision-language model$"):
+        PlacedImages(text_model, [tokens], [images], [len(tokens)])
