@@ -39,6 +39,7 @@ def fp32_run(tiny_vlm_dir, rows, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_three_fp32_steps_train_with_the_samplers_logprobs_on_image_prompts(fp32_run):
     steps = metrics(fp32_run)
     assert [m["step"] for m in steps] == [1, 2, 3]
@@ -48,6 +49,7 @@ def test_three_fp32_steps_train_with_the_samplers_logprobs_on_image_prompts(fp32
     assert any(m["optim/grad_norm"] > 0 for m in steps)
 
 
+@pytest.mark.slow
 def test_the_final_policy_is_a_vision_language_folder_with_its_processor(fp32_run, tiny_vlm_dir):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -63,6 +65,7 @@ def test_the_final_policy_is_a_vision_language_folder_with_its_processor(fp32_ru
     assert type(model).__name__ == "LlavaForConditionalGeneration"
 
 
+@pytest.mark.slow
 def test_eval_and_export_take_the_trained_vision_language_model(fp32_run, rows, tmp_path):
     out = grpo_core_in_process("eval", "--model", str(fp32_run / "final"), "--dataset", str(rows), "-n", "2", "--reward", "format")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -72,6 +75,7 @@ def test_eval_and_export_take_the_trained_vision_language_model(fp32_run, rows, 
     assert (tmp_path / "policy" / "processor_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_a_resumed_image_run_ends_bitwise_equal_to_one_that_never_stopped(fp32_run, tiny_vlm_dir, rows, tmp_path):
     resumed = tmp_path / "resumed"
     out = run(tiny_vlm_dir, rows, resumed, "--max-steps", "2", "--learning-rate", "1e-2", "--checkpoint-every", "1")
@@ -81,6 +85,7 @@ def test_a_resumed_image_run_ends_bitwise_equal_to_one_that_never_stopped(fp32_r
     assert_same_run(fp32_run, resumed)
 
 
+@pytest.mark.slow
 def test_bf16_and_lora_train_on_image_prompts(tiny_vlm_dir, rows, tmp_path):
     out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "2", "--dtype", "bfloat16", "--lora-rank", "4")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -89,6 +94,7 @@ def test_bf16_and_lora_train_on_image_prompts(tiny_vlm_dir, rows, tmp_path):
         assert 0 < m["mismatch/logprob_abs_max"] < 0.5, m
 
 
+@pytest.mark.slow
 def test_train_vision_trains_the_vision_tower(tiny_vlm_dir, rows, tmp_path):
     out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "2", "--learning-rate", "1e-2", "--train-vision")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -123,6 +129,7 @@ def test_a_missing_image_stops_the_run_in_one_line_naming_the_row(tiny_vlm_dir, 
     assert out.stderr.strip() == f"error: {rows}:2: message 1 part 1: image file not found: {tmp_path}/missing.png"
 
 
+@pytest.mark.slow
 def test_skip_bad_rows_counts_a_missing_image(tiny_vlm_dir, tmp_path):
     rows = bad_rows(tiny_vlm_dir, tmp_path)
     out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "1", "--skip-bad-rows")
@@ -131,6 +138,7 @@ def test_skip_bad_rows_counts_a_missing_image(tiny_vlm_dir, tmp_path):
     assert metrics(tmp_path / "run")[0]["data/skipped_bad_rows"] == 1
 
 
+@pytest.mark.slow
 def test_the_async_loop_carries_image_tensors_to_the_sampler(tiny_vlm_dir, rows, tmp_path):
     out = run(tiny_vlm_dir, rows, tmp_path / "run", "--max-steps", "2", "--loop", "async", "--max-head-offpolicy-versions", "0")
     assert out.returncode == 0, out.stderr[-3000:]

@@ -103,7 +103,7 @@ def test_an_image_removed_after_the_rows_loaded_names_the_prompt(loaded, tiny_vl
         encode_image_prompt(loaded[1], prompt)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["padded", "packed"])
 def test_the_trainers_logprobs_of_image_prompts_are_the_models_own(loaded, prompts, packed, monkeypatch):
     """Prompts of the same text and different images have the same tokens: each is scored with its own
     images (no shared prompt prefix), whether the rows are padded or packed."""
@@ -128,6 +128,7 @@ def test_the_trainers_logprobs_of_image_prompts_are_the_models_own(loaded, promp
     assert (logprobs[0] - logprobs[1]).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_sampled_image_token_in_a_completion_is_embedded_as_a_token(loaded, prompts):
     model, tokenizer = loaded
     image_token = model.config.image_token_id
@@ -156,6 +157,7 @@ def test_image_features_that_do_not_fit_the_image_tokens_are_an_error(loaded, pr
             pass
 
 
+@pytest.mark.slow
 def test_the_local_sampler_prefills_with_the_images(loaded, prompts):
     """The sampler's logprobs of what it drew are the model's own with the images (to fp32 rounding)."""
     model, tokenizer = loaded
@@ -169,6 +171,7 @@ def test_the_local_sampler_prefills_with_the_images(loaded, prompts):
             torch.testing.assert_close(torch.tensor(completion.logprobs), own, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_lora_adapters_go_on_the_language_model_unless_vision_trains(tiny_vlm_dir):
     def adapted(excluded):
         model, _ = load_model(str(tiny_vlm_dir), torch.device("cpu"), "sdpa")
