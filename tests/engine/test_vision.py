@@ -91,6 +91,10 @@ def test_an_image_prompt_expands_each_image_to_its_tokens(loaded, prompts):
     # Red and green are different images.
     assert not torch.equal(two["pixel_values"][0], two["pixel_values"][1])
     assert torch.equal(two["pixel_values"][0], images["pixel_values"][0])
+    # OpenAI's image_url part with a data URL of blue.png: the same tensors as the file's.
+    assert prompts[6].messages[0]["content"][0]["image"].startswith("data:image/png;base64,")
+    url_tokens, from_url = encode_image_prompt(tokenizer, prompts[6])
+    assert url_tokens == tokens and torch.equal(from_url["pixel_values"], encode_image_prompt(tokenizer, prompts[2])[1]["pixel_values"])
 
 
 def test_an_image_removed_after_the_rows_loaded_names_the_prompt(loaded, tiny_vlm_dir, tmp_path):
