@@ -164,6 +164,7 @@ def test_a_sampler_that_does_not_take_images_is_refused_naming_the_prompt(tiny_v
 
     from grpo_core.data import load_prompts
     from grpo_core.errors import PluginError
+    from grpo_core.plugins.rollouts.agent import AgentRollout
     from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout
     from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout
     from grpo_core.types import SamplingParams
@@ -176,6 +177,8 @@ def test_a_sampler_that_does_not_take_images_is_refused_naming_the_prompt(tiny_v
         PluginError, match=r"^prompt rows.jsonl:1 has images, which the multi_turn rollout does not take \(single_turn does\)$"
     ):
         MultiTurnRollout().rollout(prompts[:1], 2, sampler, SamplingParams(), env=None, tools={})
+    with pytest.raises(PluginError, match=r"^prompt rows.jsonl:1 has images, which the agent rollout's gateway does not take"):
+        AgentRollout(command="python agent.py").rollout(prompts[:1], 2, sampler, SamplingParams())
 
 
 def test_the_fsdp_backend_refuses_a_vision_language_model(tiny_vlm_dir, rows, tmp_path):
