@@ -37,7 +37,7 @@ def target_logprobs(
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it (unless ``one_pass`` or ``routing``: every row whole, in one forward). Rows run
+    back through it (unless ``one_pass``, ``routing`` or image prompts: every row whole, in one forward). Rows run
     whole are ``packed`` end to end where that leaves fewer rows than sequences
     (:func:`packed_layout`; only for a forward whose :meth:`TransformersForward._packing_problem`
     found none), else right-padded. With ``routing`` (a mixture-of-experts model) that one forward
@@ -49,10 +49,9 @@ def target_logprobs(
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
-    distinct = list(dict.fromkeys(prefixes))
     images = datum_images(forward.model, datums, inputs, starts)
-    # Image prompts run whole: two prompts of one text and different images have the same tokens.
-    if not one_pass and routing is None and images is None and len(distinct) < len(prefixes) and all(distinct):
+    distinct = shared_prefixes(prefixes, one_pass or routing is not None or images is not None)
+    if distinct is not None:
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device, entropy)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
@@ -71,6 +70,30 @@ def datum_images(model: Any, datums: Sequence[tinker.Datum], inputs: list, start
     if not any(images):
         return None
     return PlacedImages(model, inputs, images, starts)
+
+
+def carries_images(datums: Sequence[tinker.Datum]) -> bool:
+    return any(name.startswith(IMAGE_INPUT) for d in datums for name in d.loss_fn_inputs)
+
+
+def shared_prefixes(prefixes: Sequence[tuple[int, ...]], whole_rows: bool) -> list[tuple[int, ...]] | None:
+    """The distinct untrained prefixes :func:`target_logprobs` runs once each, or None where every
+    row runs whole (``whole_rows``: one pass, routing or image prompts, whose prompts of one text and
+    different images have the same tokens; or no prefix is shared, or one is empty)."""
+    distinct = list(dict.fromkeys(prefixes))
+    return distinct if not whole_rows and len(distinct) < len(prefixes) and all(distinct) else None
+
+
+def tokens_run(datums: Sequence[tinker.Datum], whole_rows: bool) -> int:
+    """The tokens :func:`target_logprobs` puts through the model for ``datums`` (padding aside): a
+    shared prefix counts once, as it runs once (what perf/mfu and perf/train_tokens_per_s count)."""
+    lengths = [d.model_input.length for d in datums]
+    starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
+    prefixes = [tuple(d.model_input.to_ints()[:s]) for d, s in zip(datums, starts)]
+    distinct = shared_prefixes(prefixes, whole_rows or carries_images(datums))
+    if distinct is None:
+        return sum(lengths)
+    return sum(len(p) for p in distinct) + sum(n - s for n, s in zip(lengths, starts))
 
 
 @attrs.define(eq=False)

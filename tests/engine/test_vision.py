@@ -13,7 +13,7 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.data import load_prompts
 from grpo_core.engine import vision
 from grpo_core.engine.forward import TransformersForward
-from grpo_core.engine.logprobs import target_logprobs
+from grpo_core.engine.logprobs import target_logprobs, tokens_run
 from grpo_core.engine.lora import add_lora
 from grpo_core.engine.models import load_model
 from grpo_core.engine.vision import (
@@ -130,6 +130,8 @@ def test_the_trainers_logprobs_of_image_prompts_are_the_models_own(loaded, promp
         assert torch.all(lp[:start] == 0)
     # The images matter: red and green give the same completion different logprobs.
     assert (logprobs[0] - logprobs[1]).abs().max() > 1e-3
+    # perf/* count every row whole, as they ran.
+    assert tokens_run(datums, whole_rows=False) == sum(d.model_input.length for d in datums)
 
 
 @pytest.mark.slow
