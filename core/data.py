@@ -37,6 +37,7 @@ from grpo_core.embedded import EMBEDDED, embedded_split, split_path
 from grpo_core.errors import DataError, PluginError
 from grpo_core.fetch import Fetched, fetch, is_url
 from grpo_core.hookspecs import declared
+from grpo_core.images import resolve_images
 from grpo_core.mixture import MixSource, mixture_batches, parse_mix
 from grpo_core.options import is_secret, option_fields
 from grpo_core.plugins_manager import find, provided
@@ -265,7 +266,7 @@ def load_prompts(
                     f"{path}{at}: the prompt is {this}, but {first_row}'s is {first}: a dataset is all pre-tokenized or all text"
                 )
             first_row = first_row or f"{path}{at}"
-            prompts.append(prompt)
+            prompts.append(resolve_images(prompt, f"{path}{at}", image_folder(source)))
         except DataError as exc:
             if skipped is None:
                 raise
@@ -275,6 +276,13 @@ def load_prompts(
             raise DataError(f"{path}: no usable rows; all {len(skipped)} were bad, first: {skipped[0]}")
         raise DataError(f"{path}: no rows")
     return prompts
+
+
+def image_folder(source: Source) -> Path | None:
+    """The folder a row's relative image paths start from: the dataset file's, a saved dataset's own."""
+    if source.location is None:
+        return None
+    return source.location if source.location.is_dir() else source.location.parent
 
 
 def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:
