@@ -10,11 +10,11 @@ where padding needs them.
 
 It has no backward: the trainer and the KL reference run transformers' forward, faster with
 gradients (docs/performance.md), so a call with grad enabled is refused. The local sampler uses
-it where :func:`unsupported_reason` finds nothing in the way (float32 weights, a supported
-architecture) and transformers' forward otherwise. Its logits match transformers' to float32
-rounding (tests/plugins/backends/test_fast_decoder.py); its norms compute in float32 and round
-back before the weight, as transformers' do, so it runs bfloat16 weights too
-(benchmarks/decode.py times it there).
+it where :func:`unsupported_reason` finds nothing in the way (float32 weights, or bfloat16/float16
+on CUDA; a supported architecture) and transformers' forward otherwise. Its logits match
+transformers' to float32 rounding (tests/engine/test_fast_decoder.py); its norms compute in
+float32 and round back before the weight, as transformers' do. A decoded token's attention packs
+each kv head's group of query heads into one call (:meth:`FastDecoder._attention`).
 
 LoRA adapters (peft) on the projections are folded into the fused weights (``W + s·B·A``) once
 per :meth:`FastDecoder.layer_weights` call. Adapters that are disabled (peft's
@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+"""The half-precision dtypes the fused decoder runs, on CUDA only."""
 SMALL_ATTENTION_SCORES = 1 << 20
 """Multi-token attention with at most this many scores (4 MB in fp32) is two plain matmuls;
 larger blocks use scaled_dot_product_attention, which never holds all the scores at once."""
@@ -49,11 +51,14 @@ def unsupported_reason(model: Any) -> str | None:
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type '{rope_type}'"
-    # It would run bf16 (its norms compute in float32 as transformers' do), but on the CPU it is no
+    # bf16/fp16 run on CUDA, where its fused projections and packed attention launch a third fewer
+    # kernels per decode step than transformers' forward (docs/performance.md); on the CPU it is no
     # faster there than transformers' forward over a static cache (benchmarks/decode.py), whose
     # rounding the trainer shares.
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        return "weights that are not float32"
+    dtypes = {p.dtype for p in model.parameters()}
+    on_cuda = all(p.is_cuda for p in model.parameters())
+    if dtypes != {torch.float32} and not (on_cuda and len(dtypes) == 1 and dtypes <= set(CUDA_DTYPES)):
+        return "weights that are not float32 (bfloat16 and float16 run on CUDA)"
     projections = {id(m) for layer in model.model.layers for m in _projections(layer)}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and id(module) not in projections:
@@ -313,6 +318,14 @@ class FastDecoder:
     ) -> torch.Tensor:
         B, H, S, D = q_B_H_S_D.shape
         Hkv, T = k_B_K_T_D.shape[1], k_B_K_T_D.shape[2]
+        if S == 1 and Hkv != H:
+            # One new token: a kv head's group of query heads are that head's queries (pack-GQA), so
+            # sdpa reads each key once with no enable_gqa, which would send a masked call to the
+            # math kernel on CUDA; the [B, 1, 1, T] mask broadcasts over the group.
+            out = F.scaled_dot_product_attention(
+                q_B_H_S_D.view(B, Hkv, H // Hkv, D), k_B_K_T_D, v_B_K_T_D, attn_mask=mask, scale=self.scaling
+            )
+            return out.view(B, H, 1, D)
         if S == 1 or B * H * S * T > SMALL_ATTENTION_SCORES:
             return F.scaled_dot_product_attention(
                 q_B_H_S_D, k_B_K_T_D, v_B_K_T_D, attn_mask=mask, is_causal=is_causal, scale=self.scaling, enable_gqa=Hkv != H
