@@ -156,9 +156,13 @@ class KVCache:
     def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = k_B_H_S_D.shape[2]
         if self.slot_1 is not None:
-            self.keys[layer].index_copy_(2, self.slot_1, k_B_H_S_D)
-            self.values[layer].index_copy_(2, self.slot_1, v_B_H_S_D)
-            return self.keys[layer], self.values[layer]
+            # A decode step of fewer rows than the buffers hold (live rows compacted to the front)
+            # works on the first rows: views at the buffers' own addresses.
+            rows = k_B_H_S_D.shape[0]
+            keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+            keys.index_copy_(2, self.slot_1, k_B_H_S_D)
+            values.index_copy_(2, self.slot_1, v_B_H_S_D)
+            return keys, values
         if layer == len(self.keys):
             B, H, _, D = k_B_H_S_D.shape
             # Zeros, not garbage: a masked slot still meets its weight of 0 in attention, and 0 × NaN is NaN.
@@ -180,6 +184,27 @@ class KVCache:
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
         self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
+
+    def fill_from(self, prompts: KVCache, repeats: int) -> None:
+        """Write a prefilled cache of U rows into this one's first slots, each row ``repeats``
+        times (U × repeats rows, the buffers allocated on the first call and kept after)."""
+        width = prompts.lengths[0]
+        for layer, (k_U_H_P_D, v_U_H_P_D) in enumerate(zip(prompts.keys, prompts.values)):
+            U, H, _, D = k_U_H_P_D.shape
+            if layer == len(self.keys):
+                self.keys.append(k_U_H_P_D.new_zeros(U * repeats, H, self.capacity, D))
+                self.values.append(v_U_H_P_D.new_zeros(U * repeats, H, self.capacity, D))
+                self.lengths.append(self.capacity)
+            self.keys[layer].view(U, repeats, H, self.capacity, D)[:, :, :, :width].copy_(k_U_H_P_D[:, None, :, :width])
+            self.values[layer].view(U, repeats, H, self.capacity, D)[:, :, :, :width].copy_(v_U_H_P_D[:, None, :, :width])
+
+    def take_rows(self, order: torch.Tensor) -> None:
+        """Rows ``order`` (device indices) moved to the front, in place (the live rows of a batch
+        compacted into a smaller one)."""
+        n = order.shape[0]
+        for buffers in (self.keys, self.values):
+            for tensor in buffers:
+                tensor[:n] = tensor[order]
 
     def batch_select_indices(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
