@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -205,6 +206,9 @@ class FusedStepper:
         prompts = self.decoder.new_cache(capacity=input_ids_U_P.shape[1])
         logits_U_V = self._prefill_into(prompts, input_ids_U_P, position_ids_U_P, valid_U_P)
         self.cache.fill_from(prompts, repeats)
+        # A captured step reads the rotary tables it was captured with: held here, they outlive
+        # the decoder's growing them for a larger capacity.
+        self.rope_tables = (self.decoder._rope_cos_T_D, self.decoder._rope_sin_T_D)
         return logits_U_V
 
     def expand(self, repeats: int) -> None:
@@ -450,7 +454,10 @@ class DecodeSession:
     step: Callable[..., None] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.step = torch.compile(decode_step, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+        # dynamo keeps its compiled variants on the code object, under one recompile limit (8): a
+        # copy of the code per session gives each its own (one variant per batch bucket).
+        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__, decode_step.__defaults__)
+        self.step = torch.compile(own, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
 
     @classmethod
     def open(
@@ -619,15 +626,16 @@ class DecodeLoop:
                     break
         return hits
 
-    def _run_step(self, forward: bool) -> None:
-        state = self.state if self.rows == self.state.tokens_B_M.shape[0] else self.state.head(self.rows)
+    def _run_step(self, forward: bool, rows: int | None = None) -> None:
+        rows = self.rows if rows is None else rows
+        state = self.state if rows == self.state.tokens_B_M.shape[0] else self.state.head(rows)
         if self.session is None:
             decode_step(state, self.rule, self.stepper, forward, self.routes)
             return
         began = time.perf_counter()
         # Compiled, the step always forwards (the last one into slots never read): one compile.
         self.session.step(state, self.rule, self.stepper, True)
-        self.session.compile_seconds.setdefault(self.rows, time.perf_counter() - began)
+        self.session.compile_seconds.setdefault(rows, time.perf_counter() - began)
 
     def _advance(self, last: bool) -> None:
         """One decode step: eager, captured, or replayed. An eager last step draws without a
@@ -641,9 +649,10 @@ class DecodeLoop:
             self.warm[self.rows] = warm + 1
             self._run_step(forward=not last)
             return
-        graph = self.graph_factory()
+        graph, rows = self.graph_factory(), self.rows
         try:
-            graph.capture(lambda: self._run_step(forward=True))
+            # The step of this bucket's rows, whichever loop replays it later (a kept session's graph).
+            graph.capture(lambda: self._run_step(forward=True, rows=rows))
         except Exception as error:  # noqa: BLE001 - any failed capture leaves the loop eager, and says why
             self.graph_factory, self.graph_problem = None, f"the decode step could not be captured ({type(error).__name__}: {error})"
             self._run_step(forward=not last)

@@ -36,8 +36,8 @@ def exact_probabilities(logits_V: torch.Tensor, temperature: float, top_k: int, 
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS, ids=IDS)
 def test_tokens_and_logprobs_equal_draw(vocab, temperature, top_k, top_p):
     g = torch.Generator().manual_seed(vocab)
-    logits_B_V = torch.randn(256, vocab, generator=g) * 3
-    u_B_1 = torch.rand(256, 1, generator=g)
+    logits_B_V = torch.randn(128, vocab, generator=g) * 3
+    u_B_1 = torch.rand(128, 1, generator=g)
     want_tokens, want_logprobs = draw(logits_B_V, temperature, top_k, top_p, u_B_1)
     tokens, logprobs = sample(logits_B_V, temperature, top_k, top_p, u_B_1)
     assert torch.equal(tokens, want_tokens)
