@@ -208,7 +208,7 @@ class FusedStepper:
         self.cache.fill_from(prompts, repeats)
         # A captured step reads the rotary tables it was captured with: held here, they outlive
         # the decoder's growing them for a larger capacity.
-        self.rope_tables = (self.decoder._rope_cos_T_D, self.decoder._rope_sin_T_D)
+        self.rope_tables = self.decoder.rope_tables
         return logits_U_V
 
     def expand(self, repeats: int) -> None:

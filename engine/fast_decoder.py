@@ -233,6 +233,11 @@ class FastDecoder:
         self._rope_cos_T_D: torch.Tensor | None = None
         self._rope_sin_T_D: torch.Tensor | None = None
 
+    @property
+    def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rotary cos and sin tables [positions, head_dim] built so far (None before the first call)."""
+        return self._rope_cos_T_D, self._rope_sin_T_D
+
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
 
