@@ -460,10 +460,12 @@ def row_of(spec: dict[str, Any], contender: str, result: dict[str, Any], flops: 
     timed = result["steps"][1:]
     decode_steps = spec["completion_tokens"]
     if spec.get("unforced"):
-        # The batch decodes until its longest completion ends; MFU counts the mean completion.
+        # The batch decodes until its longest completion ends; MFU counts the mean completion, as
+        # summarize (which checks forced lengths: these were checked by check_unforced_lengths) reads it.
         decode_steps = sum(max(s["completion_lengths"]) for s in timed) / len(timed)
         mean = sum(sum(s["completion_lengths"]) / len(s["completion_lengths"]) for s in timed) / len(timed)
         spec = {**spec, "completion_tokens": mean}
+        result["steps"] = [{**s, "completion_lengths": [mean] * len(s["completion_lengths"])} for s in result["steps"]]
     s = summarize([result], spec, flops)
     gpu_peaks = [step["peak_gpu_gib"] for step in result["steps"] if step.get("peak_gpu_gib") is not None]
     return {
