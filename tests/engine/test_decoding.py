@@ -330,6 +330,7 @@ def assert_same_completions(got, want):
         assert c.logprobs == pytest.approx(w.logprobs, abs=2e-5)
 
 
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
 @pytest.mark.parametrize("stop", [[], ["1"]], ids=["stop-tokens", "stop-strings"])
 def test_the_compiled_step_repeats_the_eager_decode_and_compacts_live_rows_into_buckets(trainer, traced, stop, capsys):
     # 32 rows, about a sixth of the vocabulary stops a row: the batch steps on as 16 and 8 rows.
@@ -347,6 +348,7 @@ def test_the_compiled_step_repeats_the_eager_decode_and_compacts_live_rows_into_
     assert "sampler decode: the step for 32 rows x 128 slots compiled in" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
 def test_a_kept_session_serves_the_next_generation_with_other_prompts_and_updated_weights(trainer, traced):
     """Cache reuse across generations: the second generation, prefilled into the kept cache (other
     prompt widths, the same capacity bucket) after the weights moved in place, samples what a
@@ -374,6 +376,7 @@ def test_a_kept_session_serves_the_next_generation_with_other_prompts_and_update
     assert list(compiled.sessions.values()) == [session]  # the same cache, buffers and compiled step
 
 
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
 def test_sessions_are_kept_per_batch_capacity_and_rules_the_most_recent_first(trainer, traced):
     compiled = compiled_sampler(trainer)
     for max_tokens, G in ((3, 2), (200, 2), (3, 4), (3, 2)):
@@ -383,6 +386,7 @@ def test_sessions_are_kept_per_batch_capacity_and_rules_the_most_recent_first(tr
     assert len(compiled.sessions) == decoding.KEPT_SESSIONS
 
 
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
 def test_compiled_graphs_are_captured_once_per_bucket_and_replayed_by_later_generations(trainer, traced, monkeypatch):
     # As on CUDA: the compiled step captured (here in the fake graph).
     monkeypatch.setattr(LocalSampler, "captures", property(lambda self: self.decode != "eager" and self.graph_problem is None))

@@ -32,12 +32,12 @@ def exact_probabilities(logits_V: torch.Tensor, temperature: float, top_k: int, 
     return probabilities
 
 
-@pytest.mark.parametrize("vocab", [97, 2500], ids=["one-chunk", "three-chunks"])
+@pytest.mark.parametrize("vocab", [97, 2100], ids=["one-chunk", "three-chunks"])
 @pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS, ids=IDS)
 def test_tokens_and_logprobs_equal_draw(vocab, temperature, top_k, top_p):
     g = torch.Generator().manual_seed(vocab)
-    logits_B_V = torch.randn(128, vocab, generator=g) * 3
-    u_B_1 = torch.rand(128, 1, generator=g)
+    logits_B_V = torch.randn(64, vocab, generator=g) * 3
+    u_B_1 = torch.rand(64, 1, generator=g)
     want_tokens, want_logprobs = draw(logits_B_V, temperature, top_k, top_p, u_B_1)
     tokens, logprobs = sample(logits_B_V, temperature, top_k, top_p, u_B_1)
     assert torch.equal(tokens, want_tokens)
@@ -47,7 +47,11 @@ def test_tokens_and_logprobs_equal_draw(vocab, temperature, top_k, top_p):
         assert not logprobs.any()
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", SETTINGS[:5], ids=IDS[:5])
+# The bisections pass over [1000, 1100] 64 times: a few seconds each on a loaded CPU.
+SLOW_SETTINGS = [pytest.param(*setting, marks=pytest.mark.slow) if setting[1] or setting[2] < 1 else setting for setting in SETTINGS[:5]]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", SLOW_SETTINGS, ids=IDS[:5])
 def test_stratified_uniforms_land_on_each_token_as_often_as_its_exact_probability(temperature, top_k, top_p):
     # Uniforms at the midpoints of N equal strata: an inverse CDF maps N·p ± 1 of them to a token of
     # probability p, whatever the randomness, so the distribution is checked exactly.
