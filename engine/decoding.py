@@ -3,7 +3,10 @@ device, in buffers of fixed shape written in place, so the step can be captured 
 
 - The KV cache is preallocated for prompt + completion and written in place at one slot per step
   (transformers' ``StaticCache``, or the fused decoder's :class:`KVCache` with its ``slot_1``).
-- The batch is fixed: a finished row stays in it, masked, and its tokens past the end are cut.
+- The batch is fixed: a finished row stays in it, masked, and its tokens past the end are cut;
+  the compiled step (``decode=compiled``: :class:`DecodeSession`) instead moves the live rows to the
+  front once half have finished and steps on with a smaller batch bucket, and keeps its cache,
+  buffers, compiled step and graphs from one generation to the next.
 - Sampling (temperature, top-k, top-p), the logprob of the distribution sampled from and the stop
   tokens are decided on the device. Stop strings need the text: they are checked on the host every
   ``check_every`` steps, together with whether every row has finished (the one device→host copy per
