@@ -439,6 +439,17 @@ def decode_step(
     state.slot_1.add_(1)
 
 
+def _cause(error: BaseException) -> str:
+    """An error in one line, with its root cause (dynamo wraps a backend's error in its own, as
+    ``inner_exception``)."""
+    root = error
+    while (inner := root.__cause__ or getattr(root, "inner_exception", None)) is not None:
+        root = inner
+    text = str(root).strip().splitlines()[0][:300] if str(root).strip() else ""
+    inner = f"{type(root).__name__}: {text}" if root is not error or text else type(error).__name__
+    return f"{type(error).__name__}: {inner}" if root is not error else inner
+
+
 @attrs.define(eq=False)
 class DecodeSession:
     """A compiled decode step's kept parts for one (batch, capacity, settings): the fused stepper
@@ -454,6 +465,8 @@ class DecodeSession:
     """Eager (compiling) steps run per bucket before its capture."""
     compile_seconds: dict[int, float] = attrs.field(factory=dict)
     """Per bucket, the first compiled call's wall time (the compile)."""
+    compile_problem: str | None = None
+    """Why the step runs uncompiled (a compile failed), or None."""
     step: Callable[..., None] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -635,9 +648,19 @@ class DecodeLoop:
         if self.session is None:
             decode_step(state, self.rule, self.stepper, forward, self.routes)
             return
-        began = time.perf_counter()
         # Compiled, the step always forwards (the last one into slots never read): one compile.
-        self.session.step(state, self.rule, self.stepper, True)
+        if self.session.compile_problem is not None:
+            decode_step(state, self.rule, self.stepper, True)
+            return
+        began = time.perf_counter()
+        try:
+            self.session.step(state, self.rule, self.stepper, True)
+        except Exception as error:  # noqa: BLE001 - a failed compile (it runs nothing) leaves the step uncompiled, and says why
+            if rows in self.session.compile_seconds:
+                raise  # it compiled and ran before: not a compile's failure
+            self.session.compile_problem = f"the decode step could not be compiled ({_cause(error)})"
+            decode_step(state, self.rule, self.stepper, True)
+            return
         self.session.compile_seconds.setdefault(rows, time.perf_counter() - began)
 
     def _advance(self, last: bool) -> None:

@@ -123,6 +123,8 @@ class LocalSampler:
     graph_factory: Callable[[], StepGraph] = CudaStepGraph
     graph_problem: str | None = None
     """Why the decode step runs eager although graphs were asked for (a capture failed)."""
+    compile_problem: str | None = None
+    """Why decode=compiled runs its step uncompiled (a compile failed)."""
     sessions: dict[tuple[Any, ...], DecodeSession] = attrs.field(init=False, factory=dict)
     """The compiled step's kept sessions, least recently used first."""
     compiles_reported: set[tuple[int, int]] = attrs.field(init=False, factory=set)
@@ -159,7 +161,8 @@ class LocalSampler:
             return f"eager ({forward}; {looks})"
         if self.decode == "compiled":
             replay = "replayed as a CUDA graph per batch bucket" if self.captures else "run without a graph"
-            why = "" if self.graph_problem is None else f": {self.graph_problem}"
+            problems = [p for p in (self.compile_problem, self.graph_problem) if p is not None]
+            why = "".join(f": {p}" for p in problems)
             return (
                 f"compiled{why}: the fused step (forward, one-pass sampler, stop bookkeeping) torch.compile'd once per batch bucket "
                 f"and {replay}, cache and buffers kept across generations, capacity rounded up to a multiple of "
@@ -285,6 +288,9 @@ class LocalSampler:
         if loop.graph_problem is not None and self.graph_problem is None:
             self.graph_problem = loop.graph_problem
             print(f"sampler decode: {self.decode_path}", file=sys.stderr)
+        if session is not None and session.compile_problem is not None and self.compile_problem is None:
+            self.compile_problem = session.compile_problem
+            print(f"sampler decode: {self.decode_path}", file=sys.stderr)
         self.decode_steps += decoded.steps
         self.decode_seconds += decoded.seconds
         record("perf/decode_rows_per_step", decoded.rows_per_step, "mean", weight=decoded.steps)
@@ -319,6 +325,7 @@ class LocalSampler:
             vocab = self.model.get_output_embeddings().weight.shape[0]
             dtype = next(self.model.parameters()).dtype
             session = DecodeSession.open(self.forward_fn, rows, capacity, params.max_tokens, vocab, dtype, rule)
+            session.compile_problem = self.compile_problem  # a compile that failed is not tried again
         self.sessions[key] = session
         return session
 

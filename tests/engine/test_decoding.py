@@ -400,3 +400,20 @@ def test_compiled_graphs_are_captured_once_per_bucket_and_replayed_by_later_gene
     assert sorted(session.graphs) == sorted(session.compile_seconds)  # one graph per bucket stepped
     assert len(graphs) == len(session.graphs)  # the second generation captured nothing
     assert sum(g.replays for g in graphs) >= 12 + 12 - decoding.GRAPH_WARMUP_STEPS * len(graphs)
+
+
+@pytest.mark.slow  # dynamo traces the step before the backend refuses it
+def test_a_compile_that_fails_leaves_the_step_uncompiled_and_says_why(trainer, monkeypatch, capsys):
+    def refusing_backend(graph_module, example_inputs):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(decoding, "COMPILE_BACKEND", refusing_backend)
+    params = SamplingParams(max_tokens=8, temperature=0.9, stop_token_ids=STOP_IDS)
+    compiled = compiled_sampler(trainer, check_every=4)
+    assert_same_completions(compiled.sample(PROMPTS, 4, params), make_sampler(trainer, check_every=4).sample(PROMPTS, 4, params))
+    assert compiled.compile_problem.startswith("the decode step could not be compiled (BackendCompilerFailed")
+    assert "no Triton here" in compiled.compile_problem
+    assert compiled.run_info["decode"].startswith("compiled: the decode step could not be compiled (")
+    assert "sampler decode: compiled: the decode step could not be compiled" in capsys.readouterr().err
+    compiled.sample(PROMPTS * 2, 4, params)  # another session: not compiled again
+    assert all(s.compile_problem == compiled.compile_problem and not s.compile_seconds for s in compiled.sessions.values())
