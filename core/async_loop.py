@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -189,8 +190,8 @@ class SharedSampler:
         oldest = getattr(self._local, "oldest", None)
         return self.inner.version if oldest is None else oldest
 
-    def sample(self, prompts: Any, num_samples: int, params: Any) -> Any:
-        call = Call(list(prompts), num_samples, params)
+    def sample(self, prompts: Any, num_samples: int, params: Any, images: Any = None) -> Any:
+        call = Call(list(prompts), num_samples, params, None if images is None else list(images))
         with self._cond:
             self._queued.append(call)
             while not call.done:
@@ -229,7 +230,10 @@ class SharedSampler:
         version = self.inner.version
         self._cond.release()
         try:
-            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params)
+            # Image prompts' tensors go with the batch, a text prompt's as None (only a sampler that takes images gets them).
+            images = [i for c in batch for i in (c.images or [None] * len(c.prompts))]
+            with_images = {"images": images} if any(i is not None for i in images) else {}
+            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params, **with_images)
             offset = 0
             for c in batch:
                 c.result, offset = groups[offset : offset + len(c.prompts)], offset + len(c.prompts)
@@ -281,6 +285,8 @@ class Call:
     prompts: list[Any]
     num_samples: int
     params: Any
+    images: list[Any] | None = None
+    """Each prompt's image tensors (None for a text prompt), where the rollout passed any."""
     result: Any = None
     error: BaseException | None = None
     version: int = 0
@@ -558,7 +564,10 @@ class AsyncLoop:
     def wait_for_batch(self, step: int) -> tuple[list[Finished] | None, int]:
         """The rollouts of the next step (None when the prompts ran out), and how many stale groups
         went back to the queue. Marks the step as training: a draining gate starts nothing until it ends."""
-        requeued = 0
+        requeued, said = 0, False
+        # As --dynamic-sampling's rounds in the sync loop: without enough groups with signal, a step
+        # trains what it has once this many prompts arrived, rather than roll out the whole dataset.
+        most = self.config.max_sampling_rounds * self.gate.groups_per_step
         with self.cond:
             while True:
                 if self.error is not None:
@@ -567,9 +576,19 @@ class AsyncLoop:
                 if self.waits_for_a_requeued_group():
                     self.cond.wait(timeout=0.5)
                     continue
+                arrived = sum(len(f.taken) for f in self.arrived)
+                if not said and arrived >= self.gate.groups_per_step > self.gate.ready:
+                    said = True
+                    print(
+                        f"step {step}: {arrived} prompts rolled out, {self.gate.ready} groups with signal of "
+                        f"{self.gate.groups_per_step}; sampling on, up to {most} prompts (--max-sampling-rounds "
+                        f"{self.config.max_sampling_rounds}), then the step trains what it has",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if self.gate.drain and self.arrived:
                     batch = [self.arrived.popleft()]
-                elif not self.gate.drain and self.gate.ready >= self.gate.groups_per_step:
+                elif not self.gate.drain and (self.gate.ready >= self.gate.groups_per_step or arrived >= most):
                     batch = self.take_ready(self.gate.groups_per_step)
                 elif self.gate.in_flight == 0 and not self.queue.has_more():
                     if not self.arrived:

@@ -278,7 +278,8 @@ class RunConfig:
     )
     max_sampling_rounds: int = _field(
         4,
-        "with --dynamic-sampling: rollout rounds per step at most; then the step trains the groups it has",
+        "with --dynamic-sampling: rollout rounds per step at most; the async loop: a step waits for at most N times "
+        "prompt_groups_per_step prompts; then the step trains the groups it has",
         GRPO_STEP,
         validator=_positive,
     )
@@ -347,6 +348,15 @@ class RunConfig:
             "or names as in the model; repeat for several; a MoE router never gets adapters"
         ),
         LORA,
+    )
+
+    train_vision: bool = _field(
+        False,
+        (
+            "a vision-language model: train its vision tower and projector too (adapters on them with --lora-rank, "
+            "every weight without); off = they stay frozen and only the language model trains (docs/images.md)"
+        ),
+        MODEL_AND_DATA,
     )
 
     loop: Literal["sync", "async"] = _field(

@@ -15,6 +15,7 @@ import torch
 from grpo_core.embedded import ASSETS
 from grpo_core.engine.architectures import attention_implementation
 from grpo_core.engine.varlen_attention import SAVED_AS, VARLEN, varlen_problem
+from grpo_core.engine.vision import image_text_config, load_vision_model
 from grpo_core.errors import PluginError
 
 PRECISION_NOTES = {
@@ -86,9 +87,14 @@ def load_model(name: str, device: torch.device, attn_implementation: str, dtype:
         attention = attention_implementation(attn_implementation, path)
         if attention == VARLEN:
             _refuse_varlen(path, device, dtype)
+        vision = image_text_config(path)
         # Straight into the run's dtype and onto its device: no float32 host copy on the way.
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+            )
+            if vision is None
+            else load_vision_model(path, vision, device, dtype, attention)
         )
     except (OSError, ValueError) as exc:
         raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None
@@ -181,3 +187,18 @@ def shared_storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
         else:
             first[key] = name
     return aliases
+
+
+def save_state_as_model(model: Any, state: dict[str, torch.Tensor], path: str) -> None:
+    """``model``'s folder with ``state`` as its weights; config.json names the dtype of those tensors
+    (save_pretrained writes the parameters' own: an fsdp policy's float32 master weights, say, where
+    the bfloat16 tensors gathered from them are what is written)."""
+    import json
+
+    model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config_file = Path(path) / "config.json"
+        config = json.loads(config_file.read_text())
+        config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -12,6 +12,21 @@ DATA = REPO / "tests" / "data"
 """Data the tests read, shipped in the repository (each folder with its license)."""
 
 
+@pytest.fixture(autouse=True)
+def mfu_is_at_most_1(monkeypatch):
+    """perf/mfu <= 1 in every run of the suite's own process: above the device's peak, the rate
+    counts work the trainer never did (a group's shared prompt counted once per sample)."""
+    from grpo_core.metrics import Metrics
+
+    add = Metrics.add
+
+    def checked(self, name, value, *args, **kwargs):
+        assert name != "perf/mfu" or 0 <= value <= 1, f"perf/mfu {value}: above the device's peak"
+        add(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(Metrics, "add", checked)
+
+
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer (300 tokens) trained here on a few lines of additions."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -68,6 +83,26 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(6) for b in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def tiny_vlm_builder():
+    """scripts/build_tiny_vlm.py as a module: the tiny LLaVA-style model and its image rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_vlm", REPO / "scripts" / "build_tiny_vlm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LLaVA-style model (2-layer CLIP tower, 2-layer Llama) with its processor; image
+    rows in its ``data/rows.jsonl`` (scripts/build_tiny_vlm.py)."""
+    builder = tiny_vlm_builder()
+    folder = builder.build_model(tmp_path_factory.mktemp("tiny_vlm") / "model")
+    builder.write_rows(folder / "data")
+    return folder
 
 
 @pytest.fixture(scope="session")
