@@ -45,9 +45,9 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
-from grpo_core.metrics import Metrics, record
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.preflight import check_settings
-from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_stream, roll
+from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_admission, prompt_stream, roll
 from grpo_core.stages import (
     check_router_replay_model,
     check_sampling_settings,
@@ -191,8 +191,8 @@ class SharedSampler:
         oldest = getattr(self._local, "oldest", None)
         return self.inner.version if oldest is None else oldest
 
-    def sample(self, prompts: Any, num_samples: int, params: Any) -> Any:
-        call = Call(list(prompts), num_samples, params)
+    def sample(self, prompts: Any, num_samples: int, params: Any, images: Any = None) -> Any:
+        call = Call(list(prompts), num_samples, params, None if images is None else list(images))
         with self._cond:
             self._queued.append(call)
             while not call.done:
@@ -231,7 +231,10 @@ class SharedSampler:
         version = self.inner.version
         self._cond.release()
         try:
-            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params)
+            # Image prompts' tensors go with the batch, a text prompt's as None (only a sampler that takes images gets them).
+            images = [i for c in batch for i in (c.images or [None] * len(c.prompts))]
+            with_images = {"images": images} if any(i is not None for i in images) else {}
+            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params, **with_images)
             offset = 0
             for c in batch:
                 c.result, offset = groups[offset : offset + len(c.prompts)], offset + len(c.prompts)
@@ -283,6 +286,8 @@ class Call:
     prompts: list[Any]
     num_samples: int
     params: Any
+    images: list[Any] | None = None
+    """Each prompt's image tensors (None for a text prompt), where the rollout passed any."""
     result: Any = None
     error: BaseException | None = None
     version: int = 0
@@ -341,7 +346,10 @@ class AsyncLoop:
         saved = read_async_state(self.folder, r.state.step) if r.state.step else None
         cursor = saved["cursor"] if saved else r.state.step * config.prompt_groups_per_step
         again = [Taken(i, Prompt(**p)) for i, p in saved["again"]] if saved else []
-        self.queue = PromptQueue(prompt_stream(r.batches, r.state.step * config.prompt_groups_per_step, cursor), cursor, again)
+        stream = prompt_stream(r.batches, r.state.step * config.prompt_groups_per_step, cursor)
+        self.queue = PromptQueue(stream, cursor, again, prompt_admission(r.selection))
+        self.taken = Metrics()
+        """What group filters recorded as the workers took prompts (keep_prompt), since the last step."""
         trim_ledger(self.folder / LEDGER, r.state.step)
         self.ledger = (self.folder / LEDGER).open("a")
         drain = config.synchronous_training
@@ -391,12 +399,13 @@ class AsyncLoop:
         # Thread-local in OpenMP: without it a worker would use every core.
         torch.set_num_threads(self.config.threads or default_threads())
         while True:
-            with self.cond:
+            with self.cond, scope() as taken:  # has_more asks the group filters' keep_prompt
                 while not self.done() and not self.trajectories and not (self.queue.has_more() and self.gate.admits(self.unit)):
                     self.cond.wait()
                 if self.done():
                     return
                 group = self.trajectories.popleft() if self.trajectories else self.admit(self.queue.take(self.unit))
+                self.taken.merge(taken)
                 self.gate.rollouts += 1
             try:
                 part = self.call_rollout(group)
@@ -661,6 +670,10 @@ class AsyncLoop:
                     "queue/again": float(len(self.queue.again)),
                 }
             )
+            if self.queue.admit is not None:
+                metrics["sampling/passed_over"], self.queue.passed_over = float(self.queue.passed_over), 0
+                metrics.update(self.taken.as_dict())
+                self.taken = Metrics()
 
     def write_ledger(self, step: int, finished: Finished, outcome: str, trainer_version: int) -> None:
         kept = {id(g[0].prompt) for g in finished.kept if g}

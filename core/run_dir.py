@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -268,6 +269,17 @@ def unlisted_files(path: Path, names: list[str]) -> list[str]:
     return [file for file in files_in(path, names) if file not in listed]
 
 
+def config_strings(value: Any) -> list[str]:
+    """Every string in a config's values (nested): where it may name a file the run reads."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [s for item in value for s in config_strings(item)]
+    return []
+
+
 def entries_read(path: Path, values: list[str]) -> set[str]:
     """The top-level entries of the folder ``path`` that hold a path among ``values`` (every
     string of a run's config: its dataset, model, a plugin's file), which the run reads."""
@@ -308,9 +320,12 @@ def remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
-def record_data(path: Path, dataset: str, prompts: int, sha256: str) -> None:
-    """Write the run's ``data.json``: what ``check_same_data`` compares on ``--resume``."""
-    record = {"dataset": dataset, "prompts": prompts, "sha256": sha256}
+def record_data(path: Path, dataset: str, prompts: int, sha256: str, fetched: list[dict[str, str]] | None = None) -> None:
+    """Write the run's ``data.json``: what ``check_same_data`` compares on ``--resume``, and the
+    URLs the rows were fetched from (each with its file's sha256 and cached copy)."""
+    record: dict[str, object] = {"dataset": dataset, "prompts": prompts, "sha256": sha256}
+    if fetched:
+        record["fetched"] = fetched
     (path / DATA_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 

@@ -41,6 +41,7 @@ from grpo_core.engine.perf import memory_line, peak_flops
 from grpo_core.engine.rank_group import Group, join_group, serve, start_group, torchrun_world
 from grpo_core.engine.sharded import UNPACKED, ModelSpec, ShardedRank, read_state_info, shares
 from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.engine.vision import image_text_config
 from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.local import LocalBackend
@@ -101,6 +102,10 @@ class FSDPBackend:
     @hookimpl
     def check_config(self, config: RunConfig) -> None:
         self.world_size(config)
+        if config.train_vision or image_text_config(model_path(config.model)) is not None:
+            raise PluginError(
+                "--backend fsdp does not train vision-language models (their vision parts are not sharded): use --backend local"
+            )
 
     def world_size(self, config: RunConfig) -> int:
         """The world size, after refusing what this backend cannot do."""
