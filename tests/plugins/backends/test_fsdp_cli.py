@@ -122,6 +122,7 @@ def test_the_run_prints_its_memory_plan_and_logs_mfu_over_both_ranks_and_the_mem
 
 
 @pytest.mark.slow
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two CUDA GPUs: one rank on each")
 def test_on_two_gpus_each_rank_is_planned_for_its_gpu_and_mfu_is_over_both(tiny_model_dir, tiny_dataset, tmp_path):
     import json
