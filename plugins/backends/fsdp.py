@@ -146,7 +146,7 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
-        if config.optimizer_state != "fp32":
+        if config.optimizer_state not in ("auto", "fp32"):
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
                 "ranks (8/N bytes per parameter on each); reduced or streamed moments are not implemented for its sharded "
