@@ -16,7 +16,7 @@ import tinker
 import torch
 
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
-from grpo_core.engine.compile import CompiledLayers
+from grpo_core.engine.compile import CompiledLayers, counting_compiles
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
 from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
@@ -336,7 +336,8 @@ class LocalTrainer(LocalReference):
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         if self.optimizer is None:
             self.optimizer = self._make_optimizer()
-        grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
+        with counting_compiles() if self.optimizer_kernel == "compiled" else nullcontext():
+            grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
         if not skip:
             self.version += 1
             if not self.weights_finite():

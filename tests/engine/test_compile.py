@@ -6,6 +6,7 @@ graphs, without inductor's code generation, which takes ~1 min here: benchmarks/
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import tinker
@@ -18,6 +19,7 @@ from grpo_core.engine.compile import CompiledLayers, compile_problem, decoder_la
 from grpo_core.engine.models import load_model
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.errors import PluginError
+from grpo_core.metrics import scope
 from tests.engine.ragged_datums import datum, ragged_datums
 
 CPU = torch.device("cpu")
@@ -156,6 +158,30 @@ def test_changing_lengths_do_not_recompile_each_step(tiny_model_dir, fresh_dynam
     # more where dynamo specializes a size of 1 (one packed row, then two): not one per step.
     assert trainer.compiled_layers.compiled_calls >= 12
     assert frames_compiled() <= 2
+
+
+def test_each_step_records_the_graphs_it_compiled_and_later_lengths_compile_none(tiny_model_dir, fresh_dynamo):
+    trainer = trainer_of(tiny_model_dir, True)
+    gen = torch.Generator().manual_seed(1)
+    compiled = []
+    for lengths in ([9, 14], [5, 21], [17, 6]):
+        datums = [datum(torch.randint(2, 290, (n,), generator=gen).tolist(), 2) for n in lengths]
+        with scope() as step:
+            trainer.forward_backward_custom(datums, sum_loss)
+        compiled.append(step.as_dict()["perf/recompiles"])
+    # The module's first test pays the compile; a step that compiles nothing records 0, not nothing.
+    assert compiled[1:] == [0, 0] and compiled[0] == frames_compiled()
+
+
+def test_compiled_code_is_kept_across_runs_outside_tmp(tiny_model_dir, monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert regional.cache_directory() == tmp_path / "grpo-core" / "inductor"
+    trainer_of(tiny_model_dir, True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "grpo-core" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert regional.cache_directory() == tmp_path / "mine"  # the user's own stays
+    assert "compiled code kept in " + str(tmp_path / "mine") in resolve_compile(True, CPU)[1]
 
 
 def test_shared_prefix_runs_cached_layers_eagerly_and_equals_eager(tiny_model_dir, fresh_dynamo):
