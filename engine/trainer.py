@@ -19,7 +19,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.engine.compile import CompiledLayers, counting_compiles
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
-from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
+from grpo_core.engine.logprobs import DatumRouting, mean_entropy, on_host, target_logprobs, trained_entropy_sum
 from grpo_core.engine.lora import (
     adapters_disabled,
     has_adapters,
@@ -207,7 +207,7 @@ class LocalReference:
         self._release_freed_memory()
         with torch.no_grad(), self._weights(), self._compiled(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
-            return [lp.cpu() for lp in logprobs]
+            return on_host(logprobs)[0]
 
     def _compiled(self) -> AbstractContextManager[None]:
         return self.compiled_layers.active() if self.compiled_layers is not None else nullcontext()
@@ -299,7 +299,7 @@ class LocalTrainer(LocalReference):
             if routing is None:
                 raise ValueError(f"no routing to record: {self.routing_problem}")
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
-            return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
+            return on_host(logprobs)[0], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         self._release_freed_memory()
@@ -318,7 +318,7 @@ class LocalTrainer(LocalReference):
                     routing=routing,
                     entropy=True,
                 )
-                logprobs = [lp.cpu() for lp in logprobs]
+                logprobs, entropy_by_datum = on_host(logprobs, entropy_by_datum)
             entropy = mean_entropy(*trained_entropy_sum(datums, entropy_by_datum))
             if routing is not None:
                 routed = routing_outputs(routing, datums)
