@@ -214,3 +214,35 @@ def test_a_torch_without_inductors_cpp_builder_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch._inductor.cpp_builder", None)
     problem = compile_problem(CPU)
     assert problem.startswith(f"torch {torch.__version__} has no inductor C++ builder") and "torch >= 2.5" in problem
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_inductors_layers_equal_eager_and_new_lengths_compile_nothing(tiny_model_dir, dtype):
+    """The real backend (inductor, Triton): the same logprobs and gradients as the eager layers, and
+    steps of new lengths after the first record perf/recompiles 0."""
+    cuda = torch.device("cuda")
+    torch._dynamo.reset()
+
+    def trainer(compiled: bool) -> LocalTrainer:
+        model, tokenizer = load_model(str(tiny_model_dir), cuda, "sdpa", dtype=dtype)
+        return LocalTrainer(model=model, tokenizer=tokenizer, device=cuda, padding_free=True, compile=compiled)
+
+    datums = ragged_datums()
+    eager_logprobs, eager_grads = logprobs_and_grads(trainer(False), datums)
+    compiled = trainer(True)
+    logprobs, grads = logprobs_and_grads(compiled, datums)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
+        torch.testing.assert_close(ours, theirs, **tolerance)
+    for name in grads:
+        scale = float(eager_grads[name].float().norm())
+        assert float((grads[name].float() - eager_grads[name].float()).norm()) <= (1e-3 if dtype == torch.float32 else 3e-2) * scale, name
+    gen = torch.Generator().manual_seed(3)
+    recompiles = []
+    for lengths in ([9, 14, 30], [5, 21, 8], [17, 6, 40]):
+        with scope() as step:
+            compiled.forward_backward_custom([datum(torch.randint(2, 290, (n,), generator=gen).tolist(), 2) for n in lengths], sum_loss)
+        recompiles.append(step.as_dict()["perf/recompiles"])
+    assert recompiles[1:] == [0, 0], recompiles

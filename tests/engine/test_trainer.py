@@ -16,7 +16,7 @@ from grpo_core.engine.trainer import SavedState, read_trainer_state
 from tests.helpers import SIGNAL, grpo_core_in_process, small_run_args
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU: host copies of device tensors")
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU: host copies of device tensors")]
 
 
 def fixed_datums(trainer, sampler):
@@ -176,3 +176,15 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_waits_for_it_and_resumes
     assert read_trainer_state(run_dir / "checkpoints" / "step-000002" / "trainer")["version"] == 2
     BROKEN_AT_STEP.clear()
     assert run(config(tiny_model_dir, tiny_dataset, run_dir, checkpoint_every=1, max_steps=4), resume=True)["steps"] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+def test_a_gpu_snapshot_is_copied_into_pinned_host_memory_and_complete_on_return():
+    tensors = [torch.randn(1000, device="cuda"), torch.randn(3, 5, device="cuda").bfloat16(), torch.randn(4)]
+    copies = engine_trainer.host_copies(tensors)
+    assert [c.device.type for c in copies] == ["cpu"] * 3
+    assert copies[0].is_pinned() and copies[1].is_pinned()  # non-blocking device copies land in pinned memory
+    assert all(torch.equal(c, t.cpu()) for c, t in zip(copies, tensors))
+    tensors[0].add_(1)  # a later in-place step leaves the snapshot as it was
+    assert not torch.equal(copies[0], tensors[0].cpu())
