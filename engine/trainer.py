@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -91,6 +92,19 @@ def load_optimizer_state(folder: Path, device: torch.device | str) -> dict[str, 
         for param_id, entries in info["state"].items()
     }
     return {"state": state, "param_groups": info["param_groups"]}
+
+
+OFFLOADED_AS = {"offload": ("fp32",)}
+"""Saved moments an ``offload`` trainer keeps as they are (float32: offloading is where they wait, not their bytes)."""
+
+
+def saved_moments(optimizer_state: dict[str, Any]) -> str | None:
+    """The ``--optimizer-state`` form of a saved optimizer state, by its first moment's dtype
+    (None: nothing saved yet)."""
+    first = next((entries["exp_avg"] for entries in optimizer_state["state"].values() if "exp_avg" in entries), None)
+    if first is None:
+        return None
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "8bit"}[first.dtype]
 
 
 def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -228,6 +242,9 @@ class LocalTrainer(LocalReference):
     """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     optimizer_state: str = "fp32"
     """How Adam's moments are kept (``--optimizer-state``: engine.optim.MOMENT_FORMATS)."""
+    optimizer_state_chosen: bool = False
+    """``optimizer_state`` is what ``--optimizer-state auto`` chose for this device: a checkpoint
+    whose moments are kept otherwise resumes in its own form (its bytes are the run's state)."""
     optimizer_kernel: str = "eager"
     """The stochastic-rounding step's kernel: compiled or eager (engine.optim.resolve_optimizer_kernel)."""
     optimizer_line: str = "torch's fused AdamW (float32 weights and moments)"
@@ -391,6 +408,16 @@ class LocalTrainer(LocalReference):
         weights = state["adapter" if "adapter" in state else "model"]
         load_trained_state_dict(self.model, weights)
         if state["optimizer"] is not None:
+            saved = saved_moments(state["optimizer"])
+            if self.optimizer_state_chosen and saved not in (None, self.optimizer_state, *OFFLOADED_AS.get(self.optimizer_state, ())):
+                print(
+                    f"optimizer state: {saved} moments, as the checkpoint keeps them (auto chose {self.optimizer_state} for "
+                    "this device; a resumed run continues in its checkpoint's form)",
+                    file=sys.stderr,
+                )
+                self.optimizer_state, self.optimizer = saved, None
+                if self.optimizer_kernel == "compiled" and saved != "fp32":
+                    self.optimizer_kernel = "eager"
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
             self.optimizer.load_state_dict(state["optimizer"])

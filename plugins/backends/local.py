@@ -205,6 +205,7 @@ class LocalBackend:
             fast_forward=self.fast_forward,
             seed=config.seed,
             optimizer_state=fit.optimizer_state,
+            optimizer_state_chosen=config.optimizer_state == AUTO,
             optimizer_kernel=kernel,
             optimizer_line=kernel_why,
             activation_checkpointing=checkpointing,

@@ -188,3 +188,24 @@ def test_a_gpu_snapshot_is_copied_into_pinned_host_memory_and_complete_on_return
     assert all(torch.equal(c, t.cpu()) for c, t in zip(copies, tensors))
     tensors[0].add_(1)  # a later in-place step leaves the snapshot as it was
     assert not torch.equal(copies[0], tensors[0].cpu())
+
+
+def test_moments_auto_chose_resume_in_the_checkpoints_form_and_an_explicit_other_form_is_refused(tiny_model_dir, tmp_path, capsys):
+    """A run auto put in 8-bit moments (a tighter device) resumes where auto would choose fp32."""
+    _, _, first, sampler = make(tiny_model_dir, seed=0, dtype="float32", optimizer_state="8bit")
+    datums = fixed_datums(first, sampler)
+    step(first, datums)
+    first.save_state(str(tmp_path / "saved"))
+    step(first, datums)  # the uninterrupted run's next step
+    _, _, resumed, _ = make(tiny_model_dir, seed=0, dtype="float32")
+    assert (resumed.optimizer_state, resumed.optimizer_state_chosen) == ("fp32", True)
+    capsys.readouterr()
+    resumed.load_state(str(tmp_path / "saved"))
+    assert resumed.optimizer_state == "8bit"
+    assert "optimizer state: 8bit moments, as the checkpoint keeps them (auto chose fp32 for this device" in capsys.readouterr().err
+    step(resumed, datums)
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), resumed.model.parameters()))
+    _, _, explicit, _ = make(tiny_model_dir, seed=0, dtype="float32", optimizer_state="bf16")
+    with pytest.raises(ValueError, match="resume with the --optimizer-state it was saved with"):
+        explicit.load_state(str(tmp_path / "saved"))
+    assert engine_trainer.saved_moments({"state": {}}) is None
