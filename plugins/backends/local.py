@@ -155,8 +155,11 @@ class LocalBackend:
             if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu")
             else "offload"
         )
-        # On CUDA the memory plan chooses checkpointing (off where it fits); a CPU run keeps it off unless asked.
+        # On CUDA the memory plan chooses checkpointing (off where it fits), but compiled layers need the
+        # whole-sequence forwards checkpointing gives; a CPU run keeps it off unless asked.
         planned = config.gradient_checkpointing if config.gradient_checkpointing is not None or device.type == "cuda" else False
+        for_compile = planned is None and self.compile is True
+        planned = True if for_compile else planned
         fp32_kernel = (
             resolve_optimizer_kernel(self.optimizer_kernel, dtype, "fp32", device)[0]
             if config.optimizer_state in (AUTO, "fp32")
@@ -192,7 +195,10 @@ class LocalBackend:
         checkpointing, why = (
             resolve_checkpointing(config.gradient_checkpointing, device.type, supported)
             if config.gradient_checkpointing is not None or device.type != "cuda" or not supported
-            else (fit.checkpointing, fit.checkpointing_why)
+            else (
+                fit.checkpointing,
+                "on (--backend-opt compile=true compiles whole-sequence forwards)" if for_compile else fit.checkpointing_why,
+            )
         )
         print(f"gradient checkpointing: {why}", file=sys.stderr)
         if checkpointing:

@@ -251,3 +251,29 @@ def test_the_local_backend_counts_a_reference_only_for_a_loss_that_uses_one(tiny
     assert "a full fine-tune's KL reference counted" in capsys.readouterr().err
     with_kl = RunConfig(model=str(tiny_model_dir))  # grpo's default kl_beta
     assert select_plugins(with_kl).needs_reference
+
+
+def test_on_cuda_the_plan_chooses_checkpointing_unless_compiled_layers_need_it(tiny_model_dir, monkeypatch):
+    """What a CUDA run hands the plan (asked on this CPU, stopped before anything loads): checkpointing
+    undecided (None) for the plan to choose, on for compile=true (compiled layers run whole sequences),
+    as asked where asked; a resident reference only where the loss uses one."""
+    from grpo_core.plugins.backends import local
+    from grpo_core.plugins.backends.local import LocalBackend
+
+    class Planned(Exception):
+        pass
+
+    seen = []
+
+    def planned(config, folder, dtype, device, reference, checkpointing, kernel):
+        seen.append((checkpointing, reference))
+        raise Planned
+
+    monkeypatch.setattr(local, "resolve_precision", lambda device, dtype: (torch.device("cuda"), torch.bfloat16, "bf16"))
+    monkeypatch.setattr(local, "resolve_optimizer_kernel", lambda *a: ("eager", "eager"))
+    monkeypatch.setattr(local, "check_fits", planned)
+    for compile, asked, needs_reference in ((True, None, False), ("auto", None, True), ("auto", False, False), (True, False, False)):
+        with pytest.raises(Planned):
+            config = RunConfig(model=str(tiny_model_dir), gradient_checkpointing=asked)
+            LocalBackend(compile=compile).make_trainer(config=config, needs_reference=needs_reference)
+    assert seen == [(True, None), (None, "memory"), (False, None), (False, None)]
