@@ -35,7 +35,7 @@ import attrs
 import torch
 
 from grpo_core.engine.fused_logprobs import CPU_CHUNK_BYTES, CUDA_CHUNK_BYTES_CAP
-from grpo_core.engine.optim import SLICE_ELEMENTS, moment_bytes
+from grpo_core.engine.optim import MOMENT_FORMATS, SLICE_ELEMENTS, moment_bytes
 
 GB = 1e9
 CPU_RUNTIME_BYTES = 170 * 10**6
@@ -203,8 +203,6 @@ def optimizer_state_line(optimizer_state: str, weight_dtype: torch.dtype, device
     )
 
 
-OPTIMIZER_STATES = ("fp32", "bf16", "8bit", "offload")
-"""``--optimizer-state``'s forms, the most exact first: ``auto`` takes the first whose plan fits."""
 HEADROOM = 0.1
 """The share of the free memory ``auto`` leaves unplanned, for what the plan does not count (the
 allocator's cached blocks and fragmentation, the CUDA context's growth, kernels' workspaces). The
@@ -266,7 +264,8 @@ def check_fits(
         )
 
     auto = config.optimizer_state == "auto"
-    states = [s for s in OPTIMIZER_STATES if s != "offload" or device.type == "cuda"] if auto else [config.optimizer_state]
+    # MOMENT_FORMATS runs from the most exact form to the smallest: auto takes the first that fits.
+    states = [s for s in MOMENT_FORMATS if s != "offload" or device.type == "cuda"] if auto else [config.optimizer_state]
     checkpointings = [False, True] if checkpointing is None else [checkpointing]
     if not config.memory_check:
         state, checkpointed = "fp32" if auto else config.optimizer_state, True if checkpointing is None else checkpointing
@@ -289,7 +288,7 @@ def check_fits(
     where = f"{free / GB:.2f} GB free on the {device.type}"
     if chosen is None:
         memory = plans[states[0], checkpointings[-1]]
-        possible = [s for s in OPTIMIZER_STATES if s not in states and (s != "offload" or device.type == "cuda")]
+        possible = [s for s in MOMENT_FORMATS if s not in states and (s != "offload" or device.type == "cuda")]
         others = {s: plan_of(s, checkpointings[-1]).peak for s in possible}
         fitting = [f"--optimizer-state {s} (peak {peak / GB:.2f} GB)" for s, peak in others.items() if peak <= free]
         would = f" {' or '.join(fitting)} would fit." if fitting else ""
