@@ -91,12 +91,15 @@ def test_true_with_a_compiler_is_on():
     assert compiled is True and line.startswith("on: each decoder layer compiled")
 
 
-def test_true_without_a_cpp_compiler_is_refused_with_the_fix(monkeypatch):
+def test_true_without_a_cpp_compiler_is_refused_with_the_fix():
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler-xyz",))
-    with pytest.raises(PluginError, match=r"compile=true: inductor finds no C\+\+ compiler .*install g\+\+ .*compile=false"):
-        resolve_compile(True, CPU)
+    # inductor's own patch: monkeypatch's undo would delete the setting (it is no plain attribute),
+    # and every later compile in the process would find no compiler.
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-compiler-xyz",)}):
+        with pytest.raises(PluginError, match=r"compile=true: inductor finds no C\+\+ compiler .*install g\+\+ .*compile=false"):
+            resolve_compile(True, CPU)
+    assert torch._inductor.config.cpp.cxx != ("no-such-compiler-xyz",)  # back, and still a setting
 
 
 def test_true_on_cuda_without_triton_is_refused_with_the_fix(monkeypatch):
@@ -181,7 +184,6 @@ def test_compiled_code_is_kept_across_runs_outside_tmp(tiny_model_dir, monkeypat
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "grpo-core" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert regional.cache_directory() == tmp_path / "mine"  # the user's own stays
-    monkeypatch.setattr(regional, "compile_problem", lambda device: None)  # whatever an earlier test left cached
     assert "compiled code kept in " + str(tmp_path / "mine") in resolve_compile(True, CPU)[1]
 
 
