@@ -163,6 +163,7 @@ def test_changing_lengths_do_not_recompile_each_step(tiny_model_dir, fresh_dynam
     assert frames_compiled() <= 2
 
 
+@pytest.mark.slow  # traces the layers for new shapes: ~25 s on 2 shared cores
 def test_each_step_records_the_graphs_it_compiled_and_later_lengths_compile_none(tiny_model_dir, fresh_dynamo):
     trainer = trainer_of(tiny_model_dir, True)
     gen = torch.Generator().manual_seed(1)
