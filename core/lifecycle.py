@@ -320,7 +320,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         check_same_data(run_dir, *rows)
     backend = selection.plugins["backend"][0]
     disk = plan_disk(config, backend, newest, total_steps)
-    trainer = pm.hook.make_trainer(config=config)
+    trainer = pm.hook.make_trainer(config=config, needs_reference=selection.needs_reference)
     trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
     if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
         disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
