@@ -124,7 +124,7 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
-        if config.optimizer_state != "fp32":
+        if config.optimizer_state not in ("auto", "fp32"):
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
                 "ranks (8/N bytes per parameter on each); reduced or streamed moments are not implemented for its sharded "
@@ -146,7 +146,7 @@ class FSDPBackend:
         return LocalBackend(attn_implementation=self.attn_implementation).load_tokenizer(config=config)
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> FSDPTrainer:
+    def make_trainer(self, config: RunConfig, needs_reference: bool = True) -> FSDPTrainer:
         world = self.world_size(config)
         device, dtype, _ = resolve_precision(config.device, config.dtype)
         checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
@@ -179,11 +179,10 @@ class FSDPBackend:
             checkpointing,
             sampler_copy=config.sampler in (None, "local"),
             offload=self.cpu_offload,
+            reference=needs_reference,
         )
-        print(
-            f"{fit.line()}; the KL reference counted; activations assume prompts of {ASSUMED_PROMPT_TOKENS} tokens",
-            file=sys.stderr,
-        )
+        counted = "the KL reference counted" if needs_reference else "no KL reference counted (the loss uses none)"
+        print(f"{fit.line()}; {counted}; activations assume prompts of {ASSUMED_PROMPT_TOKENS} tokens", file=sys.stderr)
         group = start_group(world, device.type, spawn=torchrun_world() is None, worker=ShardedRank)
         pids = ", ".join(str(w.pid) for w in group.workers)
         started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""

@@ -65,6 +65,10 @@ def test_the_ranks_that_share_a_devices_memory_are_checked_together(tiny_model_d
     assert rank0.parts["activations"] == activation_bytes(model_size(tiny_model_dir), 3 * 144, 4, False)
     assert rank0.parts["runtime"] == (memory_plan.CPU_RUNTIME_BYTES if device == "cpu" else 0)
     assert fit.line().startswith(f"memory plan: peak {rank0.peak / 1e9:.2f} GB in training (")
+    assert rank0.parts["reference"] == 4 * -(-model_size(tiny_model_dir).parameters // 3)
+    # A loss without a KL term makes no reference (the core passes needs_reference).
+    args = (str(tiny_model_dir), 3, ranks_here, torch.float32, torch.device(device), False, True)
+    assert memory_plan.check_sharded_fits(config, *args, reference=False).rank0.parts["reference"] == 0
 
 
 def test_an_fsdp_run_that_cannot_fit_names_what_would_and_no_memory_check_runs_it(tiny_model_dir, monkeypatch):
