@@ -405,7 +405,6 @@ def train_on_groups(
     summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
     ``recorded_routes``: each sample's routing as pi_old's forward recorded it (--router-replay R2).
     """
-    import tinker
     import torch
 
     with scope() as metrics:
@@ -452,16 +451,7 @@ def train_on_groups(
             call_tokens = float(sum(mask[i].sum() for i in idx))
             for key, value in result.metrics.items():
                 record(key, value, "sum" if key in loss_fn.summed else "mean", weight=call_tokens)
-        optim = trainer.optim_step(
-            tinker.AdamParams(
-                learning_rate=learning_rate,
-                beta1=config.beta1,
-                beta2=config.beta2,
-                eps=config.adam_eps,
-                weight_decay=config.weight_decay,
-                grad_clip_norm=config.grad_clip_norm,
-            )
-        )
+        optim = trainer.optim_step(adam_params(config, learning_rate))
         skipped = optim.pop("optim/skipped_nonfinite", 0.0)
         record("optim/skipped_nonfinite", skipped, "sum")
         record("optim/updates", 0 if skipped else 1, "sum")
@@ -594,6 +584,20 @@ def anchor_logprobs(trainer: Trainer, datums: list, samples: list[Sample], sampl
     if all(s.policy_version == trainer.version for s in samples):
         return None
     return trainer.forward(datums)
+
+
+def adam_params(config: RunConfig, learning_rate: float) -> Any:
+    """The optimizer step's ``tinker.AdamParams``: the config's, at this step's learning rate."""
+    import tinker
+
+    return tinker.AdamParams(
+        learning_rate=learning_rate,
+        beta1=config.beta1,
+        beta2=config.beta2,
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+        grad_clip_norm=config.grad_clip_norm,
+    )
 
 
 def learning_rate(config: RunConfig, step_index: int, total_steps: int) -> float:
