@@ -343,15 +343,15 @@ def is_wrapper(plugin: Any, hook: str) -> bool:
     return bool(opts.get("wrapper") or opts.get("hookwrapper"))
 
 
-def check_single_choice(selected: dict[str, dict[str, Any]], kinds: Collection[str] = tuple(hookspecs.KIND_TABLE)) -> None:
+def check_single_choice(selected: dict[str, dict[str, Any]], kinds: Collection[str] | None = None) -> None:
     """Each kind of which one plugin runs (``hookspecs.KIND_TABLE``; of ``kinds``, those a recipe
-    runs) has exactly one (non-wrapper) implementation of its own hook, a kind of which at most
+    runs, when given) has exactly one (non-wrapper) implementation of its own hook, a kind of which at most
     one runs no more than one.
 
     ``selected``: kind -> {name users typed: instance}.
     """
     for kind, spec in hookspecs.KIND_TABLE.items():
-        if spec.runs not in ("one", "at most one") or kind not in kinds:
+        if spec.runs not in ("one", "at most one") or (kinds is not None and kind not in kinds):
             continue
         by_name = selected.get(kind, {})
         impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, spec.hooks[0])]

@@ -61,10 +61,10 @@ class Selection:
         return [r.name for r in self.rewards if declared(r.plugin, "reward", "needs_answer")] + env
 
 
-def select_plugins(config: RunConfig, kinds: Collection[str] = tuple(KIND_TABLE)) -> Selection:
+def select_plugins(config: RunConfig, kinds: Collection[str] | None = None) -> Selection:
     """Find, check and instantiate the plugins the config names, before anything heavy loads;
     ``kinds``: those a recipe runs (``grpo-core sft``: a backend, the rollout that encodes
-    prompts, loggers), each a kind of which one may run, or one that names its default.
+    prompts, loggers); None: every kind.
 
     Each plugin's options are stored back into ``config.plugin_options`` converted to their
     types, so config.json holds ``0.3`` whether the option came from a flag or a TOML file.
@@ -73,7 +73,7 @@ def select_plugins(config: RunConfig, kinds: Collection[str] = tuple(KIND_TABLE)
     names: dict[str, list[str]] = {}
     classes: dict[str, type] = {}
     for kind, spec in KIND_TABLE.items():
-        if kind not in kinds:
+        if kinds is not None and kind not in kinds:
             continue
         chosen = selected_names_from(given, kind)
         if spec.default_from:
@@ -118,7 +118,7 @@ def select_plugins(config: RunConfig, kinds: Collection[str] = tuple(KIND_TABLE)
     check_single_choice(plugins, kinds)
     config.plugin_options = typed_options
 
-    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items() if "reward" in kinds]
+    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items() if "reward" in names]
     check_conversation(config, plugins, rewards)
     check_per_trajectory(config, plugins["rollout"][config.rollout])
     loss = next((p for p in plugins.get("loss", {}).values() if not is_wrapper(p, "loss")), None)

@@ -250,6 +250,8 @@ def skip_reason(page: str, command: str) -> str | None:
         return BENCHMARK
     if page == "docs/scaling-out.md":
         return "a server, GPUs, several hosts or a hub model (fsdp on gloo: tests/plugins/backends)"
+    if page == "docs/sft.md":
+        return "run in order, with what they print checked, by tests/core/test_sft.py (the SFT -> RL recipe)"
     return SKIPPED.get(page, {}).get(command)
 
 

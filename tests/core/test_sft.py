@@ -322,3 +322,68 @@ def test_example_datum_weights_follow_its_mask():
     example = Example("x", [5, 6, 7, 8], [0.0, 0.0, 1.0, 1.0])
     assert example.target_tokens == 2
     assert example.datum().model_input.to_ints() == [5, 6, 7]
+
+
+def test_sft_help_lists_its_settings_in_their_sections_and_no_rl_setting():
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+    from grpo_core.config import MODEL_AND_DATA, OPTIMIZER, PLUGINS, SFT, cli_fields
+
+    text = CliRunner().invoke(main, ["sft", "--help"], terminal_width=200).output
+    flags: dict[str, list[str]] = {}
+    for block in text.split("\n\n"):
+        title, *rows = block.splitlines()
+        if title.endswith(":") and rows:
+            flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
+    for field in cli_fields(SFTConfig):
+        assert f"--{field.name.replace('_', '-')}" in flags[field.metadata["section"]], field.name
+    assert flags[SFT][:2] == ["--completion-field", "--completion-template"] and "--dataset" in flags[MODEL_AND_DATA]
+    assert flags[PLUGINS] == ["--backend", "--rollout", "--logger", "--backend-opt", "--rollout-opt", "--logger-opt"]
+    assert "--learning-rate" in flags[OPTIMIZER]
+    for rl in ("--temperature", "--loss", "--reward", "--completions-per-prompt", "--loop", "--sampler"):
+        assert f"  {rl} " not in text, rl
+
+
+STYLE = "reward/mean "
+"""What `grpo-core eval` prints before the share of answers the format reward passes."""
+
+
+def reward_mean(out) -> float:
+    return float(out.stdout.split(STYLE)[1].split()[0])
+
+
+@pytest.mark.slow
+def test_the_sft_page_runs_and_its_recipe_changes_the_answer_style(tmp_path):
+    """docs/sft.md's commands in order (the GRPO run cut to 2 steps): the acceptance run's loss falls and its
+    final/ is a model eval and run load; SFT on restyled answers makes the greedy answers end in 'Answer: N'."""
+    from tests.conftest import REPO
+    from tests.test_docs import documented_commands, run_command
+
+    for entry in REPO.iterdir():
+        if entry.name not in ("runs", ".git", ".venv"):
+            (tmp_path / entry.name).symlink_to(entry)
+    printed = []
+    for page, command in documented_commands():
+        if page != "docs/sft.md":
+            continue
+        out = run_command(command.replace("--max-steps 30 --run-dir runs/rl", "--max-steps 2 --run-dir runs/rl"), tmp_path)
+        assert out.returncode == 0, f"{command}\n{out.stderr[-3000:]}"
+        printed.append((command, out))
+    assert len(printed) == 10
+    summary = json.loads((tmp_path / "runs" / "sft-answers" / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["loss_last"] < 0.8 * summary["loss_first"], summary
+    for extra in (
+        ("eval", "--model", "runs/sft-answers/final", "--max-rows", "10"),
+        ("run", "--model", "runs/sft-answers/final", "--max-steps", "1"),
+    ):
+        assert (
+            run_command(
+                " ".join(("grpo-core", *extra, "--run-dir", "runs/rl-answers") if extra[0] == "run" else ("grpo-core", *extra)), tmp_path
+            ).returncode
+            == 0
+        )
+    styles = [reward_mean(out) for command, out in printed if "pattern=" in command]
+    assert styles[0] == 0.0 and styles[1] >= 0.9 and styles[2] >= 0.8, styles  # base, after SFT, after the 2 GRPO steps
+    correct = [reward_mean(out) for command, out in printed if command.startswith("grpo-core eval") and "pattern=" not in command]
+    assert correct[0] >= 0.5, correct  # the SFT policy still solves most problems, in its new style
