@@ -422,3 +422,23 @@ def test_an_sft_run_killed_with_sigkill_resumes_bitwise_equal(tiny_model_dir, ti
     a, b = safetensors_of(whole / "final"), safetensors_of(killed / "final")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert [computed_only(m) for m in metrics_of(killed)] == [computed_only(m) for m in metrics_of(whole)]
+
+
+@pytest.mark.slow
+def test_sft_on_two_fsdp_ranks_ends_where_the_local_backend_ends(tiny_model_dir, tiny_dataset, tmp_path):
+    from tests.helpers import grpo_core, safetensors_of
+
+    def args(run_dir):
+        return [*sft_args(tiny_model_dir, tiny_dataset, run_dir), "--max-steps", "3", "--learning-rate", "1e-3"]
+
+    local = grpo_core_in_process(*args(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr
+    sharded = grpo_core(*args(tmp_path / "fsdp"), "--backend", "fsdp", "--backend-opt", "nproc=2")
+    assert sharded.returncode == 0, sharded.stderr
+    ours, theirs = safetensors_of(tmp_path / "fsdp" / "final"), safetensors_of(tmp_path / "local" / "final")
+    initial = safetensors_of(tiny_model_dir)
+    assert max(float((theirs[k] - initial[k]).abs().max()) for k in theirs) > 1e-4  # it trained
+    # AdamW's first steps move each weight by about lr whatever its gradient: 1e-3 keeps summation-order digits well inside 1e-4.
+    assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) <= 1e-4
+    losses = [[m["loss/total"] for m in metrics_of(tmp_path / run)] for run in ("fsdp", "local")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-4)
