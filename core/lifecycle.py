@@ -304,11 +304,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     total_steps = plan_steps(config, len(dataset.prompts))
     evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = Path(str(config.run_dir))
-    newest = resume_point(run_dir, total_steps) if resume else None
-    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
-    if newest is not None:
-        check_same_data(run_dir, *rows)
-    trainer = make_trainer(config, selection, newest, total_steps)
+    trainer, newest, rows = resume_point_and_trainer(config, selection, dataset, total_steps, resume)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
@@ -334,6 +330,19 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
     return r
+
+
+def resume_point_and_trainer(
+    config: RunConfig, selection: Any, dataset: Any, total_steps: int, resume: bool
+) -> tuple[Any, Path | None, tuple[str, int, str]]:
+    """The backend's trainer; with it, the checkpoint a resumed run continues from (its rows checked
+    unchanged), and the rows' name, count and fingerprint (what data.json records)."""
+    run_dir = Path(str(config.run_dir))
+    newest = resume_point(run_dir, total_steps) if resume else None
+    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
+    if newest is not None:
+        check_same_data(run_dir, *rows)
+    return make_trainer(config, selection, newest, total_steps), newest, rows
 
 
 def make_trainer(config: RunConfig, selection: Any, newest: Path | None, total_steps: int) -> Any:

@@ -24,7 +24,7 @@ import attrs
 
 from grpo_core.checkpoint import capture_rng
 from grpo_core.config import SFTConfig
-from grpo_core.data import load_dataset, prompt_batches, rows_fingerprint, steps_available
+from grpo_core.data import load_dataset, prompt_batches, steps_available
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
@@ -34,18 +34,16 @@ from grpo_core.lifecycle import (
     end_step,
     finish_run,
     guard_run,
-    make_trainer,
     open_run_folder,
     own_run_dir,
-    resume_point,
+    resume_point_and_trainer,
     resume_state,
     seed_everything,
 )
 from grpo_core.measure import EVAL_DATASET, evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
-from grpo_core.run_dir import check_same_data
 from grpo_core.selection import select_plugins
-from grpo_core.stages import adam_params, fwd_bwd_chunks, learning_rate, record_perf
+from grpo_core.stages import fwd_bwd_chunks, learning_rate, optimizer_step, record_perf
 from grpo_core.types import Prompt, RunState
 
 SHOWN_LONG = 3
@@ -221,11 +219,7 @@ def sft_step(trainer: Any, examples: Sequence[Example], config: SFTConfig, lr: f
             call_tokens = float(sum(mask[i].sum() for i in idx))
             for key, value in result.metrics.items():
                 record(key, value, "mean", weight=call_tokens)
-        optim = trainer.optim_step(adam_params(config, lr))
-        skipped = optim.pop("optim/skipped_nonfinite", 0.0)
-        record("optim/skipped_nonfinite", skipped, "sum")
-        record("optim/updates", 0 if skipped else 1, "sum")
-        metrics.update(optim, "mean")
+        optimizer_step(trainer, config, lr)
     return metrics
 
 
@@ -296,13 +290,8 @@ def start_sft(config: SFTConfig, resume: bool) -> Run:
         raise PluginError(f"the dataset has {len(examples.examples)} examples, fewer than --examples-per-step {config.examples_per_step}")
     total_steps = min(total_steps, config.max_steps) if config.max_steps is not None else total_steps
     evaluator = held_out_loss(config, rollout, tokenizer, max_len, total_steps)
-    run_dir = Path(str(config.run_dir))
-    newest = resume_point(run_dir, total_steps) if resume else None
-    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
-    if newest is not None:
-        check_same_data(run_dir, *rows)
-    trainer = make_trainer(config, selection, newest, total_steps)
-    state = RunState(run_dir=run_dir, total_steps=total_steps, data={**dataset.counts, **examples.counts})
+    trainer, newest, rows = resume_point_and_trainer(config, selection, dataset, total_steps, resume)
+    state = RunState(run_dir=Path(str(config.run_dir)), total_steps=total_steps, data={**dataset.counts, **examples.counts})
     unobserved = resume_state(newest, trainer, None, state) if newest is not None else None
     open_run_folder(
         config, selection, state, newest is not None, rows, {"trainer": declared(trainer, "trainer object", "run_info")}, unobserved

@@ -161,6 +161,46 @@ def test_a_chat_row_trains_every_assistant_turn_and_nothing_else(tokenizer):
     assert tokenizer.decode(example.tokens).count("<|endoftext|>") == 4
 
 
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_a_prompt_in_the_chat_template_is_taught_its_assistant_turn_as_the_rollout_encodes_it(
+    tokenizer, tiny_model_dir, tiny_dataset, chat_template
+):
+    prompt = Prompt(id="p:1", text="what is 1 plus 2?", metadata={"completion": "3"})
+    rollout = make_plugin("rollout.single_turn", chat_template=chat_template)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        config = SFTConfig(model=str(tiny_model_dir), dataset=str(tiny_dataset))
+        (example,) = encode_examples([prompt], rollout, tokenizer, config, None).examples
+        prompt_tokens = rollout.encode(tokenizer, prompt)
+    finally:
+        tokenizer.chat_template = None
+    context = example.loss_mask.index(1.0)
+    assert example.tokens[:context] == prompt_tokens and not any(example.loss_mask[:context])
+    target = tokenizer.decode(example.tokens[context:])
+    # In the template the target is the assistant turn it renders, closed by it; without, the text and eos.
+    assert target == "3<|endoftext|>"
+    assert tokenizer.decode(prompt_tokens).endswith("assistant\n" if chat_template else "plus 2?")
+
+
+def test_messages_rows_train_through_the_command(tiny_model_dir, tiny_dataset, tmp_path):
+    import shutil
+
+    model = tmp_path / "chat_model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    rows = tmp_path / "chats.jsonl"
+    chats = [[{"role": "user", "content": f"what is {a} plus 1?"}, {"role": "assistant", "content": f"{a + 1}"}] for a in range(8)]
+    rows.write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats))
+    out = grpo_core_in_process(
+        "sft", "--model", str(model), "--dataset", str(rows), "--examples-per-step", "4", "--run-dir", str(tmp_path / "sft")
+    )
+    assert out.returncode == 0, out.stderr
+    records = metrics_of(tmp_path / "sft")
+    assert len(records) == 2 and records[0]["data/examples"] == 8
+    assert records[0]["train/tokens"] == 4 * 2  # each answer's one digit and the turn's closing token
+
+
 def test_a_chat_row_without_an_assistant_turn_or_template_is_refused(tokenizer):
     from grpo_core.errors import DataError
 
