@@ -305,7 +305,11 @@ def test_the_commands_of_a_page_run_as_written(page, tmp_path):
             # The docs' runs/<time> is a run of the embedded task ("embedded task: its test split"), not
             # the wandb one: resuming that needs the WANDB_MODE=offline its command line set.
             configs = {r: json.loads((r / "config.json").read_text()) for r in (tmp_path / "runs").iterdir()}
-            embedded = [r for r, c in configs.items() if c["dataset"] == "default" and "wandb" not in c["logger"]]
+            embedded = [
+                r
+                for r, c in configs.items()
+                if c["dataset"] == "default" and "wandb" not in c["logger"] and c.get("command", "run") == "run"
+            ]
             latest = max(embedded, key=lambda run: run.stat().st_mtime)
             command = command.replace("runs/<time>", f"runs/{latest.name}")
         out = run_command(command, tmp_path)
