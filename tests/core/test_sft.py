@@ -291,6 +291,8 @@ def test_a_stopped_sft_run_resumes_to_the_weights_of_one_that_never_stopped(tiny
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [m["loss/total"] for m in metrics_of(stopped)] == [m["loss/total"] for m in metrics_of(whole)]
 
+    changed = grpo_core_in_process("sft", "--resume", str(stopped), "--completion-template", "{completion}!")
+    assert changed.returncode == 1 and "--completion-template cannot change" in changed.stderr, changed.stderr
     refused = grpo_core_in_process("run", "--resume", str(stopped))
     assert refused.returncode == 1
     assert f"it is a grpo-core sft run; continue it with grpo-core sft --resume {stopped}" in refused.stderr
