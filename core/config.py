@@ -510,7 +510,9 @@ class SFTConfig(RunConfig):
     kinds: ClassVar[tuple[str, ...]] = ("backend", "rollout", "logger")
 
     completion_field: str = _field(
-        "completion", "dataset field holding the target text that follows the prompt (rows with 'messages' need none)", SFT
+        "completion",
+        "dataset field holding the target that follows the prompt: text, or token ids taken as they are (rows with 'messages' need none)",
+        SFT,
     )
     completion_template: str = _field(
         "{completion}",

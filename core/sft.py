@@ -103,10 +103,13 @@ def chat_example(tokenizer: Any, prompt: Prompt) -> Example:
     return Example(prompt.id, tokens, mask)
 
 
-def prompt_example(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], chat: bool, completion: str) -> Example:
+def prompt_example(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], chat: bool, completion: str | list[int]) -> Example:
     """A prompt row: ``prompt_tokens`` (as the rollout encodes the prompt) and the ``completion``
-    after them; in the chat template's assistant turn where ``chat``, else followed by the eos token."""
-    if chat:
+    after them; in the chat template's assistant turn where ``chat``, else followed by the eos
+    token. A completion of token ids is the target as it is."""
+    if isinstance(completion, list):
+        target = completion
+    elif chat:
         full = render_chat(tokenizer, [{"role": "user", "content": prompt.text}, {"role": "assistant", "content": completion}], False)
         if full[: len(prompt_tokens)] != prompt_tokens:
             raise DataError(f"{prompt.id}: the chat template renders the prompt differently once an answer follows it")
@@ -117,16 +120,19 @@ def prompt_example(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], cha
     return Example(prompt.id, prompt_tokens + target, [0.0] * len(prompt_tokens) + [1.0] * len(target))
 
 
-def completion_text(prompt: Prompt, config: SFTConfig) -> str:
-    row = prompt.metadata
-    if config.completion_field not in row:
-        raise DataError(
-            f"{prompt.id}: missing field '{config.completion_field}' (fields: {', '.join(row) or 'none'}); set --completion-field"
-        )
-    text = row[config.completion_field]
-    if not isinstance(text, str) or not text.strip():
-        raise DataError(f"{prompt.id}: the target (field '{config.completion_field}') is empty or not a string")
-    return config.completion_template.replace("{completion}", text)
+def completion_of(prompt: Prompt, config: SFTConfig, vocab_size: int) -> str | list[int]:
+    """The row's target: its text in ``--completion-template``, or a list of token ids (pre-tokenized: taken as they are)."""
+    row, field = prompt.metadata, config.completion_field
+    if field not in row:
+        raise DataError(f"{prompt.id}: missing field '{field}' (fields: {', '.join(row) or 'none'}); set --completion-field")
+    value = row[field]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not all(0 <= t < vocab_size for t in value):
+            raise DataError(f"{prompt.id}: the target (field '{field}') holds token ids outside the vocabulary (0-{vocab_size - 1})")
+        return value
+    if not isinstance(value, str) or not value.strip():
+        raise DataError(f"{prompt.id}: the target (field '{field}') is empty, or neither a string nor a list of token ids")
+    return config.completion_template.replace("{completion}", value)
 
 
 @attrs.define
@@ -162,7 +168,7 @@ def encode_examples(prompts: Sequence[Prompt], rollout: Any, tokenizer: Any, con
         if prompt.messages is not None:
             example = chat_example(tokenizer, prompt)
         else:
-            example = prompt_example(tokenizer, prompt, encode(tokenizer, prompt), chat, completion_text(prompt, config))
+            example = prompt_example(tokenizer, prompt, encode(tokenizer, prompt), chat, completion_of(prompt, config, len(tokenizer)))
         if max_len is None or len(example.tokens) <= max_len:
             result.examples.append(example)
             continue

@@ -79,6 +79,18 @@ def test_a_prompt_row_is_its_prompt_untrained_then_its_target_and_eos(tokenizer,
     assert datum.loss_fn_inputs["target_tokens"].data == example.tokens[1:]
 
 
+def test_a_target_of_token_ids_is_trained_as_it_is(tokenizer, tiny_model_dir, tiny_dataset):
+    from grpo_core.errors import DataError
+
+    config = tiny_config(tiny_model_dir, tiny_dataset, completion_template=" {completion}")
+    row = attrs.evolve(rows(1)[0], metadata={"answer": [17, 18, 0]})
+    (example,) = examples_of(tokenizer, [row], config)
+    assert example.tokens[-3:] == [17, 18, 0] and example.target_tokens == 3
+    for bad, message in (([17, 9999], "token ids outside the vocabulary"), ([], "empty, or neither"), (5, "neither a string")):
+        with pytest.raises(DataError, match=message):
+            examples_of(tokenizer, [attrs.evolve(row, metadata={"answer": bad})], config)
+
+
 def test_the_loss_is_the_mean_cross_entropy_of_target_tokens_only(tokenizer, trainer, tiny_model_dir, tiny_dataset):
     config = tiny_config(tiny_model_dir, tiny_dataset)
     examples = examples_of(tokenizer, rows(3), config)
