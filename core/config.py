@@ -474,6 +474,16 @@ class RunConfig:
         return self.weight_sync_interval != 1 or self.loop == "async"
 
     @property
+    def sequences_per_update(self) -> int:
+        """Sequences one optimizer update trains on (the memory plan sizes a step by it): a share of a step's groups."""
+        return self.prompt_groups_per_step * self.completions_per_prompt // self.minibatches_per_step
+
+    @property
+    def shares_prompts(self) -> bool:
+        """A step's sequences come in groups that share their prompt (a trainer may run each prompt once for its group)."""
+        return True
+
+    @property
     def samples_while_training(self) -> bool:
         """Rollouts run while the trainer trains (the async loop): an engine that shares the device
         with the trainer never idles, so it can never free its memory between steps."""
@@ -530,6 +540,14 @@ class SFTConfig(RunConfig):
         "or leave it out (counted: data/skipped_long_examples)",
         SFT,
     )
+
+    @property
+    def sequences_per_update(self) -> int:
+        return self.examples_per_step
+
+    @property
+    def shares_prompts(self) -> bool:
+        return False
 
 
 SFTConfig.given_fields = (*SFT_RUN_FIELDS, *(f.name for f in attrs.fields(SFTConfig) if f.metadata.get("section") == SFT))

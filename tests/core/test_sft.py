@@ -496,3 +496,14 @@ def test_sft_on_two_fsdp_ranks_ends_where_the_local_backend_ends(tiny_model_dir,
     assert max(float((ours[k] - theirs[k]).abs().max()) for k in theirs) <= 1e-4
     losses = [[m["loss/total"] for m in metrics_of(tmp_path / run)] for run in ("fsdp", "local")]
     assert losses[0] == pytest.approx(losses[1], abs=1e-4)
+
+
+def test_the_trainer_plans_an_sft_step_as_its_examples_not_as_rl_groups(tiny_model_dir, tiny_dataset, tmp_path):
+    from grpo_core.config import RunConfig
+
+    assert SFTConfig(examples_per_step=3).sequences_per_update == 3 and not SFTConfig().shares_prompts
+    assert RunConfig(prompt_groups_per_step=4, completions_per_prompt=8, minibatches_per_step=2).sequences_per_update == 16
+    out = grpo_core_in_process(*sft_args(tiny_model_dir, tiny_dataset, tmp_path / "sft", "--max-steps", "1"))
+    assert out.returncode == 0, out.stderr
+    compile_line = next(line for line in out.stderr.splitlines() if line.startswith("compile:"))
+    assert "share their prompt" not in compile_line, compile_line
