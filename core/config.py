@@ -457,7 +457,7 @@ class RunConfig:
     def __attrs_post_init__(self) -> None:
         if not self.reward:
             # An environment scores its own conversations; without one the embedded task's reward.
-            self.reward = {"env" if self.env else "gsm8k": 1.0}
+            self.reward = {"env" if self.env else "agent" if self.rollout == "agent" else "gsm8k": 1.0}
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -190,6 +190,10 @@ SKIPPED = {
             "my_tasks is the reader's own module"
         ),
     },
+    "docs/agents.md": {
+        'grpo-core run --rollout agent --rollout-opt command="python examples/agent.py" --prompt-groups-per-step 2 '
+        "--completions-per-prompt 4 --max-steps 3": "run by tests/plugins/rollouts/test_agent.py, which checks that every step trains",
+    },
     "docs/performance.md": {},  # filled below: every command there is a benchmark
     "docs/quickstart.md": {
         'pip install torch==2.13.0 -e ".[test]"': PIP,

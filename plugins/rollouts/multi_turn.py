@@ -218,20 +218,12 @@ class MultiTurnRollout:
         return samples
 
     def _tool_format(self, tokenizer: Any) -> str:
-        if self.tool_format != "auto":
-            return self.tool_format
-        template = self._template(tokenizer) or getattr(tokenizer, "chat_template", None)
-        return detect(str(template), tokenizer.get_added_vocab()) or "hermes"
+        return tool_format_name(tokenizer, self._template(tokenizer), self.tool_format)
 
     def _template(self, tokenizer: Any) -> str | None:
         """The plain template, or None for the tokenizer's own (which may be several, by name)."""
-        own = getattr(tokenizer, "chat_template", None)
-        if self.template == "tokenizer" and own is None:
-            raise PluginError(
-                "the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one"
-            )
-        template = PLAIN_TEMPLATE if self.template == "plain" or own is None else None
-        if self.enable_thinking is not None and "enable_thinking" not in str(template or own):
+        template = chat_template(tokenizer, self.template)
+        if self.enable_thinking is not None and "enable_thinking" not in str(template or getattr(tokenizer, "chat_template", None)):
             raise PluginError(
                 "--rollout-opt enable_thinking is given but the chat template does not read enable_thinking (only hybrid "
                 "thinking templates such as Qwen3's do)"
@@ -469,6 +461,23 @@ class MultiTurnRollout:
             )
             for tokens, logprobs, mask, turns, routes in [*conv.earlier_samples, current]
         ]
+
+
+def chat_template(tokenizer: Any, choice: str) -> str | None:
+    """The chat template a rollout's ``template`` option chooses: grpo-core's plain one, or None for
+    the tokenizer's own (auto: the tokenizer's when it has one)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if choice == "tokenizer" and own is None:
+        raise PluginError("the tokenizer has no chat template: pass --rollout-opt template=plain (or auto) to use grpo-core's plain one")
+    return PLAIN_TEMPLATE if choice == "plain" or own is None else None
+
+
+def tool_format_name(tokenizer: Any, template: str | None, choice: str) -> str:
+    """The tool-call format a rollout's ``tool_format`` option chooses: auto reads the one the chat
+    template or the tokenizer's special tokens show, else hermes."""
+    if choice != "auto":
+        return choice
+    return detect(str(template or getattr(tokenizer, "chat_template", None)), tokenizer.get_added_vocab()) or "hermes"
 
 
 def extended_routes(known: Any, new: Any, upto: int) -> Any:
