@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -558,7 +559,10 @@ class AsyncLoop:
     def wait_for_batch(self, step: int) -> tuple[list[Finished] | None, int]:
         """The rollouts of the next step (None when the prompts ran out), and how many stale groups
         went back to the queue. Marks the step as training: a draining gate starts nothing until it ends."""
-        requeued = 0
+        requeued, said = 0, False
+        # As --dynamic-sampling's rounds in the sync loop: without enough groups with signal, a step
+        # trains what it has once this many prompts arrived, rather than roll out the whole dataset.
+        most = self.config.max_sampling_rounds * self.gate.groups_per_step
         with self.cond:
             while True:
                 if self.error is not None:
@@ -567,9 +571,19 @@ class AsyncLoop:
                 if self.waits_for_a_requeued_group():
                     self.cond.wait(timeout=0.5)
                     continue
+                arrived = sum(len(f.taken) for f in self.arrived)
+                if not said and arrived >= self.gate.groups_per_step > self.gate.ready:
+                    said = True
+                    print(
+                        f"step {step}: {arrived} prompts rolled out, {self.gate.ready} groups with signal of "
+                        f"{self.gate.groups_per_step}; sampling on, up to {most} prompts (--max-sampling-rounds "
+                        f"{self.config.max_sampling_rounds}), then the step trains what it has",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if self.gate.drain and self.arrived:
                     batch = [self.arrived.popleft()]
-                elif not self.gate.drain and self.gate.ready >= self.gate.groups_per_step:
+                elif not self.gate.drain and (self.gate.ready >= self.gate.groups_per_step or arrived >= most):
                     batch = self.take_ready(self.gate.groups_per_step)
                 elif self.gate.in_flight == 0 and not self.queue.has_more():
                     if not self.arrived:

@@ -8,7 +8,9 @@ grpo-core runs unchanged on the local backend and on a remote Tinker service.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import io
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from grpo_core.errors import PluginError
@@ -136,3 +138,17 @@ def routes_data(routes: torch.Tensor) -> tinker.TensorData:
     import tinker
 
     return tinker.TensorData(data=routes.numpy(), dtype="int64", shape=list(routes.shape))
+
+
+@contextlib.contextmanager
+def without_training_lines() -> Iterator[None]:
+    """Make a trainer only to hold a policy (``eval``, ``export``): the lines it prints about how it
+    would train (precision, optimizer, memory plan, ...) are held back; its warnings still show."""
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            yield
+    finally:
+        for line in said.getvalue().splitlines():
+            if line.startswith(("warning", "note")):
+                print(line, file=sys.stderr)

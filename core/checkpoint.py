@@ -226,7 +226,10 @@ def human(size: int) -> str:
 
 
 ADAM_BYTES_PER_PARAMETER = 8
-"""AdamW's two fp32 moments per trained parameter: the optimizer state a checkpoint holds today."""
+"""AdamW's two fp32 moments per trained parameter: the optimizer state a checkpoint holds by default."""
+MOMENT_BYTES = {"fp32": 8.0, "bf16": 4.0, "8bit": 2.0 + 2 * 4 / 256, "offload": 8.0}
+"""What a checkpoint holds of AdamW's two moments per trained parameter, by ``--optimizer-state``
+(grpo_core.engine.optim): 8bit is a byte of each and a float32 absmax per 256 (QUANT_BLOCK) elements of each."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
@@ -259,20 +262,26 @@ def tensor_shapes(folder: Path) -> dict[str, list[int]] | None:
     return shapes or None
 
 
-def estimated_bytes(shapes: dict[str, list[int]], weight_bytes: int, lora_rank: int) -> tuple[int, int, str]:
+def estimated_bytes(
+    shapes: dict[str, list[int]], weight_bytes: int, lora_rank: int, optimizer_state: str = "fp32", saved_weight_bytes: int | None = None
+) -> tuple[int, int, str]:
     """What one checkpoint and ``final/`` hold for a model of these tensors, and the first in words.
 
-    A full fine-tune saves every weight in its dtype and two fp32 moments per weight; a LoRA run
-    saves its adapters only, counted here as rank x (rows + columns) of every matrix in the
-    decoder layers (the most ``all-linear`` adds), in fp32. ``final/`` is the whole (merged) model.
+    A full fine-tune saves every weight in its dtype (``saved_weight_bytes`` where the trainer saves
+    them otherwise: fsdp's float32 master weights) and AdamW's two moments per weight as
+    ``optimizer_state`` keeps them (:data:`MOMENT_BYTES`); a LoRA run saves its adapters only,
+    counted here as rank x (rows + columns) of every matrix in the decoder layers (the most
+    ``all-linear`` adds), in fp32. ``final/`` is the whole (merged) model in its dtype.
     """
     parameters = sum(math.prod(shape) for shape in shapes.values())
     final = parameters * weight_bytes
+    moments = f"{optimizer_state} AdamW moments"
     if not lora_rank:
-        return final + parameters * ADAM_BYTES_PER_PARAMETER, final, f"weights {human(final)} + fp32 AdamW moments"
+        weights = parameters * (saved_weight_bytes or weight_bytes)
+        return weights + round(parameters * MOMENT_BYTES[optimizer_state]), final, f"weights {human(weights)} + {moments}"
     trained = sum(lora_rank * (shape[0] + shape[1]) for name, shape in shapes.items() if len(shape) == 2 and "layers." in name)
     adapters = trained * DTYPE_BYTES["float32"]
-    return adapters + trained * ADAM_BYTES_PER_PARAMETER, final, f"LoRA adapters {human(adapters)} + fp32 AdamW moments"
+    return adapters + round(trained * MOMENT_BYTES[optimizer_state]), final, f"LoRA adapters {human(adapters)} + {moments}"
 
 
 def peak_bytes(each: int, final: int, existing: int, writes: int, keep: int) -> int:

@@ -19,10 +19,8 @@ import click
 
 from grpo_core import __version__
 from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, RunConfig, SFTConfig, cli_fields
-from grpo_core.errors import PluginError
+from grpo_core.errors import EXIT_ERROR, PluginError
 
-EXIT_ERROR = 1
-"""A run that the user can fix: bad config, data or plugin; a training failure it explains."""
 EXIT_INTERNAL = 3
 """An unexpected error (a bug in grpo-core or a plugin): the traceback is written to a file."""
 

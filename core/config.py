@@ -291,7 +291,8 @@ class RunConfig:
     )
     max_sampling_rounds: int = _field(
         4,
-        "with --dynamic-sampling: rollout rounds per step at most; then the step trains the groups it has",
+        "with --dynamic-sampling: rollout rounds per step at most; the async loop: a step waits for at most N times "
+        "prompt_groups_per_step prompts; then the step trains the groups it has",
         GRPO_STEP,
         validator=_positive,
     )

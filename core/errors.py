@@ -4,6 +4,9 @@ Kept apart from every other module so that any of them can raise one without imp
 plugin manager (or anything else) of the core.
 """
 
+EXIT_ERROR = 1
+"""The exit code of an error the user can fix: bad config, data or plugin; a training failure it explains."""
+
 
 class PluginError(Exception):
     """A plugin cannot be found, loaded or configured, or an input is wrong; the message is meant for the user."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from grpo_core.backend import without_training_lines
 from grpo_core.config import RunConfig, cli_fields, typed_value
 from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
@@ -74,7 +75,8 @@ def evaluate(
     rollout = selection.plugins["rollout"][0]
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, rollout, tokenizer, max_context, config.max_completion_tokens)
-    trainer = pm.hook.make_trainer(config=config)
+    with without_training_lines():
+        trainer = pm.hook.make_trainer(config=config)
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     prompts = dataset.prompts
     chat = declared(rollout, "rollout", "chat_template")

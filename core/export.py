@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from grpo_core.backend import without_training_lines
 from grpo_core.checkpoint import STATE_FILE, TRAINER_STATE, checkpoint_dir, complete_checkpoints, save_policy
 from grpo_core.data import PROMPT_SETTINGS_FILE, write_prompt_settings
 from grpo_core.errors import PluginError
@@ -79,7 +80,8 @@ def read_run_config(run: Path) -> Any:
 def _write_checkpoint_policy(config: Any, backend_options: dict[str, Any], checkpoint: Path, folder: Path) -> None:
     from grpo_core.plugins_manager import make_plugin
 
-    trainer = make_plugin(config.backend, "backend", **backend_options).make_trainer(config=config)
+    with without_training_lines():
+        trainer = make_plugin(config.backend, "backend", **backend_options).make_trainer(config=config)
     trainer.load_state(str(checkpoint / TRAINER_STATE))
     trainer.save_weights_for_sampler(str(folder))
     if (checkpoint / PROMPT_SETTINGS_FILE).is_file():

@@ -60,13 +60,16 @@ def load_tokenizer(config: RunConfig) -> tuple[Any, int | None]:
 
 
 @hookspec
-def check_config(config: RunConfig) -> None:
+def check_config(config: RunConfig, plugins: dict[str, list[Any]]) -> None:
     """Refuse what this plugin cannot do with ``config``, before anything loads: called on every
     selected plugin of any kind once the plugins are chosen, before the data, the tokenizer and
     the models (a model load or an engine start can take minutes, a refusal should not wait for
     them). Raise ``grpo_core.errors.PluginError`` naming the input and the fix.
 
     :param config: the resolved run configuration.
+    :param plugins: the selected plugins by kind, defaults resolved (a weight sync reads the sampler
+        plugin it must reach, a backend the sampler it must share a process with); read their
+        declared attributes, as everywhere.
     """
 
 

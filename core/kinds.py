@@ -93,6 +93,12 @@ KIND_TABLE: dict[str, Kind] = {
                 "its trainer's save_state writes the weights and optimizer state into the checkpoint folder, so the disk plan "
                 "at start counts them; False: a service keeps them, and the plan counts final/ only",
             ),
+            "checkpoint_weights": Attribute(
+                "str | None",
+                None,
+                "the dtype its checkpoints hold the weights in whatever --dtype (fsdp: float32, its master weights), for "
+                "the disk plan at start; None: --dtype's",
+            ),
             "serve_rank": Attribute(
                 "callable | None",
                 None,
@@ -175,9 +181,11 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "perf_counters": Attribute(
             "callable | None",
             None,
-            "perf_counters() -> {'parameters': N, 'peak_flops': FLOP/s, 'peak_memory_gib': GiB}, any of them, read at each step's "
-            "end: perf/mfu is 6·N·train/forward_tokens / time/train / peak_flops, perf/peak_memory_gib the memory at its peak "
-            "since the last call; None: neither is logged",
+            "perf_counters() -> {'parameters': N, 'peak_flops': FLOP/s, 'peak_memory_gib': GiB, 'forward_tokens': T}, any of "
+            "them, read at each step's end: T the tokens its forward_backward calls ran since the last call (a shared prompt "
+            "once; default train/forward_tokens, the tokens it was sent), perf/train_tokens_per_s is T / time/train, perf/mfu "
+            "6·N·T / time/train / peak_flops, perf/peak_memory_gib the memory at its peak since the last call; None: neither "
+            "mfu nor memory is logged",
         ),
         "checkpoint_bytes": Attribute(
             "int | None",

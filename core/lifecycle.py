@@ -49,10 +49,11 @@ from grpo_core.checkpoint import (
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.embedded import ASSETS
-from grpo_core.errors import PluginError
+from grpo_core.errors import EXIT_ERROR, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import training_eval
 from grpo_core.metrics import Metrics, scope
+from grpo_core.options import missing_folder
 from grpo_core.plugins_manager import write_config
 from grpo_core.run_dir import (
     DATA_FILE,
@@ -65,6 +66,7 @@ from grpo_core.run_dir import (
     locked,
     move_aside,
     record_data,
+    record_files,
     remove,
     restore,
 )
@@ -121,14 +123,15 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
             raise CheckpointError(f"{unsaved}; {exc}: the weights trained since are lost") from exc
     finally:
         restore_signals()
-    summary = summarize(state, started, final, checkpoint, config.tracked)
+    # Decided before the summary is written, so that summary.json holds the exit code the run ends with.
+    failure: PluginError | None = CheckpointError(f"{unsaved}; {policy_saved(state, final)}") if unsaved is not None else None
+    if failure is None and (problem := nothing_trained(r)):
+        failure = PluginError(problem)
+    summary = summarize(state, started, final, checkpoint, config.tracked, failed=failure is not None)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
-    if unsaved is not None:
-        raise CheckpointError(f"{unsaved}; {policy_saved(state, final)}")
-    problem = nothing_trained(r)
-    if problem:
-        raise PluginError(problem)
+    if failure is not None:
+        raise failure
     return summary
 
 
@@ -173,9 +176,12 @@ def nothing_trained(r: Run) -> str | None:
         kept = f"{state.groups_trained:g} groups of {state.samples_kept:g} samples"
         return f"nothing was trained: {steps} kept {kept}, but no token of theirs was trained ({why}); {fix}"
     if dropped.get("failed"):
+        fix = "fix the reward and start again"
+        if state.reward_failures.last_was_cut:
+            fix = f"raise --max-completion-tokens ({r.config.max_completion_tokens}: the budget they ran out of) or allow fewer turns"
         return (
             f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
-            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); fix the reward and start again"
+            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); {fix}"
         )
     if state.start_step:
         return None
@@ -274,6 +280,8 @@ def own_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Iterator[No
             start.undo()
             raise
         finally:
+            if start.begun and path.is_dir():
+                record_files(path)
             STARTING.reset(token)
 
 
@@ -297,7 +305,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     check_model_folder(config.model)
     selection = select_plugins(config)
     pm = selection.manager
-    pm.hook.check_config(config=config)
+    pm.hook.check_config(config=config, plugins=selection.plugins)
     dataset = load_dataset(config, selection.rewards_needing_answer)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
@@ -391,6 +399,7 @@ def open_run_folder(
     write_config(config, run_dir / "config.json", run_info)
     record_data(run_dir, *rows)
     start_plugins(selection.manager, lambda plugin: id(plugin) in loggers, start_args)
+    record_files(run_dir)
 
 
 def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:
@@ -472,6 +481,7 @@ def end_step(
     last = step == config.max_steps or state.interrupted or state.stop_reason is not None
     if config.checkpoint_every and step % config.checkpoint_every == 0 and not last:
         write_checkpoint(state, config, r.trainer, background=True)
+    record_files(state.run_dir)
     if state.interrupted:
         state.request_stop(f"interrupted after step {step}")
     return state.stop_reason is not None
@@ -550,7 +560,9 @@ def disk_plan(config: RunConfig, backend: Any, newest: Path | None, total_steps:
     shapes = tensor_shapes(folder) if folder is not None else None
     each = final = None
     if shapes is not None:
-        each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank)
+        saved_as = declared(backend, "backend", "checkpoint_weights")
+        saved_bytes = DTYPE_BYTES[saved_as] if saved_as is not None else None
+        each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank, config.optimizer_state, saved_bytes)
     if not declared(backend, "backend", "local_checkpoints"):
         each, each_is = 0, "the backend's service keeps the trainer's state"
     if trainer_bytes is not None:
@@ -689,6 +701,8 @@ def check_model_folder(model: str) -> None:
     """A local ``--model`` folder that cannot be a model is refused before anything loads it, saying
     what it is: a run folder, a folder without a tokenizer, weights cut short."""
     folder = Path(model)
+    if missing_folder(model):
+        raise PluginError(f"--model {model}: no such folder (a model is a local folder or a hub name such as Qwen/Qwen3-0.6B)")
     if not folder.is_dir():
         return  # a hub name, or the embedded model
     if is_run_config(folder / "config.json"):
@@ -765,9 +779,12 @@ def sampling_params(config: RunConfig) -> SamplingParams:
     )
 
 
-def summarize(state: RunState, started: float, final: str, checkpoint: Path | None, tracked: str = "reward") -> dict[str, Any]:
+def summarize(
+    state: RunState, started: float, final: str, checkpoint: Path | None, tracked: str = "reward", failed: bool = False
+) -> dict[str, Any]:
     """The run's outcome; a short run compares the ``tracked`` metric of two halves that do not
-    overlap (up to 10 steps each)."""
+    overlap (up to 10 steps each). ``exit_code`` is the one the command ends with: 1 for a run that
+    ``failed`` (an error the user can fix, raised after the summary is written), else the signal's or 0."""
     history = [r for r in state.history if r is not None and math.isfinite(r)]
     window = min(10, len(history) // 2)
     return {
@@ -780,6 +797,6 @@ def summarize(state: RunState, started: float, final: str, checkpoint: Path | No
         "final_policy": final,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "stop_reason": state.stop_reason,
-        "exit_code": EXIT_CODES.get(state.signal, 0) if state.signal else 0,
+        "exit_code": EXIT_ERROR if failed else EXIT_CODES.get(state.signal, 0) if state.signal else 0,
         **state.data,
     }

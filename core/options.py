@@ -13,6 +13,7 @@ import re
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, Union
 
 import attrs
@@ -43,6 +44,13 @@ def option(default: Any = attrs.NOTHING, *, help: str, secret: bool | None = Non
     return attrs.field(default=default, metadata={"help": help, "secret": secret, "resumable": resumable}, **kwargs)
 
 
+def missing_folder(model: str) -> bool:
+    """Whether a model's name can only be a local folder, and none is there: a hub name is ``name`` or
+    ``owner/name``, never absolute, relative to ``.`` or ``~``, deeper, or ending in ``/``."""
+    path_like = Path(model).is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or model.endswith("/") or "\\" in model
+    return path_like and not Path(model).expanduser().exists()
+
+
 def is_secret(name: str, field: attrs.Attribute | None = None) -> bool:
     declared = field.metadata.get("secret") if field is not None else None
     return bool(SECRET_NAME.match(name)) if declared is None else declared
@@ -61,7 +69,9 @@ def instantiate(cls: type, label: str, options: dict[str, Any]) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise PluginError(f"{label}: {exc}") from exc
+        # attrs' validators (in_, instance_of) raise with (message, attribute, ...): the message is the user's.
+        reason = exc.args[0] if len(exc.args) > 1 and isinstance(exc.args[0], str) else exc
+        raise PluginError(f"{label}: {reason}") from exc
 
 
 def option_fields(cls: type) -> dict[str, attrs.Attribute]:

@@ -5,8 +5,10 @@ The holder keeps an exclusive ``fcntl.flock`` on ``RUN_DIR/.lock`` (the file hol
 the run's lifetime; the kernel drops the lock when the process dies, however it dies, so a lock
 left by a killed run is free to take (and its PID, left in the file, tells it was killed).
 ``--overwrite`` replaces only a folder holding a grpo-core run (its ``config.json``), never the
-working directory or a folder above it, and within it only what grpo-core writes (:data:`WRITTEN`,
-by name): a file the new run reads stays, anything else is refused, named, before anything changes.
+working directory or a folder above it, and within it only the files the old run's manifest
+(:data:`MANIFEST_FILE`) lists: a file the new run reads stays, anything else (a top-level name
+grpo-core does not write, a user's file inside ``checkpoints/``, ``final/`` or a logger's folder) is
+refused, named, before anything changes.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from grpo_core.errors import PluginError
 LOCK_FILE = ".lock"
 DATA_FILE = "data.json"
 """The rows a run started on: the dataset's name, how many prompts, the sha256 of its rows."""
+MANIFEST_FILE = "manifest.json"
+"""Every file the run wrote in its folder (relative paths), rewritten as it goes: what ``--overwrite`` removes."""
 TMP_PREFIX = ".tmp-"
 """Temporary names (a checkpoint, ``final/`` or a replaced run being written or moved aside)."""
 WRITTEN = frozenset(
-    {LOCK_FILE, "config.json", DATA_FILE, "summary.json", "traceback.txt", "checkpoints", "final", "async"}
+    {LOCK_FILE, MANIFEST_FILE, "config.json", DATA_FILE, "summary.json", "traceback.txt", "checkpoints", "final", "async"}
     # The built-in plugins' defaults: the jsonl logger, tensorboard, wandb, the vllm weight sync.
     | {"metrics.jsonl", "samples.jsonl", "tensorboard", "wandb", "wandb_run_id", "sampler-weights"}
 )
@@ -78,8 +82,13 @@ def locked(path: Path) -> Iterator[None]:
         raise PluginError(f"run directory {path} is a file")
     created = [p for p in (path, *path.parents) if not p.exists()]  # the folder, and those above it made for it
     lock_created = not (path / LOCK_FILE).exists()
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise PluginError(
+            f"run directory {path} cannot be written: {exc.strerror or exc} ({exc.filename}); choose another --run-dir"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -180,6 +189,7 @@ def overwrite_refusal(path: Path, entries: list[str], read: set[str] = frozenset
         )
     written = written_names(path)
     others = [name for name in entries if name not in written and name not in read and not name.startswith(TMP_PREFIX)]
+    others += unlisted_files(path, [name for name in entries if name in written and name not in read])
     if others:
         return (
             f"--overwrite only replaces what grpo-core wrote, and {path} also holds {shown(others)}, which it did not write: "
@@ -213,6 +223,47 @@ def written_names(path: Path) -> set[str]:
             if isinstance(value, str) and value and not Path(value).is_absolute():
                 names.add(Path(value).parts[0])
     return names
+
+
+def files_in(path: Path, names: list[str] | set[str]) -> list[str]:
+    """The files under the entries ``names`` of ``path`` (relative paths; not the lock, the manifest,
+    or what is being written under a temporary name)."""
+    found = []
+    for name in names:
+        entry = path / name
+        inside = [entry] if not entry.is_dir() or entry.is_symlink() else [p for p in entry.rglob("*") if p.is_symlink() or not p.is_dir()]
+        for file in inside:
+            relative = file.relative_to(path)
+            if (file.exists() or file.is_symlink()) and not any(part.startswith(TMP_PREFIX) for part in relative.parts):
+                found.append(relative.as_posix())
+    return sorted(set(found) - {LOCK_FILE, MANIFEST_FILE})
+
+
+def record_files(path: Path) -> None:
+    """Rewrite the run's manifest: the files now under the names grpo-core writes (:func:`written_names`).
+
+    Called at start, after every step and at the end, so that a run killed mid-step lists all but
+    that step's new files (which ``--overwrite`` then refuses, named, rather than guesses about).
+    """
+    temporary = path / f"{TMP_PREFIX}{MANIFEST_FILE}"
+    # A manifest that cannot be written (a full disk) stops no run: the one before it stays, and
+    # --overwrite refuses, named, what it does not list.
+    with contextlib.suppress(OSError):
+        temporary.write_text(json.dumps({"files": files_in(path, written_names(path))}, indent=0) + "\n")
+        os.replace(temporary, path / MANIFEST_FILE)
+
+
+def unlisted_files(path: Path, names: list[str]) -> list[str]:
+    """The files inside the folders ``names`` that the old run's manifest does not list: a user's,
+    kept. A top-level file of a name grpo-core writes is the run's (metrics.jsonl, created by a step
+    that was killed before its manifest was rewritten); without a manifest (a run of an older
+    grpo-core, or one stopped during its start) those are all that count as the run's."""
+    try:
+        listed = set(json.loads((path / MANIFEST_FILE).read_text())["files"])
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        listed = set()
+    listed |= {name for name in names if (path / name).is_file()}
+    return [file for file in files_in(path, names) if file not in listed]
 
 
 def entries_read(path: Path, values: list[str]) -> set[str]:

@@ -84,14 +84,15 @@ def score_groups(
         if not group:
             continue
         for r in selection.rewards:
+            scored = True
             try:
                 scores = list(call_with_timeout(lambda r=r, group=group: r.plugin.reward(prompt=group[0].prompt, samples=group), timeout))
             except CallTimeout as exc:
-                scores = [None] * len(group)
+                scores, scored = [None] * len(group), False
                 timeouts += 1
                 failures.last_error = f"reward '{r.name}' {exc}"
             except Exception as exc:  # a reward's bug must not lose the run: the group is marked failed
-                scores = [None] * len(group)
+                scores, scored = [None] * len(group), False
                 errors += 1
                 failures.last_error = f"reward '{r.name}' raised {type(exc).__name__}: {exc}"
             if len(scores) != len(group):
@@ -104,6 +105,11 @@ def score_groups(
                 )
             for sample, score in zip(group, scores):
                 ok = score is not None and not math.isnan(score)
+                if score is None and sample.finish_reason == "length" and scored:
+                    failures.last_error = f"reward '{r.name}' gave no score to a completion cut at its token budget"
+                    failures.last_was_cut = True
+                elif not ok:
+                    failures.last_was_cut = False
                 sample.rewards[r.name] = float(score) if ok else None
                 if ok:
                     per_reward[r.name].append(float(score))
@@ -229,8 +235,11 @@ def check_sampling_settings(config: RunConfig) -> None:
             "--dynamic-sampling is the async loop's own rule (a step trains once it has prompt_groups_per_step groups "
             "that pass the filters); --synchronous-training trains what one batch kept, as --loop sync without it"
         )
-    if not config.dynamic_sampling and config.max_sampling_rounds != RunConfig().max_sampling_rounds:
-        raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop)")
+    if config.max_sampling_rounds != RunConfig().max_sampling_rounds:
+        if config.loop == "sync" and not config.dynamic_sampling:
+            raise PluginError("--max-sampling-rounds would do nothing: it bounds --dynamic-sampling (sync loop) and the async loop")
+        if config.loop == "async" and config.synchronous_training:
+            raise PluginError("--max-sampling-rounds would do nothing: --synchronous-training trains what one batch kept")
 
 
 def check_router_replay_model(config: RunConfig) -> None:
@@ -338,11 +347,13 @@ def record_perf(metrics: Metrics, trainer: Trainer) -> None:
     if metrics.get("time/sample", 0.0) > 0:
         values["perf/sample_tokens_per_s"] = metrics.get("tokens/completion", 0.0) / metrics["time/sample"]
     seconds, tokens = metrics.get("time/train", 0.0), metrics.get("train/forward_tokens", 0.0)
+    counters = declared(trainer, "trainer object", "perf_counters")
+    measured = counters() if counters is not None else {}
+    # The tokens the trainer ran where it counts them (a group's shared prompt once), not those it was sent.
+    tokens = measured.get("forward_tokens", tokens)
     if seconds > 0 and tokens:
         values["perf/train_tokens_per_s"] = tokens / seconds
-    counters = declared(trainer, "trainer object", "perf_counters")
     if counters is not None:
-        measured = counters()
         if seconds > 0 and tokens and measured.get("parameters") and measured.get("peak_flops"):
             values["perf/mfu"] = 6.0 * measured["parameters"] * tokens / seconds / measured["peak_flops"]
         if "peak_memory_gib" in measured:

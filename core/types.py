@@ -66,6 +66,9 @@ class EnvStep:
     """Observation messages appended to the conversation (role ``user`` or ``tool``)."""
     reward: float = 0.0
     done: bool = False
+    cut_at_max_turns: bool = False
+    """With ``done``: the episode ended because the rollout takes no more turns (an environment told
+    the rollout's max_turns, as verifiers' seat is), not on its own; counted in multi_turn/max_turns_frac."""
 
 
 @runtime_checkable
@@ -158,6 +161,9 @@ class RewardFailures:
 
     in_a_row: int = 0
     last_error: str | None = None
+    last_was_cut: bool = False
+    """The last failure was a sample cut at its token budget that its reward could not score (an
+    environment that scores a conversation at its end): more tokens fix it, not the reward."""
 
 
 CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken")

@@ -46,14 +46,33 @@ def target_logprobs(
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
-    distinct = list(dict.fromkeys(prefixes))
-    if not one_pass and routing is None and len(distinct) < len(prefixes) and all(distinct):
+    distinct = shared_prefixes(prefixes, one_pass or routing is not None)
+    if distinct is not None:
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device, entropy)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
             return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy)
     return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy)
+
+
+def shared_prefixes(prefixes: Sequence[tuple[int, ...]], whole_rows: bool) -> list[tuple[int, ...]] | None:
+    """The distinct untrained prefixes :func:`target_logprobs` runs once each, or None where every
+    row runs whole (``whole_rows``: one pass or routing; or no prefix is shared, or one is empty)."""
+    distinct = list(dict.fromkeys(prefixes))
+    return distinct if not whole_rows and len(distinct) < len(prefixes) and all(distinct) else None
+
+
+def tokens_run(datums: Sequence[tinker.Datum], whole_rows: bool) -> int:
+    """The tokens :func:`target_logprobs` puts through the model for ``datums`` (padding aside): a
+    shared prefix counts once, as it runs once (what perf/mfu and perf/train_tokens_per_s count)."""
+    lengths = [d.model_input.length for d in datums]
+    starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
+    prefixes = [tuple(d.model_input.to_ints()[:s]) for d, s in zip(datums, starts)]
+    distinct = shared_prefixes(prefixes, whole_rows)
+    if distinct is None:
+        return sum(lengths)
+    return sum(len(p) for p in distinct) + sum(n - s for n, s in zip(lengths, starts))
 
 
 @attrs.define(eq=False)

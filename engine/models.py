@@ -181,3 +181,18 @@ def shared_storage_aliases(state: dict[str, torch.Tensor]) -> dict[str, str]:
         else:
             first[key] = name
     return aliases
+
+
+def save_state_as_model(model: Any, state: dict[str, torch.Tensor], path: str) -> None:
+    """``model``'s folder with ``state`` as its weights; config.json names the dtype of those tensors
+    (save_pretrained writes the parameters' own: an fsdp policy's float32 master weights, say, where
+    the bfloat16 tensors gathered from them are what is written)."""
+    import json
+
+    model.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config_file = Path(path) / "config.json"
+        config = json.loads(config_file.read_text())
+        config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

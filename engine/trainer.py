@@ -19,7 +19,7 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.engine.compile import CompiledLayers
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
-from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
+from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, tokens_run, trained_entropy_sum
 from grpo_core.engine.lora import (
     adapters_disabled,
     has_adapters,
@@ -236,6 +236,8 @@ class LocalTrainer(LocalReference):
     optimizer: torch.optim.Optimizer | None = None
     nonfinite_loss: bool = False
     """A non-finite loss since the last optimizer step: that step will be skipped."""
+    tokens_trained_on: int = attrs.field(init=False, default=0)
+    """Tokens its forward/backward calls ran since ``perf_counters`` last read them (a shared prompt once)."""
     routing_problem: str | None = attrs.field(init=False, default=None)
     """Why its forwards cannot record and force expert routing (None: a mixture-of-experts model
     it can; declared in hookspecs)."""
@@ -264,7 +266,9 @@ class LocalTrainer(LocalReference):
 
     def perf_counters(self) -> dict[str, float]:
         """What perf/mfu and perf/peak_memory_gib are computed from (declared in hookspecs)."""
+        tokens, self.tokens_trained_on = self.tokens_trained_on, 0
         return {
+            "forward_tokens": float(tokens),
             "parameters": float(sum(p.numel() for p in self.model.parameters())),
             "peak_flops": peak_flops(self.device, self._weights_dtype)[0],
             "peak_memory_gib": peak_memory_gib(self.device),
@@ -305,6 +309,7 @@ class LocalTrainer(LocalReference):
         self._release_freed_memory()
         # 1: sequences that run whole are packed (not padded); the reason is in config.json's run_info.
         record("perf/padding_free", float(self.forward_fn.packs), "max")
+        self.tokens_trained_on += tokens_run(datums, whole_rows=self.activation_checkpointing or self.routing_problem is None)
         routed: list[dict[str, torch.Tensor]] = [{} for _ in datums]
         # The backward inside the routing: checkpointed layers recompute with the same forced experts.
         with self._compiled(), self._routing(datums) as routing:

@@ -12,6 +12,21 @@ DATA = REPO / "tests" / "data"
 """Data the tests read, shipped in the repository (each folder with its license)."""
 
 
+@pytest.fixture(autouse=True)
+def mfu_is_at_most_1(monkeypatch):
+    """perf/mfu <= 1 in every run of the suite's own process: above the device's peak, the rate
+    counts work the trainer never did (a group's shared prompt counted once per sample)."""
+    from grpo_core.metrics import Metrics
+
+    add = Metrics.add
+
+    def checked(self, name, value, *args, **kwargs):
+        assert name != "perf/mfu" or 0 <= value <= 1, f"perf/mfu {value}: above the device's peak"
+        add(self, name, value, *args, **kwargs)
+
+    monkeypatch.setattr(Metrics, "add", checked)
+
+
 def build_tiny_tokenizer():
     """A byte-level BPE tokenizer (300 tokens) trained here on a few lines of additions."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -336,6 +336,12 @@ def test_a_template_typed_on_the_command_line_has_its_escapes_read_once(monkeypa
     [
         (["--sampler-opt", "decode=graphs"], "decode=graphs captures the decode step in a CUDA graph, and the model is on cpu", True),
         (["--sampler", "vllm"], "--sampler vllm needs vLLM in this environment", False),
+        # vLLM's process group would wait forever for fsdp's other ranks: refused in one line, vLLM there or not.
+        (
+            ["--sampler", "vllm", "--backend", "fsdp", "--backend-opt", "nproc=2"],
+            "error: --sampler vllm runs a vLLM engine in the trainer's process, and the FSDPBackend trains in several processes",
+            False,
+        ),
     ],
 )
 def test_a_sampler_setting_the_device_cannot_take_is_refused_before_the_trainer_loads(
@@ -352,4 +358,17 @@ def test_a_sampler_setting_the_device_cannot_take_is_refused_before_the_trainer_
     assert out.returncode != 0
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("model", ["./nomodel", "nomodel/", "{tmp}/nomodel", "../a/b/c"])
+@pytest.mark.parametrize("command", ["run", "eval"])
+def test_a_missing_model_folder_is_one_line_and_exit_1_in_run_and_eval(tiny_dataset, tmp_path, model, command):
+    model = model.format(tmp=tmp_path)
+    args = ["--model", model, "--dataset", str(tiny_dataset), "--run-dir", str(tmp_path / "r")]
+    out = grpo_core_in_process(command, *(args if command == "run" else args[:4]), cwd=tmp_path)
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: --model {model}: no such folder (a model is a local folder or a hub name such as Qwen/Qwen3-0.6B)"],
+    )
     assert not (tmp_path / "r").exists()

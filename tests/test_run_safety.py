@@ -315,6 +315,45 @@ def test_overwrite_replaces_only_what_grpo_core_wrote_and_keeps_the_data_the_run
     assert steps_in(run_dir) == 2 and data.read_bytes() == tiny_dataset.read_bytes()
 
 
+def test_overwrite_removes_only_the_files_the_old_run_listed_not_a_users_file_inside_its_folders(tiny_model_dir, tiny_dataset, tmp_path):
+    run_dir = tmp_path / "r"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1")
+    assert grpo_core_in_process(*args).returncode == 0
+    listed = json.loads((run_dir / "manifest.json").read_text())["files"]
+    assert {"config.json", "summary.json", "final/model.safetensors"} <= set(listed) and ".lock" not in listed
+    assert any(f.startswith("checkpoints/step-000001/") for f in listed)
+    # Folders named as grpo-core names its own: a logger's the old run never used, checkpoints/, final/.
+    (run_dir / "wandb").mkdir()
+    for name in ("wandb/keep.txt", "checkpoints/NOTES.txt", "final/analysis.ipynb"):
+        (run_dir / name).write_text("mine")
+    before = tree(run_dir)
+    out = grpo_core_in_process(*args, "--overwrite", "--seed", "1")
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: --overwrite only replaces what grpo-core wrote, and {run_dir} also holds checkpoints/NOTES.txt, "
+         f"final/analysis.ipynb, wandb/keep.txt, which it did not write: move them out of {run_dir}, or choose another --run-dir"],
+    )  # fmt: skip
+    assert tree(run_dir) == before
+    for name in ("wandb/keep.txt", "checkpoints/NOTES.txt", "final/analysis.ipynb"):
+        (run_dir / name).unlink()
+    out = grpo_core_in_process(*args, "--overwrite", "--seed", "1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((run_dir / "config.json").read_text())["seed"] == 1
+
+
+def test_without_a_manifest_overwrite_replaces_only_top_level_files_grpo_core_writes(tmp_path):
+    from grpo_core.run_dir import overwrite_refusal
+
+    run_dir = tmp_path / "old"  # a run of an older grpo-core, or one stopped during its start: no manifest.json
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step-000001" / "state.json").write_text("{}")
+    keys = ("model", "dataset", "backend", "rollout", "reward", "advantage", "loss", "plugin_options")
+    (run_dir / "config.json").write_text(json.dumps({**dict.fromkeys(keys, "x"), "plugin_options": {}}))
+    entries = ["checkpoints", "config.json"]
+    assert "also holds checkpoints/step-000001/state.json, which it did not write" in overwrite_refusal(run_dir, entries)
+    assert overwrite_refusal(run_dir, ["config.json"]) is None
+
+
 def refusing_plugins(tmp_path):
     """Flags of plugins that refuse in their start (on_run_start, once the models have loaded)."""
     (tmp_path / "empty").mkdir(exist_ok=True)
@@ -462,3 +501,29 @@ def test_the_disk_plan_is_a_start_line(tiny_model_dir, tiny_dataset, tmp_path):
         out.stderr,
         re.M,
     ), out.stderr
+
+
+def test_a_run_dir_that_cannot_be_made_is_one_line_and_exit_1(tiny_model_dir, tiny_dataset, tmp_path):
+    (tmp_path / "afile").write_text("")
+    run_dir = tmp_path / "afile" / "r"
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir))
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: run directory {run_dir} cannot be written: Not a directory ({run_dir}); choose another --run-dir"],
+    )
+
+
+@pytest.mark.parametrize("optimizer_state", ["bf16", "8bit"])
+def test_the_disk_plan_sizes_a_checkpoint_as_its_optimizer_state_writes_it(tiny_model_dir, tiny_dataset, tmp_path, optimizer_state):
+    from grpo_core.checkpoint import folder_bytes, human
+
+    run_dir = tmp_path / "r"
+    args = small_run_args(tiny_model_dir, tiny_dataset, run_dir, "--max-steps", "1", "--optimizer-state", optimizer_state)
+    out = grpo_core_in_process(*args)
+    assert out.returncode == 0, out.stderr
+    planned = next(line for line in out.stderr.splitlines() if line.startswith("disk plan: each checkpoint about "))
+    assert f" + {optimizer_state} AdamW moments), 1 to write" in planned
+    written = folder_bytes(run_dir / "checkpoints" / "step-000001")
+    number, unit = planned.removeprefix("disk plan: each checkpoint about ").split()[:2]
+    each = float(number) * {"kB": 1e3, "MB": 1e6}[unit]
+    assert abs(each - written) < 0.1 * written, (planned, human(written))

@@ -38,11 +38,11 @@ from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, trained_entropy_sum
 from grpo_core.engine.models import (
-    SHARD_SIZE,
     enable_activation_checkpointing,
     load_model,
     resolve_checkpointing,
     resolve_precision,
+    save_state_as_model,
     shared_storage_aliases,
     train_mode,
 )
@@ -128,6 +128,7 @@ class FSDPBackend:
 
     default_sampler = "local"
     default_weight_sync = "in_process"
+    checkpoint_weights = "float32"  # the sharded master weights; a layer computes in --dtype
 
     def check(self, config: RunConfig) -> int:
         """The world size, after refusing what this backend cannot do (before anything loads)."""
@@ -146,6 +147,8 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
+        if not config.memory_check:
+            raise PluginError("--no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)")
         if config.optimizer_state != "fp32":
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
@@ -162,6 +165,10 @@ class FSDPBackend:
             if torch.cuda.device_count() < here:
                 raise PluginError(f"--backend fsdp puts one rank on each GPU: {here} ranks here, {torch.cuda.device_count()} GPUs")
         return world
+
+    @hookimpl
+    def check_config(self, config: RunConfig) -> None:
+        self.check(config)
 
     @hookimpl
     def load_tokenizer(self, config: RunConfig) -> tuple[Any, int | None]:
@@ -847,7 +854,7 @@ class FSDPTrainer:
         state = self.full_state_dict()
         for alias in shared_storage_aliases(state):  # a tied weight is stored once, as the local trainer stores it
             del state[alias]
-        RANK_STATE[0].models["policy"].lm.save_pretrained(path, state_dict=state, max_shard_size=SHARD_SIZE)
+        save_state_as_model(RANK_STATE[0].models["policy"].lm, state, path)
         self.tokenizer.save_pretrained(path)
         return path
 

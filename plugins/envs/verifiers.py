@@ -131,6 +131,8 @@ class Channel:
         self.loop = loop
         self.out_of_turns = False
         """The rollout takes no more policy turns: the seat's next turn ends the exchange."""
+        self.ended_out_of_turns = False
+        """The seat asked for a turn the rollout no longer takes: the rollout's max_turns ended the exchange."""
         self.asked: concurrent.futures.Future[tuple[list[dict[str, Any]], asyncio.Future[str]]] = concurrent.futures.Future()
 
     async def ask(self, messages: list[dict[str, Any]]) -> str:
@@ -170,7 +172,8 @@ class VerifiersEpisode:
         self.channel.out_of_turns = self.rollout_turns is not None and self.turns >= self.rollout_turns
         self.loop.call_soon_threadsafe(reply.set_result, text)
         messages, done = self.advance()
-        return EnvStep(messages=messages, reward=self.play.result() if done else 0.0, done=done)
+        cut = done and self.channel.ended_out_of_turns
+        return EnvStep(messages=messages, reward=self.play.result() if done else 0.0, done=done, cut_at_max_turns=cut)
 
     def advance(self) -> tuple[list[dict[str, Any]], bool]:
         """The seat's next messages, or the run's end."""
@@ -307,6 +310,7 @@ class PolicyInteraction:
         elif message is not None:
             new += [wire(m) for m in message]
         if self.channel.out_of_turns or (self.max_turns is not None and self.trace.num_turns >= self.max_turns):
+            self.channel.ended_out_of_turns = self.channel.out_of_turns
             self.over = True
             return vf.Segment(messages=[], terminated=True)
         for m in new:

@@ -11,6 +11,7 @@ import attrs
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
+from grpo_core.options import missing_folder
 
 __all__ = ["RewardModelReward"]
 
@@ -18,6 +19,8 @@ __all__ = ["RewardModelReward"]
 def _names_a_model(instance: object, attribute: attrs.Attribute, value: str) -> None:
     if not value.strip():
         raise ValueError("model: name the reward model, a folder or a hub name: --reward-opt model=PATH")
+    if missing_folder(value):
+        raise ValueError(f"model={value}: no such folder (a reward model is a local folder or a hub name)")
 
 
 @attrs.define

@@ -306,6 +306,8 @@ class MultiTurnRollout:
             step = conv.episode.step(conv.text, tokens)
             conv.env_reward = (conv.env_reward or 0.0) + float(step.reward)
             observation, done = [dict(m) for m in step.messages], step.done
+            if done and step.cut_at_max_turns:
+                finish = "max_turns"  # as a conversation the rollout itself ends there (below)
         else:
             observation, done = [], True
         if done:

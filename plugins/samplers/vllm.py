@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 
 INSTALL = 'pip install "grpo-core[vllm]"'
@@ -89,7 +90,16 @@ class VLLMSamplerPlugin:
         return 2 if full_replace else 1
 
     @hookimpl
-    def check_config(self, config: Any) -> None:
+    def check_config(self, config: Any, plugins: dict[str, list[Any]]) -> None:
+        backend = plugins["backend"][0]
+        if declared(backend, "backend", "serve_rank") is not None:
+            # vLLM's init_distributed_environment forms a group over the process's default one, which
+            # the backend's other ranks never join: the start would wait forever.
+            raise PluginError(
+                f"--sampler vllm runs a vLLM engine in the trainer's process, and the {type(backend).__name__} trains in "
+                "several processes whose other ranks would never join the engine's process group: sample from a server "
+                "(--sampler openai --weight-sync vllm), or train in one process (--backend local)"
+            )
         # vLLM missing, or a sleep mode its device cannot honour: said before the trainer loads.
         import_vllm()
         self.sleep_level(config, vllm_device_type())
@@ -132,8 +142,8 @@ class VLLMSamplerPlugin:
         with kept_process_state():
             llm = vllm.LLM(**engine_args)
         print(
-            f"vllm engine ({device_type}, {dtype}) started in {time.perf_counter() - started:.1f}s; "
-            f"sleep while training: {f'level {level}' if level else 'off'}",
+            f"vllm engine ({device_type}, {dtype}) started in {time.perf_counter() - started:.1f}s; sleep while training: "
+            + sleep_words(level, device_type),
             file=sys.stderr,
         )
         return VLLMSampler(
@@ -252,7 +262,7 @@ class VLLMSampler:
     @property
     def run_info(self) -> dict[str, str]:
         """How it samples, for config.json (declared in hookspecs)."""
-        sleep = f"sleeps at level {self.sleep_level} while training" if self.sleep_level else "never sleeps"
+        sleep = f"sleep while training: {sleep_words(self.sleep_level, self.device_type)}"
         return {"engine": f"vllm.LLM in this process on {self.device_type}, processed logprobs; {sleep}"}
 
     def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
@@ -348,6 +358,13 @@ class VLLMSampler:
     def close(self) -> None:
         """Free the engine's memory for whatever the process does next."""
         self.llm = None
+
+
+def sleep_words(level: int, device_type: str) -> str:
+    """The engine's sleep in words: off, a level, or calls that free nothing (vLLM off CUDA)."""
+    if not level:
+        return "off"
+    return f"level {level}" if device_type == "cuda" else f"off (level {level} calls, which free nothing on {device_type})"
 
 
 def staged(weights: Iterable[tuple[str, Any]], device: Any, max_bytes: int) -> Iterator[tuple[str, Any]]:

@@ -165,6 +165,16 @@ class VLLMWeightSync:
             )
 
     @hookimpl
+    def check_config(self, config: Any, plugins: dict[str, list[Any]]) -> None:
+        # A server sampler names this sync as its default; any other holds no server to reload.
+        sampler = plugins["sampler"][0]
+        if declared(sampler, "sampler", "default_weight_sync") != "vllm":
+            raise PluginError(
+                f"weight sync 'vllm' reloads an inference server's weights, and the {type(sampler).__name__} samples in this "
+                "process: use a server sampler (--sampler openai with a vLLM server), or drop --weight-sync"
+            )
+
+    @hookimpl
     def weight_sync(self, trainer: Any, sampler: Any, step: int) -> int:
         started = time.perf_counter()
         if not isinstance(declared(sampler, "sampler object", "client"), ServerClient):

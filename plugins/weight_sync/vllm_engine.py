@@ -48,6 +48,14 @@ class VLLMEngineWeightSync:
             raise ValueError(f"probe_tokens must be >= 2, got {self.probe_tokens}")
 
     @hookimpl
+    def check_config(self, config: Any, plugins: dict[str, list[Any]]) -> None:
+        sampler = plugins["sampler"][0]
+        if declared(sampler, "sampler", "default_weight_sync") != "vllm_engine":
+            raise PluginError(
+                f"weight sync 'vllm_engine' loads weights into an in-process vLLM engine (--sampler vllm), not a {type(sampler).__name__}"
+            )
+
+    @hookimpl
     def weight_sync(self, trainer: Any, sampler: Any, step: int) -> int:
         load_weights = declared(sampler, "sampler object", "load_weights")
         prompt_logprobs = declared(sampler, "sampler object", "prompt_logprobs")

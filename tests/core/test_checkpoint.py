@@ -311,5 +311,8 @@ def test_the_estimate_counts_weights_moments_and_lora_adapters_only(tmp_path):
     assert shapes == {"model.embed_tokens.weight": [10, 4], "model.layers.0.mlp.up_proj.weight": [6, 4]}
     assert checkpoint.estimated_bytes(shapes, 2, 0)[:2] == (64 * 2 + 64 * 8, 64 * 2)
     assert checkpoint.estimated_bytes(shapes, 4, 8)[:2] == (8 * (6 + 4) * (4 + 8), 64 * 4)
+    # --optimizer-state 8bit: a byte per moment and a float32 absmax per 256; fsdp saves float32 master weights of a bf16 run.
+    assert checkpoint.estimated_bytes(shapes, 2, 0, "8bit", 4) == (64 * 4 + 130, 64 * 2, "weights 0.3 kB + 8bit AdamW moments")
+    assert checkpoint.estimated_bytes(shapes, 2, 0, "bf16")[0] == 64 * 2 + 64 * 4
     (tmp_path / "m.safetensors").write_bytes(b"\x08")
     assert checkpoint.tensor_shapes(tmp_path) is None

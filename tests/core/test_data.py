@@ -318,8 +318,8 @@ def test_run_stops_on_bad_rows_before_the_model_loads_or_skips_and_counts_them(t
     ]:
         data = tmp_path / "data.jsonl"
         data.write_bytes(good[: good.index(b"\n") + 1] + bad_row + good[good.index(b"\n") + 1 :])
-        # A model that does not exist: the data must be refused before anything tries to load it.
-        out = grpo_core_in_process(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+        # A hub model that does not exist (a missing folder is refused first): the data must be refused before it loads.
+        out = grpo_core_in_process(*small_run_args("grpo-core-tests/no-such-model", data, tmp_path / "r"))
         assert out.returncode == 1 and out.stderr.strip() == f"error: {data}:2: {message}"
         assert not (tmp_path / "r").exists()
         skipped = grpo_core_in_process(*small_run_args(tiny_model_dir, data, tmp_path / "r", "--max-steps", "1", "--skip-bad-rows"))
@@ -451,7 +451,7 @@ def test_a_hub_name_fails_clearly_offline(tmp_path):
     from tests.helpers import grpo_core, small_run_args
 
     offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = grpo_core(*small_run_args(tmp_path / "no-model", "someone/no-such-data:test", tmp_path / "r"), env=offline)
+    out = grpo_core(*small_run_args("grpo-core-tests/no-such-model", "someone/no-such-data:test", tmp_path / "r"), env=offline)
     assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     message = out.stderr.strip()
     assert message.startswith(
@@ -494,5 +494,5 @@ def test_a_run_stops_on_a_bad_parquet_row_before_the_model_loads(tmp_path):
     data = write_parquet(
         tmp_path / "d.parquet", [{"question": "what is 1 plus 2?", "answer": "#### 3"}, {"question": "", "answer": "#### 0"}]
     )
-    out = grpo_core_in_process(*small_run_args(tmp_path / "no-model", data, tmp_path / "r"))
+    out = grpo_core_in_process(*small_run_args("grpo-core-tests/no-such-model", data, tmp_path / "r"))
     assert out.returncode == 1 and out.stderr.strip() == f"error: {data}[1]: the prompt (field 'question') is empty"

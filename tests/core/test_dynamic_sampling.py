@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import attrs
 import pytest
@@ -170,7 +171,21 @@ def test_bad_settings_and_filters_are_refused(tiny_model_dir, tiny_dataset, tmp_
         ds_config(tiny_model_dir, tiny_dataset, tmp_path / "d", max_sampling_rounds=0)
 
 
-@pytest.mark.parametrize("loop", ["sync", "async"])
-def test_max_sampling_rounds_without_dynamic_sampling_is_refused(tiny_model_dir, tiny_dataset, tmp_path, loop):
+@pytest.mark.parametrize(("loop", "extra"), [("sync", {}), ("async", {"synchronous_training": True})])
+def test_max_sampling_rounds_where_it_bounds_nothing_is_refused(tiny_model_dir, tiny_dataset, tmp_path, loop, extra):
     with pytest.raises(PluginError, match="--max-sampling-rounds would do nothing"):
-        run(ds_config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop=loop, dynamic_sampling=False))
+        run(ds_config(tiny_model_dir, tiny_dataset, tmp_path / "r", loop=loop, dynamic_sampling=False, **extra))
+
+
+def test_the_async_loop_bounds_the_prompts_a_step_without_signal_takes_and_says_so(tiny_model_dir, tiny_dataset, tmp_path, capsys):
+    r = tmp_path / "r"
+    # Every prompt is flat: without the bound, step 1 would roll out the whole dataset waiting for signal.
+    settings = dict(loop="async", dynamic_sampling=False, reward=["flat"], max_sampling_rounds=3, max_steps=2)
+    with pytest.raises(PluginError, match=r"nothing was trained: all 2 steps dropped every group"):
+        run(ds_config(tiny_model_dir, tiny_dataset, r, **settings))
+    metrics = metrics_of(r)
+    assert [m["groups/kept"] for m in metrics] == [0, 0]
+    assert all(6 <= m["groups/dropped_zero_variance"] < 20 for m in metrics), metrics  # the dataset has 50 prompts
+    err = capsys.readouterr().err
+    said = r"step 1: \d prompts rolled out, 0 groups with signal of 2; sampling on, up to 6 prompts \(--max-sampling-rounds 3\)"
+    assert re.search(said, err), err

@@ -52,6 +52,9 @@ def test_eval_cli_reports_reward_and_pass_at_k(tiny_model_dir, tiny_dataset, tmp
     assert multi_turn.returncode == 0, multi_turn.stderr
     assert json.loads(multi_turn.stdout.strip().splitlines()[-1])["pass@1"] == 1.0
     assert eval_line(always).endswith("max 3 tokens, greedy; prompt settings: flags and defaults (none saved with the model)")
+    # The trainer that holds the policy says nothing of training it.
+    for training_line in ("optimizer state:", "memory plan:", "gradient checkpointing:", "trainer forward:", "precision:"):
+        assert training_line not in always.stderr, always.stderr
     assert ", temperature 1, 3 samples per prompt; " in eval_line(never)
     bad = grpo_core_in_process("eval", "--model", str(tiny_model_dir), "--dataset", str(tmp_path / "none.jsonl"))
     assert bad.returncode != 0 and "dataset file not found" in bad.stderr

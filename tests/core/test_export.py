@@ -92,6 +92,15 @@ def trainer_tokenizer_ids(run_dir):
     return AutoTokenizer.from_pretrained(run_dir / "final")(PROBE)["input_ids"]
 
 
+def test_export_says_nothing_of_training(trained_run, tmp_path, capfd):
+    run_dir, _ = trained_run
+    capfd.readouterr()
+    export_policy(run_dir, tmp_path / "out", 1)
+    said = capfd.readouterr().err
+    for training_line in ("optimizer state:", "memory plan:", "gradient checkpointing:", "trainer forward:", "precision:"):
+        assert training_line not in said, said
+
+
 def test_step_chooses_the_checkpoint(trained_run, tmp_path):
     run_dir, _ = trained_run
     tokens = trainer_tokenizer_ids(run_dir)

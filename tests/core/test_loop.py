@@ -187,7 +187,8 @@ def test_a_run_that_trains_no_token_takes_no_optimizer_step_and_exits_1(tiny_mod
     out = grpo_core_in_process(*args, *split, "--weight-decay", "0.5", "--learning-rate", "0.1", "--logger", "jsonl")
     assert out.returncode == 1, out.stdout + out.stderr
     metrics = metrics_of(r)
-    assert len(metrics) == 2 and json.loads((r / "summary.json").read_text())["steps"] == 2
+    summary = json.loads((r / "summary.json").read_text())
+    assert len(metrics) == 2 and summary["steps"] == 2 and summary["exit_code"] == 1
     for m in metrics:
         assert m["train/tokens"] == 0 and m["optim/updates"] == 0 and m["optim/skipped_no_trained_tokens"] == 1
         assert m["completion/masked_truncated"] == m["train/samples"] == 8 and m["policy/version"] == 0
@@ -217,9 +218,9 @@ def test_every_step_logs_the_perf_metrics_with_sane_values_and_config_says_what_
         assert all(m[name] > 0 for name in every_step), m
         assert 0 < m["perf/mfu"] <= 1
         assert m["perf/sample_tokens_per_s"] == pytest.approx(m["tokens/completion"] / m["time/sample"])
-        assert m["perf/train_tokens_per_s"] == pytest.approx(m["train/forward_tokens"] / m["time/train"])
-        # Every prompt and completion token the forward/backward ran over: at least the completions'.
-        assert m["train/forward_tokens"] >= m["tokens/completion"] - m["train/samples"]
+        # The tokens the trainer ran: a group's shared prompt once (fewer than the datums it was sent hold), every completion.
+        ran = m["perf/train_tokens_per_s"] * m["time/train"]
+        assert m["tokens/completion"] - m["train/samples"] <= round(ran) < m["train/forward_tokens"]
         assert 0.05 < m["perf/peak_memory_gib"] < 64  # the process's peak RSS: torch alone is over 50 MiB
     # CPU: the peak RSS since the process began, which never falls.
     peaks = [m["perf/peak_memory_gib"] for m in metrics]

@@ -116,7 +116,7 @@ def test_invalid_plugins_are_listed_as_such_and_refused_by_run_before_the_model_
     assert all(i["problems"] == [] for i in infos.values() if i["distribution"] == "grpo-core")
 
     # A model that does not exist: an error about it would mean the plugin was checked too late.
-    missing_model = tmp_path / "no-model"
+    missing_model = "grpo-core-tests/no-such-model"  # a hub name: a missing folder would be refused before the plugins
     for extra, message in [
         (
             ["--reward", "misspelled"],

@@ -54,6 +54,15 @@ def test_make_plugin_validates_options():
 
 
 @pytest.mark.parametrize(
+    ("option", "allowed"), [("optimizer_kernel", "'auto', 'compiled', 'eager'"), ("reference", "'auto', 'memory', 'offload'")]
+)
+def test_an_option_an_attrs_validator_refuses_is_its_message_alone_not_the_attribute(option, allowed):
+    with pytest.raises(PluginError) as refused:
+        make_plugin("backend.local", **{option: "bogus"})
+    assert str(refused.value) == f"backend.local: '{option}' must be in ({allowed}) (got 'bogus')"
+
+
+@pytest.mark.parametrize(
     ("value", "annotation", "expected"),
     [
         ("3", int, 3),

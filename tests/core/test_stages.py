@@ -41,6 +41,29 @@ def test_none_nan_and_exceptions_fail_samples_and_groups_keep_the_scored():
     assert kept[0][0].advantages == [pytest.approx(0.5 / math.sqrt(0.5))] * 3
 
 
+def test_an_unscored_sample_cut_at_its_token_budget_is_said_to_be_cut_not_a_broken_reward():
+    from types import SimpleNamespace
+
+    from grpo_core.lifecycle import nothing_trained
+    from grpo_core.types import RunState
+
+    sel = selection_of(WeightedReward("env", 1.0, TableReward({"x": 1.0})))
+    cut = group(["none", "none"], "g1")
+    for sample in cut:
+        sample.finish_reason = "length"  # a conversation the budget ended before its environment scored it
+    failures = RewardFailures()
+    score_groups(sel, [cut], max_failures_in_a_row=10, failures=failures)
+    assert (failures.last_error, failures.last_was_cut) == ("reward 'env' gave no score to a completion cut at its token budget", True)
+    state = RunState(run_dir=".", step=1, groups_dropped={"failed": 1.0}, reward_failures=failures)
+    assert nothing_trained(SimpleNamespace(state=state, config=SimpleNamespace(max_completion_tokens=64))) == (
+        "nothing was trained: every group was dropped, 1 of them because their reward failed (last: reward 'env' gave no score "
+        "to a completion cut at its token budget); raise --max-completion-tokens (64: the budget they ran out of) or allow fewer turns"
+    )
+    # A None of a sample that ended on its own is the reward's: the advice is to fix it.
+    score_groups(sel, [group(["none"], "g2")], max_failures_in_a_row=10, failures=failures)
+    assert not failures.last_was_cut and nothing_trained(SimpleNamespace(state=state)).endswith("fix the reward and start again")
+
+
 def test_run_stops_after_too_many_failures_in_a_row():
     sel = selection_of(WeightedReward("a", 1.0, TableReward({"x": 1.0})))
     with pytest.raises(RewardError, match="rewards failed on 3 samples in a row; last: reward 'a' raised RuntimeError"):
@@ -125,6 +148,14 @@ def test_perf_metrics_are_rates_of_the_steps_tokens_and_the_trainers_counters():
         "perf/sample_tokens_per_s": 200.0,
         "perf/train_tokens_per_s": 2000.0,
         "perf/mfu": pytest.approx(6 * 1e6 * 1000 / 0.5 / 1e11),
+        "perf/peak_memory_gib": 1.5,
+    }
+    # A trainer that counts the tokens it ran (a group's shared prompt once): the rates are of those.
+    ran = {**counters, "forward_tokens": 250.0}
+    assert perf_of(STEP, SimpleNamespace(perf_counters=lambda: ran)) == {
+        "perf/sample_tokens_per_s": 200.0,
+        "perf/train_tokens_per_s": 500.0,
+        "perf/mfu": pytest.approx(6 * 1e6 * 250 / 0.5 / 1e11),
         "perf/peak_memory_gib": 1.5,
     }
     # A trainer without counters (tinker, a server's): the rates only, which any trainer has.

@@ -107,6 +107,25 @@ def test_sequences_that_share_a_prompt_keep_the_shared_prefix_path(tiny_model_di
     assert paths == ["_logprobs_shared_prefix"]
 
 
+@pytest.mark.parametrize(("checkpointing", "tokens"), [(False, 3 + 12), (True, 4 * 3 + 12)])
+def test_the_trainer_counts_the_tokens_it_ran_a_shared_prompt_once_unless_checkpointing_runs_rows_whole(
+    tiny_model_dir, checkpointing, tokens
+):
+    from grpo_core.engine.logprobs import tokens_run
+
+    trainer = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir), gradient_checkpointing=checkpointing))
+    prompt = [5, 9, 11, 4]
+    # Inputs of 3 + n tokens: the 3 untrained ones are the group's shared prefix, run once without checkpointing.
+    datums = [datum(prompt + [7] * n, len(prompt) - 1) for n in (1, 6, 3, 2)]
+    assert sum(d.model_input.length for d in datums) == 24
+    for _ in range(2):
+        trainer.forward_backward_custom(datums, lambda d, lps: (sum(lp.sum() for lp in lps), {}))
+    trainer.forward(datums)  # no gradient: not a training token
+    assert trainer.perf_counters()["forward_tokens"] == 2 * tokens
+    assert trainer.perf_counters()["forward_tokens"] == 0  # read once: the next step counts its own
+    assert tokens_run(ragged_datums(), whole_rows=False) == sum(d.model_input.length for d in ragged_datums())  # none shared
+
+
 def test_equal_lengths_gain_nothing_from_packing_and_stay_padded(tiny_model_dir, monkeypatch):
     trainer = make_trainer(tiny_model_dir)
     paths = spy(monkeypatch, "_logprobs_packed", "_logprobs_one_pass")

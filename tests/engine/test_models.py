@@ -30,3 +30,23 @@ def test_auto_is_off_for_a_model_transformers_does_not_checkpoint_and_a_given_on
     )
     # Asked for, it stays on: enable_activation_checkpointing refuses it with the model type.
     assert resolve_checkpointing(True, "cuda", supported=False)[0] is True
+
+
+def test_a_saved_state_of_another_dtype_than_the_models_parameters_is_named_in_config_json(tiny_model_dir, tmp_path):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from grpo_core.engine.models import save_state_as_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)  # float32 master weights
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied: stored once
+    save_state_as_model(model, state, str(tmp_path / "final"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "final" / "model.safetensors").values()} == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype="auto").dtype == torch.bfloat16
+    # In the parameters' own dtype, config.json says so as before.
+    save_state_as_model(model, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, str(tmp_path / "fp32"))
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"

@@ -91,7 +91,9 @@ def test_a_run_syncs_from_memory_checks_every_step_and_sleeps_while_training(ven
     assert calls[:-1] == START + step_calls(2) * 3, calls
     assert calls[-1].startswith("save_weights_for_sampler:"), calls
     assert not (run_dir / "sampler-weights").exists()
-    assert json.loads((run_dir / "config.json").read_text())["run_info"]["sampler"]["engine"].endswith("sleeps at level 2 while training")
+    assert json.loads((run_dir / "config.json").read_text())["run_info"]["sampler"]["engine"].endswith(
+        "sleep while training: off (level 2 calls, which free nothing on cpu)"
+    )
 
 
 def test_a_lora_run_syncs_the_merged_adapted_modules(venv_python, models, tiny_dataset, tmp_path):

@@ -188,6 +188,7 @@ def test_the_local_sampler_samples_from_a_copy_kept_current(fsdp):
         ({}, {}, {"WORLD_SIZE": "1"}, "use --backend local"),
         ({"optimizer_state": "bf16"}, {"nproc": 2}, {}, "--optimizer-state bf16: the fsdp backend keeps float32 AdamW moments"),
         ({"optimizer_state": "8bit"}, {"nproc": 2}, {}, "use --backend local for them, or --backend-opt cpu_offload=true"),
+        ({"memory_check": False}, {"nproc": 2}, {}, "--no-memory-check would do nothing: the fsdp backend makes no memory plan"),
         (
             {"device": "cpu"},
             {"nproc": 2, "cpu_offload": True},
@@ -202,6 +203,19 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
     config = RunConfig(model=str(tiny_model_dir), **settings)
     with pytest.raises(PluginError, match=message):
         FSDPBackend(**options).load_tokenizer(config=config)
+
+
+def test_the_backends_refusals_come_in_check_config_before_the_data_loads(tiny_model_dir, tmp_path):
+    from tests.helpers import grpo_core_in_process, small_run_args
+
+    args = small_run_args(tiny_model_dir, tmp_path / "no-such-data.jsonl", tmp_path / "r", "--backend", "fsdp", "--no-memory-check")
+    out = grpo_core_in_process(*args, "--backend-opt", "nproc=2")
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        ["error: --no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)"],
+    )
+    out = grpo_core_in_process(*args[:-1], "--backend-opt", "nproc=1")
+    assert out.stderr.strip().splitlines() == ["error: --backend fsdp with one rank shards nothing: use --backend local"]
 
 
 def test_resume_may_change_nproc_and_no_other_option_of_the_backend(tmp_path):

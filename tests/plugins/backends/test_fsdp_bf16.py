@@ -78,3 +78,15 @@ def test_one_bf16_step_with_the_kl_reference_equals_the_local_bf16_step(both):
     weights = trainer.full_state_dict()
     assert all(w.dtype == torch.bfloat16 for w in weights.values())  # the policy for a sampler: the model's dtype
     assert_bf16_weights_close(weights, local.model.state_dict(), initial, LEARNING_RATE, steps=1)
+
+
+@pytest.mark.slow
+def test_the_policy_written_for_the_sampler_is_bfloat16_and_its_config_says_so(both, tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    (trainer, _), _ = both[1], both[2]
+    trainer.save_weights_for_sampler(str(tmp_path / "final"))
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "final" / "model.safetensors").values()} == {torch.bfloat16}

@@ -215,8 +215,10 @@ def test_the_rollouts_last_turn_ends_the_conversation_as_the_seats_would_and_it_
     episode = play(game, 1)
     assert episode.step("1", [1]) == EnvStep(messages=[{"role": "user", "content": "Higher."}], reward=0.0, done=False)
     # unsolved: 1 of 2 guesses with a digit (0.5 * 0.5) + the env's finalize reward (0.25)
-    assert episode.step("x", [1]) == EnvStep(messages=[], reward=0.5, done=True)
+    assert episode.step("x", [1]) == EnvStep(messages=[], reward=0.5, done=True, cut_at_max_turns=True)
     assert play(game, 1).step("5", [1]) == EnvStep(messages=[], reward=1.75, done=True)  # solved before the limit
+    episode = play(game, 1)
+    assert [episode.step(g, [1]) for g in "15"][-1] == EnvStep(messages=[], reward=1.75, done=True)  # solved at the limit
 
 
 def test_an_environment_may_open_a_task_without_prompt(game):
@@ -363,6 +365,8 @@ def test_a_run_whose_rollout_cuts_the_game_short_scores_every_conversation(tmp_p
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["multi_turn/turns_mean"] <= 2 for s in steps), steps
+    # The conversations the rollout's limit cut (not solved in 2 guesses) are counted as ended by max_turns.
+    assert any(s["multi_turn/max_turns_frac"] > 0 for s in steps), steps
     # Every conversation was scored: at least the env's finalize reward (0.25), never the unscored 0.
     assert all(0.25 <= s["reward/env"] <= 1.75 and s["reward/failed"] == 0 for s in steps), steps
 

@@ -175,3 +175,10 @@ def test_a_run_trains_on_the_reward_models_scores(rm_dir, rm_reference, tiny_mod
     assert len(rows) == 16
     for row in rows:
         assert row["reward/reward_model"] == pytest.approx(rm_reference(row["prompt"] + row["completion"]), abs=1e-4)
+
+
+@pytest.mark.parametrize("model", ["./nope", "/nope/rm", "rm/"])
+def test_a_missing_model_folder_is_refused_when_the_plugin_is_made(model):
+    with pytest.raises(PluginError) as refused:
+        make_plugin("reward_model", model=model)
+    assert str(refused.value) == f"reward.reward_model: model={model}: no such folder (a reward model is a local folder or a hub name)"

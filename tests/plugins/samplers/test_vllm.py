@@ -21,6 +21,7 @@ from grpo_core.plugins.samplers.vllm import (
     kept_process_state,
     parse_outputs,
     request_seed,
+    sleep_words,
     staged,
 )
 
@@ -289,7 +290,10 @@ def test_the_run_keeps_its_random_streams_and_threads_whatever_the_engine_does()
 
 
 def test_run_info_says_how_it_samples(tokenizer):
+    # On a CPU sleep and wake_up are vLLM's no-ops: called, and said to free nothing.
     assert make_sampler(FakeLLM(), tokenizer, level=2).run_info == {
-        "engine": "vllm.LLM in this process on cpu, processed logprobs; sleeps at level 2 while training"
+        "engine": "vllm.LLM in this process on cpu, processed logprobs; "
+        "sleep while training: off (level 2 calls, which free nothing on cpu)"
     }
+    assert sleep_words(2, "cuda") == "level 2" and sleep_words(1, "cuda") == "level 1" and sleep_words(0, "cpu") == "off"
     assert attrs.fields_dict(VLLMSamplerPlugin)["sleep_mode"].default == "auto"

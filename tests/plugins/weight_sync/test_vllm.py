@@ -233,6 +233,38 @@ def test_needs_a_server_sampler(tiny_model_dir):
         VLLMWeightSync().weight_sync(trainer=trainer, sampler=LocalSamplerPlugin().make_sampler(config=config, trainer=trainer), step=1)
 
 
+@pytest.mark.parametrize(("flags", "sampler"), [([], "LocalSamplerPlugin"), (["--sampler", "local"], "LocalSamplerPlugin")])
+def test_an_in_process_sampler_is_refused_by_check_config_before_anything_is_written(
+    tiny_model_dir, tiny_dataset, tmp_path, flags, sampler
+):
+    from tests.helpers import grpo_core_in_process, small_run_args
+
+    run_dir = tmp_path / "r"
+    out = grpo_core_in_process(*small_run_args(tiny_model_dir, tiny_dataset, run_dir, *flags, "--weight-sync", "vllm"))
+    assert (out.returncode, out.stderr.strip().splitlines()) == (
+        1,
+        [f"error: weight sync 'vllm' reloads an inference server's weights, and the {sampler} samples in this process: "
+         "use a server sampler (--sampler openai with a vLLM server), or drop --weight-sync"],
+    )  # fmt: skip
+    assert not run_dir.exists()  # nothing trained, nothing to resume into a loop
+
+
+def test_check_config_accepts_the_server_sampler_and_vllm_engine_only_the_vllm_sampler():
+    from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+    from grpo_core.plugins.samplers.openai import OpenAISampler
+    from grpo_core.plugins.samplers.vllm import VLLMSamplerPlugin
+    from grpo_core.plugins.weight_sync.vllm_engine import VLLMEngineWeightSync
+
+    config = RunConfig()
+    VLLMWeightSync().check_config(config=config, plugins={"sampler": [OpenAISampler()]})
+    VLLMEngineWeightSync().check_config(config=config, plugins={"sampler": [VLLMSamplerPlugin()]})
+    for sampler in (LocalSamplerPlugin(), OpenAISampler()):
+        with pytest.raises(PluginError, match="weight sync 'vllm_engine' loads weights into an in-process vLLM engine"):
+            VLLMEngineWeightSync().check_config(config=config, plugins={"sampler": [sampler]})
+    with pytest.raises(PluginError, match="weight sync 'vllm' reloads an inference server's weights, and the VLLMSamplerPlugin"):
+        VLLMWeightSync().check_config(config=config, plugins={"sampler": [VLLMSamplerPlugin()]})
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="tolerance must be > 0"):
         VLLMWeightSync(tolerance=0.0)
