@@ -40,6 +40,7 @@ from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprob
 from grpo_core.engine.models import (
     enable_activation_checkpointing,
     load_model,
+    model_path,
     resolve_checkpointing,
     resolve_precision,
     save_state_as_model,
@@ -58,6 +59,7 @@ from grpo_core.engine.optim import (
     step_metrics,
 )
 from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.engine.vision import image_text_config
 from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.local import LocalBackend
@@ -178,6 +180,10 @@ class FSDPBackend:
     @hookimpl
     def make_trainer(self, config: RunConfig) -> FSDPTrainer:
         world = self.check(config)
+        if config.train_vision or image_text_config(model_path(config.model)) is not None:
+            raise PluginError(
+                "--backend fsdp does not train vision-language models (their vision parts are not sharded): use --backend local"
+            )
         device, dtype, _ = resolve_precision(config.device, config.dtype)
         checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
         spec = ModelSpec(
