@@ -283,7 +283,7 @@ def start_sft(config: SFTConfig, resume: bool) -> Run:
     check_model_folder(config.model)
     selection = select_plugins(config, config.kinds)
     pm = selection.manager
-    pm.hook.check_config(config=config)
+    pm.hook.check_config(config=config, plugins=selection.plugins)
     dataset = load_dataset(config)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     if config.max_seq_len is not None and max_context is not None and config.max_seq_len > max_context:
