@@ -47,12 +47,14 @@ from grpo_core.checkpoint import (
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, steps_available, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, steps_available, write_prompt_settings
 from grpo_core.embedded import ASSETS
 from grpo_core.errors import EXIT_ERROR, PluginError
+from grpo_core.fetch import is_url
 from grpo_core.hookspecs import declared
 from grpo_core.measure import training_eval
 from grpo_core.metrics import Metrics, scope
+from grpo_core.mixture import parse_mix, shares
 from grpo_core.options import missing_folder
 from grpo_core.plugins_manager import write_config
 from grpo_core.run_dir import (
@@ -70,7 +72,7 @@ from grpo_core.run_dir import (
     remove,
     restore,
 )
-from grpo_core.selection import select_plugins
+from grpo_core.selection import Selection, select_plugins
 from grpo_core.types import RunState, SamplingParams
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -306,7 +308,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     selection = select_plugins(config)
     pm = selection.manager
     pm.hook.check_config(config=config, plugins=selection.plugins)
-    dataset = load_dataset(config, selection.rewards_needing_answer)
+    dataset = load_dataset(config, selection.rewards_needing_answer, refetch=not resume)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
@@ -321,11 +323,11 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         sampler_name = config.sampler or f"the {config.backend} backend's default"
         raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler_name}) shares the trainer's weights")
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
-    unobserved = resume_state(newest, trainer, sampler, state) if newest is not None else None
+    unobserved = resume_state(newest, selection, trainer, sampler, state) if newest is not None else None
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
-    open_run_folder(config, selection, state, newest is not None, rows, run_info, unobserved)
+    open_run_folder(config, selection, state, newest is not None, rows, dataset.fetched, run_info, unobserved)
     state.rng = capture_rng(sampler)
-    order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
+    order = dataset.batches(config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
     if evaluator is not None:
         evaluator.sampler = sampler
@@ -366,10 +368,11 @@ def make_trainer(config: RunConfig, selection: Any, newest: Path | None, total_s
     return trainer
 
 
-def resume_state(newest: Path, trainer: Any, sampler: Any, state: RunState) -> dict[str, float] | None:
-    """Trainer, sampler (None where a recipe samples nothing) and ``state`` as the checkpoint
-    ``newest`` left them; the metrics of its step if not every plugin observed it (see :func:`end_step`)."""
+def resume_state(newest: Path, selection: Selection, trainer: Any, sampler: Any, state: RunState) -> dict[str, float] | None:
+    """Trainer, sampler (None where a recipe samples nothing), group filters and ``state`` as the
+    checkpoint ``newest`` left them; the metrics of its step if not every plugin observed it (see :func:`end_step`)."""
     load_checkpoint(newest, trainer, sampler, state)
+    restore_filter_states(selection, state)
     state.reward_failures.in_a_row = state.reward_failures_in_a_row
     state.start_step = state.step
     return read_unobserved(newest)
@@ -381,11 +384,13 @@ def open_run_folder(
     state: RunState,
     resumed: bool,
     rows: tuple[str, int, str],
+    fetched: list[Any],
     run_info: dict[str, Any],
     unobserved: dict[str, float] | None,
 ) -> None:
     """Start the plugins, then write the run's folder: config.json, data.json (``rows``: the
-    dataset's name, row count and fingerprint); what ``--overwrite`` replaces goes aside first."""
+    dataset's name, row count and fingerprint; ``fetched``: the URLs its rows came from); what
+    ``--overwrite`` replaces goes aside first."""
     run_dir = state.run_dir
     observed = state.step - 1 if unobserved is not None else state.step
     start_args = dict(config=config, run_dir=run_dir, total_steps=state.total_steps, start_step=observed)
@@ -397,9 +402,28 @@ def open_run_folder(
         remove_partial(run_dir)
     STARTING.get().replace_old_run()
     write_config(config, run_dir / "config.json", run_info)
-    record_data(run_dir, *rows)
+    record_data(run_dir, *rows, [f.record() for f in fetched])
     start_plugins(selection.manager, lambda plugin: id(plugin) in loggers, start_args)
     record_files(run_dir)
+
+
+def keep_filter_states(selection: Selection, state: RunState) -> None:
+    """Each group filter's ``state_dict()`` as this step left it: what its checkpoint holds."""
+    for name, plugin in selection.group_filters.items():
+        state_dict = declared(plugin, "group_filter", "state_dict")
+        if state_dict is not None:
+            state.filter_states[name] = state_dict()
+
+
+def restore_filter_states(selection: Selection, state: RunState) -> None:
+    """Hand each group filter the state the resumed checkpoint holds for it."""
+    for name, saved in state.filter_states.items():
+        if name not in selection.group_filters:
+            continue  # --group-filter is a setting --resume keeps: a filter gone is one that kept no state
+        load = declared(selection.group_filters[name], "group_filter", "load_state_dict")
+        if load is None:
+            raise PluginError(f"group filter '{name}' has a state_dict but no load_state_dict: a resumed run cannot give it its state")
+        load(saved)
 
 
 def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:
@@ -453,6 +477,8 @@ def end_step(
     metrics["policy/version"] = r.trainer.version
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
+    if config.mix:
+        metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics))
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, metrics, config.max_nonfinite_steps_in_a_row, config.tracked)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
@@ -476,6 +502,7 @@ def end_step(
         metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
+    keep_filter_states(r.selection, state)
     # The run's last step is left to its end, which writes it in place: a copy for a background
     # write would be waited for at once.
     last = step == config.max_steps or state.interrupted or state.stop_reason is not None
@@ -681,6 +708,9 @@ def check_settings(config: RunConfig) -> None:
         )
     if config.learning_rate == 0:
         print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
+    sources = [config.dataset, config.eval_dataset or "", *(spec.partition("=")[2] for spec in [*config.mix, *config.eval_mix])]
+    if config.fetch_timeout != attrs.fields(RunConfig).fetch_timeout.default and not any(is_url(source) for source in sources):
+        raise PluginError(f"--fetch-timeout {config.fetch_timeout:g} would do nothing: no dataset of the run is a URL")
 
 
 def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:

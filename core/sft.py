@@ -24,7 +24,7 @@ import attrs
 
 from grpo_core.checkpoint import capture_rng
 from grpo_core.config import SFTConfig
-from grpo_core.data import load_dataset, prompt_batches, steps_available
+from grpo_core.data import load_dataset, steps_available
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
@@ -137,9 +137,11 @@ def completion_of(prompt: Prompt, config: SFTConfig, vocab_size: int) -> str | l
 
 @attrs.define
 class Examples:
-    """A dataset's examples, and those cut or left out for being over the length limit."""
+    """A dataset's examples (``prompts``: the rows they were made of, in step), and those cut or
+    left out for being over the length limit."""
 
     examples: list[Example]
+    prompts: list[Prompt] = attrs.field(factory=list)
     truncated: list[str] = attrs.field(factory=list)
     skipped: list[str] = attrs.field(factory=list)
 
@@ -168,9 +170,12 @@ def encode_examples(prompts: Sequence[Prompt], rollout: Any, tokenizer: Any, con
         if prompt.messages is not None:
             example = chat_example(tokenizer, prompt)
         else:
-            example = prompt_example(tokenizer, prompt, encode(tokenizer, prompt), chat, completion_of(prompt, config, len(tokenizer)))
+            # A pre-tokenized prompt is taken as it is: no chat template around it or its target.
+            in_chat = chat and prompt.tokens is None
+            example = prompt_example(tokenizer, prompt, encode(tokenizer, prompt), in_chat, completion_of(prompt, config, len(tokenizer)))
         if max_len is None or len(example.tokens) <= max_len:
             result.examples.append(example)
+            result.prompts.append(prompt)
             continue
         context = example.loss_mask.index(1.0)
         why = f"{prompt.id}: {len(example.tokens)} tokens ({context} before the first target token) > --max-seq-len {max_len}"
@@ -179,6 +184,7 @@ def encode_examples(prompts: Sequence[Prompt], rollout: Any, tokenizer: Any, con
         cut = Example(example.id, example.tokens[:max_len], example.loss_mask[:max_len])
         if config.long_examples == "truncate" and cut.target_tokens:
             result.examples.append(cut)
+            result.prompts.append(prompt)
             result.truncated.append(why)
         else:
             result.skipped.append(why)
@@ -267,10 +273,11 @@ def held_out_loss(config: SFTConfig, rollout: Any, tokenizer: Any, max_len: int 
         return None
     name = config.eval_dataset
     if name is None:
-        if embedded_split(config.dataset) is None:
-            raise PluginError(f"--eval-every: the run trains on {config.dataset}; pass --eval-dataset with the held-out rows")
+        if config.mix or embedded_split(config.dataset) is None:
+            trains_on = " ".join(f"--mix {m}" for m in config.mix) or config.dataset
+            raise PluginError(f"--eval-every: the run trains on {trains_on}; pass --eval-dataset with the held-out rows")
         name = EVAL_DATASET
-    dataset = load_dataset(attrs.evolve(config, dataset=name, max_rows=config.eval_prompts))
+    dataset = load_dataset(attrs.evolve(config, dataset=name, mix=[], max_rows=config.eval_prompts))
     examples = encode_examples(dataset.prompts, rollout, tokenizer, config, max_len).examples
     per_call = config.max_samples_per_fwd_bwd or config.examples_per_step
     return HeldOutLoss(examples, config.eval_every, total_steps, per_call)
@@ -284,13 +291,14 @@ def start_sft(config: SFTConfig, resume: bool) -> Run:
     selection = select_plugins(config, config.kinds)
     pm = selection.manager
     pm.hook.check_config(config=config, plugins=selection.plugins)
-    dataset = load_dataset(config)
+    dataset = load_dataset(config, refetch=not resume)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     if config.max_seq_len is not None and max_context is not None and config.max_seq_len > max_context:
         raise PluginError(f"--max-seq-len {config.max_seq_len} is over the model's context of {max_context} tokens")
     max_len = config.max_seq_len or max_context
     rollout = selection.plugins["rollout"][0]
     examples = encode_examples(dataset.prompts, rollout, tokenizer, config, max_len)
+    dataset.prompts = examples.prompts  # those left out for their length are not the run's rows (data.json)
     total_steps = steps_available(len(examples.examples), config.examples_per_step, config.epochs)
     if total_steps == 0:
         raise PluginError(f"the dataset has {len(examples.examples)} examples, fewer than --examples-per-step {config.examples_per_step}")
@@ -298,12 +306,14 @@ def start_sft(config: SFTConfig, resume: bool) -> Run:
     evaluator = held_out_loss(config, rollout, tokenizer, max_len, total_steps)
     trainer, newest, rows = resume_point_and_trainer(config, selection, dataset, total_steps, resume)
     state = RunState(run_dir=Path(str(config.run_dir)), total_steps=total_steps, data={**dataset.counts, **examples.counts})
-    unobserved = resume_state(newest, trainer, None, state) if newest is not None else None
-    open_run_folder(
-        config, selection, state, newest is not None, rows, {"trainer": declared(trainer, "trainer object", "run_info")}, unobserved
-    )
+    unobserved = resume_state(newest, selection, trainer, None, state) if newest is not None else None
+    run_info = {"trainer": declared(trainer, "trainer object", "run_info")}
+    open_run_folder(config, selection, state, newest is not None, rows, dataset.fetched, run_info, unobserved)
     state.rng = capture_rng(None)
-    order = prompt_batches(examples.examples, config.examples_per_step, config.epochs, config.seed, config.shuffle)
+    # The run's order of rows (a mixture's by its weights), each row's example in its place.
+    example_of = {id(p): e for p, e in zip(examples.prompts, examples.examples)}
+    rows_order = dataset.batches(config.examples_per_step, config.epochs, config.seed, config.shuffle)
+    order = ([example_of[id(p)] for p in batch] for batch in rows_order)
     if evaluator is not None:
         evaluator.trainer = trainer
     r = Run(config, selection, trainer, None, None, state, islice(order, state.step, None), None, evaluator)
