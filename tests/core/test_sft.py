@@ -507,3 +507,31 @@ def test_the_trainer_plans_an_sft_step_as_its_examples_not_as_rl_groups(tiny_mod
     assert out.returncode == 0, out.stderr
     compile_line = next(line for line in out.stderr.splitlines() if line.startswith("compile:"))
     assert "share their prompt" not in compile_line, compile_line
+
+
+def test_pre_tokenized_rows_and_a_mixture_train_through_the_command(tiny_model_dir, tiny_dataset, tmp_path):
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"question": [284, 27, 200 + a], "completion": [17 + a, 0]}) + "\n" for a in range(8)))
+    out = grpo_core_in_process(
+        "sft", "--model", str(tiny_model_dir), "--dataset", str(ids), "--examples-per-step", "4", "--run-dir", str(tmp_path / "ids")
+    )
+    assert out.returncode == 0, out.stderr
+    first = metrics_of(tmp_path / "ids")[0]
+    assert first["data/examples"] == 8 and first["train/tokens"] == 4 * 2 and first["train/forward_tokens"] == 4 * 4
+
+    sources = []
+    for name, offset in (("small", 0), ("large", 10)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(
+            "".join(json.dumps({"question": f"what is {a} plus 1?", "completion": f"{a + 1}"}) + "\n" for a in range(offset, offset + 8))
+        )
+        sources.append(path)
+    mixed = grpo_core_in_process(
+        "sft", "--model", str(tiny_model_dir), "--mix", f"small:3={sources[0]}", "--mix", f"large={sources[1]}",
+        "--prompt-template", TEMPLATE, "--examples-per-step", "4", "--max-steps", "2", "--run-dir", str(tmp_path / "mix"),
+    )  # fmt: skip
+    assert mixed.returncode == 0, mixed.stderr
+    records = metrics_of(tmp_path / "mix")
+    assert [m["train/examples"] for m in records] == [4, 4] and records[0]["data/examples"] == 16
+    # 3 of every 4 rows from small (one digit and eos: 2 target tokens), 1 from large (two digits and eos: 3).
+    assert [m["train/tokens"] for m in records] == [3 * 2 + 3, 3 * 2 + 3]
