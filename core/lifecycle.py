@@ -359,7 +359,7 @@ def make_trainer(config: RunConfig, selection: Any, newest: Path | None, total_s
     """The backend's trainer, once the disk plan says its checkpoints fit (printed)."""
     backend = selection.plugins["backend"][0]
     disk = plan_disk(config, backend, newest, total_steps)
-    trainer = selection.manager.hook.make_trainer(config=config)
+    trainer = selection.manager.hook.make_trainer(config=config, needs_reference=selection.needs_reference)
     trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
     if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
         disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
