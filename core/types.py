@@ -44,6 +44,16 @@ class PromptImages:
     places over the prompt's image tokens, and what the samples carry to the trainer."""
 
 
+def prompt_text(prompt: Prompt) -> str:
+    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
+    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
+    if prompt.tokens is not None:
+        return f"token ids: {' '.join(map(str, prompt.tokens))}"
+    if prompt.messages is not None:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
+    return prompt.text or ""
+
+
 @attrs.define
 class Completion:
     """What a sampler returns for one generated continuation of a prompt."""
