@@ -41,13 +41,14 @@ class CheckpointError(PluginError):
 
 
 def capture_rng(sampler: Any) -> dict[str, Any]:
-    """Every random state a step consumes, taken at a step boundary."""
+    """Every random state a step consumes, taken at a step boundary (``sampler``: None where a
+    recipe samples nothing)."""
     import torch
 
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    if not declared(sampler, "sampler object", "stateless"):
+    if sampler is not None and not declared(sampler, "sampler object", "stateless"):
         rng["sampler"] = sampler.state_dict()
     return rng
 

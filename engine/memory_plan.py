@@ -256,8 +256,7 @@ def check_fits(
     from grpo_core.errors import PluginError
 
     size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules), config.train_vision)
-    samples = config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step
-    tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+    tokens = max(1, config.sequences_per_update) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
     checkpoint_copy = device.type == "cpu" and periodic
     runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0

@@ -176,7 +176,7 @@ class LocalBackend:
         # A group's completions share their prompt: without checkpointing (or router replay, one pass
         # each) every forward runs the prompt once and the completions over its cache.
         cached = None
-        if not fit.checkpointing and config.router_replay == "off":
+        if config.shares_prompts and not fit.checkpointing and config.router_replay == "off":
             cached = f"groups of {config.completions_per_prompt} completions share their prompt and --gradient-checkpointing is off"
         compiled, compile_line = resolve_compile(self.compile, device, cached)
         print(f"precision: {why}", file=sys.stderr)
