@@ -372,9 +372,9 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
 
 def rank_tokens(config: Any, ranks: int) -> int:
     """The tokens of the rows the widest of ``ranks`` ranks runs in a forward and backward (its
-    share of a minibatch), each prompt assumed :data:`ASSUMED_PROMPT_TOKENS` long."""
-    samples = max(1, config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step)
-    return -(-samples // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+    share of an update's sequences: a minibatch, or sft's examples of a step), each prompt assumed
+    :data:`ASSUMED_PROMPT_TOKENS` long."""
+    return -(-max(1, config.sequences_per_update) // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
 
 
 def layer_parameters(folder: str | Path) -> int:
@@ -445,7 +445,8 @@ class ShardedFit:
 
     def line(self) -> str:
         where = "one rank per GPU" if self.ranks_here == 1 else f"{self.ranks_here} ranks on this host need {self.needed / GB:.2f} GB"
-        return f"{self.rank0.line()} on rank 0 ({where}; the others hold the same less the sampler copy)"
+        others = "; the others hold the same less the sampler copy" if self.rank0.parts["sampler copy"] else ""
+        return f"{self.rank0.line()} on rank 0 ({where}{others})"
 
 
 def check_sharded_fits(
@@ -509,6 +510,6 @@ def sharded_ways_to_fit(
         options.append("--dtype bfloat16 (gathered weights and activations in bf16; the shards stay float32)")
     if not checkpointing:
         options.append("--gradient-checkpointing (one layer's activations at a time)")
-    if 2 * config.minibatches_per_step <= config.prompt_groups_per_step:
+    if config.command == "run" and 2 * config.minibatches_per_step <= config.prompt_groups_per_step:
         options.append(f"--minibatches-per-step {2 * config.minibatches_per_step} (half the rows in each forward and backward)")
     return options or [f"a {device.type} with more free memory (every setting that lowers the plan is in use)"]

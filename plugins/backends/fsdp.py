@@ -177,7 +177,7 @@ class FSDPBackend:
             dtype,
             device,
             checkpointing,
-            sampler_copy=config.sampler in (None, "local"),
+            sampler_copy="sampler" in config.kinds and config.sampler in (None, "local"),  # sft samples nothing
             offload=self.cpu_offload,
             reference=needs_reference,
         )

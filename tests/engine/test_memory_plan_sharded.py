@@ -90,3 +90,14 @@ def test_an_fsdp_run_that_cannot_fit_names_what_would_and_no_memory_check_runs_i
     assert memory_plan.sharded_ways_to_fit(everything_used, 2, torch.bfloat16, torch.device("cpu"), True, False, False) == [
         "a cpu with more free memory (every setting that lowers the plan is in use)"
     ]
+
+
+def test_an_sft_steps_examples_are_shared_over_the_ranks_and_no_minibatches_are_suggested(tiny_model_dir, monkeypatch):
+    from grpo_core.config import SFTConfig
+
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 1000)
+    config = SFTConfig(model=str(tiny_model_dir), examples_per_step=6, max_completion_tokens=16)
+    assert memory_plan.rank_tokens(config, 2) == 3 * 144 and memory_plan.rank_tokens(config, 4) == 2 * 144
+    with pytest.raises(PluginError) as refused:
+        memory_plan.check_sharded_fits(config, str(tiny_model_dir), 2, 2, torch.float32, torch.device("cpu"), False, False)
+    assert "--minibatches-per-step" not in str(refused.value) and "--gradient-checkpointing" in str(refused.value)

@@ -9,7 +9,7 @@ import torch
 
 from grpo_core import make_plugin
 from grpo_core.backend import sample_to_datum
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, SFTConfig
 from grpo_core.engine.sharded import shares
 from grpo_core.errors import PluginError
 from grpo_core.loss import AGGREGATIONS
@@ -288,3 +288,8 @@ def test_a_plan_that_cannot_fit_is_refused_before_any_rank_starts(tiny_model_dir
     with pytest.raises(PluginError, match=r"^memory plan: peak [\d.]+ GB in training \(.*\) on rank 0 \(2 ranks on this host need"):
         FSDPBackend(nproc=2).make_trainer(config=RunConfig(model=str(tiny_model_dir)))
     assert "trainer: fsdp" not in capsys.readouterr().err
+    with pytest.raises(PluginError) as refused:
+        FSDPBackend(nproc=2).make_trainer(config=SFTConfig(model=str(tiny_model_dir)), needs_reference=False)
+    # sft samples nothing and has no reference: rank 0 plans no copy for a sampler, no reference's shard.
+    said = str(refused.value)
+    assert "sampler" not in said and "reference" not in said and "on rank 0 (2 ranks on this host need" in said, said
