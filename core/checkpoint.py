@@ -41,13 +41,14 @@ class CheckpointError(PluginError):
 
 
 def capture_rng(sampler: Any) -> dict[str, Any]:
-    """Every random state a step consumes, taken at a step boundary."""
+    """Every random state a step consumes, taken at a step boundary (``sampler``: None where a
+    recipe samples nothing)."""
     import torch
 
     rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    if not declared(sampler, "sampler object", "stateless"):
+    if sampler is not None and not declared(sampler, "sampler object", "stateless"):
         rng["sampler"] = sampler.state_dict()
     return rng
 
@@ -274,6 +275,8 @@ def estimated_bytes(
     """
     parameters = sum(math.prod(shape) for shape in shapes.values())
     final = parameters * weight_bytes
+    # auto's memory plan chooses after this plan has run: the largest it may choose.
+    optimizer_state = "fp32" if optimizer_state == "auto" else optimizer_state
     moments = f"{optimizer_state} AdamW moments"
     if not lora_rank:
         weights = parameters * (saved_weight_bytes or weight_bytes)

@@ -18,9 +18,8 @@ import attrs
 import click
 
 from grpo_core import __version__
-from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, cli_fields
+from grpo_core.config import MACHINE, PLUGINS, RUN_DIRECTORY, SECTIONS, RunConfig, SFTConfig, cli_fields
 from grpo_core.errors import EXIT_ERROR, PluginError
-from grpo_core.hookspecs import KIND_TABLE
 
 EXIT_INTERNAL = 3
 """An unexpected error (a bug in grpo-core or a plugin): the traceback is written to a file."""
@@ -95,28 +94,52 @@ def _click_option(field: Any) -> Any:
     return option(flag, *aliases, field.name, type=param_type, default=None)
 
 
-def _run_options(func: Any) -> Any:
-    func = click.option(
-        "--config",
-        "config_file",
-        type=click.Path(),
-        cls=SectionedOption,
-        section=RUN_DIRECTORY,
-        help="TOML file of settings and [kind.name] option tables",
-    )(func)
-    for kind in reversed(KIND_TABLE):
+def _training_options(config_class: type[RunConfig]) -> Any:
+    """The flags of a training command (``run``, ``sft``): its config's settings, the options of
+    the plugin kinds it runs, --config, --resume, --overwrite and --debug."""
+
+    def decorate(func: Any) -> Any:
+        func = click.option("--debug", is_flag=True, cls=SectionedOption, section=MACHINE, help="show the traceback of an error")(func)
         func = click.option(
-            *(f"{flag}-opt" for flag in _flags(kind)),
-            f"{kind}_opt",
-            multiple=True,
-            metavar="[NAME.]KEY=VALUE",
+            "--overwrite",
+            is_flag=True,
             cls=SectionedOption,
-            section=PLUGINS,
-            help=f"option of the selected {kind} plugin; repeatable",
+            section=RUN_DIRECTORY,
+            help=(
+                "replace the grpo-core run --run-dir holds (a non-empty run directory is refused otherwise; never a folder of other files)"
+            ),
         )(func)
-    for field in reversed(cli_fields()):
-        func = _click_option(field)(func)
-    return func
+        func = click.option(
+            "--resume",
+            "resume",
+            metavar="RUN_DIR",
+            cls=SectionedOption,
+            section=RUN_DIRECTORY,
+            help=f"continue that {config_class.command} run from its newest checkpoint, with its own config",
+        )(func)
+        func = click.option(
+            "--config",
+            "config_file",
+            type=click.Path(),
+            cls=SectionedOption,
+            section=RUN_DIRECTORY,
+            help="TOML file of settings and [kind.name] option tables",
+        )(func)
+        for kind in reversed(config_class.kinds):
+            func = click.option(
+                *(f"{flag}-opt" for flag in _flags(kind)),
+                f"{kind}_opt",
+                multiple=True,
+                metavar="[NAME.]KEY=VALUE",
+                cls=SectionedOption,
+                section=PLUGINS,
+                help=f"option of the selected {kind} plugin; repeatable",
+            )(func)
+        for field in reversed(cli_fields(config_class)):
+            func = _click_option(field)(func)
+        return func
+
+    return decorate
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -126,23 +149,7 @@ def main() -> None:
 
 
 @main.command(cls=SectionedCommand)
-@_run_options
-@click.option(
-    "--resume",
-    "resume",
-    metavar="RUN_DIR",
-    cls=SectionedOption,
-    section=RUN_DIRECTORY,
-    help="continue that run from its newest checkpoint, with its own config",
-)
-@click.option(
-    "--overwrite",
-    is_flag=True,
-    cls=SectionedOption,
-    section=RUN_DIRECTORY,
-    help="replace the grpo-core run --run-dir holds (a non-empty run directory is refused otherwise; never a folder of other files)",
-)
-@click.option("--debug", is_flag=True, cls=SectionedOption, section=MACHINE, help="show the traceback of an error")
+@_training_options(RunConfig)
 def run(config_file: str | None, resume: str | None, overwrite: bool, debug: bool, **values: Any) -> None:
     """Train a policy with GRPO. With no arguments: the embedded tiny model and task, on CPU (its own
     settings: core/assets/default/run.toml; any flag wins).
@@ -171,10 +178,39 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
     (named with its distribution); 2 bad command line; 3 internal error of grpo-core (traceback
     written to the run directory); 130 Ctrl-C; 143 SIGTERM.
     """
+    _train(RunConfig, config_file, resume, overwrite, debug, values)
+
+
+@main.command(cls=SectionedCommand)
+@_training_options(SFTConfig)
+def sft(config_file: str | None, resume: str | None, overwrite: bool, debug: bool, **values: Any) -> None:
+    """Supervised fine-tuning: train a policy to continue each row's prompt with its target, on the
+    trainers of `grpo-core run`; its RUN_DIR/final is a model `grpo-core run --model` starts from
+    (docs/sft.md). With no arguments: the embedded tiny model on the embedded task's answers (its
+    own settings: core/assets/default/sft.toml; any flag wins).
+
+    \b
+    A row is a prompt (--prompt-field, --prompt-template, encoded as --rollout encodes it for
+    `grpo-core run`) and its target (--completion-field, --completion-template), followed by the
+    tokenizer's end-of-sequence token where no chat template closes it; or a 'messages' chat
+    whose every assistant turn is a target and the rest context. The loss is the cross-entropy of
+    the target tokens, a mean over the step's target tokens (prompt tokens carry none), whatever
+    --max-samples-per-fwd-bwd splits a step into (gradient accumulation).
+
+    \b
+    The run folder, its lock, --overwrite, checkpoints, --resume (exact on CPU), the loggers and
+    the exit codes are those of `grpo-core run`. --eval-every N measures the loss on held-out rows
+    (--eval-dataset; default:test for the embedded task) at step 0, every N steps and at the end.
+    """
+    _train(SFTConfig, config_file, resume, overwrite, debug, values)
+
+
+def _train(config_class: type[RunConfig], config_file: str | None, resume: str | None, overwrite: bool, debug: bool, values: Any) -> None:
+    """Read the command's config (or the resumed run's), train, exit with the summary's code."""
     from grpo_core import config as config_module
     from grpo_core.resume import load_resumed
 
-    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in KIND_TABLE}
+    plugin_opts = {kind: list(values.pop(f"{kind}_opt")) for kind in config_class.kinds}
     overrides = {k: (list(v) if isinstance(v, tuple) else v) for k, v in values.items()}
     overrides = {k: v for k, v in overrides.items() if v is not None and v != []}
     run_dir: str | None = resume or overrides.get("run_dir")
@@ -182,12 +218,15 @@ def run(config_file: str | None, resume: str | None, overwrite: bool, debug: boo
         if resume:
             if config_file:
                 raise PluginError("--resume uses the run's own config.json: --config cannot be given with it")
-            config = load_resumed(resume, overrides, plugin_opts)
+            config = load_resumed(resume, overrides, plugin_opts, config_class)
         else:
-            config = config_module.load(config_file, overrides, plugin_opts)
+            config = config_module.load(config_file, overrides, plugin_opts, config_class)
         if int(os.environ.get("RANK", "0")) > 0:
             sys.exit(_serve_rank(config))
-        from grpo_core.train import run as run_loop
+        if config_class is SFTConfig:
+            from grpo_core.sft import run_sft as run_loop
+        else:
+            from grpo_core.train import run as run_loop
 
         summary = run_loop(config, resume=bool(resume), overwrite=overwrite)
     except Exception as exc:

@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 import tomllib
@@ -25,6 +25,7 @@ from grpo_core.options import DEFAULT_CHOICE, REDACTED, coerce, is_secret
 
 DEFAULT = "default"
 DEFAULT_PRESET = Path(__file__).parent / "assets" / "default" / "run.toml"
+SFT_PRESET = Path(__file__).parent / "assets" / "default" / "sft.toml"
 
 
 MODEL_AND_DATA = "Model and data"
@@ -36,8 +37,9 @@ ASYNC = "Asynchronous loop (docs/async.md)"
 RUN_DIRECTORY = "Run directory, checkpoints, resume"
 MACHINE = "Machine"
 EVALUATION = "Evaluation during training (docs/training-run.md)"
-SECTIONS = (MODEL_AND_DATA, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, EVALUATION, RUN_DIRECTORY, MACHINE)
-"""The sections of ``grpo-core run --help``, in order; every setting names one."""
+SFT = "Supervised fine-tuning (grpo-core sft, docs/sft.md)"
+SECTIONS = (MODEL_AND_DATA, SFT, PLUGINS, GRPO_STEP, OPTIMIZER, LORA, ASYNC, EVALUATION, RUN_DIRECTORY, MACHINE)
+"""The sections of ``grpo-core run --help`` and ``grpo-core sft --help``, in order; every setting names one."""
 
 
 def _field(
@@ -152,6 +154,17 @@ def reward_weights(value: str | Iterable[str] | Mapping[str, Any]) -> dict[str, 
 class RunConfig:
     """Every setting of a run. A new one is one ``_field`` line here: its flag, TOML key, ``--help``
     entry (in its section) and whether ``--resume`` may change it all follow from it."""
+
+    command: ClassVar[str] = "run"
+    """The ``grpo-core`` command that trains with this config (config.json records it: ``--resume`` checks it)."""
+    preset: ClassVar[Path] = DEFAULT_PRESET
+    """The settings tuned for the embedded model and task, applied under anything given."""
+    given_fields: ClassVar[tuple[str, ...] | None] = None
+    """The fields of this class a user sets (flags, TOML keys); None: all of them."""
+    kinds: ClassVar[tuple[str, ...]] = tuple(KIND_TABLE)
+    """The plugin kinds its command selects (flags ``--KIND``, ``--KIND-opt``)."""
+    tracked: ClassVar[str] = "reward"
+    """What a step's ``TRACKED/total`` metric is that the summary compares between the first and last steps."""
 
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model", MODEL_AND_DATA)
     dataset: str = _field(
@@ -333,12 +346,14 @@ class RunConfig:
     adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", OPTIMIZER, validator=_positive)
     weight_decay: float = _field(0.0, "AdamW weight decay", OPTIMIZER, validator=_non_negative)
     grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", OPTIMIZER, validator=_non_negative)
-    optimizer_state: Literal["fp32", "bf16", "8bit", "offload"] = _field(
-        "fp32",
+    optimizer_state: Literal["auto", "fp32", "bf16", "8bit", "offload"] = _field(
+        "auto",
         (
             "local trainer: how AdamW's two moments are kept, per trained parameter: fp32 = 8 bytes; bf16 = 4 bytes "
             "(stochastic rounding); 8bit = 2 bytes (blockwise power-law codes, a scale per 256); offload = 8 bytes in "
-            "pinned host memory, none on the GPU (CUDA only); the update is float32 math in every case"
+            "pinned host memory, none on the GPU (CUDA only); the update is float32 math in every case; auto = the first "
+            "of fp32, bf16, 8bit, offload whose memory plan fits the device's free memory with 10% to spare (the start "
+            "line says which and why); other backends: fp32"
         ),
         OPTIMIZER,
     )
@@ -488,6 +503,16 @@ class RunConfig:
         return self.weight_sync_interval != 1 or self.loop == "async"
 
     @property
+    def sequences_per_update(self) -> int:
+        """Sequences one optimizer update trains on (the memory plan sizes a step by it): a share of a step's groups."""
+        return self.prompt_groups_per_step * self.completions_per_prompt // self.minibatches_per_step
+
+    @property
+    def shares_prompts(self) -> bool:
+        """A step's sequences come in groups that share their prompt (a trainer may run each prompt once for its group)."""
+        return True
+
+    @property
     def samples_while_training(self) -> bool:
         """Rollouts run while the trainer trains (the async loop): an engine that shares the device
         with the trainer never idles, so it can never free its memory between steps."""
@@ -500,15 +525,75 @@ class RunConfig:
         return attrs.asdict(self)
 
 
-def cli_fields() -> list[attrs.Attribute]:
-    attrs.resolve_types(RunConfig)
-    return [f for f in attrs.fields(RunConfig) if f.metadata.get("cli", True)]
+SFT_RUN_FIELDS = (
+    "model", "dataset", "mix", "prompt_field", "prompt_template", "max_rows", "skip_bad_rows", "epochs", "max_steps", "shuffle",
+    "fetch_timeout",
+    "backend", "rollout", "logger", "max_samples_per_fwd_bwd", "min_samples_per_fwd_bwd",
+    "eval_every", "eval_dataset", "eval_prompts",
+    "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
+    "optimizer_state", "max_nonfinite_steps_in_a_row", "lora_rank", "lora_alpha", "lora_target_modules",
+    "run_dir", "checkpoint_every", "keep_checkpoints", "allow_low_disk",
+    "device", "dtype", "gradient_checkpointing", "memory_check", "threads", "seed",
+)  # fmt: skip
+"""The settings of ``grpo-core run`` that mean the same in ``grpo-core sft`` (the rollout: how a
+prompt is encoded; the eval ones: the held-out rows whose loss is measured)."""
+
+
+@attrs.define
+class SFTConfig(RunConfig):
+    """Every setting of ``grpo-core sft``: the run settings of :data:`SFT_RUN_FIELDS` (the trainer
+    reads the others at their defaults) and those of supervised fine-tuning."""
+
+    command: ClassVar[str] = "sft"
+    preset: ClassVar[Path] = SFT_PRESET
+    tracked: ClassVar[str] = "loss"
+    kinds: ClassVar[tuple[str, ...]] = ("backend", "rollout", "logger")
+
+    completion_field: str = _field(
+        "completion",
+        "dataset field holding the target that follows the prompt: text, or token ids taken as they are (rows with 'messages' need none)",
+        SFT,
+    )
+    completion_template: str = _field(
+        "{completion}",
+        "format of the target text with {completion} (\\n and \\t typed in a shell are a line break and a tab)",
+        SFT,
+        from_text=decode_escapes,
+    )
+    examples_per_step: int = _field(8, "examples per optimizer step", SFT, validator=_positive)
+    max_seq_len: int | None = _field(
+        None, "longest example in tokens, prompt and target (default: the model's context)", SFT, validator=_positive
+    )
+    long_examples: Literal["error", "truncate", "skip"] = _field(
+        "error",
+        "an example over --max-seq-len: stop with an error naming it, cut its target to fit (counted: data/truncated_examples), "
+        "or leave it out (counted: data/skipped_long_examples)",
+        SFT,
+    )
+
+    @property
+    def sequences_per_update(self) -> int:
+        return self.examples_per_step
+
+    @property
+    def shares_prompts(self) -> bool:
+        return False
+
+
+SFTConfig.given_fields = (*SFT_RUN_FIELDS, *(f.name for f in attrs.fields(SFTConfig) if f.metadata.get("section") == SFT))
+
+
+def cli_fields(config_class: type[RunConfig] = RunConfig) -> list[attrs.Attribute]:
+    """The settings a user gives ``config_class``'s command (flags, TOML keys)."""
+    attrs.resolve_types(config_class)
+    names = config_class.given_fields
+    return [f for f in attrs.fields(config_class) if f.metadata.get("cli", True) and (names is None or f.name in names)]
 
 
 def check_given(config: RunConfig, given: Iterable[str]) -> None:
     """Settings a user gave that would do nothing with the rest of the config are refused, naming
     what they belong to: the async loop's settings under ``--loop sync``, LoRA's without a rank."""
-    sections = {f.name: f.metadata["section"] for f in cli_fields()}
+    sections = {f.name: f.metadata["section"] for f in cli_fields(type(config))}
     for key in given:
         flag = f"--{key.replace('_', '-')}"
         if sections.get(key) == ASYNC and key != "loop" and config.loop != "async":
@@ -527,9 +612,9 @@ def check_given(config: RunConfig, given: Iterable[str]) -> None:
             raise PluginError(f"{flag} sets LoRA adapters, which only --lora-rank > 0 trains; without it, it would do nothing")
 
 
-def resumable_fields() -> list[str]:
+def resumable_fields(config_class: type[RunConfig] = RunConfig) -> list[str]:
     """Settings a resumed run may change: none of them changes what a step computes."""
-    return [f.name for f in cli_fields() if f.metadata["resumable"]]
+    return [f.name for f in cli_fields(config_class) if f.metadata["resumable"]]
 
 
 def typed_value(field: attrs.Attribute, value: Any) -> Any:
@@ -595,8 +680,10 @@ def selected_names_from(stored: dict[str, Any], kind: str) -> list[str] | None:
     return list(value) if isinstance(value, (list, dict)) else [value]
 
 
-def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
-    """Merge a TOML file, CLI overrides and ``--<kind>-opt`` lists into a validated RunConfig.
+def load(
+    config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[str, list[str]], config_class: type[RunConfig] = RunConfig
+) -> RunConfig:
+    """Merge a TOML file, CLI overrides and ``--<kind>-opt`` lists into a validated ``config_class``.
 
     The TOML values and ``overrides`` are read as a user gave them (see ``given_value``): the
     place where text typed in a shell or a file becomes the typed config, once.
@@ -632,9 +719,9 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
     values.update({k: v for k, v in overrides.items() if v is not None})
     if values.get("model", DEFAULT) == DEFAULT and embedded_split(str(values.get("dataset", DEFAULT))) is not None:
         # The embedded model and task come with settings tuned for them; anything given wins.
-        preset = tomllib.loads(DEFAULT_PRESET.read_text()) if DEFAULT_PRESET.is_file() else {}
+        preset = tomllib.loads(config_class.preset.read_text()) if config_class.preset.is_file() else {}
         values = {**preset, **values}
-    fields = {f.name: f for f in cli_fields()}
+    fields = {f.name: f for f in cli_fields(config_class)}
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
         field = fields.get(key)
@@ -645,7 +732,7 @@ def load(config_file: str | None, overrides: dict[str, Any], plugin_opts: dict[s
         except (TypeError, ValueError) as exc:
             raise PluginError(f"config '{key}': {exc}") from None
     try:
-        config = RunConfig(**kwargs)
+        config = config_class(**kwargs)
     except (TypeError, ValueError) as exc:
         raise PluginError(f"config: {exc}") from None
     check_given(config, kwargs)

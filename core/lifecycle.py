@@ -52,7 +52,7 @@ from grpo_core.embedded import ASSETS
 from grpo_core.errors import EXIT_ERROR, PluginError
 from grpo_core.fetch import is_url
 from grpo_core.hookspecs import declared
-from grpo_core.measure import TrainingEval, training_eval
+from grpo_core.measure import training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.mixture import parse_mix, shares
 from grpo_core.options import missing_folder
@@ -129,7 +129,7 @@ def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
     failure: PluginError | None = CheckpointError(f"{unsaved}; {policy_saved(state, final)}") if unsaved is not None else None
     if failure is None and (problem := nothing_trained(r)):
         failure = PluginError(problem)
-    summary = summarize(state, started, final, checkpoint, failed=failure is not None)
+    summary = summarize(state, started, final, checkpoint, config.tracked, failed=failure is not None)
     (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
     r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
     if failure is not None:
@@ -207,8 +207,8 @@ class Run:
     state: RunState
     batches: Iterator[list[Any]]
     params: SamplingParams
-    evaluator: TrainingEval | None = None
-    """``--eval-every``: what evaluates the policy between steps."""
+    evaluator: Any = None
+    """``--eval-every``: what evaluates the policy between steps (a :class:`TrainingEval`; sft's held-out loss)."""
 
 
 @attrs.define
@@ -314,18 +314,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     total_steps = plan_steps(config, len(dataset.prompts))
     evaluator = training_eval(config, selection, tokenizer, max_context, total_steps, sampling_params(config))
     run_dir = Path(str(config.run_dir))
-    newest = resume_point(run_dir, total_steps) if resume else None
-    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
-    if newest is not None:
-        check_same_data(run_dir, *rows)
-    backend = selection.plugins["backend"][0]
-    disk = plan_disk(config, backend, newest, total_steps)
-    trainer = pm.hook.make_trainer(config=config)
-    trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
-    if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
-        disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
-    unknown = "disk plan: the checkpoints' size is unknown (no safetensors weights to count)"
-    print(disk.line() if disk is not None else unknown, file=sys.stderr)
+    trainer, newest, rows = resume_point_and_trainer(config, selection, dataset, total_steps, resume)
     # Made before any checkpoint loads: the reference is the initial policy.
     reference = pm.hook.make_reference(config=config, trainer=trainer) if selection.needs_reference else None
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
@@ -334,27 +323,9 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         sampler_name = config.sampler or f"the {config.backend} backend's default"
         raise PluginError(f"--loop async samples while the trainer trains: the sampler ({sampler_name}) shares the trainer's weights")
     state = RunState(run_dir=run_dir, total_steps=total_steps, data=dataset.counts)
-    unobserved = None
-    if newest is not None:
-        load_checkpoint(newest, trainer, sampler, state)
-        restore_filter_states(selection, state)
-        state.reward_failures.in_a_row = state.reward_failures_in_a_row
-        state.start_step = state.step
-        unobserved = read_unobserved(newest)
-    observed = state.step - 1 if unobserved is not None else state.step
-    start_args = dict(config=config, run_dir=run_dir, total_steps=total_steps, start_step=observed)
-    # Plugins start (a teacher, a reward model load and check) before the folder changes; loggers,
-    # which write in it, once config.json is there (wandb records it).
-    loggers = [id(p) for p in selection.plugins.get("logger", [])]
-    start_plugins(pm, lambda plugin: id(plugin) not in loggers, start_args)
-    if newest is not None:
-        remove_partial(run_dir)
-    STARTING.get().replace_old_run()
+    unobserved = resume_state(newest, selection, trainer, sampler, state) if newest is not None else None
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
-    write_config(config, run_dir / "config.json", run_info)
-    record_data(run_dir, *rows, [f.record() for f in dataset.fetched])
-    start_plugins(pm, lambda plugin: id(plugin) in loggers, start_args)
-    record_files(run_dir)
+    open_run_folder(config, selection, state, newest is not None, rows, dataset.fetched, run_info, unobserved)
     state.rng = capture_rng(sampler)
     order = dataset.batches(config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
@@ -369,6 +340,71 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
     return r
+
+
+def resume_point_and_trainer(
+    config: RunConfig, selection: Any, dataset: Any, total_steps: int, resume: bool
+) -> tuple[Any, Path | None, tuple[str, int, str]]:
+    """The backend's trainer; with it, the checkpoint a resumed run continues from (its rows checked
+    unchanged), and the rows' name, count and fingerprint (what data.json records)."""
+    run_dir = Path(str(config.run_dir))
+    newest = resume_point(run_dir, total_steps) if resume else None
+    rows = (dataset.name, len(dataset.prompts), rows_fingerprint(dataset.prompts))
+    if newest is not None:
+        check_same_data(run_dir, *rows)
+    return make_trainer(config, selection, newest, total_steps), newest, rows
+
+
+def make_trainer(config: RunConfig, selection: Any, newest: Path | None, total_steps: int) -> Any:
+    """The backend's trainer, once the disk plan says its checkpoints fit (printed)."""
+    backend = selection.plugins["backend"][0]
+    disk = plan_disk(config, backend, newest, total_steps)
+    trainer = selection.manager.hook.make_trainer(config=config, needs_reference=selection.needs_reference)
+    trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
+    if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
+        disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
+    unknown = "disk plan: the checkpoints' size is unknown (no safetensors weights to count)"
+    print(disk.line() if disk is not None else unknown, file=sys.stderr)
+    return trainer
+
+
+def resume_state(newest: Path, selection: Selection, trainer: Any, sampler: Any, state: RunState) -> dict[str, float] | None:
+    """Trainer, sampler (None where a recipe samples nothing), group filters and ``state`` as the
+    checkpoint ``newest`` left them; the metrics of its step if not every plugin observed it (see :func:`end_step`)."""
+    load_checkpoint(newest, trainer, sampler, state)
+    restore_filter_states(selection, state)
+    state.reward_failures.in_a_row = state.reward_failures_in_a_row
+    state.start_step = state.step
+    return read_unobserved(newest)
+
+
+def open_run_folder(
+    config: RunConfig,
+    selection: Any,
+    state: RunState,
+    resumed: bool,
+    rows: tuple[str, int, str],
+    fetched: list[Any],
+    run_info: dict[str, Any],
+    unobserved: dict[str, float] | None,
+) -> None:
+    """Start the plugins, then write the run's folder: config.json, data.json (``rows``: the
+    dataset's name, row count and fingerprint; ``fetched``: the URLs its rows came from); what
+    ``--overwrite`` replaces goes aside first."""
+    run_dir = state.run_dir
+    observed = state.step - 1 if unobserved is not None else state.step
+    start_args = dict(config=config, run_dir=run_dir, total_steps=state.total_steps, start_step=observed)
+    # Plugins start (a teacher, a reward model load and check) before the folder changes; loggers,
+    # which write in it, once config.json is there (wandb records it).
+    loggers = [id(p) for p in selection.plugins.get("logger", [])]
+    start_plugins(selection.manager, lambda plugin: id(plugin) not in loggers, start_args)
+    if resumed:
+        remove_partial(run_dir)
+    STARTING.get().replace_old_run()
+    write_config(config, run_dir / "config.json", run_info)
+    record_data(run_dir, *rows, [f.record() for f in fetched])
+    start_plugins(selection.manager, lambda plugin: id(plugin) in loggers, start_args)
+    record_files(run_dir)
 
 
 def keep_filter_states(selection: Selection, state: RunState) -> None:
@@ -398,8 +434,9 @@ def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) 
             impl.function(*(args[name] for name in impl.argnames))
 
 
-def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int) -> None:
-    """The step's weights are in place: count it (or stop the run after too many skipped ones)."""
+def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int, tracked: str = "reward") -> None:
+    """The step's weights are in place: count it (or stop the run after too many skipped ones);
+    ``tracked``: the ``TRACKED/total`` metric the summary compares (the config's ``tracked``)."""
     skipped = metrics.get("optim/skipped_nonfinite", 0.0) > 0
     state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
     if state.nonfinite_in_a_row >= max_nonfinite:
@@ -409,8 +446,8 @@ def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int) -
         )
     state.step += 1
     state.reward_failures_in_a_row = state.reward_failures.in_a_row
-    reward = metrics["reward/total"]
-    state.history.append(reward if math.isfinite(reward) else None)
+    value = metrics[f"{tracked}/total"]
+    state.history.append(value if math.isfinite(value) else None)
 
 
 def end_step(
@@ -443,10 +480,10 @@ def end_step(
     if config.mix:
         metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics))
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
-        count_step(state, metrics, config.max_nonfinite_steps_in_a_row)
+        count_step(state, metrics, config.max_nonfinite_steps_in_a_row, config.tracked)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
         try:
-            if config.weight_sync_interval and step % config.weight_sync_interval == 0:
+            if sampler is not None and config.weight_sync_interval and step % config.weight_sync_interval == 0:
                 synced.merge(sync_weights(r, step))
         finally:
             state.rng = capture_rng(sampler)
@@ -628,7 +665,7 @@ def save_after_failure(state: RunState, config: RunConfig, trainer: Any) -> str:
         except CheckpointError as policy_exc:
             return f"{said}; {policy_exc}: the weights trained since are lost"
         return f"{said}; {policy_saved(state, final)}"
-    return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core run --resume {state.run_dir}"
+    return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core {config.command} --resume {state.run_dir}"
 
 
 def stop_on_signals(state: RunState) -> Any:
@@ -772,16 +809,18 @@ def sampling_params(config: RunConfig) -> SamplingParams:
     )
 
 
-def summarize(state: RunState, started: float, final: str, checkpoint: Path | None, failed: bool = False) -> dict[str, Any]:
-    """The run's outcome; a short run compares two halves that do not overlap (up to 10 steps each).
-    ``exit_code`` is the one the command ends with: 1 for a run that ``failed`` (an error the user can
-    fix, raised after the summary is written), else the signal's or 0."""
+def summarize(
+    state: RunState, started: float, final: str, checkpoint: Path | None, tracked: str = "reward", failed: bool = False
+) -> dict[str, Any]:
+    """The run's outcome; a short run compares the ``tracked`` metric of two halves that do not
+    overlap (up to 10 steps each). ``exit_code`` is the one the command ends with: 1 for a run that
+    ``failed`` (an error the user can fix, raised after the summary is written), else the signal's or 0."""
     history = [r for r in state.history if r is not None and math.isfinite(r)]
     window = min(10, len(history) // 2)
     return {
         "steps": state.step,
-        "reward_first": sum(history[:window]) / window if window else None,
-        "reward_last": sum(history[-window:]) / window if window else None,
+        f"{tracked}_first": sum(history[:window]) / window if window else None,
+        f"{tracked}_last": sum(history[-window:]) / window if window else None,
         "window": window,
         "seconds": time.perf_counter() - started,
         "run_dir": str(state.run_dir),

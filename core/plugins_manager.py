@@ -15,7 +15,7 @@ import functools
 import importlib
 import inspect
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,7 +200,12 @@ def redact(kind: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
 def write_config(config: RunConfig, path: Path, run_info: dict[str, dict[str, str]] | None = None) -> None:
     """The resolved config as JSON (``config.json``), secret plugin options shown as ``***``, and
     ``run_info``: what the trainer and the sampler say of how they run (their declared ``run_info``)."""
-    data = {**config.to_dict(), "plugin_options": redact_plugin_options(config.plugin_options), "run_info": run_info or {}}
+    data = {
+        **config.to_dict(),
+        "command": config.command,
+        "plugin_options": redact_plugin_options(config.plugin_options),
+        "run_info": run_info or {},
+    }
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -338,14 +343,15 @@ def is_wrapper(plugin: Any, hook: str) -> bool:
     return bool(opts.get("wrapper") or opts.get("hookwrapper"))
 
 
-def check_single_choice(selected: dict[str, dict[str, Any]]) -> None:
-    """Each kind of which one plugin runs (``hookspecs.KIND_TABLE``) has exactly one (non-wrapper)
-    implementation of its own hook, a kind of which at most one runs no more than one.
+def check_single_choice(selected: dict[str, dict[str, Any]], kinds: Collection[str] | None = None) -> None:
+    """Each kind of which one plugin runs (``hookspecs.KIND_TABLE``; of ``kinds``, those a recipe
+    runs, when given) has exactly one (non-wrapper) implementation of its own hook, a kind of which at most
+    one runs no more than one.
 
     ``selected``: kind -> {name users typed: instance}.
     """
     for kind, spec in hookspecs.KIND_TABLE.items():
-        if spec.runs not in ("one", "at most one"):
+        if spec.runs not in ("one", "at most one") or (kinds is not None and kind not in kinds):
             continue
         by_name = selected.get(kind, {})
         impls = [name for name, plugin in by_name.items() if not is_wrapper(plugin, spec.hooks[0])]

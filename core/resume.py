@@ -36,8 +36,11 @@ def resumable_option(kind: str, name: str, key: str) -> Callable[[Any], Any] | N
     return lambda value: coerce_options(cls, f"{kind} '{name}'", {key: value})[key]
 
 
-def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str, list[str]]) -> RunConfig:
-    """The config of the run in ``run_dir``, with the changes ``--resume`` allows.
+def load_resumed(
+    run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str, list[str]], config_class: type[RunConfig] = RunConfig
+) -> RunConfig:
+    """The config of the run in ``run_dir``, with the changes ``--resume`` allows; a run of another
+    command (``grpo-core sft``'s for ``run``) is refused, naming the command that continues it.
 
     Flags that would change what a step computes are refused unless they repeat the stored
     value; plugin options may only supply secrets, which config.json never holds.
@@ -46,9 +49,12 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
     if not path.is_file():
         raise PluginError(f"--resume {run_dir}: no config.json there; is it a grpo-core run directory?")
     stored = read_stored_config(path)
-    fields = {f.name: f for f in cli_fields()}
+    command = stored.pop("command", RunConfig.command)
+    if command != config_class.command:
+        raise PluginError(f"--resume {run_dir}: it is a grpo-core {command} run; continue it with grpo-core {command} --resume {run_dir}")
+    fields = {f.name: f for f in cli_fields(config_class)}
     refused = []
-    resumable = resumable_fields()
+    resumable = resumable_fields(config_class)
     for key, value in overrides.items():
         if key not in fields:
             raise PluginError(f"unknown config key '{key}'")
@@ -84,7 +90,7 @@ def load_resumed(run_dir: str, overrides: dict[str, Any], plugin_opts: dict[str,
         raise PluginError(f"--resume: secret options were not saved; give them again ({', '.join(missing)}), e.g. as env:VARIABLE")
     stored["run_dir"] = str(run_dir)
     try:
-        config = RunConfig(**{k: typed_value(fields[k], v) for k, v in stored.items() if k in fields})
+        config = config_class(**{k: typed_value(fields[k], v) for k, v in stored.items() if k in fields})
     except (TypeError, ValueError) as exc:
         raise PluginError(f"{path}: {exc}") from None
     config.plugin_options = options

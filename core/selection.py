@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import attrs
@@ -30,7 +30,7 @@ class Selection:
     """kind -> selected instances."""
     rewards: list[WeightedReward]
     loss: Any
-    """The one (non-wrapper) loss plugin."""
+    """The one (non-wrapper) loss plugin (None where the recipe selects no loss: ``grpo-core sft``)."""
     env_name: str | None = None
     tools: dict[str, Any] = attrs.field(factory=dict)
     """The selected tool plugins by the name the policy calls them (their ``tool_spec()["name"]``)."""
@@ -61,8 +61,10 @@ class Selection:
         return [r.name for r in self.rewards if declared(r.plugin, "reward", "needs_answer")] + env
 
 
-def select_plugins(config: RunConfig) -> Selection:
-    """Find, check and instantiate the plugins the config names, before anything heavy loads.
+def select_plugins(config: RunConfig, kinds: Collection[str] | None = None) -> Selection:
+    """Find, check and instantiate the plugins the config names, before anything heavy loads;
+    ``kinds``: those a recipe runs (``grpo-core sft``: a backend, the rollout that encodes
+    prompts, loggers); None: every kind.
 
     Each plugin's options are stored back into ``config.plugin_options`` converted to their
     types, so config.json holds ``0.3`` whether the option came from a flag or a TOML file.
@@ -71,6 +73,8 @@ def select_plugins(config: RunConfig) -> Selection:
     names: dict[str, list[str]] = {}
     classes: dict[str, type] = {}
     for kind, spec in KIND_TABLE.items():
+        if kinds is not None and kind not in kinds:
+            continue
         chosen = selected_names_from(given, kind)
         if spec.default_from:
             # The kinds that name the default come earlier in the table, so their names are known.
@@ -111,13 +115,13 @@ def select_plugins(config: RunConfig) -> Selection:
     unknown = {f"{kind}.{name}" for kind, opts in config.plugin_options.items() for name in opts if name not in names.get(kind, [])}
     if unknown:
         raise PluginError(f"options given for plugins that are not selected: {', '.join(sorted(unknown))}")
-    check_single_choice(plugins)
+    check_single_choice(plugins, kinds)
     config.plugin_options = typed_options
 
-    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items()]
+    rewards = [WeightedReward(name, weight, plugins["reward"][name]) for name, weight in config.reward.items() if "reward" in names]
     check_conversation(config, plugins, rewards)
     check_per_trajectory(config, plugins["rollout"][config.rollout])
-    loss = next(p for p in plugins["loss"].values() if not is_wrapper(p, "loss"))
+    loss = next((p for p in plugins.get("loss", {}).values() if not is_wrapper(p, "loss")), None)
     manager = build_manager(p for by_name in plugins.values() for p in by_name.values())
     return Selection(
         manager=manager,

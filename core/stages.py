@@ -423,7 +423,6 @@ def train_on_groups(
     summed (``LossOutput.summed``); ``loss/total`` is the sum of the calls' losses.
     ``recorded_routes``: each sample's routing as pi_old's forward recorded it (--router-replay R2).
     """
-    import tinker
     import torch
 
     with scope() as metrics:
@@ -470,20 +469,7 @@ def train_on_groups(
             call_tokens = float(sum(mask[i].sum() for i in idx))
             for key, value in result.metrics.items():
                 record(key, value, "sum" if key in loss_fn.summed else "mean", weight=call_tokens)
-        optim = trainer.optim_step(
-            tinker.AdamParams(
-                learning_rate=learning_rate,
-                beta1=config.beta1,
-                beta2=config.beta2,
-                eps=config.adam_eps,
-                weight_decay=config.weight_decay,
-                grad_clip_norm=config.grad_clip_norm,
-            )
-        )
-        skipped = optim.pop("optim/skipped_nonfinite", 0.0)
-        record("optim/skipped_nonfinite", skipped, "sum")
-        record("optim/updates", 0 if skipped else 1, "sum")
-        metrics.update(optim, "mean")
+        optimizer_step(trainer, config, learning_rate)
     return metrics
 
 
@@ -612,6 +598,28 @@ def anchor_logprobs(trainer: Trainer, datums: list, samples: list[Sample], sampl
     if all(s.policy_version == trainer.version for s in samples):
         return None
     return trainer.forward(datums)
+
+
+def optimizer_step(trainer: Trainer, config: RunConfig, learning_rate: float) -> None:
+    """The trainer's optimizer step with the config's AdamW settings at ``learning_rate``, its
+    ``optim/*`` metrics recorded (``optim/updates`` 0 where a non-finite loss or gradient skipped it)."""
+    import tinker
+
+    optim = trainer.optim_step(
+        tinker.AdamParams(
+            learning_rate=learning_rate,
+            beta1=config.beta1,
+            beta2=config.beta2,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            grad_clip_norm=config.grad_clip_norm,
+        )
+    )
+    skipped = optim.pop("optim/skipped_nonfinite", 0.0)
+    record("optim/skipped_nonfinite", skipped, "sum")
+    record("optim/updates", 0 if skipped else 1, "sum")
+    for key, value in optim.items():
+        record(key, value, "mean")
 
 
 def learning_rate(config: RunConfig, step_index: int, total_steps: int) -> float:

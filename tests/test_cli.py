@@ -297,7 +297,7 @@ def test_run_help_lists_every_option_in_its_section_in_order():
     from click.testing import CliRunner
 
     from grpo_core.cli import main
-    from grpo_core.config import PLUGINS, SECTIONS, cli_fields
+    from grpo_core.config import PLUGINS, SECTIONS, SFT, cli_fields
 
     text = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
     flags: dict[str, list[str]] = {}
@@ -305,7 +305,7 @@ def test_run_help_lists_every_option_in_its_section_in_order():
         title, *rows = block.splitlines()
         if title.endswith(":") and rows:
             flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
-    assert list(flags) == [*SECTIONS, "Other"] and flags["Other"] == ["-h"]
+    assert list(flags) == [*(s for s in SECTIONS if s != SFT), "Other"] and flags["Other"] == ["-h"]
     for field in cli_fields():
         assert f"--{field.name.replace('_', '-')}" in flags[field.metadata["section"]], field.name
     assert flags[PLUGINS][-2:] == ["--loss-opt", "--logger-opt"] and "  --reward NAME[:WEIGHT] " in text

@@ -259,6 +259,8 @@ def skip_reason(page: str, command: str) -> str | None:
         return BENCHMARK
     if page == "docs/scaling-out.md":
         return "a server, GPUs, several hosts or a hub model (fsdp on gloo: tests/plugins/backends)"
+    if page == "docs/sft.md":
+        return "run in order, with what they print checked, by tests/core/test_sft.py (the SFT -> RL recipe)"
     return SKIPPED.get(page, {}).get(command)
 
 
@@ -312,7 +314,11 @@ def test_the_commands_of_a_page_run_as_written(page, tmp_path):
             # The docs' runs/<time> is a run of the embedded task ("embedded task: its test split"), not
             # the wandb one: resuming that needs the WANDB_MODE=offline its command line set.
             configs = {r: json.loads((r / "config.json").read_text()) for r in (tmp_path / "runs").iterdir()}
-            embedded = [r for r, c in configs.items() if c["dataset"] == "default" and "wandb" not in c["logger"]]
+            embedded = [
+                r
+                for r, c in configs.items()
+                if c["dataset"] == "default" and "wandb" not in c["logger"] and c.get("command", "run") == "run"
+            ]
             latest = max(embedded, key=lambda run: run.stat().st_mtime)
             command = command.replace("runs/<time>", f"runs/{latest.name}")
         out = run_command(command, tmp_path)

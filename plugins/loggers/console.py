@@ -56,13 +56,12 @@ class ConsoleLogger:
         if self._progress is not None:
             self._progress.stop()
         n = summary["window"]
-        if n:
+        # The metric the run compares: an RL run's reward, an sft run's loss.
+        tracked = next((name for name in ("reward", "loss") if f"{name}_first" in summary), None)
+        if n and tracked:
             first, last = ("first step", "last step") if n == 1 else (f"first {n} steps", f"last {n} steps")
-            self._console.print(
-                f"reward: {first} {summary['reward_first']:.3f} -> {last} {summary['reward_last']:.3f} "
-                f"({summary['reward_last'] - summary['reward_first']:+.3f})",
-                highlight=False,
-            )
+            start, end = summary[f"{tracked}_first"], summary[f"{tracked}_last"]
+            self._console.print(f"{tracked}: {first} {start:.3f} -> {last} {end:.3f} ({end - start:+.3f})", highlight=False)
         skipped = {k.removeprefix("data/skipped_"): v for k, v in summary.items() if k.startswith("data/skipped_") and v}
         if skipped:
             self._console.print("skipped " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in skipped.items()), highlight=False)

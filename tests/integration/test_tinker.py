@@ -170,6 +170,33 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
 
 
+def test_sft_trains_on_the_service_checkpoints_and_resumes(client, tmp_path):
+    """``grpo-core sft --backend tinker``: the service's cross_entropy loss, weighted per target token
+    of the step, lowers the loss of the embedded task's answers; a resumed run goes on from the
+    service's saved state; final/ is a model."""
+    run_dir = tmp_path / "sft"
+    # A cold server's first answer (its model loading) may take longer than the default 30 s on a busy machine.
+    base = ["--backend", "tinker", "--backend-opt", f"base_url={client.url}", "--backend-opt", f"rank={RANK}",
+            "--backend-opt", f"base_model={ASSETS}", "--backend-opt", "connect_deadline=300"]  # fmt: skip
+    # The same 8 rows every step (one step an epoch): the loss of a fixed batch falls.
+    args = ["sft", *base, "--max-rows", "8", "--epochs", "6", "--examples-per-step", "8", "--learning-rate", "1e-2",
+            "--checkpoint-every", "2", "--run-dir", str(run_dir)]  # fmt: skip
+    out = client.cli(*args, "--max-steps", "4")
+    assert out.returncode == 0, out.stderr[-5000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss/total"] for m in metrics]
+    print("sft loss on the service", [round(x, 3) for x in losses])
+    assert losses[-1] < 0.75 * losses[0] and all(m["train/examples"] == 8 for m in metrics)
+    assert [m["policy/version"] for m in metrics] == [1, 2, 3, 4]
+    assert (run_dir / "final" / "model.safetensors").exists() and (run_dir / "final" / "grpo_core_prompt.json").exists()
+
+    out = client.cli("sft", "--resume", str(run_dir), "--max-steps", "6")
+    assert out.returncode == 0, out.stderr[-5000:]
+    resumed = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(resumed) == 6 and resumed[:4] == metrics
+    assert [m["policy/version"] for m in resumed[4:]] == [5, 6]
+
+
 LOSS_FALLS = [("importance_sampling", True), ("importance_sampling", False), ("reinforce", False)]
 """(loss, through the service's built-in): one built-in path, the same loss and a loss without a
 built-in through the custom path."""
