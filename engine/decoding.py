@@ -685,7 +685,8 @@ class DecodeLoop:
         return hits
 
     def _run_step(self, forward: bool, rows: int, width: int) -> None:
-        state = self.state.head(rows, width)
+        # The whole state itself where it can be: the eager step allocates the routes buffer on it.
+        state = self.state if (rows, width) == tuple(self.state.valid_B_C.shape) else self.state.head(rows, width)
         if self.session is None:
             decode_step(state, self.rule, self.stepper, forward, self.routes)
             return
