@@ -140,7 +140,7 @@ class KVCache:
 
     With ``slot_1`` set (a one-element tensor on the device) a block of one position is written
     at that slot and the buffers' first ``width`` slots are returned (all of them when None):
-    shapes and addresses stay fixed and no length is read on the device, what a captured decode
+    shapes and addresses stay fixed and no length is read on the host, what a captured decode
     step needs (:mod:`grpo_core.engine.decoding`); the caller's mask, ``width`` slots wide, says
     which of them hold keys."""
 
