@@ -6,7 +6,7 @@ from grpo_core.hookspecs import hookimpl
 from grpo_core.loss import LossInputs, LossOutput
 from grpo_core.options import option
 from grpo_core.plugins_manager import call_loss, make_plugin
-from grpo_core.types import Completion, EnvStep, Episode, Prompt, Sample, SamplingParams, Turn
+from grpo_core.types import Completion, EnvStep, Episode, Prompt, PromptImages, Sample, SamplingParams, Turn
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "LossOutput",
     "PluginError",
     "Prompt",
+    "PromptImages",
     "Sample",
     "SamplingParams",
     "Turn",

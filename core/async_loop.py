@@ -191,8 +191,8 @@ class SharedSampler:
         oldest = getattr(self._local, "oldest", None)
         return self.inner.version if oldest is None else oldest
 
-    def sample(self, prompts: Any, num_samples: int, params: Any) -> Any:
-        call = Call(list(prompts), num_samples, params)
+    def sample(self, prompts: Any, num_samples: int, params: Any, images: Any = None) -> Any:
+        call = Call(list(prompts), num_samples, params, None if images is None else list(images))
         with self._cond:
             self._queued.append(call)
             while not call.done:
@@ -231,7 +231,10 @@ class SharedSampler:
         version = self.inner.version
         self._cond.release()
         try:
-            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params)
+            # Image prompts' tensors go with the batch, a text prompt's as None (only a sampler that takes images gets them).
+            images = [i for c in batch for i in (c.images or [None] * len(c.prompts))]
+            with_images = {"images": images} if any(i is not None for i in images) else {}
+            groups = self.inner.sample([p for c in batch for p in c.prompts], batch[0].num_samples, batch[0].params, **with_images)
             offset = 0
             for c in batch:
                 c.result, offset = groups[offset : offset + len(c.prompts)], offset + len(c.prompts)
@@ -283,6 +286,8 @@ class Call:
     prompts: list[Any]
     num_samples: int
     params: Any
+    images: list[Any] | None = None
+    """Each prompt's image tensors (None for a text prompt), where the rollout passed any."""
     result: Any = None
     error: BaseException | None = None
     version: int = 0

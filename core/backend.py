@@ -114,6 +114,8 @@ class Sampler(Protocol):
     # Optional: ``concurrent_samples: int``, how many ``sample`` calls it takes at once from the
     # async loop's workers (default 1: the in-process sampler generates one call at a time, and
     # the async loop hands it the calls queued behind a generation as one batched call).
+    # Optional, where ``takes_images`` is True (declared in hookspecs): ``sample(prompts, num_samples,
+    # params, images=...)`` with each prompt's ``PromptImages`` (None for a text prompt).
     # Optional, for exact resume: ``state_dict() -> dict`` (its RNG, version, and weights it
     # keeps apart from the trainer's) and ``load_state_dict(state)``. A sampler without them
     # (a remote server) resumes with fresh randomness.
@@ -128,8 +130,21 @@ def sample_to_datum(sample: Sample) -> tinker.Datum:
         loss_fn_inputs={
             "target_tokens": sample.tokens[1:],
             "weights": sample.loss_mask[1:],
+            **images_data(sample.images),
         },
     )
+
+
+IMAGE_INPUT = "image."
+"""What starts the name of a datum's ``loss_fn_inputs`` entry that holds one of its prompt's image
+tensors (``image.pixel_values``): a trainer places them over the prompt's image tokens."""
+
+
+def images_data(images: dict[str, torch.Tensor] | None) -> dict[str, tinker.TensorData]:
+    """An image prompt's tensors (:attr:`Sample.images`) as a datum's ``loss_fn_inputs`` entries."""
+    import tinker
+
+    return {IMAGE_INPUT + name: tinker.TensorData.from_torch(tensor) for name, tensor in (images or {}).items()}
 
 
 def routes_data(routes: torch.Tensor) -> tinker.TensorData:

@@ -349,6 +349,15 @@ class RunConfig:
         LORA,
     )
 
+    train_vision: bool = _field(
+        False,
+        (
+            "a vision-language model: train its vision tower and projector too (adapters on them with --lora-rank, "
+            "every weight without); off = they stay frozen and only the language model trains (docs/images.md)"
+        ),
+        MODEL_AND_DATA,
+    )
+
     loop: Literal["sync", "async"] = _field(
         "sync", "sync: sample, then train; async: rollouts run while the trainer trains (docs/async.md)", ASYNC
     )

@@ -33,6 +33,7 @@ import attrs
 from grpo_core.embedded import EMBEDDED, embedded_split, split_path
 from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.images import resolve_images
 from grpo_core.options import is_secret, option_fields
 from grpo_core.plugins_manager import find, provided
 from grpo_core.types import Prompt
@@ -194,7 +195,8 @@ def load_prompts(
         try:
             row = _row(raw, f"{path}{at}")
             if row is not None:
-                prompts.append(_prompt(row, f"{path}{at}", f"{path.name}{at}", prompt_field, answer_field, template, answer_needed_by))
+                prompt = _prompt(row, f"{path}{at}", f"{path.name}{at}", prompt_field, answer_field, template, answer_needed_by)
+                prompts.append(resolve_images(prompt, f"{path}{at}", image_folder(source)))
         except DataError as exc:
             if skipped is None:
                 raise
@@ -204,6 +206,13 @@ def load_prompts(
             raise DataError(f"{path}: no usable rows; all {len(skipped)} were bad, first: {skipped[0]}")
         raise DataError(f"{path}: no rows")
     return prompts
+
+
+def image_folder(source: Source) -> Path | None:
+    """The folder a row's relative image paths start from: the dataset file's, a saved dataset's own."""
+    if source.location is None:
+        return None
+    return source.location if source.location.is_dir() else source.location.parent
 
 
 def _raw_rows(source: Source) -> Iterator[tuple[str, bytes | dict[str, Any]]]:

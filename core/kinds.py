@@ -243,6 +243,12 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
             "the sampler does not return the experts it routed each token to",
             "why --router-replay R3 is refused (None: a mixture-of-experts model's completions carry routed_experts)",
         ),
+        "takes_images": Attribute(
+            "bool",
+            False,
+            "True: sample(prompts, num_samples, params, images=...) takes each prompt's PromptImages (its images' sources "
+            "and its processor's tensors; None for a text prompt) and generates with them; False: a run with image prompts refuses it",
+        ),
         "stateless": Attribute(
             "bool",
             False,

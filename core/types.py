@@ -35,6 +35,18 @@ def prompt_text(prompt: Prompt) -> str:
 
 
 @attrs.define
+class PromptImages:
+    """An image prompt's images as a sampler takes them (``sample(..., images=...)``)."""
+
+    sources: list[str]
+    """Each image as the row gave it, resolved (:mod:`grpo_core.images`): an absolute path, an
+    http(s) URL or a data URL; what a server or an engine that reads images itself gets."""
+    tensors: dict[str, Any]
+    """The model's processor's tensors of them (``pixel_values``...): what an in-process sampler
+    places over the prompt's image tokens, and what the samples carry to the trainer."""
+
+
+@attrs.define
 class Completion:
     """What a sampler returns for one generated continuation of a prompt."""
 
@@ -130,6 +142,11 @@ class Sample:
     a ``[len(tokens) - 1, layers, top_k]`` tensor of expert indices (see
     :attr:`Completion.routed_experts`), or None where the sampler records none. What
     ``--router-replay R3`` forces the trainer's forward to use."""
+    images: dict[str, Any] | None = None
+    """An image prompt's image tensors as its model's processor made them (``pixel_values``, and
+    ``image_sizes`` or the like where the model takes them), the same dict for every sample of its
+    group: what the trainer's forward places over the prompt's image tokens, as the sampler did.
+    None for a prompt without images."""
 
     def __attrs_post_init__(self) -> None:
         n = len(self.tokens)

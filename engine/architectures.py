@@ -165,12 +165,28 @@ def _is_expert(name: str) -> bool:
 
 def _expert_weights(model: Any) -> list[str]:
     """The weights of ``model``'s experts: transformers 5 holds each projection's as one 3-D tensor."""
-    return [n for n, p in model.named_parameters() if p.dim() >= 3 or (_is_expert(n) and p.dim() >= 2)]
+    convolutions = _convolution_weights(model)
+    return [n for n, p in model.named_parameters() if n not in convolutions and (p.dim() >= 3 or (_is_expert(n) and p.dim() >= 2))]
+
+
+def _convolution_weights(model: Any) -> set[str]:
+    """A convolution's weights are 3-D or more too (a vision tower's patch embedding), but no experts."""
+    return {
+        f"{name}.{own}" if name else own
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.conv._ConvNd)
+        for own, _ in module.named_parameters(recurse=False)
+    }
 
 
 def _refuse_untargeted_experts(model: Any, targets: LoraTargets, preset: str) -> None:
     """An unknown MoE type's experts are no linear layers: ``all-linear`` would skip them unsaid."""
-    experts = [n for n, p in model.named_parameters() if p.dim() >= 3 and not any(_ends_with(n, t) for t in targets.parameters)]
+    convolutions = _convolution_weights(model)
+    experts = [
+        n
+        for n, p in model.named_parameters()
+        if p.dim() >= 3 and n not in convolutions and not any(_ends_with(n, t) for t in targets.parameters)
+    ]
     if experts:
         raise PluginError(
             f"--lora-target-modules {preset}: this {model.config.model_type} model's expert weights ('{experts[0]}', ...) are "

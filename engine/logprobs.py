@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import attrs
 import tinker
 import torch
 
+from grpo_core.backend import IMAGE_INPUT
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.engine.fused_logprobs import LinearHead, LowRank, linear_logprobs
 from grpo_core.engine.moe_routing import RoutingTap
+from grpo_core.engine.vision import PlacedImages
 from grpo_core.errors import PluginError
 
 
@@ -34,7 +37,7 @@ def target_logprobs(
     Targets before a datum's first trained position get 0.0: logits are computed only from
     there on. The untrained prefix (the prompt) is usually shared by a group's G samples: it
     is run once per distinct prefix and its KV cache repeated for the group, gradients flowing
-    back through it (unless ``one_pass`` or ``routing``: every row whole, in one forward). Rows run
+    back through it (unless ``one_pass``, ``routing`` or image prompts: every row whole, in one forward). Rows run
     whole are ``packed`` end to end where that leaves fewer rows than sequences
     (:func:`packed_layout`; only for a forward whose :meth:`TransformersForward._packing_problem`
     found none), else right-padded. With ``routing`` (a mixture-of-experts model) that one forward
@@ -46,19 +49,37 @@ def target_logprobs(
     targets = [d.loss_fn_inputs["target_tokens"].data for d in datums]
     starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(x[:s]) for x, s in zip(inputs, starts)]
-    distinct = shared_prefixes(prefixes, one_pass or routing is not None)
+    images = datum_images(forward.model, datums, inputs, starts)
+    distinct = shared_prefixes(prefixes, one_pass or routing is not None or images is not None)
     if distinct is not None:
         return _logprobs_shared_prefix(forward, inputs, targets, starts, prefixes, distinct, device, entropy)
     if packed:
         rows = packed_layout([len(x) for x in inputs], *forward.layer_costs)
         if len(rows) < len(inputs):
-            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy)
-    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy)
+            return _logprobs_packed(forward, inputs, targets, starts, rows, device, routing, entropy, images)
+    return _logprobs_one_pass(forward, inputs, targets, starts, device, routing, entropy, images)
+
+
+def datum_images(model: Any, datums: Sequence[tinker.Datum], inputs: list, starts: list[int]) -> PlacedImages | None:
+    """The image tensors the datums carry (``loss_fn_inputs["image.*"]``), to place over their
+    prompts' image tokens; None where no datum carries any."""
+    images = [
+        {k.removeprefix(IMAGE_INPUT): v.to_torch() for k, v in d.loss_fn_inputs.items() if k.startswith(IMAGE_INPUT)} or None
+        for d in datums
+    ]
+    if not any(images):
+        return None
+    return PlacedImages(model, inputs, images, starts)
+
+
+def carries_images(datums: Sequence[tinker.Datum]) -> bool:
+    return any(name.startswith(IMAGE_INPUT) for d in datums for name in d.loss_fn_inputs)
 
 
 def shared_prefixes(prefixes: Sequence[tuple[int, ...]], whole_rows: bool) -> list[tuple[int, ...]] | None:
     """The distinct untrained prefixes :func:`target_logprobs` runs once each, or None where every
-    row runs whole (``whole_rows``: one pass or routing; or no prefix is shared, or one is empty)."""
+    row runs whole (``whole_rows``: one pass, routing or image prompts, whose prompts of one text and
+    different images have the same tokens; or no prefix is shared, or one is empty)."""
     distinct = list(dict.fromkeys(prefixes))
     return distinct if not whole_rows and len(distinct) < len(prefixes) and all(distinct) else None
 
@@ -69,7 +90,7 @@ def tokens_run(datums: Sequence[tinker.Datum], whole_rows: bool) -> int:
     lengths = [d.model_input.length for d in datums]
     starts = [first_trained(d.loss_fn_inputs["weights"].data) for d in datums]
     prefixes = [tuple(d.model_input.to_ints()[:s]) for d, s in zip(datums, starts)]
-    distinct = shared_prefixes(prefixes, whole_rows)
+    distinct = shared_prefixes(prefixes, whole_rows or carries_images(datums))
     if distinct is None:
         return sum(lengths)
     return sum(len(p) for p in distinct) + sum(n - s for n, s in zip(lengths, starts))
@@ -222,6 +243,7 @@ def _logprobs_one_pass(
     device: torch.device,
     routing: DatumRouting | None = None,
     entropy: bool = False,
+    images: PlacedImages | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     input_ids_B_T, attention_B_T = pad_rows(inputs)
     targets_B_T, _ = pad_rows(targets)
@@ -230,12 +252,13 @@ def _logprobs_one_pass(
         routing.place([i * T for i in range(B)], B * T)
     start = min(*starts, T - 1)
     # Right padding: real tokens never attend to a pad, so positions need no correction.
-    hidden_B_K_E = forward.hidden_states(
-        input_ids=input_ids_B_T.to(device),
-        position_ids=torch.arange(T).expand(B, T).to(device),
-        attention_mask=None if attention_B_T is None else attention_B_T.to(device),
-        keep=T - start,
-    )
+    with images.placed([i * T for i in range(B)]) if images is not None else nullcontext():
+        hidden_B_K_E = forward.hidden_states(
+            input_ids=input_ids_B_T.to(device),
+            position_ids=torch.arange(T).expand(B, T).to(device),
+            attention_mask=None if attention_B_T is None else attention_B_T.to(device),
+            keep=T - start,
+        )
     scored_B_K = _logprobs_at(forward, hidden_B_K_E, targets_B_T[:, start:], [max(0, len(x) - start) for x in inputs], entropy)
 
     def rows(scores_B_K: torch.Tensor) -> list[torch.Tensor]:
@@ -290,6 +313,7 @@ def _logprobs_packed(
     device: torch.device,
     routing: DatumRouting | None = None,
     entropy: bool = False,
+    images: PlacedImages | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
     """Every sequence whole, packed into ``rows`` with position ids that restart at 0 on each
     sequence and no attention mask: transformers' packed-sequence detection then keeps each
@@ -311,7 +335,8 @@ def _logprobs_packed(
         positions_R_W[r, at:] = torch.arange(width - at)
     if routing is not None:
         routing.place(offsets, R * width)
-    hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
+    with images.placed(offsets) if images is not None else nullcontext():
+        hidden_R_W_E = forward.hidden_states(input_ids=ids_R_W.to(device), position_ids=positions_R_W.to(device))
     # Only the trained positions go through the head, in the order of the sequences.
     at_N = torch.cat([torch.arange(offsets[i] + s, offsets[i] + len(x)) for i, (x, s) in enumerate(zip(inputs, starts))])
     targets_N = torch.tensor([t for y, s in zip(targets, starts) for t in y[s:]], dtype=torch.long)

@@ -17,19 +17,21 @@ import torch
 from grpo_core.engine.architectures import lora_targets
 from grpo_core.engine.models import SHARD_SIZE
 from grpo_core.engine.reference_offload import FileEntry, read_safetensors_header, weight_files
+from grpo_core.engine.vision import parts_pattern
 from grpo_core.errors import PluginError
 
 LORA_PREFIX = "lora_"
 """What names an adapter's tensors in a peft model's state dict (peft's own test for LoRA keys)."""
 
 
-def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str]) -> Any:
+def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str], excluded: Sequence[str] = ()) -> Any:
     """``model`` with LoRA adapters on ``target_modules`` (peft); everything else is frozen.
 
     ``target_modules`` is a ``--lora-target-modules`` value (``auto``, ``all-linear`` or names;
     see :mod:`architectures`). Returns the transformers model itself, its targets wrapped by
     peft's LoRA layers (B starts at zero, so the policy starts as the base model). No dropout:
-    the sampler and the trainer must score the same policy.
+    the sampler and the trainer must score the same policy. No module inside ``excluded`` (names
+    of modules, such as a vision-language model's vision tower) gets an adapter.
     """
     import peft
 
@@ -42,6 +44,7 @@ def add_lora(model: Any, rank: int, alpha: float, target_modules: Sequence[str])
         fan_in_fan_out=targets.fan_in_fan_out,
         lora_dropout=0.0,
         bias="none",
+        exclude_modules=parts_pattern(excluded) if excluded else None,
     )
     with _targets_taken_as_named():
         model = peft.inject_adapter_in_model(lora, model)

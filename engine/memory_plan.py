@@ -55,20 +55,30 @@ class ModelSize:
     vocab: int
 
 
-def model_size(folder: str | Path, lora_rank: int = 0, lora_alpha: float = 32.0, lora_targets: tuple[str, ...] = ("auto",)) -> ModelSize:
+def model_size(
+    folder: str | Path,
+    lora_rank: int = 0,
+    lora_alpha: float = 32.0,
+    lora_targets: tuple[str, ...] = ("auto",),
+    train_vision: bool = False,
+) -> ModelSize:
     """The parameters of the model in ``folder`` (built on the meta device: no weights read) and
-    how many of them train (all, or the LoRA adapters' with ``lora_rank``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    how many of them train (all, or the LoRA adapters' with ``lora_rank``; a vision-language
+    model's vision parts only with ``train_vision``)."""
+    from transformers import AutoConfig
+
+    from grpo_core.engine.vision import auto_model_class, vision_parts
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     parameters = sum(p.numel() for p in model.parameters())  # tied weights are one parameter
-    trained = parameters
+    frozen = [] if train_vision else vision_parts(model)
+    trained = parameters - sum(p.numel() for name in frozen for p in model.get_submodule(name).parameters())
     if lora_rank:
         from grpo_core.engine.lora import add_lora
 
-        model = add_lora(model, lora_rank, lora_alpha, list(lora_targets))
+        model = add_lora(model, lora_rank, lora_alpha, list(lora_targets), excluded=frozen)
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         parameters += trained
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -191,7 +201,7 @@ def check_fits(
     that would make it fit when it cannot fit the device's free memory (unless --no-memory-check)."""
     from grpo_core.errors import PluginError
 
-    size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules))
+    size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules), config.train_vision)
     samples = config.prompt_groups_per_step * config.completions_per_prompt // config.minibatches_per_step
     tokens = max(1, samples) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)

@@ -15,6 +15,7 @@ import torch
 from grpo_core.embedded import ASSETS
 from grpo_core.engine.architectures import attention_implementation
 from grpo_core.engine.varlen_attention import SAVED_AS, VARLEN, varlen_problem
+from grpo_core.engine.vision import image_text_config, load_vision_model
 from grpo_core.errors import PluginError
 
 PRECISION_NOTES = {
@@ -86,9 +87,14 @@ def load_model(name: str, device: torch.device, attn_implementation: str, dtype:
         attention = attention_implementation(attn_implementation, path)
         if attention == VARLEN:
             _refuse_varlen(path, device, dtype)
+        vision = image_text_config(path)
         # Straight into the run's dtype and onto its device: no float32 host copy on the way.
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+        model = (
+            AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, device_map=None if device.type == "cpu" else device, attn_implementation=attention
+            )
+            if vision is None
+            else load_vision_model(path, vision, device, dtype, attention)
         )
     except (OSError, ValueError) as exc:
         raise PluginError(f"cannot load model '{name}': {str(exc).splitlines()[0]}") from None

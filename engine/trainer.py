@@ -43,6 +43,7 @@ from grpo_core.engine.optim import (
 from grpo_core.engine.perf import memory_line, peak_flops, peak_memory_gib
 from grpo_core.engine.reference_offload import OffloadedWeights
 from grpo_core.hookspecs import declared
+from grpo_core.engine.vision import save_processor
 from grpo_core.metrics import record
 
 TRAINER_FILE = "trainer.json"
@@ -409,6 +410,7 @@ class LocalTrainer(LocalReference):
         else:
             self.model.save_pretrained(path, max_shard_size=SHARD_SIZE)
         self.tokenizer.save_pretrained(path)
+        save_processor(self.model, self.tokenizer, path)
         return path
 
 

@@ -85,6 +85,26 @@ def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def tiny_vlm_builder():
+    """scripts/build_tiny_vlm.py as a module: the tiny LLaVA-style model and its image rows."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_tiny_vlm", REPO / "scripts" / "build_tiny_vlm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random LLaVA-style model (2-layer CLIP tower, 2-layer Llama) with its processor; image
+    rows in its ``data/rows.jsonl`` (scripts/build_tiny_vlm.py)."""
+    builder = tiny_vlm_builder()
+    folder = builder.build_model(tmp_path_factory.mktemp("tiny_vlm") / "model")
+    builder.write_rows(folder / "data")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def gsm8k_test_split() -> Path:
     """GSM8K's test split (1,319 rows, MIT, OpenAI), shipped in tests/data/gsm8k."""

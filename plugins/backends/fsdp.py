@@ -25,12 +25,13 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
-from grpo_core.engine.models import load_model, resolve_checkpointing, resolve_precision, save_state_as_model, shared_storage_aliases
+from grpo_core.engine.models import load_model, model_path, resolve_checkpointing, resolve_precision, save_state_as_model, shared_storage_aliases
 from grpo_core.engine.moe_routing import num_experts, routing_problem
 from grpo_core.engine.optim import forward_backward_output, load_metrics, nonfinite_step_message, step_metrics
 from grpo_core.engine.rank_group import Group, join_group, serve, start_group, torchrun_world
 from grpo_core.engine.sharded import UNPACKED, ModelSpec, ShardedRank, read_state_info, shares
 from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.engine.vision import image_text_config
 from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 from grpo_core.plugins.backends.local import LocalBackend
@@ -132,6 +133,10 @@ class FSDPBackend:
     @hookimpl
     def make_trainer(self, config: RunConfig) -> FSDPTrainer:
         world = self.world_size(config)
+        if config.train_vision or image_text_config(model_path(config.model)) is not None:
+            raise PluginError(
+                "--backend fsdp does not train vision-language models (their vision parts are not sharded): use --backend local"
+            )
         device, dtype, _ = resolve_precision(config.device, config.dtype)
         checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
         spec = ModelSpec(

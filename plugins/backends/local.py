@@ -26,6 +26,7 @@ from grpo_core.engine.optim import OPTIMIZER_KERNELS, resolve_optimizer_kernel
 from grpo_core.engine.reference_offload import offload
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.engine.varlen_attention import choose_attention
+from grpo_core.engine.vision import freeze, frozen_vision_parts
 from grpo_core.errors import PluginError
 
 REFERENCE_PLACES = (AUTO, "memory", "offload")
@@ -130,7 +131,7 @@ class LocalBackend:
         path = model_path(config.model)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-            max_context = getattr(AutoConfig.from_pretrained(path), "max_position_embeddings", None)
+            max_context = getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
         except (OSError, ValueError) as exc:
             raise PluginError(f"cannot load model '{config.model}': {str(exc).splitlines()[0]}") from None
         return tokenizer, max_context
@@ -187,8 +188,10 @@ class LocalBackend:
                 # Weight-sized tensors back to the OS when freed, not kept for sizes never asked again.
                 set_mmap_threshold(TRAINING_MMAP_THRESHOLD)
         model, tokenizer = load_model(config.model, device, attention, dtype=dtype)
+        frozen = frozen_vision_parts(model, config.train_vision)
         if config.lora_rank:
-            model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules)
+            model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules, excluded=frozen)
+        freeze(model, frozen)
         checkpointing, why = resolve_checkpointing(
             config.gradient_checkpointing, device.type, getattr(model, "supports_gradient_checkpointing", False)
         )

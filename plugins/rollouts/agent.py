@@ -24,6 +24,7 @@ from grpo_core.async_loop import SharedSampler
 from grpo_core.backend import Sampler
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
+from grpo_core.images import has_images
 from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
 from grpo_core.plugins.rollouts.multi_turn import chat_template, decode, render, tool_format_name, without_end_of_turn
@@ -208,6 +209,9 @@ class AgentRollout:
 
     @hookimpl
     def rollout(self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams) -> list[list[Sample]]:
+        with_images = next((p for p in prompts if has_images(p)), None)
+        if with_images is not None:
+            raise PluginError(f"prompt {with_images.id} has images, which the agent rollout's gateway does not take (single_turn does)")
         tokenizer = sampler.tokenizer
         template = chat_template(tokenizer, self.template)
         chat = AgentChat(tokenizer, template, FORMATS[tool_format_name(tokenizer, template, self.tool_format)])

@@ -13,6 +13,7 @@ from grpo_core import Completion, Prompt, Sample, SamplingParams, hookimpl, opti
 from grpo_core.backend import Sampler
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
+from grpo_core.images import has_images
 from grpo_core.metrics import record
 from grpo_core.plugins.rollouts.tool_formats import FORMATS, ToolCall, ToolFormat, detect
 from grpo_core.stages import CallTimeout, call_with_timeout
@@ -231,6 +232,8 @@ class MultiTurnRollout:
         return template
 
     def _open(self, prompt: Prompt, env: Callable[[Prompt], Episode] | None, chat: ChatFormat) -> Conversation:
+        if has_images(prompt):
+            raise PluginError(f"prompt {prompt.id} has images, which the multi_turn rollout does not take (single_turn does)")
         episode = env(prompt) if env is not None else None
         if env is not None and (
             episode is None or not isinstance(getattr(episode, "messages", None), list) or not hasattr(episode, "step")

@@ -7,7 +7,11 @@ import attrs
 
 from grpo_core import Prompt, Sample, SamplingParams, hookimpl, option
 from grpo_core.backend import Sampler
+from grpo_core.engine.vision import encode_image_prompt
 from grpo_core.errors import PluginError
+from grpo_core.hookspecs import declared
+from grpo_core.images import has_images, image_sources
+from grpo_core.types import PromptImages
 
 
 @attrs.define
@@ -28,14 +32,17 @@ class SingleTurnRollout:
     @hookimpl
     def rollout(self, prompts: Sequence[Prompt], num_samples: int, sampler: Sampler, params: SamplingParams) -> list[list[Sample]]:
         tokenizer = sampler.tokenizer
+        # An image prompt's images are read once per rollout, for all of its group's samples.
+        images = [self._encode_images(tokenizer, p, sampler) if has_images(p) else None for p in prompts]
         encoded = [self.encode(tokenizer, p) for p in prompts]
         fits = [self._fits(p, tokens, sampler.max_context, params.max_tokens) for p, tokens in zip(prompts, encoded)]
         prompt_tokens = [tokens for tokens, ok in zip(encoded, fits) if ok]
-        groups = iter(sampler.sample(prompt_tokens, num_samples, params) if prompt_tokens else [])
-        kept = [(p, tokens, next(groups)) for p, tokens, ok in zip(prompts, encoded, fits) if ok]
-        texts = iter(tokenizer.batch_decode([c.tokens for _, _, g in kept for c in g], skip_special_tokens=True))
+        with_images = {"images": [i for i, ok in zip(images, fits) if ok]} if any(i is not None for i in images) else {}
+        groups = iter(sampler.sample(prompt_tokens, num_samples, params, **with_images) if prompt_tokens else [])
+        kept = [(p, tokens, next(groups), i) for p, tokens, ok, i in zip(prompts, encoded, fits, images) if ok]
+        texts = iter(tokenizer.batch_decode([c.tokens for _, _, g, _ in kept for c in g], skip_special_tokens=True))
         by_prompt: dict[int, list[Sample]] = {}
-        for prompt, tokens, group in kept:
+        for prompt, tokens, group, prompt_images in kept:
             by_prompt[id(prompt)] = [
                 Sample(
                     prompt=prompt,
@@ -46,6 +53,7 @@ class SingleTurnRollout:
                     finish_reason=c.finish_reason,
                     policy_version=sampler.version,
                     routed_experts=c.routed_experts,
+                    images=None if prompt_images is None else prompt_images.tensors,
                 )
                 for c in group
             ]
@@ -64,6 +72,13 @@ class SingleTurnRollout:
             f"the model's {max_context}: shorten it, lower --max-completion-tokens, or pass --rollout-opt long_prompts=skip"
         )
 
+    def _encode_images(self, tokenizer: Any, prompt: Prompt, sampler: Sampler) -> PromptImages:
+        if not declared(sampler, "sampler object", "takes_images"):
+            raise PluginError(f"prompt {prompt.id} has images, but the {type(sampler).__name__} does not take image prompts")
+        tokens, tensors = encode_image_prompt(tokenizer, prompt)
+        self._token_cache[prompt.id] = tokens
+        return PromptImages(image_sources(prompt.messages), tensors)
+
     def encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
         """The prompt's tokens as the sampler will see them (chat template applied or not).
 
@@ -77,6 +92,8 @@ class SingleTurnRollout:
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool) -> list[int]:
+    if has_images(prompt):
+        return encode_image_prompt(tokenizer, prompt)[0]
     has_template = getattr(tokenizer, "chat_template", None) is not None
     messages = prompt.messages
     if messages is None and chat_template and has_template:

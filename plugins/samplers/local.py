@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any, Literal
 
 import attrs
@@ -30,6 +31,7 @@ from grpo_core.engine.lora import frozen_copy, load_trained_state_dict, trained_
 from grpo_core.engine.models import resolve_precision
 from grpo_core.engine.moe_routing import RoutingTap, routing_problem, tapped
 from grpo_core.engine.trainer import LocalTrainer, local_policy
+from grpo_core.engine.vision import PlacedImages
 from grpo_core.errors import PluginError
 from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
@@ -134,7 +136,7 @@ class LocalSampler:
 
     @property
     def max_context(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def load_weights_from(self, trainer: Any) -> None:
         trainer = local_policy(trainer)
@@ -158,7 +160,12 @@ class LocalSampler:
         if "model" in state:
             load_trained_state_dict(self.model, state["model"])
 
-    def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+    takes_images = True
+    """Image prompts' tensors are placed over their image tokens in the prefill (declared in hookspecs)."""
+
+    def sample(
+        self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams, images: Sequence[Any] | None = None
+    ) -> list[list[Completion]]:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
@@ -173,6 +180,7 @@ class LocalSampler:
                     [list(p) for p in prompts[start : start + per_call]],
                     num_samples,
                     params,
+                    None if images is None else images[start : start + per_call],
                 )
             )
         steps, seconds = self.decode_steps - steps, self.decode_seconds - seconds
@@ -190,14 +198,16 @@ class LocalSampler:
             ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return ids
 
-    def _generate(self, prompts: list[list[int]], G: int, params: SamplingParams) -> list[list[Completion]]:
+    def _generate(self, prompts: list[list[int]], G: int, params: SamplingParams, images: Sequence[Any] | None) -> list[list[Completion]]:
         if self.routing_problem is not None:
-            return self._generate_tapped(prompts, G, params, None)
+            return self._generate_tapped(prompts, G, params, None, images)
         with tapped(self.model) as tap:
-            return self._generate_tapped(prompts, G, params, tap)
+            return self._generate_tapped(prompts, G, params, tap, images)
 
     @torch.inference_mode()
-    def _generate_tapped(self, prompts: list[list[int]], G: int, params: SamplingParams, tap: RoutingTap | None) -> list[list[Completion]]:
+    def _generate_tapped(
+        self, prompts: list[list[int]], G: int, params: SamplingParams, tap: RoutingTap | None, images: Sequence[Any] | None
+    ) -> list[list[Completion]]:
         """Batched sampling over a static KV cache (:mod:`grpo_core.engine.decoding`).
 
         Each prompt is prefilled once and its cache repeated for its G completions; the batch keeps
@@ -209,7 +219,14 @@ class LocalSampler:
         position_ids = left_padded_positions(attention, U, P).to(self.device)
         valid_U_P = None if attention is None else attention.to(self.device)
         stepper = stepper_for(self.forward_fn, capacity=P + params.max_tokens)
-        logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
+        placed = nullcontext()
+        if images is not None and any(i is not None for i in images):
+            # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
+            offsets = [u * P + P - len(p) for u, p in enumerate(prompts)]
+            tensors = [None if i is None else i.tensors for i in images]
+            placed = PlacedImages(self.model, prompts, tensors, [len(p) for p in prompts]).placed(offsets)
+        with placed:
+            logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
         if tap is not None:
             # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
             prefill_U_P_L_K = tap.take().view(U, P, *tap.used_shape)
