@@ -42,8 +42,8 @@ from grpo_core.engine.optim import (
 )
 from grpo_core.engine.perf import memory_line, peak_flops, peak_memory_gib
 from grpo_core.engine.reference_offload import OffloadedWeights
-from grpo_core.hookspecs import declared
 from grpo_core.engine.vision import save_processor
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 
 TRAINER_FILE = "trainer.json"

@@ -25,7 +25,14 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
-from grpo_core.engine.models import load_model, model_path, resolve_checkpointing, resolve_precision, save_state_as_model, shared_storage_aliases
+from grpo_core.engine.models import (
+    load_model,
+    model_path,
+    resolve_checkpointing,
+    resolve_precision,
+    save_state_as_model,
+    shared_storage_aliases,
+)
 from grpo_core.engine.moe_routing import num_experts, routing_problem
 from grpo_core.engine.optim import forward_backward_output, load_metrics, nonfinite_step_message, step_metrics
 from grpo_core.engine.rank_group import Group, join_group, serve, start_group, torchrun_world
