@@ -44,6 +44,9 @@ class PromptImages:
     tensors: dict[str, Any]
     """The model's processor's tensors of them (``pixel_values``...): what an in-process sampler
     places over the prompt's image tokens, and what the samples carry to the trainer."""
+    messages: list[dict[str, Any]] | None = None
+    """The prompt's chat, its image parts resolved (:func:`grpo_core.images.resolve_images`): what a
+    server that renders the chat and reads the images itself gets (the openai sampler)."""
 
 
 @attrs.define
