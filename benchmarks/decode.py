@@ -1,60 +1,48 @@
-"""Milliseconds per decode step of the local sampler's two forwards over a static cache: the fused
-decoder and transformers' own (``TransformersStepper``), at a scaled-down Qwen3 shape and batch 64,
-in float32 and bfloat16, on the CPU or, where one is present, on CUDA (eager and as a CUDA graph).
+"""Milliseconds per decode step of the local sampler's paths, side by side, at a Qwen3 shape:
 
-    python benchmarks/decode.py                 # CPU, fp32 and bf16
-    python benchmarks/decode.py --device cuda   # also the graphed step
+- forward only: the fused decoder and transformers' own (``TransformersStepper``) over a static
+  cache, eager and (CUDA) as a CUDA graph;
+- the whole step (forward, sampler, stop bookkeeping, :func:`grpo_core.engine.decoding.decode_step`):
+  eager with ``draw`` (decode=eager / graphs), and compiled with the one-pass sampler
+  (decode=compiled; on CUDA also captured as a graph);
+- the sampler alone on [batch, vocabulary] fp32 logits: ``draw`` against the one-pass ``sample``.
+
+With ``--kernels`` (CUDA) each path's kernels per step are counted with torch.profiler over one
+un-graphed step. Ratios are printed against the first row of each group.
+
+    python benchmarks/decode.py                             # CPU, fp32 and bf16, the scaled-down shape
+    python benchmarks/decode.py --compiled                  # also the compiled step on the CPU (inductor's C++: minutes)
+    python benchmarks/decode.py --device cuda --shape 0.6b --kernels   # the issue's shape, graphs, kernel counts
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
+SHAPES = {
+    # scaled down for a CPU: hidden 256, 4 layers, vocabulary 8192
+    "small": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2},
+    # Qwen3-0.6B (benchmarks/gpu.py's shape)
+    "0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8},
+}
 
-def qwen3(hidden: int, layers: int, vocab: int, dtype: torch.dtype, device: str):
+
+def qwen3(shape: str, vocab: int, dtype: torch.dtype, device: str):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    heads = max(2, hidden // 64)
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64, max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    return Qwen3ForCausalLM(config).to(device=device, dtype=dtype).eval()
+    head_dim = 64 if shape == "small" else 128
+    config = Qwen3Config(vocab_size=vocab, head_dim=head_dim, max_position_embeddings=4096, tie_word_embeddings=True, **SHAPES[shape])
+    with torch.device(device):
+        return Qwen3ForCausalLM(config).to(dtype=dtype).eval()
 
 
-def ms_per_step(stepper, batch: int, prompt: int, steps: int, graphed: bool, vocab: int) -> float:
-    device = next(stepper_model(stepper).parameters()).device
-    ids = torch.randint(0, vocab, (1, prompt), device=device)
-    positions = torch.arange(prompt, device=device)[None]
-    stepper.prefill(ids, positions, None)
-    stepper.expand(batch)
-    valid = torch.zeros(batch, prompt + steps + 8, dtype=torch.bool, device=device)
-    valid[:, :prompt] = True
-    position = torch.full((batch, 1), prompt - 1, device=device)
-    slot = torch.tensor([prompt], device=device)
-    token = torch.randint(0, vocab, (batch, 1), device=device)
-    logits = torch.empty(batch, vocab, device=device)
-
-    def step() -> None:
-        position.add_(1)
-        valid.index_fill_(1, slot, True)
-        logits.copy_(stepper.step(token, position, valid, slot))
-        slot.add_(1)
-
-    for _ in range(3):  # warm-up: kernels chosen, workspaces allocated
-        step()
-    run = step
-    if graphed:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        run = graph.replay
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def timed(run: Callable[[], None], steps: int, device: str) -> float:
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
     began = time.perf_counter()
     for _ in range(steps):
@@ -63,36 +51,110 @@ def ms_per_step(stepper, batch: int, prompt: int, steps: int, graphed: bool, voc
     return 1000 * (time.perf_counter() - began) / steps
 
 
-def stepper_model(stepper):
-    return stepper.decoder.model if hasattr(stepper, "decoder") else stepper.forward.model
+def kernels_per_call(run: Callable[[], None]) -> int:
+    from torch.autograd import DeviceType
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    return sum(1 for e in profile.events() if e.device_type == DeviceType.CUDA)
 
 
-def main() -> None:
-    from grpo_core.engine.decoding import FusedStepper, TransformersStepper
+def graphed(run: Callable[[], None]) -> Callable[[], None]:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def rig(model, path: str, args: argparse.Namespace) -> Callable[[], None]:
+    """One step of ``path`` over a prefilled batch (the first calls warm it up: kernels chosen,
+    workspaces allocated, a compiled step compiled)."""
+    from grpo_core.engine import decoding, sampling
+    from grpo_core.engine.decoding import DecodeState, DrawRule, FusedStepper, TransformersStepper, decode_step, draw
     from grpo_core.engine.fast_decoder import FastDecoder
     from grpo_core.engine.forward import TransformersForward
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    device = next(model.parameters()).device
+    B, P, M = args.batch, args.prompt, args.steps * 2 + 16
+    capacity = decoding.round_capacity(P + M)
+    compiled = path == "compiled step"
+    if path.startswith("transformers"):
+        stepper = TransformersStepper(TransformersForward(model), capacity)
+    else:
+        stepper = FusedStepper(FastDecoder(model), capacity, keep_dtype=compiled)
+    ids = torch.randint(0, args.vocab, (1, P), device=device)
+    logits = stepper.prefill(ids, torch.arange(P, device=device)[None], None)
+    stepper.expand(B)
+    valid = torch.zeros(B, capacity, dtype=torch.bool, device=device)
+    valid[:, :P] = True
+    state = DecodeState.around(logits.expand(B, -1).clone(), torch.full((B, 1), P - 1, device=device), valid, M, sampled=True)
+    state.start(state.logits_B_V, state.position_B_1, state.valid_B_C, P, torch.Generator(device).manual_seed(0))
+    if path.endswith("forward"):
+        token = torch.randint(0, args.vocab, (B, 1), device=device)
+
+        def step() -> None:
+            state.position_B_1.add_(1)
+            state.valid_B_C.index_fill_(1, state.slot_1, True)
+            state.logits_B_V.copy_(stepper.step(token, state.position_B_1, state.valid_B_C, state.slot_1))
+            state.slot_1.add_(1)
+
+        return step
+    rule = DrawRule(sampling.sample if compiled else draw, 1.0, 0, 1.0, torch.tensor([args.vocab - 1], device=device))
+    fn = torch.compile(decode_step, fullgraph=True, dynamic=False) if compiled else decode_step
+    return lambda: fn(state, rule, stepper, True)
+
+
+def main() -> None:
+    from grpo_core.engine.decoding import draw
+    from grpo_core.engine.sampling import sample
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--shape", choices=list(SHAPES), default="small")
+    parser.add_argument("--vocab", type=int, default=None, help="default 8192 (small), 151936 (0.6b)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--dtypes", default=None, help="comma-separated; default float32,bfloat16 (CPU), bfloat16 (CUDA)")
+    parser.add_argument("--compiled", action="store_true", help="the compiled step on a CPU too (always on CUDA)")
+    parser.add_argument("--kernels", action="store_true", help="CUDA: kernels per un-graphed step (torch.profiler)")
     args = parser.parse_args()
-    print(f"Qwen3 shape: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}")
-    for dtype in (torch.float32, torch.bfloat16):
-        model = qwen3(args.hidden, args.layers, args.vocab, dtype, args.device)
-        capacity = args.prompt + args.steps + 8
+    cuda = args.device.startswith("cuda")
+    args.vocab = args.vocab or (8192 if args.shape == "small" else 151936)
+    dtypes = args.dtypes or ("bfloat16" if cuda else "float32,bfloat16")
+    print(f"Qwen3 {args.shape} shape, vocabulary {args.vocab}; batch {args.batch}, prompt {args.prompt}; {args.steps} timed steps")
+    for name in dtypes.split(","):
+        dtype = getattr(torch, name)
+        model = qwen3(args.shape, args.vocab, dtype, args.device)
+        paths = ["fused forward", "transformers forward", "eager step (draw)"] + (["compiled step"] if cuda or args.compiled else [])
+        first = None
         with torch.inference_mode():
-            for name, stepper_type, forward_type in (
-                ("fused decoder", FusedStepper, FastDecoder),
-                ("transformers+static cache", TransformersStepper, TransformersForward),
-            ):
-                for graphed in (False, True) if args.device.startswith("cuda") else (False,):
-                    ms = ms_per_step(stepper_type(forward_type(model), capacity), args.batch, args.prompt, args.steps, graphed, args.vocab)
-                    print(f"{str(dtype).removeprefix('torch.'):9s} {name:27s} {'graph' if graphed else 'eager'}: {ms:8.2f} ms/step")
+            for path in paths:
+                run = rig(model, path, args)
+                began = time.perf_counter()
+                for _ in range(3):
+                    run()
+                warm_s = time.perf_counter() - began
+                kernels = f", {kernels_per_call(run)} kernels/step" if cuda and args.kernels else ""
+                for graph in (False, True) if cuda else (False,):
+                    ms = timed(graphed(run) if graph else run, args.steps, args.device)
+                    first = first or ms
+                    warm = f", first 3 calls {warm_s:.1f} s" if path == "compiled step" and not graph else ""
+                    how = "graph" if graph else "eager" if path != "compiled step" else "no graph"
+                    print(f"{name:9s} {path:22s} {how:8s}: {ms:8.3f} ms/step ({ms / first:.2f}x the first row){kernels}{warm}")
+    logits = torch.randn(args.batch, args.vocab, device=args.device) * 3
+    u = torch.rand(args.batch, 1, device=args.device)
+    samplers = {"draw (full-row cumsum)": draw, "one-pass sample": sample}
+    if cuda or args.compiled:
+        samplers["one-pass sample, compiled"] = torch.compile(sample, fullgraph=True, dynamic=False)
+    base = None
+    for label, fn in samplers.items():
+        for _ in range(3):
+            fn(logits, 1.0, 0, 1.0, u)
+        ms = timed(lambda fn=fn: fn(logits, 1.0, 0, 1.0, u), args.steps, args.device)
+        base = base or ms
+        print(f"sampler [{args.batch}, {args.vocab}] fp32 {label:28s}: {1000 * ms:9.1f} us ({ms / base:.2f}x draw)")
 
 
 if __name__ == "__main__":

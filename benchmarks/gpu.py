@@ -3,6 +3,7 @@
     python benchmarks/gpu.py [--shape 0.6b,1.7b,4b,8b|all] [--workload short,long|all] [--out FILE]
     python benchmarks/gpu.py --device cpu --shape tiny    # both contenders on a CPU, under a minute
     python benchmarks/gpu.py --report FILE                # print a saved (or interrupted) run's table again
+    python benchmarks/gpu.py --contenders grpo-core --workload short,unforced --profile   # + a kernel table per phase
 
 The default set (Qwen3-0.6B shape, short workload: grpo-core, grpo-core with gradient
 checkpointing, TRL, TRL with colocated vLLM where vLLM is importable) finishes in under 8 minutes
@@ -10,7 +11,17 @@ on one H100 or H200, model build included. See benchmarks/README.md ("GPU") for 
 
 Models are Qwen3 shapes with Qwen's 151,936-row vocabulary and random weights, built here from a
 config (nothing is downloaded). Their eos token has no logit (bench_common.build_model), so every
-completion of every contender runs to the forced length; that is checked on every step.
+completion of every contender runs to the forced length; that is checked on every step. The
+``unforced`` workload gives lengths back to the model: about ln 2 / 256 of the vocabulary stops a
+completion (the model's generation_config lists them as eos, which every contender honours), so
+with a random model's near-uniform draws lengths spread geometrically and about half the rows end
+before the 256th token, the long tail that batch buckets serve.
+
+``--profile`` runs torch.profiler over the last timed step of each grpo-core contender, one profile
+per phase (sampling: the rollouts and the benchmark's reward; training: ``train_on_groups``), and
+prints per phase the kernels' count and device time (on a CPU: operators and their self time), per
+decode step where the sampler counts its steps, and the top kernels. One of three timed steps
+carries the profiler's overhead; the table's median step is another.
 Each contender runs in its own process under its own time limit; --out is rewritten after each,
 so an interrupted run keeps what finished.
 
@@ -72,7 +83,11 @@ WORKLOADS: dict[str, dict[str, int]] = {
     "short": {"prompts_per_step": 8, "group_size": 8, "prompt_tokens": 32, "completion_tokens": 256},
     "long": {"prompts_per_step": 4, "group_size": 8, "prompt_tokens": 32, "completion_tokens": 2048},
     "tiny": {"prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "completion_tokens": 16},
+    "unforced": {"prompts_per_step": 8, "group_size": 8, "prompt_tokens": 32, "completion_tokens": 256},
+    "tiny-unforced": {"prompts_per_step": 2, "group_size": 4, "prompt_tokens": 16, "completion_tokens": 16},
 }
+UNFORCED = {"unforced", "tiny-unforced"}
+"""Workloads whose completions end where the model draws one of its stop tokens."""
 CONTENDERS: dict[str, tuple[str, list[str]]] = {
     "grpo-core": ("grpo-core", []),  # its defaults: bf16 on CUDA
     "grpo-core-gc": ("grpo-core", ["--gradient-checkpointing"]),
@@ -93,7 +108,10 @@ BASELINE = "TRL"
 """The row every ratio is taken against."""
 PLUGIN_ENTRY_POINTS = """[grpo_core]
 logger.bench_gpu_probe = gpu:StepProbe
+logger.bench_gpu_profile = gpu:StepProfile
 """
+PROFILE_TOP = 12
+"""Kernels listed per phase in a profile's table."""
 GIB = 2**30
 
 
@@ -123,6 +141,88 @@ class StepProbe:
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+
+def kernel_table(profile: Any) -> dict[str, Any]:
+    """A torch.profiler run as one phase's table: CUDA kernels where any ran (else CPU operators),
+    their count and self time, and the top :data:`PROFILE_TOP` by time."""
+    from torch.autograd import DeviceType
+
+    events = list(profile.events())
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    kind = "CUDA kernels" if on_device else "CPU operators"
+    table: dict[str, list[float]] = {}
+    for event in on_device or [e for e in events if e.device_type == DeviceType.CPU]:
+        entry = table.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.self_device_time_total if on_device else event.self_cpu_time_total
+    top = sorted(table.items(), key=lambda item: -item[1][1])[:PROFILE_TOP]
+    return {
+        "kind": kind,
+        "count": int(sum(count for count, _ in table.values())),
+        "ms": sum(us for _, us in table.values()) / 1000.0,
+        "top": [{"name": name, "count": int(count), "ms": us / 1000.0} for name, (count, us) in top],
+    }
+
+
+@attrs.define
+class StepProfile:
+    """grpo-core logger plugin: torch.profiler over each phase of step ``step`` (sampling: the
+    rollouts and rewards; training: ``train_on_groups``), one kernel table per phase written to
+    ``path`` as JSON, with the sampler's decode steps in that phase where it counts them."""
+
+    path: str = option(help="JSON file to write")
+    step: int = option(2, help="the optimizer step to profile (1 = the first)")
+
+    @hookimpl
+    def on_run_start(self, config: Any, run_dir: Any, total_steps: Any, start_step: int) -> None:
+        from grpo_core import loop, stages
+
+        tables: dict[str, Any] = {"step": self.step}
+        loop.roll_and_score = self._profiled(loop.roll_and_score, "sampling", tables, sampler_at=3)
+        stages.train_on_groups = self._profiled(stages.train_on_groups, "training", tables)
+
+    def _profiled(self, phase: Any, name: str, tables: dict[str, Any], sampler_at: int | None = None) -> Any:
+        calls = {"n": 0}
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] != self.step:
+                return phase(*args, **kwargs)
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            sampler = args[sampler_at] if sampler_at is not None else None
+            before = getattr(sampler, "decode_steps", None)
+            with torch.profiler.profile(activities=activities) as profile:
+                result = phase(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+            tables[name] = kernel_table(profile)
+            if before is not None:
+                tables[name]["decode_steps"] = sampler.decode_steps - before
+            Path(self.path).write_text(json.dumps(tables, indent=2))
+            return result
+
+        return run
+
+
+def format_profile(contender: str, profile: dict[str, Any]) -> list[str]:
+    lines = [f"profile of {contender}, step {profile['step']}:"]
+    for phase in ("sampling", "training"):
+        table = profile.get(phase)
+        if table is None:
+            lines.append(f"  {phase}: not profiled")
+            continue
+        per_step = ""
+        if table.get("decode_steps"):
+            n = table["decode_steps"]
+            per_step = f"; per decode step {table['count'] / n:.0f} {table['kind']}, {table['ms'] / n:.3f} ms ({n} decode steps)"
+        lines.append(f"  {phase}: {table['count']} {table['kind']}, {table['ms']:.1f} ms{per_step}")
+        lines += [f"    {row['ms']:>9.2f} ms {row['count']:>7}x  {row['name'][:90]}" for row in table["top"]]
+    return lines
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:
@@ -165,17 +265,54 @@ def build(shape: str, workload: str, steps: int, device: str, work: Path) -> dic
     """The spec the contenders read (``run.prepare``); on CUDA the random model is made on the GPU in
     bf16 (seconds, where an 8B fp32 init on the CPU takes minutes and twice the disk)."""
     if device == "cpu":
-        return prepare(f"gpu-{shape}", steps, work, WORKLOADS[workload])
-    import torch
+        spec = prepare(f"gpu-{shape}", steps, work, WORKLOADS[workload])
+    else:
+        import torch
 
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            return prepare(f"gpu-{shape}", steps, work, WORKLOADS[workload])
-    finally:
-        torch.set_default_dtype(dtype)
-        torch.cuda.empty_cache()
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                spec = prepare(f"gpu-{shape}", steps, work, WORKLOADS[workload])
+        finally:
+            torch.set_default_dtype(dtype)
+            torch.cuda.empty_cache()
+    if workload in UNFORCED:
+        spec["model_dir"] = str(unforced_model(Path(spec["model_dir"]), work / "model-unforced", spec["completion_tokens"]))
+        spec["unforced"] = True
+        (work / "spec.json").write_text(json.dumps(spec, indent=2))
+    return spec
+
+
+def unforced_model(model_dir: Path, out: Path, length: int) -> Path:
+    """The model of ``model_dir`` (its files linked, not copied) with about ln 2 / ``length`` of its
+    vocabulary as eos in its generation_config: on near-uniform draws about half the completions
+    end before ``length`` tokens, at geometric lengths."""
+    import math
+
+    out.mkdir(parents=True, exist_ok=True)
+    for source in model_dir.iterdir():
+        target = out / source.name
+        if source.name != "generation_config.json" and not target.exists():
+            target.symlink_to(source.resolve())
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = config["vocab_size"]
+    stops = max(1, round(vocab * math.log(2) / length))
+    generation = json.loads((model_dir / "generation_config.json").read_text()) if (model_dir / "generation_config.json").exists() else {}
+    eos = generation.get("eos_token_id", config.get("eos_token_id"))
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    generation["eos_token_id"] = eos + list(range(7, vocab, vocab // stops))[:stops]
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return out
+
+
+def check_unforced_lengths(result: dict[str, Any], spec: dict[str, Any]) -> None:
+    """Every step has its B completions, each of 1 to the workload's length tokens."""
+    B, L = spec["prompts_per_step"] * spec["group_size"], spec["completion_tokens"]
+    for i, step in enumerate(result["steps"], start=1):
+        lengths = step["completion_lengths"]
+        if len(lengths) != B or not all(1 <= n <= L for n in lengths):
+            raise RuntimeError(f"{result['contender']} step {i}: {len(lengths)} completions of lengths {sorted(set(lengths))}")
 
 
 def launch(cmd: list[str], env: dict[str, str], cwd: Path, log_path: Path, limit: float, done: Any = None) -> tuple[str, int | None]:
@@ -204,7 +341,9 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
-def grpo_core_command(spec: dict[str, Any], flags: list[str], device: str, threads: int, run_dir: Path, probe: Path) -> list[str]:
+def grpo_core_command(
+    spec: dict[str, Any], flags: list[str], device: str, threads: int, run_dir: Path, probe: Path, profile: Path | None = None
+) -> list[str]:
     """``grpo-core run`` with the spec's model, prompts and step shape (the console script's own entry point)."""
     cmd = [sys.executable, "-c", "from grpo_core.cli import main; main()", "run"]
     cmd += ["--model", spec["model_dir"], "--dataset", spec["dataset"], "--prompt-template", "{prompt}", "--no-shuffle"]
@@ -216,10 +355,15 @@ def grpo_core_command(spec: dict[str, Any], flags: list[str], device: str, threa
     cmd += ["--device", device, "--seed", str(spec["seed"]), "--checkpoint-every", "0", "--run-dir", str(run_dir), "--overwrite"]
     if threads > 0:
         cmd += ["--threads", str(threads)]
+    if profile is not None:  # the last timed step
+        cmd += ["--logger", "bench_gpu_profile", "--logger-opt", f"bench_gpu_profile.path={profile}"]
+        cmd += ["--logger-opt", f"bench_gpu_profile.step={spec['steps'] + 1}"]
     return cmd + flags
 
 
-def run_grpo_core(spec: dict[str, Any], name: str, flags: list[str], device: str, threads: int, limit: float) -> dict[str, Any]:
+def run_grpo_core(
+    spec: dict[str, Any], name: str, flags: list[str], device: str, threads: int, limit: float, profile: bool = False
+) -> dict[str, Any]:
     work = Path(spec["work_dir"])
     site = work / "plugins"
     register_plugins(site)  # reward.bench_chars (and the CPU benchmark's timer)
@@ -229,6 +373,9 @@ def run_grpo_core(spec: dict[str, Any], name: str, flags: list[str], device: str
     (dist / "entry_points.txt").write_text(PLUGIN_ENTRY_POINTS)
     run_dir, probe, log_path = work / f"run-{name}", work / f"probe-{name}.jsonl", work / f"log-{name}.txt"
     probe.unlink(missing_ok=True)
+    profile_path = work / f"profile-{name}.json" if profile else None
+    if profile_path is not None:
+        profile_path.unlink(missing_ok=True)
     total = spec["steps"] + 1
     env = {**os.environ, **WORKER_ENV, **thread_env(threads)}
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -236,7 +383,8 @@ def run_grpo_core(spec: dict[str, Any], name: str, flags: list[str], device: str
     def done() -> bool:
         return len(jsonl(probe)) >= total and len([m for m in jsonl(run_dir / "metrics.jsonl") if m["step"] >= 1]) >= total
 
-    how, rc = launch(grpo_core_command(spec, flags, device, threads, run_dir, probe), env, work, log_path, limit, done)
+    command = grpo_core_command(spec, flags, device, threads, run_dir, probe, profile_path)
+    how, rc = launch(command, env, work, log_path, limit, done)
     metrics = [m for m in jsonl(run_dir / "metrics.jsonl") if m["step"] >= 1]
     records = jsonl(probe)
     shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of a big model fill the disk
@@ -258,7 +406,10 @@ def run_grpo_core(spec: dict[str, Any], name: str, flags: list[str], device: str
             }
         )
         prev_cpu = r["cpu"]
-    return {"steps": steps, "peak_rss_mb": max(r["peak_rss_mb"] for r in records), "versions": records[-1]["versions"]}
+    result = {"steps": steps, "peak_rss_mb": max(r["peak_rss_mb"] for r in records), "versions": records[-1]["versions"]}
+    if profile_path is not None and profile_path.exists():
+        result["profile"] = json.loads(profile_path.read_text())
+    return result
 
 
 def run_trl(spec: dict[str, Any], name: str, flags: list[str], device: str, threads: int, limit: float, python: str) -> dict[str, Any]:
@@ -306,12 +457,21 @@ def vllm_missing(python: str, device: str) -> str | None:
 def row_of(spec: dict[str, Any], contender: str, result: dict[str, Any], flops: float, device: str) -> dict[str, Any]:
     """One table row: ``run.summarize``'s median timed step, plus the GPU columns."""
     result = {**result, "contender": contender, "timed_steps": spec["steps"]}
+    timed = result["steps"][1:]
+    decode_steps = spec["completion_tokens"]
+    if spec.get("unforced"):
+        # The batch decodes until its longest completion ends; MFU counts the mean completion, as
+        # summarize (which checks forced lengths: these were checked by check_unforced_lengths) reads it.
+        decode_steps = sum(max(s["completion_lengths"]) for s in timed) / len(timed)
+        mean = sum(sum(s["completion_lengths"]) / len(s["completion_lengths"]) for s in timed) / len(timed)
+        spec = {**spec, "completion_tokens": mean}
+        result["steps"] = [{**s, "completion_lengths": [mean] * len(s["completion_lengths"])} for s in result["steps"]]
     s = summarize([result], spec, flops)
     gpu_peaks = [step["peak_gpu_gib"] for step in result["steps"] if step.get("peak_gpu_gib") is not None]
     return {
         "step_s": s["step_s"],
         "sample_s": s["sample_s"],
-        "decode_ms_per_step": 1000.0 * s["sample_s"] / spec["completion_tokens"],
+        "decode_ms_per_step": 1000.0 * s["sample_s"] / decode_steps,
         "train_s": s["train_s"],
         "train_mfu": s["train_mfu"],
         "peak_gib": max(gpu_peaks) if device == "cuda" else s["peak_rss_mb"] / 1024.0,
@@ -326,7 +486,8 @@ def describe(spec: dict[str, Any]) -> str:
     n = spec["params"]
     return (
         f"{spec['shape']} shape ({n['all'] / 1e6:.1f}M params), {spec['workload']}: {spec['prompts_per_step']} prompts x "
-        f"G={spec['group_size']}, prompt {spec['prompt_tokens']} + forced {spec['completion_tokens']} tokens; "
+        f"G={spec['group_size']}, prompt {spec['prompt_tokens']} + "
+        f"{'at most' if spec.get('unforced') else 'forced'} {spec['completion_tokens']} tokens; "
         f"median of {spec['steps']} timed steps after 1 warmup"
     )
 
@@ -337,7 +498,7 @@ def format_report(saved: dict[str, Any]) -> str:
         f"device: {saved['device_name']}; {saved['date']}; "
         f"matmul probe {saved['probe']['flops'] / 1e12:.4g} TFLOP/s ({saved['probe']['what']})",
         "step/sampling/training s: the median timed step's and its phases; ms/decode = sampling s / completion tokens "
-        "(prefill included); train MFU = 6*N*(prompt+completion-1) tokens / training s / the probe; "
+        "(unforced: the longest completion's; prefill included); train MFU = 6*N*(prompt+completion-1) tokens / training s / the probe; "
         f"peak GiB ({memory}); x TRL = this row / the TRL row (< 1: faster, less memory)",
     ]
     cols = (
@@ -368,6 +529,9 @@ def format_report(saved: dict[str, Any]) -> str:
                     f"{row['train_s'] / base['train_s']:>6.2f}x {row['peak_gib'] / base['peak_gib']:>5.2f}x"
                 )
             lines.append(line)
+        for r in runs:
+            if r["status"] == "ok" and "profile" in r.get("result", {}):
+                lines += format_profile(r["contender"], r["result"]["profile"])
     if not saved["complete"]:
         lines += ["", "(an interrupted run: the contenders that finished)"]
     return "\n".join(lines)
@@ -390,7 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", default="0.6b", help="Qwen3 shapes, comma-separated: 0.6b, 1.7b, 4b, 8b, all (those four), tiny (a CPU smoke run)"
     )
     parser.add_argument(
-        "--workload", default=None, help="short (8x8x256), long (4x8x2048), all, tiny (2x4x16); default short, tiny for --shape tiny"
+        "--workload",
+        default=None,
+        help="short (8x8x256), long (4x8x2048), unforced (8x8, at most 256, lengths the model's), all (those three), "
+        "tiny (2x4x16), tiny-unforced; default short, tiny for --shape tiny",
     )
     parser.add_argument(
         "--contenders",
@@ -410,13 +577,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="JSON file, rewritten after each contender (default benchmarks/.cache/gpu/TIME.json)"
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="torch.profiler over each grpo-core contender's last timed step: a kernel table per phase"
+    )
     parser.add_argument("--report", type=Path, default=None, metavar="JSON", help="run nothing: print the table of a saved run again")
     args = parser.parse_args(argv)
     if args.report:
         print(format_report(json.loads(args.report.read_text())))
         return 0
     shapes = choose(args.shape, {**SHAPES, "tiny": None}, list(SHAPES), "shape", parser)
-    workloads = choose(args.workload or ("tiny" if shapes == ["tiny"] else "short"), WORKLOADS, ["short", "long"], "workload", parser)
+    workloads = choose(
+        args.workload or ("tiny" if shapes == ["tiny"] else "short"), WORKLOADS, ["short", "long", "unforced"], "workload", parser
+    )
     contenders = choose(args.contenders or DEFAULT_CONTENDERS[args.device], CONTENDERS, list(CONTENDERS), "contenders", parser)
     if args.steps < 1 or args.timeout <= 0 or args.budget < 0:
         parser.error("--steps and --timeout must be positive, --budget at least 0")
@@ -482,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{key}: {contender} (limit {limit:.0f} s) ...")
                     t = time.monotonic()
                     if kind == "grpo-core":
-                        result = run_grpo_core(spec, contender, flags, args.device, args.threads, limit)
+                        result = run_grpo_core(spec, contender, flags, args.device, args.threads, limit, args.profile)
                     else:
                         result = run_trl(spec, contender, flags, args.device, args.threads, limit, trl_python)
                     entry["wall_s"] = time.monotonic() - t
@@ -491,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{key}: {contender} {result['status']}: {result['reason']}\n{result['log_tail']}")
                     else:
                         try:
-                            check_lengths({**result, "contender": contender, "timed_steps": args.steps}, spec)
+                            check = check_unforced_lengths if spec.get("unforced") else check_lengths
+                            check({**result, "contender": contender, "timed_steps": args.steps}, spec)
                         except RuntimeError as exc:
                             entry.update(status="failed", reason=str(exc), result=result)
                         else:

@@ -45,9 +45,9 @@ from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import Run, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
-from grpo_core.metrics import Metrics, record
+from grpo_core.metrics import Metrics, record, scope
 from grpo_core.preflight import check_settings
-from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_stream, roll
+from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_admission, prompt_stream, roll
 from grpo_core.stages import (
     check_router_replay_model,
     check_sampling_settings,
@@ -346,7 +346,10 @@ class AsyncLoop:
         saved = read_async_state(self.folder, r.state.step) if r.state.step else None
         cursor = saved["cursor"] if saved else r.state.step * config.prompt_groups_per_step
         again = [Taken(i, Prompt(**p)) for i, p in saved["again"]] if saved else []
-        self.queue = PromptQueue(prompt_stream(r.batches, r.state.step * config.prompt_groups_per_step, cursor), cursor, again)
+        stream = prompt_stream(r.batches, r.state.step * config.prompt_groups_per_step, cursor)
+        self.queue = PromptQueue(stream, cursor, again, prompt_admission(r.selection))
+        self.taken = Metrics()
+        """What group filters recorded as the workers took prompts (keep_prompt), since the last step."""
         trim_ledger(self.folder / LEDGER, r.state.step)
         self.ledger = (self.folder / LEDGER).open("a")
         drain = config.synchronous_training
@@ -396,12 +399,13 @@ class AsyncLoop:
         # Thread-local in OpenMP: without it a worker would use every core.
         torch.set_num_threads(self.config.threads or default_threads())
         while True:
-            with self.cond:
+            with self.cond, scope() as taken:  # has_more asks the group filters' keep_prompt
                 while not self.done() and not self.trajectories and not (self.queue.has_more() and self.gate.admits(self.unit)):
                     self.cond.wait()
                 if self.done():
                     return
                 group = self.trajectories.popleft() if self.trajectories else self.admit(self.queue.take(self.unit))
+                self.taken.merge(taken)
                 self.gate.rollouts += 1
             try:
                 part = self.call_rollout(group)
@@ -666,6 +670,10 @@ class AsyncLoop:
                     "queue/again": float(len(self.queue.again)),
                 }
             )
+            if self.queue.admit is not None:
+                metrics["sampling/passed_over"], self.queue.passed_over = float(self.queue.passed_over), 0
+                metrics.update(self.taken.as_dict())
+                self.taken = Metrics()
 
     def write_ledger(self, step: int, finished: Finished, outcome: str, trainer_version: int) -> None:
         kept = {id(g[0].prompt) for g in finished.kept if g}

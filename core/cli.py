@@ -286,7 +286,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float | None) -> 
 
 
 EVAL_FIELDS = (
-    "model", "dataset", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
+    "model", "dataset", "mix", "fetch_timeout", "prompt_field", "answer_field", "prompt_template", "max_rows", "skip_bad_rows",
     "backend", "rollout", "reward", "max_completion_tokens", "top_p", "top_k", "stop", "reward_timeout",
     "device", "dtype", "threads", "seed",
 )  # fmt: skip

@@ -157,8 +157,16 @@ class RunConfig:
         DEFAULT,
         (
             "prompts: a JSONL or Parquet file, a folder saved by HF datasets (FOLDER[:SPLIT]), "
-            "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT); "
+            "a hub dataset (NAME, NAME:SPLIT, NAME:CONFIG:SPLIT), an http(s) URL of a JSONL or Parquet file (fetched once, cached); "
             "'default' or 'default:train' = the embedded task's train split, 'default:test' its test split"
+        ),
+        MODEL_AND_DATA,
+    )
+    mix: list[str] = _field(
+        [],
+        (
+            "a mixture of datasets in place of --dataset, one NAME[:WEIGHT]=DATASET per source, repeated "
+            "(--mix math:3=math.jsonl --mix code=code.jsonl); drawn by weight, metrics under data/NAME/ (docs/datasets.md)"
         ),
         MODEL_AND_DATA,
     )
@@ -178,6 +186,9 @@ class RunConfig:
     epochs: int = _field(1, "passes over the dataset", MODEL_AND_DATA, validator=_positive)
     max_steps: int | None = _field(None, "stop after this many optimizer steps", MODEL_AND_DATA, resumable=True, validator=_positive)
     shuffle: bool = _field(True, "shuffle the dataset (with the seed) each epoch", MODEL_AND_DATA)
+    fetch_timeout: float = _field(
+        600.0, "seconds a dataset URL may take to download before the run stops", MODEL_AND_DATA, resumable=True, validator=_positive
+    )
 
     backend: str = _field("local", "trainer backend (the policy being trained, and its reference)", PLUGINS)
     sampler: str | None = _field(None, "sampler plugin that generates rollouts; default: the backend's", PLUGINS)
@@ -292,6 +303,12 @@ class RunConfig:
     eval_dataset: str | None = _field(
         None,
         "the held-out prompts, as --dataset names them (default: default:test when training on the embedded task)",
+        EVALUATION,
+        resumable=True,
+    )
+    eval_mix: list[str] = _field(
+        [],
+        "held-out prompts from several sources, NAME=DATASET repeated (as --mix): each also measured apart, eval/data/NAME/...",
         EVALUATION,
         resumable=True,
     )

@@ -2,11 +2,14 @@
 
 Rows come from a JSONL file, a Parquet file, a folder written by HF ``datasets``'
 ``save_to_disk``, or a Hugging Face hub dataset (``dataset_source``); the last three need the
-``datasets`` extra. ``load_dataset`` reads and checks every row at start (UTF-8, JSON, a
-non-empty prompt, an answer when a selected reward needs one), whatever its source;
-``check_prompt_lengths`` then measures every prompt with the rollout's own encoding against
-the model's context. A bad row is a DataError naming its file and line (or index), or, when
-asked for, a skip that is counted and reported.
+``datasets`` extra. A URL is fetched into a cache first (``grpo_core.fetch``); several sources
+make a mixture (``--mix``, ``grpo_core.mixture``). A prompt is text, a chat (``messages``) or
+token ids (a list in the prompt field, sampled as given; ``check_token_prompts``).
+``load_dataset`` reads and checks every row at start (UTF-8, JSON, a non-empty prompt, an answer
+when a selected reward needs one), whatever its source; ``check_prompt_lengths`` then measures
+every prompt with the rollout's own encoding against the model's context. A bad row is a
+DataError naming its file and line (or index), or, when asked for, a skip that is counted and
+reported.
 
 The embedded task has two splits, ``default:train`` (also plain ``default``) and
 ``default:test``; given by name or by the path of its file, it keeps its prompt template.
@@ -32,8 +35,10 @@ import attrs
 
 from grpo_core.embedded import EMBEDDED, embedded_split, split_path
 from grpo_core.errors import DataError, PluginError
+from grpo_core.fetch import Fetched, fetch, is_url
 from grpo_core.hookspecs import declared
 from grpo_core.images import resolve_images
+from grpo_core.mixture import MixSource, mixture_batches, parse_mix
 from grpo_core.options import is_secret, option_fields
 from grpo_core.plugins_manager import find, provided
 from grpo_core.types import Prompt
@@ -42,6 +47,7 @@ if TYPE_CHECKING:
     from grpo_core.config import RunConfig
 
 DEFAULT_TASK_TEMPLATE = "Question: {prompt}\nAnswer:"
+DEFAULT_DATASET = "default"
 REASONING_GYM = "reasoning_gym"
 REASONING_GYM_TEMPLATE = "{prompt}\nGive your final answer inside <answer></answer> tags."
 """The ``reasoning_gym`` reward reads the answer from those tags, as reasoning-gym's own ``extract_answer`` does."""
@@ -64,6 +70,24 @@ class Dataset:
     """The prompt template in effect (the embedded task's when none is given)."""
     skipped_bad_rows: list[str] = attrs.field(factory=list)
     skipped_long_prompts: list[str] = attrs.field(factory=list)
+    fetched: list[Fetched] = attrs.field(factory=list)
+    """The URLs its rows were fetched from, and the cached files read (``data.json`` records them)."""
+    mixture: dict[str, float] = attrs.field(factory=dict)
+    """A mixture's sources by name, with their weights (``--mix``); empty for one dataset."""
+    locations: dict[str, Path] = attrs.field(factory=dict)
+    """A mixture's sources by name: the file or folder each one's rows are named after."""
+
+    def where(self, prompt: Prompt) -> Path:
+        """The file (or folder) and row a prompt came from, as errors name it."""
+        if prompt.source is None:
+            return self.path.parent / prompt.id
+        return self.locations[prompt.source].parent / prompt.id.removeprefix(f"{prompt.source}/")
+
+    def batches(self, batch_size: int, epochs: int, seed: int, shuffle: bool) -> Iterator[list[Prompt]]:
+        """The run's order: :func:`prompt_batches`, or a mixture's (:func:`grpo_core.mixture.mixture_batches`)."""
+        if self.mixture:
+            return mixture_batches(self.prompts, self.mixture, batch_size, epochs, seed, shuffle)
+        return prompt_batches(self.prompts, batch_size, epochs, seed, shuffle)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -82,6 +106,9 @@ def rows_fingerprint(prompts: Sequence[Prompt]) -> str:
     digest = hashlib.sha256()
     for prompt in prompts:
         row = [prompt.id, prompt.text, prompt.messages, prompt.answer, prompt.metadata]
+        # Only rows that have them carry tokens and a source: older runs' fingerprints stay as they were.
+        row += [prompt.tokens] if prompt.tokens is not None else []
+        row += [prompt.source] if prompt.source is not None else []
         digest.update(json.dumps(row, sort_keys=True, default=repr).encode() + b"\n")
     return digest.hexdigest()
 
@@ -92,25 +119,59 @@ def dataset_name(dataset: str) -> str:
 
 
 def resolve_template(config: RunConfig) -> str:
-    if config.prompt_template is not None:
-        return config.prompt_template
-    if config.dataset.startswith(f"{REASONING_GYM}:"):
+    """The prompt template in effect: ``--prompt-template``, else the dataset's own (a mixture's sources each keep theirs)."""
+    if config.mix:
+        return config.prompt_template if config.prompt_template is not None else "{prompt}"
+    return template_for(config.dataset, config.prompt_template)
+
+
+def template_for(dataset: str, prompt_template: str | None) -> str:
+    if prompt_template is not None:
+        return prompt_template
+    if dataset.startswith(f"{REASONING_GYM}:"):
         return REASONING_GYM_TEMPLATE
-    return DEFAULT_TASK_TEMPLATE if embedded_split(config.dataset) else "{prompt}"
+    return DEFAULT_TASK_TEMPLATE if embedded_split(dataset) else "{prompt}"
 
 
-def load_dataset(config: RunConfig, answer_needed_by: Sequence[str] = ()) -> Dataset:
-    """Read and check every row of ``config.dataset`` (up to ``max_rows`` usable ones).
+def load_dataset(config: RunConfig, answer_needed_by: Sequence[str] = (), refetch: bool = False) -> Dataset:
+    """Read and check every row of ``config.dataset``, or of each source of ``config.mix`` (up to
+    ``max_rows`` usable ones each).
 
     :param answer_needed_by: names of the selected rewards that need a row's answer
         (``Selection.rewards_needing_answer``); a row without one is then bad.
+    :param refetch: a dataset URL is fetched again even when cached (a new run; a resumed one
+        and an evaluation read the cached copy).
     """
-    source = dataset_source(config.dataset, config.seed)
-    template = resolve_template(config)
-    skipped: list[str] | None = [] if config.skip_bad_rows else None
-    prompts = load_prompts(source, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
-    dataset = Dataset(prompts, source.path, dataset_name(config.dataset), template, skipped_bad_rows=skipped or [])
-    _report_skips(dataset.skipped_bad_rows, f"bad rows of {source.path}", "--skip-bad-rows")
+    if config.mix and config.dataset != DEFAULT_DATASET:
+        raise DataError(f"--dataset {config.dataset} and --mix both name the prompts; make the dataset one more --mix source")
+    sources = parse_mix(config.mix) if config.mix else [MixSource("", 1.0, config.dataset)]
+    dataset = None
+    for mixed in sources:
+        fetched = fetch(mixed.dataset, config.fetch_timeout, refetch) if is_url(mixed.dataset) else None
+        source = dataset_source(str(fetched.path) if fetched else mixed.dataset, config.seed)
+        template = template_for(mixed.dataset, config.prompt_template)
+        skipped: list[str] | None = [] if config.skip_bad_rows else None
+        prompts = load_prompts(source, config.prompt_field, config.answer_field, template, config.max_rows, skipped, answer_needed_by)
+        _report_skips(skipped or [], f"bad rows of {source.path}", "--skip-bad-rows")
+        if prompts[0].tokens is not None and config.prompt_template not in (None, "{prompt}"):
+            raise DataError(f"{source.path}: the prompts are token ids, which no template changes; drop --prompt-template")
+        if mixed.name:
+            for prompt in prompts:
+                # Ids name rows across the run (the rollout keeps tokens by id): two sources' files may share a name.
+                prompt.id, prompt.source = f"{mixed.name}/{prompt.id}", mixed.name
+        if dataset is None:
+            name = " ".join(config.mix) if config.mix else dataset_name(config.dataset)
+            dataset = Dataset([], source.path, name, resolve_template(config))
+        elif (prompts[0].tokens is None) != (dataset.prompts[0].tokens is None):
+            forms = ("token ids", "text") if prompts[0].tokens is not None else ("text", "token ids")
+            raise DataError(f"--mix: the source {mixed.name}'s prompts are {forms[0]}, {dataset.prompts[0].source}'s are {forms[1]}")
+        dataset.prompts += prompts
+        dataset.skipped_bad_rows += skipped or []
+        dataset.fetched += [fetched] if fetched else []
+        if mixed.name:
+            dataset.mixture[mixed.name] = mixed.weight
+            dataset.locations[mixed.name] = source.path
+    assert dataset is not None, "a mixture has a source (parse_mix)"
     return dataset
 
 
@@ -189,14 +250,23 @@ def load_prompts(
     source = dataset if isinstance(dataset, Source) else dataset_source(str(dataset))
     path = source.path
     prompts: list[Prompt] = []
+    first_row = ""
     for at, raw in _raw_rows(source):
         if max_rows is not None and len(prompts) >= max_rows:
             break
         try:
             row = _row(raw, f"{path}{at}")
-            if row is not None:
-                prompt = _prompt(row, f"{path}{at}", f"{path.name}{at}", prompt_field, answer_field, template, answer_needed_by)
-                prompts.append(resolve_images(prompt, f"{path}{at}", image_folder(source)))
+            if row is None:
+                continue
+            prompt = _prompt(row, f"{path}{at}", f"{path.name}{at}", prompt_field, answer_field, template, answer_needed_by)
+            if prompts and (prompt.tokens is None) != (prompts[0].tokens is None):
+                # Rows of both forms would be trained unlike each other: a template and special tokens for some only.
+                this, first = ("token ids", "text") if prompt.tokens is not None else ("text", "token ids")
+                raise DataError(
+                    f"{path}{at}: the prompt is {this}, but {first_row}'s is {first}: a dataset is all pre-tokenized or all text"
+                )
+            first_row = first_row or f"{path}{at}"
+            prompts.append(resolve_images(prompt, f"{path}{at}", image_folder(source)))
         except DataError as exc:
             if skipped is None:
                 raise
@@ -371,12 +441,27 @@ def _prompt(
     if prompt_field not in row:
         raise DataError(f"{where}: missing field '{prompt_field}' (fields: {', '.join(row) or 'none'}); set --prompt-field")
     text = row[prompt_field]
+    if isinstance(text, list):
+        tokens = _token_ids(text, where, prompt_field)
+        return Prompt(id=prompt_id, tokens=tokens, answer=_answer(row, where, answer_field, answer_needed_by), metadata=row)
     if text is not None and not isinstance(text, str):
-        raise DataError(f"{where}: field '{prompt_field}' must be a string")
+        raise DataError(f"{where}: field '{prompt_field}' must be a string (or a list of token ids)")
     if not text or not text.strip():
         raise DataError(f"{where}: the prompt (field '{prompt_field}') is empty")
     answer = _answer(row, where, answer_field, answer_needed_by)
     return Prompt(id=prompt_id, text=template.replace("{prompt}", text), answer=answer, metadata=row)
+
+
+def _token_ids(value: list[Any], where: str, prompt_field: str) -> list[int]:
+    if not value:
+        raise DataError(f"{where}: the prompt (field '{prompt_field}') is an empty list of token ids")
+    for position, token in enumerate(value):
+        # JSON's true/false are ints to Python, and no token id.
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise DataError(
+                f"{where}: field '{prompt_field}' is a list, so token ids, but item {position} ({token!r}) is not a non-negative integer"
+            )
+    return value
 
 
 def _answer(row: dict[str, Any], where: str, answer_field: str, answer_needed_by: Sequence[str]) -> str | None:
@@ -396,8 +481,9 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
     ``long_prompts`` option is ``skip``.
 
     A rollout without an ``encode(tokenizer, prompt)`` method, or a model of unknown context,
-    is not checked here.
+    is not checked here. Pre-tokenized prompts are checked first (:func:`check_token_prompts`).
     """
+    check_token_prompts(dataset, rollout, tokenizer)
     encode = declared(rollout, "rollout", "encode")
     if encode is None or max_context is None:
         return
@@ -407,10 +493,7 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
         if tokens + max_completion_tokens <= max_context:
             kept.append(prompt)
         else:
-            # A prompt's id is "<file name>:<line>", so this names the full path and the line.
-            long.append(
-                f"{dataset.path.parent / prompt.id}: {tokens} prompt tokens + {max_completion_tokens} completion tokens > {max_context}"
-            )
+            long.append(f"{dataset.where(prompt)}: {tokens} prompt tokens + {max_completion_tokens} completion tokens > {max_context}")
     if not long:
         return
     if declared(rollout, "rollout", "long_prompts") != "skip":
@@ -421,9 +504,32 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
         )
     if not kept:
         raise DataError(f"{dataset.path}: every prompt is too long for the model's context of {max_context} tokens; first: {long[0]}")
+    emptied = [name for name in dataset.mixture if not any(prompt.source == name for prompt in kept)]
+    if emptied:
+        raise DataError(f"--mix: every prompt of the source {emptied[0]} is too long for the model's context of {max_context} tokens")
     dataset.prompts = kept
     dataset.skipped_long_prompts = long
     _report_skips(long, f"prompts too long for the model's context ({dataset.path})", "long_prompts=skip")
+
+
+def check_token_prompts(dataset: Dataset, rollout: Any, tokenizer: Any) -> None:
+    """Pre-tokenized prompts go to a rollout that takes them, and hold only ids of the tokenizer's vocabulary."""
+    tokenized = [prompt for prompt in dataset.prompts if prompt.tokens is not None]
+    if not tokenized:
+        return
+    if not declared(rollout, "rollout", "token_prompts"):
+        raise DataError(
+            f"{dataset.path}: the prompts are token ids, which the {type(rollout).__name__} rollout does not take "
+            "(it builds its prompts from text); use --rollout single_turn or text prompts"
+        )
+    vocabulary = len(tokenizer)
+    for prompt in tokenized:
+        outside = next(((i, t) for i, t in enumerate(prompt.tokens) if t >= vocabulary), None)
+        if outside is not None:
+            raise DataError(
+                f"{dataset.where(prompt)}: token id {outside[1]} (item {outside[0]}) is outside the tokenizer's "
+                f"vocabulary of {vocabulary} ids; were these rows tokenized for another model?"
+            )
 
 
 def _report_skips(reasons: list[str], what: str, why: str) -> None:
@@ -444,8 +550,8 @@ def prompt_settings(config: RunConfig) -> dict[str, Any]:
     }
     rollout_options.update(config.options_for("rollout", config.rollout))
     return {
-        "dataset": dataset_name(config.dataset),
-        "embedded_task": split is not None,
+        "dataset": " ".join(config.mix) if config.mix else dataset_name(config.dataset),
+        "embedded_task": split is not None and not config.mix,
         "trained_from": config.model,
         "prompt_field": config.prompt_field,
         "answer_field": config.answer_field,

@@ -34,7 +34,7 @@ def eval_config(flags: dict[str, Any], plugin_opts: dict[str, list[str]]) -> tup
     values = dict(flags)
     model = str(values.get("model", "default"))
     settings = read_prompt_settings(model)
-    if "dataset" not in values:
+    if "dataset" not in values and not values.get("mix"):
         if settings is not None and not settings.get("embedded_task", False):
             raise PluginError(
                 f"{model} was trained on {settings.get('dataset')}; pass --dataset with the rows to evaluate it on (a held-out split)"
@@ -107,4 +107,5 @@ def evaluate(
         "data/skipped_bad_rows": float(len(dataset.skipped_bad_rows)),
         "data/skipped_long_prompts": float(len(dataset.skipped_long_prompts)),
         **{k: v for k, v in measured.items() if k.startswith("pass@")},
+        **{k: v for k, v in measured.items() if k.startswith("data/")},  # a mixture's sources, each apart
     }

@@ -13,7 +13,8 @@ selects and what core reads from them besides hooks; the catalog, the checks at 
   number of tools, each called by the rollout when the policy names it.
 - ``check_config`` (any kind may implement it), ``reward`` and ``on_step``, ``on_run_start``,
   ``on_run_end`` are called on every active plugin;
-  ``keep_group`` on every selected group filter, in order, until one drops the group.
+  ``keep_group`` on every selected group filter, in order, until one drops the group;
+  ``keep_prompt`` on every group filter that implements it, before a prompt is rolled out.
 - ``loss`` wrappers (``@hookimpl(wrapper=True)``, such as TIS) compose around the one loss.
 """
 
@@ -245,6 +246,21 @@ def keep_group(prompt: Prompt, samples: Sequence[Sample]) -> bool:
     :param prompt: the prompt the group was sampled for.
     :param samples: the group's scored samples, with ``reward``, ``rewards`` and ``advantages``.
     :returns: True to train on the group, False to drop it (counted in ``groups/dropped_<name>``).
+    """
+
+
+@hookspec
+def keep_prompt(prompt: Prompt) -> bool:
+    """Whether a prompt is rolled out when the run's order comes to it (kind ``group_filter``):
+    False passes over it, and the run takes the next prompt in its place (counted in
+    ``sampling/passed_over``). Called in the order's sequence, between steps of the synchronous loop
+    (after the ``on_step`` of the step before), so that a filter that learns from the steps'
+    groups (the ``curriculum``) decides the same way when a resumed run repeats it. A filter whose
+    decisions depend on what it saw gives it to checkpoints with ``state_dict()`` and takes it back
+    on resume with ``load_state_dict(state)`` (declared attributes of the kind).
+
+    :param prompt: the prompt the order comes to.
+    :returns: True to roll it out, False to pass over it.
     """
 
 

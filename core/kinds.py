@@ -131,6 +131,7 @@ KIND_TABLE: dict[str, Kind] = {
             ),
             "long_prompts": Attribute("str", "error", "'skip': a prompt too long for the context is skipped (counted), else refused"),
             "chat_template": Attribute("bool | None", None, "whether it wraps plain prompts in the chat template (eval says so)"),
+            "token_prompts": Attribute("bool", False, "it samples pre-tokenized rows (Prompt.tokens) as they are; else those are refused"),
         },
     ),
     "env": Kind(
@@ -149,7 +150,18 @@ KIND_TABLE: dict[str, Kind] = {
         },
     ),
     "advantage": Kind(hooks=("advantage", "prepare_advantages"), runs="one", required=("advantage",)),
-    "group_filter": Kind(hooks=("keep_group",), runs="any"),
+    "group_filter": Kind(
+        hooks=("keep_group", "keep_prompt"),
+        runs="any",
+        attributes={
+            "state_dict": Attribute(
+                "callable | None", None, "state_dict() -> JSON of what its answers depend on: each checkpoint holds it"
+            ),
+            "load_state_dict": Attribute(
+                "callable | None", None, "load_state_dict(state): a resumed run hands back what state_dict() gave at its checkpoint"
+            ),
+        },
+    ),
     "loss": Kind(
         hooks=("loss",),
         runs="one",

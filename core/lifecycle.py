@@ -39,12 +39,13 @@ from grpo_core.checkpoint import (
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, prompt_batches, rows_fingerprint, write_prompt_settings
+from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, write_prompt_settings
 from grpo_core.disk_plan import plan_disk
 from grpo_core.errors import EXIT_ERROR, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import TrainingEval, training_eval
 from grpo_core.metrics import Metrics, scope
+from grpo_core.mixture import parse_mix, shares
 from grpo_core.plugins_manager import write_config
 from grpo_core.preflight import check_model_folder, check_router_replay, plan_steps, resume_point
 from grpo_core.run_dir import (
@@ -59,7 +60,7 @@ from grpo_core.run_dir import (
     record_data,
     record_files,
 )
-from grpo_core.selection import select_plugins
+from grpo_core.selection import Selection, select_plugins
 from grpo_core.types import RunState, SamplingParams
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -169,7 +170,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     selection = select_plugins(config)
     pm = selection.manager
     pm.hook.check_config(config=config, plugins=selection.plugins)
-    dataset = load_dataset(config, selection.rewards_needing_answer)
+    dataset = load_dataset(config, selection.rewards_needing_answer, refetch=not resume)
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     total_steps = plan_steps(config, len(dataset.prompts))
@@ -199,6 +200,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     unobserved = None
     if newest is not None:
         load_checkpoint(newest, trainer, sampler, state)
+        restore_filter_states(selection, state)
         state.reward_failures.in_a_row = state.reward_failures_in_a_row
         state.start_step = state.step
         unobserved = read_unobserved(newest)
@@ -213,11 +215,11 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     STARTING.get().replace_old_run()
     run_info = {"trainer": declared(trainer, "trainer object", "run_info"), "sampler": declared(sampler, "sampler object", "run_info")}
     write_config(config, run_dir / "config.json", run_info)
-    record_data(run_dir, *rows)
+    record_data(run_dir, *rows, [f.record() for f in dataset.fetched])
     start_plugins(pm, lambda plugin: id(plugin) in loggers, start_args)
     record_files(run_dir)
     state.rng = capture_rng(sampler)
-    order = prompt_batches(dataset.prompts, config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
+    order = dataset.batches(config.prompt_groups_per_step, config.epochs, config.seed, config.shuffle)
     r = Run(config, selection, trainer, reference, sampler, state, islice(order, state.step, None), sampling_params(config), evaluator)
     if evaluator is not None:
         evaluator.sampler = sampler
@@ -230,6 +232,25 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
         # from, checked, before the first step: the resumed policy, or the one it may not have.
         sync_weights(r, state.step)
     return r
+
+
+def keep_filter_states(selection: Selection, state: RunState) -> None:
+    """Each group filter's ``state_dict()`` as this step left it: what its checkpoint holds."""
+    for name, plugin in selection.group_filters.items():
+        state_dict = declared(plugin, "group_filter", "state_dict")
+        if state_dict is not None:
+            state.filter_states[name] = state_dict()
+
+
+def restore_filter_states(selection: Selection, state: RunState) -> None:
+    """Hand each group filter the state the resumed checkpoint holds for it."""
+    for name, saved in state.filter_states.items():
+        if name not in selection.group_filters:
+            continue  # --group-filter is a setting --resume keeps: a filter gone is one that kept no state
+        load = declared(selection.group_filters[name], "group_filter", "load_state_dict")
+        if load is None:
+            raise PluginError(f"group filter '{name}' has a state_dict but no load_state_dict: a resumed run cannot give it its state")
+        load(saved)
 
 
 def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) -> None:
@@ -335,6 +356,8 @@ def end_step(
     metrics["policy/version"] = r.trainer.version
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
+    if config.mix:
+        metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics))
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, metrics, config.max_nonfinite_steps_in_a_row)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record
@@ -358,6 +381,7 @@ def end_step(
         metrics.update(r.evaluator(state.rng))
     r.selection.manager.hook.on_step(step=step, metrics=metrics, state=state, groups=groups)
     state.unobserved = None
+    keep_filter_states(r.selection, state)
     # The run's last step is left to its end, which writes it in place: a copy for a background
     # write would be waited for at once.
     last = step == config.max_steps or state.interrupted or state.stop_reason is not None

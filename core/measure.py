@@ -13,7 +13,7 @@ import attrs
 
 from grpo_core.checkpoint import restore_rng
 from grpo_core.config import RunConfig
-from grpo_core.data import check_prompt_lengths, load_dataset
+from grpo_core.data import DEFAULT_DATASET, check_prompt_lengths, load_dataset
 from grpo_core.embedded import embedded_split
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
@@ -54,24 +54,37 @@ def measure(
     scorer = Scorer(selection, RewardFailures(), math.inf, reward_timeout, advantages=False, lock=score_lock)
     rewards: list[float] = []
     passes: dict[int, list[float]] = {1: [], num_samples: []}
+    by_source: dict[str, tuple[list[float], list[float]]] = {}
+    """A mixture's sources: their rewards and pass@1 apart (``data/NAME/...``)."""
     failed = 0
     with scope():  # what the rollout and the rewards record is not a training step's
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
             produced = roll_and_score(scorer, batch, num_samples, sampler, params)
             failed += int(produced.metrics["reward/failed"])
-            for group in produced.groups:
+            for prompt, group in zip(batch, produced.groups):
                 scores = [s.reward for s in group if s.reward is not None]
                 rewards.extend(scores)
                 correct = sum(score >= threshold for score in scores)
                 for k in passes:
                     passes[k].append(pass_at_k(len(group), correct, k) if group else 0.0)
+                if prompt.source is not None:
+                    source_rewards, source_passes = by_source.setdefault(prompt.source, ([], []))
+                    source_rewards.extend(scores)
+                    source_passes.append(passes[1][-1])
             if progress is not None:
                 progress(len(batch), len(prompts), sum(rewards) / max(len(rewards), 1))
-    result = {"reward/mean": sum(rewards) / len(rewards) if rewards else float("nan"), "reward/failed": float(failed)}
+    result = {"reward/mean": _mean(rewards), "reward/failed": float(failed)}
     for k, values in sorted(passes.items()):
         result[f"pass@{k}"] = sum(values) / len(values)
+    for name, (source_rewards, source_passes) in sorted(by_source.items()):
+        result[f"data/{name}/reward_mean"] = _mean(source_rewards)
+        result[f"data/{name}/pass@1"] = _mean(source_passes)
     return result
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 @attrs.define(eq=False)
@@ -131,11 +144,12 @@ class TrainingEval:
             f"eval/pass@{k}": sampled[f"pass@{k}"],
             "eval/reward_failed": greedy["reward/failed"] + sampled["reward/failed"],
             "eval/prompts": float(len(self.prompts)),
+            **{f"eval/{name}": value for name, value in sampled.items() if name.startswith("data/")},
             "time/eval": time.perf_counter() - t0,
         }
 
 
-EVAL_OPTIONS = ("eval_dataset", "eval_prompts", "eval_samples", "eval_pass_threshold")
+EVAL_OPTIONS = ("eval_dataset", "eval_mix", "eval_prompts", "eval_samples", "eval_pass_threshold")
 
 
 def training_eval(
@@ -155,13 +169,20 @@ def training_eval(
             "leaves behind the trained one: evaluate the checkpoints with grpo-core eval instead"
         )
     dataset_name = config.eval_dataset
-    if dataset_name is None:
-        if embedded_split(config.dataset) is None:
+    if config.eval_mix and dataset_name is not None:
+        raise PluginError("--eval-dataset and --eval-mix both name the held-out prompts; make the dataset one more --eval-mix source")
+    weighted = [spec for spec in config.eval_mix if ":" in spec.partition("=")[0]]
+    if weighted:
+        raise PluginError(f"--eval-mix {weighted[0]}: a weight does nothing there (every prompt of each source is measured); drop it")
+    if dataset_name is None and not config.eval_mix:
+        if config.mix or embedded_split(config.dataset) is None:
+            trains_on = "a mixture (--mix)" if config.mix else config.dataset
             raise PluginError(
-                f"--eval-every: the run trains on {config.dataset}; pass --eval-dataset with the held-out rows to evaluate on"
+                f"--eval-every: the run trains on {trains_on}; pass --eval-dataset with the held-out rows to evaluate on "
+                "(or --eval-mix with several sources)"
             )
         dataset_name = EVAL_DATASET
-    eval_config = attrs.evolve(config, dataset=dataset_name, max_rows=config.eval_prompts)
+    eval_config = attrs.evolve(config, dataset=dataset_name or DEFAULT_DATASET, mix=config.eval_mix, max_rows=config.eval_prompts)
     dataset = load_dataset(eval_config, selection.rewards_needing_answer)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     if not dataset.prompts:

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from grpo_core.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, safetensors_header
 from grpo_core.config import RunConfig
 from grpo_core.data import steps_available
 from grpo_core.errors import PluginError
+from grpo_core.fetch import is_url
 from grpo_core.hookspecs import declared
 from grpo_core.options import missing_folder
 from grpo_core.run_dir import is_run_config
@@ -32,6 +35,9 @@ def check_settings(config: RunConfig) -> None:
         )
     if config.learning_rate == 0:
         print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
+    sources = [config.dataset, config.eval_dataset or "", *(spec.partition("=")[2] for spec in [*config.mix, *config.eval_mix])]
+    if config.fetch_timeout != attrs.fields(RunConfig).fetch_timeout.default and not any(is_url(source) for source in sources):
+        raise PluginError(f"--fetch-timeout {config.fetch_timeout:g} would do nothing: no dataset of the run is a URL")
 
 
 def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:

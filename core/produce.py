@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -107,19 +107,30 @@ class Taken:
 
 
 class PromptQueue:
-    """Prompts in the run's order, after the ones to sample again (stale or in flight at a checkpoint)."""
+    """Prompts in the run's order, after the ones to sample again (stale or in flight at a checkpoint).
 
-    def __init__(self, stream: Iterator[Taken], cursor: int, again: list[Taken]) -> None:
+    ``admit`` (the group filters' ``keep_prompt``) is asked of each prompt of the order as the
+    queue comes to it: one it refuses is passed over (the cursor moves past it, counted in
+    ``passed_over``) and the next one takes its place."""
+
+    def __init__(self, stream: Iterator[Taken], cursor: int, again: list[Taken], admit: Callable[[Prompt], bool] | None = None) -> None:
         self.stream = stream
         self.cursor = cursor
         self.again: collections.deque[Taken] = collections.deque(again)
         self.peeked: Taken | None = None
+        self.admit = admit
+        self.passed_over = 0
 
     def has_more(self) -> bool:
         if self.again or self.peeked:
             return True
-        self.peeked = next(self.stream, None)
-        return self.peeked is not None
+        for taken in self.stream:
+            if self.admit is None or self.admit(taken.prompt):
+                self.peeked = taken
+                return True
+            self.cursor += 1
+            self.passed_over += 1
+        return False
 
     def take(self, n: int) -> list[Taken]:
         taken: list[Taken] = []
@@ -131,6 +142,15 @@ class PromptQueue:
                 self.peeked = None
                 self.cursor += 1
         return taken
+
+
+def prompt_admission(selection: Selection) -> Callable[[Prompt], bool] | None:
+    """What decides whether the run's order rolls a prompt out: every group filter's ``keep_prompt``
+    (None when no filter implements it)."""
+    hook = selection.manager.hook.keep_prompt
+    if not hook.get_hookimpls():
+        return None
+    return lambda prompt: all(hook(prompt=prompt))
 
 
 def prompt_stream(batches: Iterator[list[Prompt]], first_index: int, cursor: int) -> Iterator[Taken]:

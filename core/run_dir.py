@@ -308,9 +308,12 @@ def remove(entry: Path) -> None:
         entry.unlink(missing_ok=True)
 
 
-def record_data(path: Path, dataset: str, prompts: int, sha256: str) -> None:
-    """Write the run's ``data.json``: what ``check_same_data`` compares on ``--resume``."""
-    record = {"dataset": dataset, "prompts": prompts, "sha256": sha256}
+def record_data(path: Path, dataset: str, prompts: int, sha256: str, fetched: list[dict[str, str]] | None = None) -> None:
+    """Write the run's ``data.json``: what ``check_same_data`` compares on ``--resume``, and the
+    URLs the rows were fetched from (each with its file's sha256 and cached copy)."""
+    record: dict[str, object] = {"dataset": dataset, "prompts": prompts, "sha256": sha256}
+    if fetched:
+        record["fetched"] = fetched
     (path / DATA_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 

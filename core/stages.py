@@ -138,6 +138,11 @@ def score_groups(
         record("reward/timeouts", timeouts, "sum")
         for name, values in per_reward.items():
             record(f"reward/{name}", _mean(values), "mean", weight=len(values))
+        for group in groups:
+            if group and group[0].prompt.source is not None:  # a mixture's: each source's prompts and reward
+                scored = [s.reward for s in group if s.reward is not None]
+                record(f"data/{group[0].prompt.source}/prompts", 1, "sum")
+                record(f"data/{group[0].prompt.source}/reward", _mean(scored), "mean", weight=len(scored))
         record("tokens/completion", sum(s.num_completion_tokens for s in samples), "sum")
         record("tokens/completion_mean", _mean([s.num_completion_tokens for s in samples]), "mean", weight=len(samples))
         record("completion/truncated_frac", _mean([s.finish_reason == "length" for s in samples]), "mean", weight=len(samples))
@@ -167,7 +172,9 @@ def compute_advantages(
     """
     # Found by name like any group filter: the core imports no plugin.
     filters = {"zero_variance": make_plugin("zero_variance", "group_filter")} if drop_zero_variance else {}
-    filters.update(group_filters or {})
+    # A filter may implement keep_prompt only (it passes over prompts before their rollout).
+    asked = {id(impl.plugin) for impl in pm.hook.keep_group.get_hookimpls()}
+    filters.update({name: f for name, f in (group_filters or {}).items() if id(f) in asked})
     with scope() as metrics:
         kept = _advantages(pm, groups, filters, trainer, max_samples_per_call, trainer_lock)
     return kept, metrics

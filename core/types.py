@@ -16,8 +16,10 @@ import attrs
 class Prompt:
     """One dataset row, ready to be rolled out.
 
-    ``text`` is a plain prompt; ``messages`` a chat (list of ``{"role", "content"}``); exactly
-    one is set. ``answer`` is the reference a reward compares against (e.g. a GSM8K answer).
+    ``text`` is a plain prompt; ``messages`` a chat (list of ``{"role", "content"}``); ``tokens``
+    the prompt's token ids, given pre-tokenized and sampled as they are (no template, no special
+    tokens added); exactly one is set. ``answer`` is the reference a reward compares against
+    (e.g. a GSM8K answer).
     """
 
     id: str
@@ -25,10 +27,16 @@ class Prompt:
     messages: list[dict[str, Any]] | None = None
     answer: str | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    tokens: list[int] | None = None
+    source: str | None = None
+    """The name of the mixture's source the row came from (``--mix NAME=...``); None outside a mixture."""
 
 
 def prompt_text(prompt: Prompt) -> str:
-    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines."""
+    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
+    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
+    if prompt.tokens is not None:
+        return f"token ids: {' '.join(map(str, prompt.tokens))}"
     if prompt.messages is not None:
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
     return prompt.text or ""
@@ -193,7 +201,7 @@ class RewardFailures:
     environment that scores a conversation at its end): more tokens fix it, not the reward."""
 
 
-CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken")
+CHECKPOINTED = ("step", "policy_version", "reward_failures_in_a_row", "nonfinite_in_a_row", "history", "prompts_taken", "filter_states")
 """The fields of :class:`RunState` a checkpoint holds (its ``state.json``, in this order)."""
 
 
@@ -213,7 +221,10 @@ class RunState:
     history: list[float | None] = attrs.field(factory=list)
     """``reward/total`` of every step so far (the summary compares its first and last steps)."""
     prompts_taken: int = 0
-    """``--dynamic-sampling``: prompts the sync loop took from the run's order (a step may take more than its batch)."""
+    """``--dynamic-sampling`` or a group filter's ``keep_prompt``: prompts the sync loop took from the run's
+    order, those passed over included (a step may take more than its batch)."""
+    filter_states: dict[str, Any] = attrs.field(factory=dict)
+    """The ``state_dict()`` of each group filter that has one, by name, as the last step left it."""
     stop_reason: str | None = None
     signal: int | None = None
     """The signal (SIGINT, SIGTERM) that asked the run to stop."""

@@ -3,7 +3,10 @@ device, in buffers of fixed shape written in place, so the step can be captured 
 
 - The KV cache is preallocated for prompt + completion and written in place at one slot per step
   (transformers' ``StaticCache``, or the fused decoder's :class:`KVCache` with its ``slot_1``).
-- The batch is fixed: a finished row stays in it, masked, and its tokens past the end are cut.
+- The batch is fixed: a finished row stays in it, masked, and its tokens past the end are cut;
+  the compiled step (``decode=compiled``: :class:`DecodeSession`) instead moves the live rows to the
+  front once half have finished and steps on with a smaller batch bucket, and keeps its cache,
+  buffers, compiled step and graphs from one generation to the next.
 - Sampling (temperature, top-k, top-p), the logprob of the distribution sampled from and the stop
   tokens are decided on the device. Stop strings need the text: they are checked on the host every
   ``check_every`` steps, together with whether every row has finished (the one device→host copy per
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -27,20 +31,33 @@ import attrs
 import numpy as np
 import torch
 
-from grpo_core.engine.fast_decoder import FastDecoder, unsupported_reason
+from grpo_core.engine.fast_decoder import FastDecoder, KVCache, LayerWeights, unsupported_reason
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
 
-DECODE_MODES = ("auto", "eager", "graphs")
+DECODE_MODES = ("auto", "eager", "graphs", "compiled")
 CHECK_EVERY = 16
 """Steps between the host's looks at the batch (stop strings, whether all rows finished)."""
 GRAPH_WARMUP_STEPS = 2
 """Eager steps before the capture: the first calls pick kernels and allocate workspaces a graph
-must not record."""
+must not record (and, compiled, compile the step)."""
+CAPACITY_MULTIPLE = 128
+"""A compiled step's cache capacity is prompt + completion rounded up to this, so the next steps'
+prompts of other lengths reuse its compiled code, graph and cache."""
+MIN_BUCKET = 8
+"""The smallest batch a compiled step compacts its live rows into: below it a step reads the
+weights whatever the rows, and each bucket is one more compile."""
+KEPT_SESSIONS = 2
+"""Compiled decode sessions (cache, buffers, graphs) a sampler keeps, the most recently used."""
+COMPILE_BACKEND = "inductor"
+"""torch.compile's backend for the compiled step; the CPU tests swap in ``eager``, which traces
+the same graph (fullgraph: no break allowed) without generating code."""
 
 
-def decode_mode(mode: str, device: torch.device) -> str:
-    """``eager`` or ``graphs``: what the sampler option ``decode=mode`` runs on ``device``."""
+def decode_mode(mode: str, device: torch.device, fused: str | None = None) -> str:
+    """``eager``, ``graphs`` or ``compiled``: what the sampler option ``decode=mode`` runs on
+    ``device``. ``fused``: why the fused decoder cannot run the model (None: it can, or not known
+    yet: the config alone is being checked)."""
     if mode not in DECODE_MODES:
         raise PluginError(f"decode={mode!r} is not a decode path: choose one of {', '.join(DECODE_MODES)}")
     if mode == "graphs" and device.type != "cuda":
@@ -48,7 +65,44 @@ def decode_mode(mode: str, device: torch.device) -> str:
             f"decode=graphs captures the decode step in a CUDA graph, and the model is on {device.type}: "
             "use decode=eager (or auto, which picks graphs on CUDA)"
         )
-    return "graphs" if device.type == "cuda" and mode != "eager" else "eager"
+    if mode == "compiled":
+        from grpo_core.engine.compile import compile_problem
+
+        problem = compile_problem(device)
+        if problem is not None:
+            raise PluginError(f"decode=compiled: {problem}; or decode=eager")
+        if fused is not None:
+            raise PluginError(f"decode=compiled compiles the fused decoder's step, which does not run {fused}: use decode=auto")
+        return "compiled"
+    if device.type != "cuda" or mode == "eager":
+        return "eager"
+    if mode == "auto" and fused is None:
+        from grpo_core.engine.compile import compile_problem
+
+        return "compiled" if compile_problem(device) is None else "graphs"
+    return "graphs"
+
+
+def compile_cache_dir() -> str:
+    """Where inductor keeps compiled code between processes (its FX graph cache, on by default:
+    a later run's compile of the same step is a cache hit)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def batch_buckets(rows: int) -> tuple[int, ...]:
+    """The batch sizes a compiled step of ``rows`` rows compacts its live rows into, largest first."""
+    sizes = {rows}
+    size = MIN_BUCKET
+    while size < rows:
+        sizes.add(size)
+        size *= 2
+    return tuple(sorted(sizes, reverse=True))
+
+
+def round_capacity(slots: int) -> int:
+    return -(-slots // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
 def draw(
@@ -112,32 +166,66 @@ def _prompt_mask(valid_U_P: torch.Tensor | None, U: int, P: int, C: int, device:
 
 
 class FusedStepper:
-    """grpo-core's fused decoder over its :class:`KVCache`, written at the decode slot."""
+    """grpo-core's fused decoder over its :class:`KVCache`, written at the decode slot.
 
-    description = "fused decoder (fp32 Llama/Qwen) over a static KV cache"
+    ``keep_dtype``: logits in the model's dtype (the compiled step's sampler reads them as fp32
+    itself), else fp32 copies."""
 
-    def __init__(self, decoder: Any, capacity: int) -> None:
+    description = "fused decoder (Llama/Qwen) over a static KV cache"
+
+    def __init__(self, decoder: Any, capacity: int, keep_dtype: bool = False) -> None:
         self.decoder = decoder
         self.capacity = capacity
+        self.keep_dtype = keep_dtype
         # Fused once per generation: in-process weight sync means the weights may have changed since.
         self.weights = decoder.layer_weights()
         self.cache = decoder.new_cache(capacity=capacity)
 
+    def _logits(self, logits_B_S_V: torch.Tensor) -> torch.Tensor:
+        return logits_B_S_V[:, -1, :] if self.keep_dtype else logits_B_S_V[:, -1, :].float()
+
     def prefill(self, input_ids_U_P: torch.Tensor, position_ids_U_P: torch.Tensor, valid_U_P: torch.Tensor | None) -> torch.Tensor:
-        return self.decoder(
-            input_ids=input_ids_U_P, position_ids=position_ids_U_P, attention_mask=valid_U_P, past_key_values=self.cache,
+        return self._prefill_into(self.cache, input_ids_U_P, position_ids_U_P, valid_U_P)
+
+    def _prefill_into(
+        self, cache: KVCache, input_ids_U_P: torch.Tensor, position_ids_U_P: torch.Tensor, valid_U_P: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._logits(self.decoder(
+            input_ids=input_ids_U_P, position_ids=position_ids_U_P, attention_mask=valid_U_P, past_key_values=cache,
             logits_to_keep=1, weights=self.weights, max_position=self.capacity - 1,
-        )[:, -1, :].float()  # fmt: skip
+        ))  # fmt: skip
+
+    def refill(
+        self, input_ids_U_P: torch.Tensor, position_ids_U_P: torch.Tensor, valid_U_P: torch.Tensor | None, repeats: int
+    ) -> torch.Tensor:
+        """A new generation over the kept cache and weights (their addresses are a captured
+        graph's): the weights brought up to date in place, the prompts prefilled and written into
+        the cache's first slots, each ``repeats`` times; the prompts' last logits."""
+        for kept, current in zip(self.weights, self.decoder.layer_weights()):
+            for field in attrs.fields(LayerWeights):
+                mine, theirs = getattr(kept, field.name), getattr(current, field.name)
+                if mine is not None and mine is not theirs:
+                    mine.copy_(theirs)
+        prompts = self.decoder.new_cache(capacity=input_ids_U_P.shape[1])
+        logits_U_V = self._prefill_into(prompts, input_ids_U_P, position_ids_U_P, valid_U_P)
+        self.cache.fill_from(prompts, repeats)
+        # A captured step reads the rotary tables it was captured with: held here, they outlive
+        # the decoder's growing them for a larger capacity.
+        self.rope_tables = self.decoder.rope_tables
+        return logits_U_V
 
     def expand(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)
 
+    def take_rows(self, order: torch.Tensor) -> None:
+        self.cache.take_rows(order)
+
     def step(self, token_B_1: torch.Tensor, position_B_1: torch.Tensor, valid_B_C: torch.Tensor, slot_1: torch.Tensor) -> torch.Tensor:
         self.cache.slot_1 = slot_1
-        return self.decoder(
+        return self._logits(self.decoder(
             input_ids=token_B_1, position_ids=position_B_1, attention_mask=valid_B_C[:, None, None, :], past_key_values=self.cache,
             logits_to_keep=1, weights=self.weights, max_position=self.capacity - 1,
-        )[:, -1, :].float()  # fmt: skip
+        ))  # fmt: skip
 
 
 class TransformersStepper:
@@ -226,6 +314,182 @@ class CudaStepGraph:
         self.graph.replay()
 
 
+STEP_INPUTS = ("logits_B_V", "position_B_1", "valid_B_C")
+"""A row's state that only its next forward reads."""
+PER_ROW = (*STEP_INPUTS, "tokens_B_M", "logprobs_B_M", "lengths_B", "stopped_B", "finished_B", "routes_B_M_L_K")
+
+
+@attrs.define(eq=False)
+class DecodeState:
+    """What a decode step reads and writes, in buffers of fixed shape and address (a captured
+    graph's), row-major over the batch's positions."""
+
+    logits_B_V: torch.Tensor
+    position_B_1: torch.Tensor
+    valid_B_C: torch.Tensor
+    tokens_B_M: torch.Tensor
+    logprobs_B_M: torch.Tensor
+    lengths_B: torch.Tensor
+    stopped_B: torch.Tensor
+    finished_B: torch.Tensor
+    step_1: torch.Tensor
+    slot_1: torch.Tensor
+    drawn: torch.Tensor
+    """Uniforms drawn so far (the live rows' draws, all steps)."""
+    uniforms_N: torch.Tensor | None
+    """Every uniform the loop may use, in the generator's order (None: greedy)."""
+    routes_B_M_L_K: torch.Tensor | None = None
+
+    @classmethod
+    def around(
+        cls, logits_B_V: torch.Tensor, position_B_1: torch.Tensor, valid_B_C: torch.Tensor, max_tokens: int, sampled: bool
+    ) -> DecodeState:
+        """The buffers of a batch whose first logits, positions and mask are these tensors."""
+        B, device = logits_B_V.shape[0], logits_B_V.device
+        return cls(
+            logits_B_V=logits_B_V, position_B_1=position_B_1, valid_B_C=valid_B_C,
+            tokens_B_M=torch.zeros(B, max_tokens, dtype=torch.long, device=device),
+            logprobs_B_M=torch.zeros(B, max_tokens, device=device),
+            lengths_B=torch.zeros(B, dtype=torch.long, device=device),
+            stopped_B=torch.zeros(B, dtype=torch.bool, device=device),
+            finished_B=torch.zeros(B, dtype=torch.bool, device=device),
+            step_1=torch.zeros(1, dtype=torch.long, device=device),
+            slot_1=torch.zeros(1, dtype=torch.long, device=device),
+            drawn=torch.zeros((), dtype=torch.long, device=device),
+            uniforms_N=torch.empty(B * max_tokens, device=device) if sampled else None,
+        )  # fmt: skip
+
+    def start(
+        self, logits_B_V: torch.Tensor, position_B_1: torch.Tensor, valid_B_C: torch.Tensor, prompt_width: int, generator: torch.Generator
+    ) -> None:
+        """A new generation, in place: these first logits, positions and mask, no token yet, and
+        the uniforms drawn from ``generator``."""
+        for mine, given in ((self.logits_B_V, logits_B_V), (self.position_B_1, position_B_1), (self.valid_B_C, valid_B_C)):
+            if mine is not given:
+                mine.copy_(given)
+        self.tokens_B_M.zero_()
+        self.logprobs_B_M.zero_()
+        self.lengths_B.fill_(self.tokens_B_M.shape[1])
+        self.stopped_B.zero_()
+        self.finished_B.zero_()
+        self.step_1.zero_()
+        self.slot_1.fill_(prompt_width)
+        self.drawn.zero_()
+        self.routes_B_M_L_K = None
+        if self.uniforms_N is not None:
+            torch.rand(self.uniforms_N.shape[0], generator=generator, device=self.uniforms_N.device, out=self.uniforms_N)
+
+    def head(self, rows: int) -> DecodeState:
+        """The first ``rows`` rows: views at the same addresses (a smaller batch's step)."""
+        per_row = {name: getattr(self, name)[:rows] for name in PER_ROW if getattr(self, name) is not None}
+        return attrs.evolve(self, **per_row)
+
+    def take_rows(self, order: torch.Tensor, rows: int) -> None:
+        """Positions ``order`` (a permutation of the first ``len(order)``) moved to the front, in
+        place; only the first ``rows`` of them step on, so only they carry their logits, positions
+        and mask."""
+        for name in PER_ROW:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                moving = order[:rows] if name in STEP_INPUTS else order
+                tensor[: moving.shape[0]] = tensor[moving]
+
+
+@attrs.define(eq=False, frozen=True)
+class DrawRule:
+    """How a step turns logits into a token: the sampler function and the run's settings."""
+
+    sample: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    temperature: float
+    top_k: int
+    top_p: float
+    stop_ids: torch.Tensor
+
+
+def decode_step(
+    state: DecodeState, rule: DrawRule, stepper: Stepper, forward: bool, routes: Callable[[], torch.Tensor] | None = None
+) -> None:
+    """Draw for every row, note the ends, forward the drawn tokens: in place, reading nothing on
+    the host (the step index and the cache slot are device tensors)."""
+    live_B = ~state.finished_B
+    u_B_1 = None
+    if state.uniforms_N is not None:
+        # The live rows' uniforms, in row order, follow those the earlier steps used.
+        index_B = (state.drawn + live_B.long().cumsum(0) - 1).clamp_(0, state.uniforms_N.shape[0] - 1)
+        u_B_1 = state.uniforms_N[index_B].unsqueeze(-1)
+        state.drawn.add_(live_B.sum())
+    token_B, logprob_B = rule.sample(state.logits_B_V, rule.temperature, rule.top_k, rule.top_p, u_B_1)
+    # A finished row's later draws are written too, and cut at its length.
+    state.tokens_B_M.index_copy_(1, state.step_1, token_B.unsqueeze(1))
+    state.logprobs_B_M.index_copy_(1, state.step_1, logprob_B.float().unsqueeze(1))
+    hit_B = live_B & torch.isin(token_B, rule.stop_ids)
+    state.lengths_B.copy_(torch.where(hit_B, state.step_1 + 1, state.lengths_B))
+    state.stopped_B.logical_or_(hit_B)
+    state.finished_B.logical_or_(hit_B)
+    if forward:
+        state.position_B_1.add_(1)
+        state.valid_B_C.index_fill_(1, state.slot_1, True)
+        state.logits_B_V.copy_(stepper.step(token_B.unsqueeze(-1), state.position_B_1, state.valid_B_C, state.slot_1))
+        if routes is not None:
+            routes_B_L_K = routes()
+            if state.routes_B_M_L_K is None:
+                state.routes_B_M_L_K = routes_B_L_K.new_zeros(routes_B_L_K.shape[0], state.tokens_B_M.shape[1], *routes_B_L_K.shape[1:])
+            state.routes_B_M_L_K.index_copy_(1, state.step_1, routes_B_L_K.unsqueeze(1))
+    state.step_1.add_(1)
+    state.slot_1.add_(1)
+
+
+def _cause(error: BaseException) -> str:
+    """An error in one line, with its root cause (dynamo wraps a backend's error in its own, as
+    ``inner_exception``)."""
+    root = error
+    while (inner := root.__cause__ or getattr(root, "inner_exception", None)) is not None:
+        root = inner
+    text = str(root).strip().splitlines()[0][:300] if str(root).strip() else ""
+    inner = f"{type(root).__name__}: {text}" if root is not error or text else type(error).__name__
+    return f"{type(error).__name__}: {inner}" if root is not error else inner
+
+
+@attrs.define(eq=False)
+class DecodeSession:
+    """A compiled decode step's kept parts for one (batch, capacity, settings): the fused stepper
+    with its cache and weights, the buffers, the compiled step and one captured graph per batch
+    bucket, reused generation after generation (prefill writes into the kept cache)."""
+
+    stepper: FusedStepper
+    state: DecodeState
+    rule: DrawRule
+    buckets: tuple[int, ...]
+    graphs: dict[int, StepGraph] = attrs.field(factory=dict)
+    warm: dict[int, int] = attrs.field(factory=dict)
+    """Eager (compiling) steps run per bucket before its capture."""
+    compile_seconds: dict[int, float] = attrs.field(factory=dict)
+    """Per bucket, the first compiled call's wall time (the compile)."""
+    compile_problem: str | None = None
+    """Why the step runs uncompiled (a compile failed), or None."""
+    step: Callable[..., None] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        # dynamo keeps its compiled variants on the code object, under one recompile limit (8): a
+        # copy of the code per session gives each its own (one variant per batch bucket).
+        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__, decode_step.__defaults__)
+        self.step = torch.compile(own, fullgraph=True, dynamic=False, backend=COMPILE_BACKEND)
+
+    @classmethod
+    def open(
+        cls, forward: FastDecoder, rows: int, capacity: int, max_tokens: int, vocab: int, dtype: torch.dtype, rule: DrawRule
+    ) -> DecodeSession:
+        device = rule.stop_ids.device
+        state = DecodeState.around(
+            torch.zeros(rows, vocab, dtype=dtype, device=device),
+            torch.zeros(rows, 1, dtype=torch.long, device=device),
+            torch.zeros(rows, capacity, dtype=torch.bool, device=device),
+            max_tokens,
+            sampled=rule.temperature != 0,
+        )
+        return cls(FusedStepper(forward, capacity, keep_dtype=True), state, rule, batch_buckets(rows))
+
+
 @attrs.define(eq=False)
 class Decoded:
     """A batch's completions on the host, row-major."""
@@ -239,14 +503,19 @@ class Decoded:
     """Decode steps run (each a forward of the whole batch)."""
     seconds: float
     """Wall time of the loop, prefill excluded."""
+    rows_per_step: float = 0.0
+    """Rows forwarded per step on average (fewer than the batch where live rows were compacted)."""
 
 
 @attrs.define(eq=False, slots=False)  # the buffers of a run are set in run()
 class DecodeLoop:
     """Decode ``B`` rows from their first logits, ``max_tokens`` at most, in fixed-shape steps.
 
-    ``graph`` (None: eager) records the step after :data:`GRAPH_WARMUP_STEPS` eager ones; a capture
-    that raises leaves the loop eager, and ``graph_problem`` says why.
+    ``graph_factory`` (None: eager) makes the graph that records the step after
+    :data:`GRAPH_WARMUP_STEPS` eager ones; a capture that raises leaves the loop eager, and
+    ``graph_problem`` says why. With a ``session`` (the compiled step) the buffers, cache,
+    compiled step and graphs are the session's, kept from one generation to the next, and once at
+    least half the rows have finished the live ones are compacted into the next smaller bucket.
     """
 
     stepper: Stepper
@@ -263,37 +532,39 @@ class DecodeLoop:
     stop_text: Callable[[Sequence[int]], bool] | None = None
     """Whether a completion's tokens so far end past a stop string (None: no stop strings)."""
     check_every: int = CHECK_EVERY
-    graph: StepGraph | None = None
+    graph_factory: Callable[[], StepGraph] | None = None
     routes: Callable[[], torch.Tensor] | None = None
     """The last forward's experts per row, ``[B, layers, top_k]`` on the device (a MoE tap)."""
     graph_problem: str | None = None
+    session: DecodeSession | None = None
 
     def run(self) -> Decoded:
         B, M, device = self.logits_B_V.shape[0], self.max_tokens, self.logits_B_V.device
-        self.tokens_B_M = torch.zeros(B, M, dtype=torch.long, device=device)
-        self.logprobs_B_M = torch.zeros(B, M, device=device)
-        self.lengths_B = torch.full((B,), M, dtype=torch.long, device=device)
-        self.stopped_B = torch.zeros(B, dtype=torch.bool, device=device)
-        self.finished_B = torch.zeros(B, dtype=torch.bool, device=device)
-        self.step_1 = torch.zeros(1, dtype=torch.long, device=device)
-        self.slot_1 = torch.full((1,), self.prompt_width, dtype=torch.long, device=device)
-        self.drawn = torch.zeros((), dtype=torch.long, device=device)
-        self.routes_B_M_L_K = None
+        if self.session is None:
+            self.state = DecodeState.around(self.logits_B_V, self.position_B_1, self.valid_B_C, M, sampled=self.temperature != 0)
+            self.rule = DrawRule(draw, self.temperature, self.top_k, self.top_p, self.stop_ids)
+            self.graphs, self.warm, self.buckets = {}, {}, (B,)
+        else:
+            self.state, self.rule, self.buckets = self.session.state, self.session.rule, self.session.buckets
+            self.graphs, self.warm = self.session.graphs, self.session.warm
         start_state = self.generator.get_state()
         # Every uniform the loop may need, in the stream's order; the generator is set back after
         # the loop to where drawing only the used ones leaves it.
-        self.uniforms_N = None if self.temperature == 0 else torch.rand(B * M, generator=self.generator, device=device)
+        self.state.start(self.logits_B_V, self.position_B_1, self.valid_B_C, self.prompt_width, self.generator)
+        self.rows, self.order_B = B, np.arange(B)
         began = time.perf_counter()
-        step, checked = 0, 0
+        step, checked, rows_stepped = 0, 0, 0
         stopped_host_B = np.zeros(B, dtype=bool)
         tokens_host_B_M = np.zeros((B, M), dtype=np.int64)
         while step < M:
             for _ in range(min(self.check_every, M - step)):
-                self._advance(step, last=step == M - 1)
+                self._advance(last=step == M - 1)
+                rows_stepped += self.rows
                 step += 1
+            state = self.state
             # The one copy off the device per check: the new tokens (for stop strings) and the rows' ends.
-            ends_B_3 = torch.stack([self.lengths_B, self.stopped_B.long(), self.finished_B.long()], dim=1)
-            packed = to_host(torch.cat([self.tokens_B_M[:, checked:step], ends_B_3], dim=1) if self.stop_text else ends_B_3)
+            ends_B_3 = torch.stack([state.lengths_B, state.stopped_B.long(), state.finished_B.long()], dim=1)
+            packed = to_host(torch.cat([state.tokens_B_M[:, checked:step], ends_B_3], dim=1) if self.stop_text else ends_B_3)
             lengths_B, finished_B = packed[:, -3], packed[:, -1].astype(bool)
             if self.stop_text is not None:
                 tokens_host_B_M[:, checked:step] = packed[:, : step - checked]
@@ -302,32 +573,58 @@ class DecodeLoop:
                     lengths_B[row], finished_B[row] = length, True
                 if hits:
                     rows = torch.tensor(list(hits), device=device)
-                    self.lengths_B[rows] = torch.tensor(list(hits.values()), device=device)
-                    self.stopped_B[rows] = True
-                    self.finished_B[rows] = True
+                    state.lengths_B[rows] = torch.tensor(list(hits.values()), device=device)
+                    state.stopped_B[rows] = True
+                    state.finished_B[rows] = True
                 stopped_host_B |= finished_B
             checked = step
             if finished_B.all():
                 break
+            if step < M:
+                self._compact(finished_B, (tokens_host_B_M, stopped_host_B))
+        state = self.state
         out = to_host(
             torch.cat(
-                [self.tokens_B_M.double(), self.logprobs_B_M.double(), self.lengths_B[:, None].double(), self.stopped_B[:, None].double(),
-                 self.drawn.double().expand(B, 1)], dim=1,
+                [state.tokens_B_M.double(), state.logprobs_B_M.double(), state.lengths_B[:, None].double(),
+                 state.stopped_B[:, None].double(), state.drawn.double().expand(B, 1)], dim=1,
             )
         )  # fmt: skip
+        # Back in the batch's own row order (positions move when live rows are compacted).
+        out[self.order_B] = out.copy()
         seconds = time.perf_counter() - began
-        if self.uniforms_N is not None:
+        if state.uniforms_N is not None:
             self.generator.set_state(start_state)
             torch.rand(int(out[0, -1]), generator=self.generator, device=device)
+        routes = None
+        if state.routes_B_M_L_K is not None:
+            routes = state.routes_B_M_L_K.cpu()
+            routes[torch.from_numpy(self.order_B)] = routes.clone()
         return Decoded(
             tokens_B_M=out[:, :M].astype(np.int64),
             logprobs_B_M=out[:, M : 2 * M].astype(np.float32),
             lengths_B=out[:, 2 * M].astype(np.int64),
             stopped_B=out[:, 2 * M + 1].astype(bool),
-            routes_B_M_L_K=None if self.routes_B_M_L_K is None else self.routes_B_M_L_K.cpu(),
+            routes_B_M_L_K=routes,
             steps=step,
             seconds=seconds,
+            rows_per_step=rows_stepped / max(step, 1),
         )
+
+    def _compact(self, finished_B: np.ndarray, host_B: tuple[np.ndarray, ...]) -> None:
+        """Once at least half the stepping rows have finished, move the live ones (in their
+        order: the uniforms follow it) to the front and step on with the smallest bucket that
+        holds them. ``finished_B`` and the host's arrays are by position, and move with them."""
+        live = np.flatnonzero(~finished_B[: self.rows])
+        rows = min(b for b in self.buckets if b >= len(live))
+        if rows > self.rows // 2:
+            return
+        order = np.concatenate([live, np.flatnonzero(finished_B[: self.rows])])
+        order_t = torch.from_numpy(order).to(self.state.tokens_B_M.device)
+        self.state.take_rows(order_t, rows)
+        self.stepper.take_rows(order_t[:rows])
+        for array in (*host_B, finished_B, self.order_B):
+            array[: self.rows] = array[order]
+        self.rows = rows
 
     def _stop_string_hits(
         self, tokens_B_M: np.ndarray, lengths_B: np.ndarray, stopped_B: np.ndarray, ended_before_B: np.ndarray, start: int, end: int
@@ -345,59 +642,61 @@ class DecodeLoop:
                     break
         return hits
 
-    def _advance(self, step: int, last: bool) -> None:
-        """One decode step: eager, captured, or replayed. The last step draws without a forward
-        (a graphed one runs its forward anyway, into slots never read)."""
-        if self.graph is None or step < GRAPH_WARMUP_STEPS:
-            self._step(forward=not last)
+    def _run_step(self, forward: bool, rows: int | None = None) -> None:
+        rows = self.rows if rows is None else rows
+        state = self.state if rows == self.state.tokens_B_M.shape[0] else self.state.head(rows)
+        if self.session is None:
+            decode_step(state, self.rule, self.stepper, forward, self.routes)
             return
-        if step == GRAPH_WARMUP_STEPS:
-            try:
-                self.graph.capture(self._step)
-            except Exception as error:  # noqa: BLE001 - any failed capture leaves the loop eager, and says why
-                self.graph, self.graph_problem = None, f"the decode step could not be captured ({type(error).__name__}: {error})"
-                self._step(forward=not last)
-                return
-        self.graph.replay()
+        # Compiled, the step always forwards (the last one into slots never read): one compile.
+        if self.session.compile_problem is not None:
+            decode_step(state, self.rule, self.stepper, True)
+            return
+        began = time.perf_counter()
+        try:
+            self.session.step(state, self.rule, self.stepper, True)
+        except Exception as error:  # noqa: BLE001 - a failed compile (it runs nothing) leaves the step uncompiled, and says why
+            if rows in self.session.compile_seconds:
+                raise  # it compiled and ran before: not a compile's failure
+            self.session.compile_problem = f"the decode step could not be compiled ({_cause(error)})"
+            decode_step(state, self.rule, self.stepper, True)
+            return
+        self.session.compile_seconds.setdefault(rows, time.perf_counter() - began)
 
-    def _step(self, forward: bool = True) -> None:
-        """Draw for every row, note the ends, forward the drawn tokens: in place, reading nothing
-        on the host (the step index and the cache slot are device tensors)."""
-        live_B = ~self.finished_B
-        u_B_1 = None
-        if self.uniforms_N is not None:
-            # The live rows' uniforms, in row order, follow those the earlier steps used.
-            index_B = (self.drawn + live_B.long().cumsum(0) - 1).clamp_(0, self.uniforms_N.shape[0] - 1)
-            u_B_1 = self.uniforms_N[index_B].unsqueeze(-1)
-            self.drawn.add_(live_B.sum())
-        token_B, logprob_B = draw(self.logits_B_V, self.temperature, self.top_k, self.top_p, u_B_1)
-        # A finished row's later draws are written too, and cut at its length.
-        self.tokens_B_M.index_copy_(1, self.step_1, token_B.unsqueeze(1))
-        self.logprobs_B_M.index_copy_(1, self.step_1, logprob_B.float().unsqueeze(1))
-        hit_B = live_B & torch.isin(token_B, self.stop_ids)
-        self.lengths_B.copy_(torch.where(hit_B, self.step_1 + 1, self.lengths_B))
-        self.stopped_B.logical_or_(hit_B)
-        self.finished_B.logical_or_(hit_B)
-        if forward:
-            self.position_B_1.add_(1)
-            self.valid_B_C.index_fill_(1, self.slot_1, True)
-            self.logits_B_V.copy_(self.stepper.step(token_B.unsqueeze(-1), self.position_B_1, self.valid_B_C, self.slot_1))
-            if self.routes is not None:
-                routes_B_L_K = self.routes()
-                if self.routes_B_M_L_K is None:
-                    self.routes_B_M_L_K = routes_B_L_K.new_zeros(routes_B_L_K.shape[0], self.max_tokens, *routes_B_L_K.shape[1:])
-                self.routes_B_M_L_K.index_copy_(1, self.step_1, routes_B_L_K.unsqueeze(1))
-        self.step_1.add_(1)
-        self.slot_1.add_(1)
+    def _advance(self, last: bool) -> None:
+        """One decode step: eager, captured, or replayed. An eager last step draws without a
+        forward (a graphed or compiled one runs its forward anyway, into slots never read)."""
+        graph = self.graphs.get(self.rows)
+        if graph is not None:
+            graph.replay()
+            return
+        warm = self.warm.get(self.rows, 0)
+        if self.graph_factory is None or warm < GRAPH_WARMUP_STEPS:
+            self.warm[self.rows] = warm + 1
+            self._run_step(forward=not last)
+            return
+        graph, rows = self.graph_factory(), self.rows
+        try:
+            # The step of this bucket's rows, whichever loop replays it later (a kept session's graph).
+            graph.capture(lambda: self._run_step(forward=True, rows=rows))
+        except Exception as error:  # noqa: BLE001 - any failed capture leaves the loop eager, and says why
+            self.graph_factory, self.graph_problem = None, f"the decode step could not be captured ({type(error).__name__}: {error})"
+            self._run_step(forward=not last)
+            return
+        self.graphs[self.rows] = graph
+        graph.replay()
 
 
 ModelForward = FastDecoder | TransformersForward
 
 
+def fused_problem(model: Any, fast: bool) -> str | None:
+    """Why the sampler's forward is not the fused decoder (None: it is)."""
+    return "the model with --backend-opt fast_forward=false" if not fast else unsupported_reason(model)
+
+
 def model_forward(model: Any, fast: bool) -> ModelForward:
-    if fast and unsupported_reason(model) is None:
-        return FastDecoder(model)
-    return TransformersForward(model)
+    return FastDecoder(model) if fused_problem(model, fast) is None else TransformersForward(model)
 
 
 def forward_path(model: Any, fast: bool) -> str:
@@ -406,5 +705,5 @@ def forward_path(model: Any, fast: bool) -> str:
         return "transformers (--backend-opt fast_forward=false)"
     reason = unsupported_reason(model)
     if reason is None:
-        return "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)"
+        return "fused decoder (Llama/Qwen, fp32 or on CUDA bf16/fp16: faster than transformers', docs/performance.md)"
     return f"transformers (the fused decoder does not run {reason})"

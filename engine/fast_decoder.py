@@ -10,11 +10,11 @@ where padding needs them.
 
 It has no backward: the trainer and the KL reference run transformers' forward, faster with
 gradients (docs/performance.md), so a call with grad enabled is refused. The local sampler uses
-it where :func:`unsupported_reason` finds nothing in the way (float32 weights, a supported
-architecture) and transformers' forward otherwise. Its logits match transformers' to float32
-rounding (tests/plugins/backends/test_fast_decoder.py); its norms compute in float32 and round
-back before the weight, as transformers' do, so it runs bfloat16 weights too
-(benchmarks/decode.py times it there).
+it where :func:`unsupported_reason` finds nothing in the way (float32 weights, or bfloat16/float16
+on CUDA; a supported architecture) and transformers' forward otherwise. Its logits match
+transformers' to float32 rounding (tests/engine/test_fast_decoder.py); its norms compute in
+float32 and round back before the weight, as transformers' do. A decoded token's attention packs
+each kv head's group of query heads into one call (:meth:`FastDecoder._attention`).
 
 LoRA adapters (peft) on the projections are folded into the fused weights (``W + s·B·A``) once
 per :meth:`FastDecoder.layer_weights` call. Adapters that are disabled (peft's
@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+CUDA_DTYPES = (torch.bfloat16, torch.float16)
+"""The half-precision dtypes the fused decoder runs, on CUDA only."""
 SMALL_ATTENTION_SCORES = 1 << 20
 """Multi-token attention with at most this many scores (4 MB in fp32) is two plain matmuls;
 larger blocks use scaled_dot_product_attention, which never holds all the scores at once."""
@@ -49,11 +51,14 @@ def unsupported_reason(model: Any) -> str | None:
     rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type '{rope_type}'"
-    # It would run bf16 (its norms compute in float32 as transformers' do), but on the CPU it is no
+    # bf16/fp16 run on CUDA, where its fused projections and packed attention launch a third fewer
+    # kernels per decode step than transformers' forward (docs/performance.md); on the CPU it is no
     # faster there than transformers' forward over a static cache (benchmarks/decode.py), whose
     # rounding the trainer shares.
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        return "weights that are not float32"
+    dtypes = {p.dtype for p in model.parameters()}
+    on_cuda = all(p.is_cuda for p in model.parameters())
+    if dtypes != {torch.float32} and not (on_cuda and len(dtypes) == 1 and dtypes <= set(CUDA_DTYPES)):
+        return "weights that are not float32 (bfloat16 and float16 run on CUDA)"
     projections = {id(m) for layer in model.model.layers for m in _projections(layer)}
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and id(module) not in projections:
@@ -151,9 +156,13 @@ class KVCache:
     def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         S = k_B_H_S_D.shape[2]
         if self.slot_1 is not None:
-            self.keys[layer].index_copy_(2, self.slot_1, k_B_H_S_D)
-            self.values[layer].index_copy_(2, self.slot_1, v_B_H_S_D)
-            return self.keys[layer], self.values[layer]
+            # A decode step of fewer rows than the buffers hold (live rows compacted to the front)
+            # works on the first rows: views at the buffers' own addresses.
+            rows = k_B_H_S_D.shape[0]
+            keys, values = self.keys[layer][:rows], self.values[layer][:rows]
+            keys.index_copy_(2, self.slot_1, k_B_H_S_D)
+            values.index_copy_(2, self.slot_1, v_B_H_S_D)
+            return keys, values
         if layer == len(self.keys):
             B, H, _, D = k_B_H_S_D.shape
             # Zeros, not garbage: a masked slot still meets its weight of 0 in attention, and 0 × NaN is NaN.
@@ -175,6 +184,27 @@ class KVCache:
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
         self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
+
+    def fill_from(self, prompts: KVCache, repeats: int) -> None:
+        """Write a prefilled cache of U rows into this one's first slots, each row ``repeats``
+        times (U × repeats rows, the buffers allocated on the first call and kept after)."""
+        width = prompts.lengths[0]
+        for layer, (k_U_H_P_D, v_U_H_P_D) in enumerate(zip(prompts.keys, prompts.values)):
+            U, H, _, D = k_U_H_P_D.shape
+            if layer == len(self.keys):
+                self.keys.append(k_U_H_P_D.new_zeros(U * repeats, H, self.capacity, D))
+                self.values.append(v_U_H_P_D.new_zeros(U * repeats, H, self.capacity, D))
+                self.lengths.append(self.capacity)
+            self.keys[layer].view(U, repeats, H, self.capacity, D)[:, :, :, :width].copy_(k_U_H_P_D[:, None, :, :width])
+            self.values[layer].view(U, repeats, H, self.capacity, D)[:, :, :, :width].copy_(v_U_H_P_D[:, None, :, :width])
+
+    def take_rows(self, order: torch.Tensor) -> None:
+        """Rows ``order`` (device indices) moved to the front, in place (the live rows of a batch
+        compacted into a smaller one)."""
+        n = order.shape[0]
+        for buffers in (self.keys, self.values):
+            for tensor in buffers:
+                tensor[:n] = tensor[order]
 
     def batch_select_indices(self, rows: torch.Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]
@@ -202,6 +232,11 @@ class FastDecoder:
         self.scaling = model.model.layers[0].self_attn.scaling
         self._rope_cos_T_D: torch.Tensor | None = None
         self._rope_sin_T_D: torch.Tensor | None = None
+
+    @property
+    def rope_tables(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rotary cos and sin tables [positions, head_dim] built so far (None before the first call)."""
+        return self._rope_cos_T_D, self._rope_sin_T_D
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(capacity)
@@ -313,6 +348,14 @@ class FastDecoder:
     ) -> torch.Tensor:
         B, H, S, D = q_B_H_S_D.shape
         Hkv, T = k_B_K_T_D.shape[1], k_B_K_T_D.shape[2]
+        if S == 1 and Hkv != H:
+            # One new token: a kv head's group of query heads are that head's queries (pack-GQA), so
+            # sdpa reads each key once with no enable_gqa, which would send a masked call to the
+            # math kernel on CUDA; the [B, 1, 1, T] mask broadcasts over the group.
+            out = F.scaled_dot_product_attention(
+                q_B_H_S_D.view(B, Hkv, H // Hkv, D), k_B_K_T_D, v_B_K_T_D, attn_mask=mask, scale=self.scaling
+            )
+            return out.view(B, H, 1, D)
         if S == 1 or B * H * S * T > SMALL_ATTENTION_SCORES:
             return F.scaled_dot_product_attention(
                 q_B_H_S_D, k_B_K_T_D, v_B_K_T_D, attn_mask=mask, is_causal=is_causal, scale=self.scaling, enable_gqa=Hkv != H

@@ -121,3 +121,16 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """A ``cuda`` test skips where torch sees no CUDA device (``pytest -m cuda`` runs them on a GPU)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    if not cuda_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="a CUDA GPU (pytest -m cuda on a GPU machine)")
+        for item in cuda_items:
+            item.add_marker(skip)

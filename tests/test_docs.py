@@ -35,7 +35,7 @@ def text_of(html_file) -> str:
 
 def test_every_page_of_the_nav_is_built(site):
     for page in ("index", "quickstart/index", "concepts/index", "reference/plugins/index", "reference/hooks/index",
-                 "writing-plugins/index", "benchmarks/index", "losses/index", "async/index", "scaling-out/index",
+                 "writing-plugins/index", "datasets/index", "benchmarks/index", "losses/index", "async/index", "scaling-out/index",
                  "performance/index", "coming-from-cookbook/index"):  # fmt: skip
         assert (site / f"{page}.html").is_file(), page
 
@@ -167,6 +167,11 @@ SKIPPED = {
     },
     "docs/coming-from-cookbook.md": {
         "grpo-core run --config docs/examples/cookbook.toml --model Qwen/Qwen3-0.6B --dataset gsm8k.jsonl": NETWORK,
+    },
+    "docs/datasets.md": {
+        "grpo-core run --dataset https://example.com/math/rows.jsonl --fetch-timeout 120": (
+            "fetches from the network (tests/core/test_data_url.py serves rows on 127.0.0.1)"
+        ),
     },
     "docs/index.md": {'pip install torch==2.13.0 -e ".[test]"': PIP},
     "docs/moe.md": {

@@ -20,8 +20,10 @@ class SingleTurnRollout:
     sampler continues them, and the completion tokens are trained on.
 
     Chat messages (and, with chat_template=true, plain prompts) go through the tokenizer's
-    chat template when it has one.
+    chat template when it has one; a pre-tokenized row's token ids are sampled as they are.
     """
+
+    token_prompts = True
 
     chat_template: bool = option(True, help="wrap plain-text prompts in the tokenizer's chat template when it has one")
     long_prompts: Literal["error", "skip"] = option(
@@ -92,6 +94,8 @@ class SingleTurnRollout:
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt, chat_template: bool) -> list[int]:
+    if prompt.tokens is not None:
+        return list(prompt.tokens)
     if has_images(prompt):
         return encode_image_prompt(tokenizer, prompt)[0]
     has_template = getattr(tokenizer, "chat_template", None) is not None

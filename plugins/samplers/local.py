@@ -12,15 +12,22 @@ import torch
 
 from grpo_core import Completion, SamplingParams, hookimpl, option
 from grpo_core.config import RunConfig
+from grpo_core.engine import sampling
 from grpo_core.engine.decoding import (
     CHECK_EVERY,
+    KEPT_SESSIONS,
     CudaStepGraph,
     DecodeLoop,
+    DecodeSession,
+    DrawRule,
     ModelForward,
     StepGraph,
+    compile_cache_dir,
     decode_mode,
     forward_path,
+    fused_problem,
     model_forward,
+    round_capacity,
     stepper_class,
     stepper_for,
     stop_window_text,
@@ -48,8 +55,12 @@ class LocalSamplerPlugin:
     """
 
     batch_size: int = option(0, help="most sequences generated at once (0 = the whole step)")
-    decode: Literal["auto", "eager", "graphs"] = option(
-        "auto", help="the decode step: captured in a CUDA graph (graphs, CUDA only), or run op by op (eager); auto = graphs on CUDA"
+    decode: Literal["auto", "eager", "graphs", "compiled"] = option(
+        "auto",
+        help="the decode step: the fused decoder's whole step (forward, one-pass sampler, stop bookkeeping) torch.compile'd, "
+        "kept across generations and, on CUDA, captured in a CUDA graph per batch bucket (compiled); captured in a CUDA graph "
+        "(graphs, CUDA only); or run op by op (eager); auto = compiled on CUDA where the fused decoder runs the model and "
+        "Triton is installed, else graphs; eager on a CPU",
     )
     check_every: int = option(
         CHECK_EVERY,
@@ -69,7 +80,7 @@ class LocalSamplerPlugin:
             raise PluginError(
                 f"the local sampler needs the local trainer's model, not a {type(trainer).__name__}; choose another --sampler"
             )
-        decode = decode_mode(self.decode, trainer.device)
+        decode = decode_mode(self.decode, trainer.device, fused_problem(trainer.model, trainer.fast_forward))
         print(f"sampler forward: {forward_path(trainer.model, trainer.fast_forward)}", file=sys.stderr)
         own_weights = config.sampling_runs_ahead
         sampler = LocalSampler(
@@ -100,11 +111,16 @@ class LocalSampler:
     own_weights: bool = False
     """Samples from a copy of its own (ahead of training), not from the trainer's weights."""
     decode: str = "eager"
-    """``eager`` or ``graphs`` (:func:`decode_mode`)."""
+    """``eager``, ``graphs`` or ``compiled`` (:func:`decode_mode`)."""
     check_every: int = CHECK_EVERY
     graph_factory: Callable[[], StepGraph] = CudaStepGraph
     graph_problem: str | None = None
     """Why the decode step runs eager although graphs were asked for (a capture failed)."""
+    compile_problem: str | None = None
+    """Why decode=compiled runs its step uncompiled (a compile failed)."""
+    sessions: dict[tuple[Any, ...], DecodeSession] = attrs.field(init=False, factory=dict)
+    """The compiled step's kept sessions, least recently used first."""
+    compiles_reported: set[tuple[int, int]] = attrs.field(init=False, factory=set)
     decode_steps: int = attrs.field(init=False, default=0)
     decode_seconds: float = attrs.field(init=False, default=0.0)
     generator: torch.Generator = attrs.field(init=False)
@@ -124,12 +140,28 @@ class LocalSampler:
         return {"forward": forward_path(self.model, self.fast_forward), "decode": self.decode_path}
 
     @property
+    def captures(self) -> bool:
+        """Whether the decode step is captured in a CUDA graph (graphs; compiled on CUDA), no
+        capture having failed."""
+        return self.graph_problem is None and (self.decode == "graphs" or (self.decode == "compiled" and self.device.type == "cuda"))
+
+    @property
     def decode_path(self) -> str:
         """How each decoded token runs, in words (for the run's first lines and run_info)."""
         forward = stepper_class(self.forward_fn).description
         looks = f"the host looks every {self.check_every} steps"
         if self.decode == "eager":
             return f"eager ({forward}; {looks})"
+        if self.decode == "compiled":
+            replay = "replayed as a CUDA graph per batch bucket" if self.captures else "run without a graph"
+            problems = [p for p in (self.compile_problem, self.graph_problem) if p is not None]
+            why = "".join(f": {p}" for p in problems)
+            return (
+                f"compiled{why}: the fused step (forward, one-pass sampler, stop bookkeeping) torch.compile'd once per batch bucket "
+                f"and {replay}, cache and buffers kept across generations, capacity rounded up to a multiple of "
+                f"{round_capacity(1)}, live rows compacted once half have finished ({forward}; {looks}; "
+                f"compile cache {compile_cache_dir()})"
+            )
         if self.graph_problem is not None:
             return f"eager: {self.graph_problem} ({forward}; {looks})"
         return f"graphs: the decode step replayed as a CUDA graph ({forward}; {looks})"
@@ -218,21 +250,28 @@ class LocalSampler:
         U, P = input_ids.shape
         position_ids = left_padded_positions(attention, U, P).to(self.device)
         valid_U_P = None if attention is None else attention.to(self.device)
-        stepper = stepper_for(self.forward_fn, capacity=P + params.max_tokens)
+        stop_ids = torch.tensor(sorted(self._stop_token_ids(params)), dtype=torch.long, device=self.device)
         placed = nullcontext()
         if images is not None and any(i is not None for i in images):
             # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
             offsets = [u * P + P - len(p) for u, p in enumerate(prompts)]
             tensors = [None if i is None else i.tensors for i in images]
             placed = PlacedImages(self.model, prompts, tensors, [len(p) for p in prompts]).placed(offsets)
+        session = None
         with placed:
-            logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
+            if self.decode == "compiled":
+                session = self._session(U * G, P + params.max_tokens, params, stop_ids)
+                stepper = session.stepper
+                logits_U_V = stepper.refill(input_ids.to(self.device), position_ids, valid_U_P, G)
+            else:
+                stepper = stepper_for(self.forward_fn, capacity=P + params.max_tokens)
+                logits_U_V = stepper.prefill(input_ids.to(self.device), position_ids, valid_U_P)
+                stepper.expand(G)
         if tap is not None:
             # Left-padded: a prompt's tokens are its row's last len(prompt) positions.
             prefill_U_P_L_K = tap.take().view(U, P, *tap.used_shape)
             prompt_routes = [prefill_U_P_L_K[u, P - len(p) :] for u, p in enumerate(prompts)]
-        stepper.expand(G)
-        valid_B_C = torch.zeros(U * G, P + params.max_tokens, dtype=torch.bool, device=self.device)
+        valid_B_C = torch.zeros(U * G, stepper.capacity, dtype=torch.bool, device=self.device)
         valid_B_C[:, :P] = True if valid_U_P is None else valid_U_P.bool().repeat_interleave(G, dim=0)
         loop = DecodeLoop(
             stepper=stepper,
@@ -244,20 +283,32 @@ class LocalSampler:
             temperature=params.temperature,
             top_k=params.top_k,
             top_p=params.top_p,
-            stop_ids=torch.tensor(sorted(self._stop_token_ids(params)), dtype=torch.long, device=self.device),
+            stop_ids=stop_ids,
             generator=self.generator,
             stop_text=(lambda tokens: self._hit_stop_string(tokens, params.stop)) if params.stop else None,
             check_every=self.check_every,
-            graph=self.graph_factory() if self.decode == "graphs" and self.graph_problem is None else None,
+            graph_factory=self.graph_factory if self.captures else None,
             # The routes stay on the device until the end (the tap's own take() copies each step off it).
             routes=None if tap is None else lambda: torch.stack([t.to(tap.dtype) for t in tap.used], dim=1),
+            session=session,
         )
         decoded = loop.run()
         if loop.graph_problem is not None and self.graph_problem is None:
             self.graph_problem = loop.graph_problem
             print(f"sampler decode: {self.decode_path}", file=sys.stderr)
+        if session is not None and session.compile_problem is not None and self.compile_problem is None:
+            self.compile_problem = session.compile_problem
+            print(f"sampler decode: {self.decode_path}", file=sys.stderr)
         self.decode_steps += decoded.steps
         self.decode_seconds += decoded.seconds
+        record("perf/decode_rows_per_step", decoded.rows_per_step, "mean", weight=decoded.steps)
+        if session is not None:
+            for rows, seconds in session.compile_seconds.items():
+                if (id(session), rows) not in self.compiles_reported:
+                    self.compiles_reported.add((id(session), rows))
+                    compiled = f"the step for {rows} rows x {stepper.capacity} slots compiled in {seconds:.1f} s"
+                    print(f"sampler decode: {compiled}", file=sys.stderr)
+                    record("perf/decode_compile_s", seconds, "sum")
         completions = [
             Completion(
                 tokens=decoded.tokens_B_M[i, :n].tolist(),
@@ -268,6 +319,23 @@ class LocalSampler:
             for i, (n, stopped) in enumerate(zip(decoded.lengths_B.tolist(), decoded.stopped_B.tolist()))
         ]
         return [completions[i * G : (i + 1) * G] for i in range(len(prompts))]
+
+    def _session(self, rows: int, slots: int, params: SamplingParams, stop_ids: torch.Tensor) -> DecodeSession:
+        """The kept compiled session for this batch, capacity bucket and sampling rules (opened on
+        first use; the least recently used one dropped past :data:`KEPT_SESSIONS`)."""
+        capacity = round_capacity(slots)
+        key = (rows, capacity, params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(stop_ids.tolist()))
+        session = self.sessions.pop(key, None)
+        if session is None:
+            if len(self.sessions) >= KEPT_SESSIONS:
+                self.sessions.pop(next(iter(self.sessions)))
+            rule = DrawRule(sampling.sample, params.temperature, params.top_k, params.top_p, stop_ids)
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            dtype = next(self.model.parameters()).dtype
+            session = DecodeSession.open(self.forward_fn, rows, capacity, params.max_tokens, vocab, dtype, rule)
+            session.compile_problem = self.compile_problem  # a compile that failed is not tried again
+        self.sessions[key] = session
+        return session
 
     def _hit_stop_string(self, completion: Sequence[int], stops: list[str]) -> bool:
         text = stop_window_text(self.tokenizer, completion, stops)

@@ -161,7 +161,7 @@ def fake_contenders(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu, "matmul_probe", lambda device: {"flops": 1e12, "what": "fake"})
     monkeypatch.setattr(gpu, "trl_interpreter", lambda device: (sys.executable, None))
 
-    def grpo_core(spec, name, flags, device, threads, limit):
+    def grpo_core(spec, name, flags, device, threads, limit, profile=False):
         calls.append((name, flags, limit))
         return fake_result(0.5, 0.25)
 
@@ -261,3 +261,50 @@ def test_tiny_run_on_a_cpu_runs_grpo_core_and_trl_and_prints_the_table(tmp_path)
     trl_line = next(line for line in table.splitlines() if line.startswith("TRL "))
     assert trl_line.split()[-4:] == ["1.00x"] * 4
     assert next(line for line in table.splitlines() if line.startswith("grpo-core "))
+
+
+def test_the_unforced_model_links_the_files_and_lists_about_ln2_over_length_of_the_vocabulary_as_eos(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 1000, "eos_token_id": 1000}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": 1000, "do_sample": True}))
+    (model / "model.safetensors").write_text("weights")
+    out = gpu.unforced_model(model, tmp_path / "unforced", length=16)
+    assert (out / "model.safetensors").is_symlink() and (out / "config.json").read_text() == (model / "config.json").read_text()
+    generation = json.loads((out / "generation_config.json").read_text())
+    eos = generation["eos_token_id"]
+    assert eos[0] == 1000 and len(eos) == 1 + round(1000 * 0.6931 / 16) and all(0 < t < 1000 for t in eos[1:])
+    assert len(set(eos)) == len(eos) and generation["do_sample"] is True
+    assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == 1000  # the original untouched
+
+
+def test_an_unforced_row_counts_decode_steps_to_the_longest_completion_and_checks_its_lengths(tmp_path):
+    spec = {**fake_spec(tmp_path), "unforced": True}
+    lengths = [3, 5, 16, 2, 9, 16, 1, 4]
+    row = gpu.row_of(spec, "grpo-core", fake_result(sample=0.4, train=0.5, lengths=lengths), flops=1e12, device="cpu")
+    assert row["decode_ms_per_step"] == pytest.approx(1000 * 0.4 / 16)
+    mean = sum(lengths) / 8
+    assert row["train_mfu"] == pytest.approx(6 * 1_000_000 * B * (16 + mean - 1) / 0.5 / 1e12)
+    gpu.check_unforced_lengths({**fake_result(0.4, 0.5, lengths=lengths), "contender": "grpo-core"}, spec)
+    with pytest.raises(RuntimeError, match="step 1: 7 completions"):
+        gpu.check_unforced_lengths({**fake_result(0.4, 0.5, lengths=lengths[:7]), "contender": "grpo-core"}, spec)
+    with pytest.raises(RuntimeError, match=r"lengths \[0, 1, 2"):
+        gpu.check_unforced_lengths({**fake_result(0.4, 0.5, lengths=[0, *lengths[1:]]), "contender": "TRL"}, spec)
+
+
+def test_a_profile_table_counts_each_operator_and_lists_the_costliest(tmp_path):
+    import torch
+
+    a = torch.randn(64, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(5):
+            a = torch.mm(a, a).tanh()
+    table = gpu.kernel_table(profile)
+    assert table["kind"] == "CPU operators"
+    counts = {row["name"]: row["count"] for row in table["top"]}
+    assert counts["aten::mm"] == 5 and counts["aten::tanh"] == 5
+    assert table["count"] >= 10 and table["ms"] >= sum(row["ms"] for row in table["top"]) - 1e-9
+    lines = gpu.format_profile("grpo-core", {"step": 4, "sampling": {**table, "decode_steps": 5}})
+    assert lines[0] == "profile of grpo-core, step 4:"
+    assert f"per decode step {table['count'] / 5:.0f} CPU operators" in lines[1] and "(5 decode steps)" in lines[1]
+    assert any(line.endswith("aten::mm") for line in lines) and lines[-1] == "  training: not profiled"

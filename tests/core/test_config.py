@@ -135,8 +135,8 @@ def test_the_settings_resume_may_change_are_those_marked_resumable():
     from grpo_core.config import resumable_fields
 
     assert resumable_fields() == [
-        "max_steps", "max_reward_failures_in_a_row", "reward_timeout",
-        "eval_every", "eval_dataset", "eval_prompts", "eval_samples", "eval_pass_threshold",
+        "max_steps", "fetch_timeout", "max_reward_failures_in_a_row", "reward_timeout",
+        "eval_every", "eval_dataset", "eval_mix", "eval_prompts", "eval_samples", "eval_pass_threshold",
         "max_nonfinite_steps_in_a_row", "max_concurrent",
         "rollout_retries", "rollout_retry_backoff", "max_rollout_failures_in_a_row", "max_rollout_failure_rate",
         "rollout_failure_window", "checkpoint_every", "keep_checkpoints", "allow_low_disk", "memory_check", "threads",

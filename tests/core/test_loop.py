@@ -86,12 +86,12 @@ def test_a_first_signal_asks_to_stop_after_the_step_and_a_second_one_stops_at_on
 
 
 def test_the_run_seed_orders_the_data(tiny_model_dir, tiny_dataset, tmp_path, monkeypatch):
-    from grpo_core import lifecycle
+    from grpo_core import data
 
     seeds = []
-    real = lifecycle.prompt_batches
+    real = data.prompt_batches
     monkeypatch.setattr(
-        lifecycle,
+        data,
         "prompt_batches",
         lambda prompts, size, epochs, seed, shuffle: seeds.append(seed) or real(prompts, size, epochs, seed, shuffle),
     )

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grpo_core import SamplingParams
 from grpo_core.config import RunConfig
+from grpo_core.engine import compile as compile_module
 from grpo_core.engine import decoding
-from grpo_core.engine.decoding import FusedStepper, TransformersStepper, decode_mode, draw
+from grpo_core.engine.decoding import FusedStepper, TransformersStepper, batch_buckets, decode_mode, draw, round_capacity
 from grpo_core.engine.fast_decoder import FastDecoder
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.local import LocalSamplerPlugin
+from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]  # different lengths: the shorter one is left-padded
 STOP_IDS = list(range(40, 90))  # about a sixth of the vocabulary: rows end at different steps
@@ -170,21 +172,40 @@ def test_the_decode_loop_reads_the_device_once_per_check_every_steps(trainer, mo
     assert counter.scalar_reads <= checks + 1
 
 
-def test_decode_mode_is_graphs_on_cuda_eager_elsewhere_and_graphs_off_cuda_is_refused():
-    assert decode_mode("auto", torch.device("cpu")) == "eager"
-    assert decode_mode("eager", torch.device("cpu")) == "eager"
-    assert decode_mode("auto", torch.device("cuda")) == "graphs"
-    assert decode_mode("graphs", torch.device("cuda")) == "graphs"
-    assert decode_mode("eager", torch.device("cuda")) == "eager"
+def test_decode_mode_is_compiled_on_cuda_where_it_can_be_eager_on_a_cpu_and_refuses_what_cannot_run(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(compile_module, "compile_problem", lambda device: None)
+    assert decode_mode("auto", cpu) == "eager"
+    assert decode_mode("eager", cpu) == "eager"
+    assert decode_mode("auto", cuda) == "compiled"
+    assert decode_mode("auto", cuda, fused="model type 'gpt2'") == "graphs"
+    assert decode_mode("graphs", cuda) == "graphs"
+    assert decode_mode("eager", cuda) == "eager"
+    assert decode_mode("compiled", cpu) == decode_mode("compiled", cuda) == "compiled"
+    with pytest.raises(PluginError, match="decode=compiled compiles the fused decoder's step, which does not run model type 'gpt2'"):
+        decode_mode("compiled", cuda, fused="model type 'gpt2'")
     with pytest.raises(PluginError, match="decode=graphs captures .* the model is on cpu: use decode=eager"):
-        decode_mode("graphs", torch.device("cpu"))
-    with pytest.raises(PluginError, match="decode='fast' is not a decode path: choose one of auto, eager, graphs"):
-        decode_mode("fast", torch.device("cpu"))
+        decode_mode("graphs", cpu)
+    with pytest.raises(PluginError, match="decode='fast' is not a decode path: choose one of auto, eager, graphs, compiled"):
+        decode_mode("fast", cpu)
+    monkeypatch.setattr(compile_module, "compile_problem", lambda device: "inductor needs Triton on CUDA and it is not installed")
+    assert decode_mode("auto", cuda) == "graphs"
+    with pytest.raises(PluginError, match="decode=compiled: inductor needs Triton .*; or decode=eager"):
+        decode_mode("compiled", cuda)
+
+
+def test_batch_buckets_and_capacity_rounding():
+    assert batch_buckets(64) == (64, 32, 16, 8)
+    assert batch_buckets(48) == (48, 32, 16, 8)
+    assert batch_buckets(8) == (8,) and batch_buckets(3) == (3,)
+    assert round_capacity(1) == 128 and round_capacity(128) == 128 and round_capacity(129) == 256
 
 
 def test_the_sampler_refuses_graphs_on_the_cpu_and_names_its_decode_path(trainer):
     with pytest.raises(PluginError, match="decode=graphs"):
         make_sampler(trainer, decode="graphs")
+    with pytest.raises(PluginError, match="decode=compiled compiles the fused decoder's step, which does not run the model with"):
+        LocalSamplerPlugin(decode="compiled").make_sampler(config=RunConfig(seed=5), trainer=attrs.evolve(trainer, fast_forward=False))
     info = make_sampler(trainer).run_info
     assert info["decode"].startswith("eager (fused decoder") and "every 16 steps" in info["decode"]
     with pytest.raises(ValueError, match="check_every"):
@@ -283,3 +304,116 @@ def test_the_fused_and_transformers_steppers_agree_in_float32_and_bfloat16(tiny_
     for f, t in zip(fused, plain):
         assert torch.allclose(f, t, atol=tolerance), (f - t).abs().max()
     assert torch.allclose(fused[0], torch.stack(want), atol=tolerance)
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """The compiled step traced by dynamo in full (fullgraph: a graph break fails) and run by the
+    eager backend: the compiled path's code, without inductor's code generation."""
+    monkeypatch.setattr(decoding, "COMPILE_BACKEND", "eager")
+
+
+def compiled_sampler(trainer, **options):
+    return make_sampler(trainer, decode="compiled", **options)
+
+
+def flat(groups):
+    return [c for group in groups for c in group]
+
+
+def assert_same_completions(got, want):
+    """The same tokens and ends; logprobs equal to fp32 rounding (the one-pass sampler sums in
+    another order than draw())."""
+    got, want = flat(got), flat(want)
+    assert [(c.tokens, c.finish_reason) for c in got] == [(c.tokens, c.finish_reason) for c in want]
+    for c, w in zip(got, want):
+        assert c.logprobs == pytest.approx(w.logprobs, abs=2e-5)
+
+
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
+@pytest.mark.parametrize("stop", [[], ["1"]], ids=["stop-tokens", "stop-strings"])
+def test_the_compiled_step_repeats_the_eager_decode_and_compacts_live_rows_into_buckets(trainer, traced, stop, capsys):
+    # 32 rows, about a sixth of the vocabulary stops a row: the batch steps on as 16 and 8 rows.
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_k=40, stop_token_ids=STOP_IDS, stop=stop)
+    eager = make_sampler(trainer, check_every=4)
+    compiled = compiled_sampler(trainer, check_every=4)
+    assert compiled.run_info["decode"].startswith("compiled: the fused step (forward, one-pass sampler, stop bookkeeping)")
+    with scope() as metrics:
+        got = compiled.sample(PROMPTS * 4, 4, params)
+    assert_same_completions(got, eager.sample(PROMPTS * 4, 4, params))
+    assert torch.equal(compiled.generator.get_state(), eager.generator.get_state())
+    (session,) = compiled.sessions.values()
+    assert sorted(session.compile_seconds) == [8, 16, 32]
+    assert metrics.as_dict()["perf/decode_rows_per_step"] < 32
+    assert "sampler decode: the step for 32 rows x 128 slots compiled in" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
+def test_a_kept_session_serves_the_next_generation_with_other_prompts_and_updated_weights(trainer, traced):
+    """Cache reuse across generations: the second generation, prefilled into the kept cache (other
+    prompt widths, the same capacity bucket) after the weights moved in place, samples what a
+    fresh eager sampler samples."""
+    params = SamplingParams(max_tokens=10, temperature=1.0, stop_token_ids=STOP_IDS)
+    compiled = compiled_sampler(trainer, check_every=3)
+    eager = make_sampler(trainer, check_every=3)
+    assert_same_completions(compiled.sample(PROMPTS * 2, 4, params), eager.sample(PROMPTS * 2, 4, params))
+    (session,) = compiled.sessions.values()
+    original = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for p in trainer.model.parameters():  # an optimizer step: in place
+                p.mul_(1.5)
+        other_prompts = [[3, 4, 5, 6, 7, 8, 9], [20, 21], [30, 31, 32], [40]]
+        got = compiled.sample(other_prompts, 4, params)
+        fresh = make_sampler(trainer, check_every=3)
+        fresh.generator.set_state(eager.generator.get_state())
+        want = fresh.sample(other_prompts, 4, params)
+    finally:
+        with torch.no_grad():
+            for n, p in trainer.model.named_parameters():
+                p.copy_(original[n])
+    assert_same_completions(got, want)
+    assert list(compiled.sessions.values()) == [session]  # the same cache, buffers and compiled step
+
+
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
+def test_sessions_are_kept_per_batch_capacity_and_rules_the_most_recent_first(trainer, traced):
+    compiled = compiled_sampler(trainer)
+    for max_tokens, G in ((3, 2), (200, 2), (3, 4), (3, 2)):
+        compiled.sample(PROMPTS, G, SamplingParams(max_tokens=max_tokens, stop_token_ids=STOP_IDS))
+    # (4 rows, 128 slots) came back last; (4 rows, 256 slots) was dropped for it.
+    assert [key[:3] for key in compiled.sessions] == [(8, 128, 3), (4, 128, 3)]
+    assert len(compiled.sessions) == decoding.KEPT_SESSIONS
+
+
+@pytest.mark.slow  # dynamo traces the whole step once per batch bucket
+def test_compiled_graphs_are_captured_once_per_bucket_and_replayed_by_later_generations(trainer, traced, monkeypatch):
+    # As on CUDA: the compiled step captured (here in the fake graph).
+    monkeypatch.setattr(LocalSampler, "captures", property(lambda self: self.decode != "eager" and self.graph_problem is None))
+    sampler, graphs = graphed(trainer, FakeGraph)
+    sampler.decode = "compiled"
+    params = SamplingParams(max_tokens=12, temperature=0.9, stop_token_ids=STOP_IDS)
+    eager = make_sampler(trainer, check_every=4)
+    for _ in range(2):
+        assert_same_completions(sampler.sample(PROMPTS * 4, 4, params), eager.sample(PROMPTS * 4, 4, params))
+    (session,) = sampler.sessions.values()
+    assert sorted(session.graphs) == sorted(session.compile_seconds)  # one graph per bucket stepped
+    assert len(graphs) == len(session.graphs)  # the second generation captured nothing
+    assert sum(g.replays for g in graphs) >= 12 + 12 - decoding.GRAPH_WARMUP_STEPS * len(graphs)
+
+
+@pytest.mark.slow  # dynamo traces the step before the backend refuses it
+def test_a_compile_that_fails_leaves_the_step_uncompiled_and_says_why(trainer, monkeypatch, capsys):
+    def refusing_backend(graph_module, example_inputs):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(decoding, "COMPILE_BACKEND", refusing_backend)
+    params = SamplingParams(max_tokens=8, temperature=0.9, stop_token_ids=STOP_IDS)
+    compiled = compiled_sampler(trainer, check_every=4)
+    assert_same_completions(compiled.sample(PROMPTS, 4, params), make_sampler(trainer, check_every=4).sample(PROMPTS, 4, params))
+    assert compiled.compile_problem.startswith("the decode step could not be compiled (BackendCompilerFailed")
+    assert "no Triton here" in compiled.compile_problem
+    assert compiled.run_info["decode"].startswith("compiled: the decode step could not be compiled (")
+    assert "sampler decode: compiled: the decode step could not be compiled" in capsys.readouterr().err
+    compiled.sample(PROMPTS * 2, 4, params)  # another session: not compiled again
+    assert all(s.compile_problem == compiled.compile_problem and not s.compile_seconds for s in compiled.sessions.values())

@@ -177,7 +177,7 @@ def test_unsupported_models_are_named_with_the_reason():
 
     model = build(qwen3)
     assert unsupported_reason(model) is None
-    assert unsupported_reason(build(qwen3).to(torch.bfloat16)) == "weights that are not float32"
+    assert unsupported_reason(build(qwen3).to(torch.bfloat16)) == "weights that are not float32 (bfloat16 and float16 run on CUDA)"
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
     assert "model type 'gpt2'" in unsupported_reason(gpt2)
     windowed = Qwen3ForCausalLM(
@@ -194,4 +194,4 @@ def test_unsupported_models_are_named_with_the_reason():
         )
     )
     assert unsupported_reason(windowed) == "sliding-window attention"
-    assert unsupported_reason(model.to(torch.float64)) == "weights that are not float32"
+    assert unsupported_reason(model.to(torch.float64)) == "weights that are not float32 (bfloat16 and float16 run on CUDA)"

@@ -257,8 +257,8 @@ def test_a_model_whose_positions_do_not_restart_is_padded_with_the_reason():
                     "optimizer": "torch's fused AdamW (float32 weights and moments)",
                 },
                 "sampler": {
-                    "forward": "fused decoder (fp32 Llama/Qwen: faster than transformers', docs/performance.md)",
-                    "decode": "eager (fused decoder (fp32 Llama/Qwen) over a static KV cache; the host looks every 16 steps)",
+                    "forward": "fused decoder (Llama/Qwen, fp32 or on CUDA bf16/fp16: faster than transformers', docs/performance.md)",
+                    "decode": "eager (fused decoder (Llama/Qwen) over a static KV cache; the host looks every 16 steps)",
                 },
             },
         ),

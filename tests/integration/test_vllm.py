@@ -289,3 +289,47 @@ def test_a_server_that_never_comes_back_ends_the_run_with_a_checkpoint_and_a_cle
         assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     finally:
         server.stop()
+
+
+def token_rows(model: Path, dataset: Path, folder: Path) -> Path:
+    """``dataset``'s rows with their prompts as the token ids the text run samples (template and the tokenizer's own tokens)."""
+    from transformers import AutoTokenizer
+
+    from grpo_core.plugins.rollouts.single_turn import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(line) for line in dataset.read_text().splitlines()]
+    path = folder / "ids.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {**row, "question": encode_prompt(tokenizer, Prompt(id="", text=TEMPLATE.replace("{prompt}", row["question"])), True)}
+            )
+            + "\n"
+            for row in rows
+        )
+    )
+    return path
+
+
+def test_pre_tokenized_rows_go_to_the_server_as_token_ids(untied_server, models, tmp_path, tiny_dataset):
+    model = models["untied"]
+    _, sampler = connect(untied_server, model)
+    sampler.close()
+    run_dir = tmp_path / "run"
+    out = grpo_core(
+        "run", "--model", str(model), "--dataset", str(token_rows(model, tiny_dataset, tmp_path)),
+        "--max-steps", "2", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+        "--max-completion-tokens", "6", "--run-dir", str(run_dir), "--learning-rate", "1e-3",
+        "--sampler", "openai", "--sampler-opt", f"base_url={untied_server.url}", "--weight-sync", "vllm",
+        "--no-drop-zero-variance-groups", "--logger", "jsonl", "--logger-opt", "samples_every=1",
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # The server's logprobs of what it sampled are the trainer's given exactly the row's ids: a
+    # server that added a token (a BOS) or re-tokenized would sample under another prompt.
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["mismatch/logprob_abs_max"] < TOLERANCE and m["sync/logprob_max_abs_diff"] < TOLERANCE for m in lines)
+    first = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
+    assert first["prompt"].startswith("token ids: ")

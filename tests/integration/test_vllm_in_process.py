@@ -133,3 +133,20 @@ def test_a_killed_run_resumes_with_an_engine_rebuilt_from_the_trainers_weights(v
     # A new engine from --model, given the resumed policy from memory and checked before it samples.
     assert calls[: len(START)] == START, calls
     print(f"killed after step {killed_after} of {steps}")
+
+
+def test_pre_tokenized_rows_sample_and_train_as_the_same_prompts_as_text(venv_python, models, tiny_dataset, tmp_path):
+    from tests.integration.test_vllm import token_rows
+
+    model = models["untied"]
+    text_args = run_args(model, tiny_dataset, tmp_path / "text", 2, "--dtype", "float32")
+    ids_args = run_args(model, token_rows(model, tiny_dataset, tmp_path), tmp_path / "ids", 2, "--dtype", "float32")
+    at = ids_args.index("--prompt-template")  # token ids take no template
+    del ids_args[at : at + 2]
+    for name, args in (("text", text_args), ("ids", ids_args)):
+        code = traced_run(venv_python, tmp_path / f"{name}.trace", args, tmp_path / f"{name}.log")
+        assert code == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    # The engine's requests are seeded by the run's seed, step and prompt: the same ids, the same completions.
+    keys = ("tokens/completion", "reward/total", "loss/total")
+    text, ids = metrics_of(tmp_path / "text"), metrics_of(tmp_path / "ids")
+    assert [[m[k] for k in keys] for m in ids] == [[m[k] for k in keys] for m in text]
