@@ -112,13 +112,17 @@ logger.bench_gpu_profile = gpu:StepProfile
 """
 PROFILE_TOP = 12
 """Kernels listed per phase in a profile's table."""
-GIB = 2**30
 
 
 @attrs.define
 class StepProbe:
     """grpo-core logger plugin: appends one JSON line per step to ``path``, with what metrics.jsonl
-    does not hold: the completion lengths, the process's CPU time and its peak memory so far."""
+    does not hold: the completion lengths, the process's CPU time and its peak host memory so far.
+
+    The GPU peak is the run's own ``perf/peak_memory_gib`` (engine/perf.py: max_memory_allocated
+    over the step, then reset), not ``max_memory_allocated`` read here: by the time a logger runs
+    the engine has reset it, so that read would be the memory resident since, not the peak. The max
+    over steps is the peak since the process began, what run_trl.py reads (it never resets)."""
 
     path: str = option(help="JSONL file to append to")
 
@@ -136,7 +140,7 @@ class StepProbe:
             "cpu": time.process_time(),
             "completion_lengths": [s.num_completion_tokens for group in groups for s in group],
             "peak_rss_mb": peak_rss_mb(),
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_initialized() else None,
+            "peak_gpu_gib": metrics.get("perf/peak_memory_gib") if torch.cuda.is_initialized() else None,
             "versions": {"grpo_core": grpo_core.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
         }
         with open(self.path, "a") as f:
@@ -493,7 +497,11 @@ def describe(spec: dict[str, Any]) -> str:
 
 
 def format_report(saved: dict[str, Any]) -> str:
-    memory = "GPU: torch.cuda.max_memory_allocated" if saved["device"] == "cuda" else "CPU: the process's peak RSS"
+    memory = (
+        "GPU: the largest step peak, perf/peak_memory_gib (TRL: max_memory_allocated, never reset)"
+        if saved["device"] == "cuda"
+        else "CPU: the process's peak RSS"
+    )
     lines = [
         f"device: {saved['device_name']}; {saved['date']}; "
         f"matmul probe {saved['probe']['flops'] / 1e12:.4g} TFLOP/s ({saved['probe']['what']})",

@@ -274,6 +274,8 @@ def estimated_bytes(
     """
     parameters = sum(math.prod(shape) for shape in shapes.values())
     final = parameters * weight_bytes
+    # auto's memory plan chooses after this plan has run: the largest it may choose.
+    optimizer_state = "fp32" if optimizer_state == "auto" else optimizer_state
     moments = f"{optimizer_state} AdamW moments"
     if not lora_rank:
         weights = parameters * (saved_weight_bytes or weight_bytes)

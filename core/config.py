@@ -332,12 +332,14 @@ class RunConfig:
     adam_eps: float = _field(1e-8, "Adam epsilon (> 0)", OPTIMIZER, validator=_positive)
     weight_decay: float = _field(0.0, "AdamW weight decay", OPTIMIZER, validator=_non_negative)
     grad_clip_norm: float = _field(1.0, "clip the gradient norm (0 = off)", OPTIMIZER, validator=_non_negative)
-    optimizer_state: Literal["fp32", "bf16", "8bit", "offload"] = _field(
-        "fp32",
+    optimizer_state: Literal["auto", "fp32", "bf16", "8bit", "offload"] = _field(
+        "auto",
         (
             "local trainer: how AdamW's two moments are kept, per trained parameter: fp32 = 8 bytes; bf16 = 4 bytes "
             "(stochastic rounding); 8bit = 2 bytes (blockwise power-law codes, a scale per 256); offload = 8 bytes in "
-            "pinned host memory, none on the GPU (CUDA only); the update is float32 math in every case"
+            "pinned host memory, none on the GPU (CUDA only); the update is float32 math in every case; auto = the first "
+            "of fp32, bf16, 8bit, offload whose memory plan fits the device's free memory with 10% to spare (the start "
+            "line says which and why); other backends: fp32"
         ),
         OPTIMIZER,
     )

@@ -77,7 +77,7 @@ def evaluate(
     tokenizer, max_context = pm.hook.load_tokenizer(config=config)
     check_prompt_lengths(dataset, rollout, tokenizer, max_context, config.max_completion_tokens)
     with without_training_lines():
-        trainer = pm.hook.make_trainer(config=config)
+        trainer = pm.hook.make_trainer(config=config, needs_reference=False)  # evaluation makes no reference
     sampler = pm.hook.make_sampler(config=config, trainer=trainer)
     prompts = dataset.prompts
     chat = declared(rollout, "rollout", "chat_template")

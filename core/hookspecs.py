@@ -75,10 +75,12 @@ def check_config(config: RunConfig, plugins: dict[str, list[Any]]) -> None:
 
 
 @hookspec(firstresult=True)
-def make_trainer(config: RunConfig) -> Trainer:
+def make_trainer(config: RunConfig, needs_reference: bool) -> Trainer:
     """Create the policy trainer for ``config.model`` (first result wins; kind ``backend``).
 
     :param config: the resolved run configuration (model, device, dtype, seed, ...).
+    :param needs_reference: the loss uses a frozen reference (``make_reference`` follows): a
+        memory plan counts one only then.
     :returns: an object implementing :class:`grpo_core.backend.Trainer`.
     """
 

@@ -183,7 +183,7 @@ def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     backend = selection.plugins["backend"][0]
     replaced = STARTING.get().replaced
     disk = plan_disk(config, backend, newest, total_steps, replaced)
-    trainer = pm.hook.make_trainer(config=config)
+    trainer = pm.hook.make_trainer(config=config, needs_reference=selection.needs_reference)
     trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
     if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
         disk = plan_disk(config, backend, newest, total_steps, replaced, trainer_bytes)

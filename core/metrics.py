@@ -39,6 +39,7 @@ MEASURED_METRICS: frozenset[str] = frozenset(
         "perf/trainer_idle_frac",
         "perf/sampler_busy_frac",
         "perf/samples_per_s",
+        "perf/recompiles",
     }
 )
 """The other metrics measured on the machine (rates over seconds, memory): two runs that compute

@@ -9,13 +9,16 @@ call): the model itself is left as it was, so the local sampler's forward over t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from grpo_core.errors import PluginError
+from grpo_core.metrics import record
 
 AUTO_OFF = {
     # The measurements behind both: docs/performance.md, "Compiled layers".
@@ -73,11 +76,41 @@ def resolve_compile(setting: bool | str, device: torch.device, every_forward_cac
             )
         return True, (
             "on: each decoder layer compiled with dynamic shapes, in the first steps (--backend-opt compile=true); "
-            "the shared-prompt path's cached layers run eagerly"
+            f"the shared-prompt path's cached layers run eagerly; compiled code kept in {cache_directory()} for later runs; "
+            "perf/recompiles counts the graphs each step compiled"
         )
     if every_forward_cached is not None:
         return False, f"off (auto: {every_forward_cached}: every forward runs over a shared prompt's KV cache, eagerly)"
     return False, AUTO_OFF.get(device.type, f"off (auto: not measured on {device.type}; --backend-opt compile=true turns it on)")
+
+
+def cache_directory() -> Path:
+    """Where inductor keeps what it compiled across runs: ``TORCHINDUCTOR_CACHE_DIR`` where set,
+    else ``$XDG_CACHE_HOME/grpo-core/inductor`` (``~/.cache``), not inductor's own /tmp folder, which
+    a reboot empties. Its FX-graph and AOTAutograd caches (on by default) then give a later run of
+    the same layers its compiled code without compiling."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo-core" / "inductor"
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (first compiles and recompiles alike)."""
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@contextmanager
+def counting_compiles() -> Iterator[None]:
+    """``perf/recompiles``: the graphs compiled while the block runs (the first steps compile the
+    layers and the optimizer step; a later step's count above 0 is a recompile)."""
+    before = graphs_compiled()
+    try:
+        yield
+    finally:
+        record("perf/recompiles", graphs_compiled() - before, "sum")
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
@@ -98,6 +131,7 @@ class CompiledLayers:
                 f"--backend-opt compile=true: model type '{model.config.model_type}' names no decoder layer classes "
                 "(_no_split_modules) to compile; use --backend-opt compile=false"
             )
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_directory())
         self.calls = [self._call_of(layer) for layer in self.layers]
         self.compiled_calls = 0
         """Layer calls that ran compiled (a cached one, the shared-prompt path's, runs eagerly)."""
@@ -122,7 +156,8 @@ class CompiledLayers:
         for layer, call in zip(self.layers, self.calls):
             layer._compiled_call_impl = call
         try:
-            yield
+            with counting_compiles():
+                yield
         finally:
             for layer, call in zip(self.layers, before):
                 layer._compiled_call_impl = call

@@ -199,6 +199,26 @@ def _linear_head(model: Any, hidden_N_E: torch.Tensor) -> LinearHead:
     return LinearHead(layer.weight, layer.bias, low_rank, getattr(model.config, "final_logit_softcapping", None))
 
 
+def on_host(
+    logprobs: Sequence[torch.Tensor], entropy: Sequence[torch.Tensor] | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Each datum's logprobs (differentiable where they are) and entropies in host memory, in one
+    device→host copy for them all: a copy per datum waits on the device once per datum (and a
+    backward through them copies each gradient back on its own; here one copy back too)."""
+    if not logprobs or logprobs[0].device.type == "cpu":
+        return list(logprobs), None if entropy is None else list(entropy)
+    return _gathered_on_host(logprobs, entropy)
+
+
+def _gathered_on_host(
+    logprobs: Sequence[torch.Tensor], entropy: Sequence[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    lengths = [len(lp) for lp in logprobs]
+    rows = [torch.cat(list(logprobs))] + ([] if entropy is None else [torch.cat(list(entropy)).detach()])
+    host_R_N = torch.stack(rows).cpu()
+    return list(host_R_N[0].split(lengths)), None if entropy is None else list(host_R_N[1].split(lengths))
+
+
 def trained_entropy_sum(datums: Sequence[tinker.Datum], entropy_by_datum: Sequence[torch.Tensor]) -> tuple[float, float]:
     """Σ entropy·weight over the datums' targets, and Σ weight: the mean entropy of their trained
     tokens is the first over the second (summed first, so shares of a batch combine)."""

@@ -6,7 +6,9 @@ every architecture transformers knows, LoRA adapters included. The estimate is t
 step's phases, each a sum of what is resident then:
 
 - training: weights + gradients (the trained parameters' dtype) + Adam moments
-  (:func:`engine.optim.moment_bytes`) + activations + one chunk of the fused head's logits;
+  (:func:`engine.optim.moment_bytes`) + activations + one chunk of the fused head's logits; on
+  CUDA, whose allocator counts live tensors, weights + moments + the larger of backward's start
+  (activations + the head's chunk) and its end (gradients + one recomputed layer);
 - the optimizer step: weights + gradients + moments + its float32 work buffers (packed slices);
 - the reference's forward (a full fine-tune's KL reference, resident or mapped in for it):
   weights + moments + the reference's weights;
@@ -17,7 +19,8 @@ step's phases, each a sum of what is resident then:
 Activations per token and layer (elements, stored for backward in the compute dtype): the
 layer's input and normed input (2 H), q, k, v before and after their norm and rotation
 (2 (Hq + 2 Hkv)), the attention output and its projection (Hq + H), the second norm (2 H) and
-the MLP's gate, up, activation and product (4 I) plus its output (H). With gradient
+the MLP's gate, up, activation and product (4 I) plus its output (H); in bfloat16 also the
+float32 input each of the four RMSNorms keeps (2 H + Hq + Hkv, 2 more bytes each). With gradient
 checkpointing each layer keeps only its input (H) and one layer's worth is recomputed at a time.
 This counts what backward keeps, not the allocator's slack: ``benchmarks/memory_plan.py``
 compares it with measured peaks.
@@ -31,8 +34,8 @@ from typing import Any
 import attrs
 import torch
 
-from grpo_core.engine.fused_logprobs import CPU_CHUNK_BYTES
-from grpo_core.engine.optim import SLICE_ELEMENTS, moment_bytes
+from grpo_core.engine.fused_logprobs import CPU_CHUNK_BYTES, CUDA_CHUNK_BYTES_CAP
+from grpo_core.engine.optim import MOMENT_FORMATS, SLICE_ELEMENTS, moment_bytes
 
 GB = 1e9
 CPU_RUNTIME_BYTES = 170 * 10**6
@@ -98,12 +101,19 @@ def model_size(
     )
 
 
+def layer_activation_bytes(size: ModelSize, tokens: int, dtype_bytes: int) -> int:
+    """What backward keeps of one layer's forward over ``tokens`` tokens (see the module's docstring)."""
+    per_layer = dtype_bytes * (6 * size.hidden + 3 * size.q_width + 4 * size.kv_width + 4 * size.intermediate)
+    # RMSNorm computes in float32 and keeps its float32 input: in bf16 2 more bytes per element of its four norms.
+    upcast = (4 - dtype_bytes) * (2 * size.hidden + size.q_width + size.kv_width)
+    return tokens * (per_layer + upcast)
+
+
 def activation_bytes(size: ModelSize, tokens: int, dtype_bytes: int, checkpointing: bool) -> int:
     """What backward keeps for ``tokens`` tokens in one forward (see the module's docstring)."""
-    per_layer = 6 * size.hidden + 3 * size.q_width + 4 * size.kv_width + 4 * size.intermediate
     if checkpointing:
-        return tokens * dtype_bytes * (size.layers * size.hidden + per_layer)
-    return tokens * dtype_bytes * size.layers * per_layer
+        return tokens * dtype_bytes * size.layers * size.hidden + layer_activation_bytes(size, tokens, dtype_bytes)
+    return size.layers * layer_activation_bytes(size, tokens, dtype_bytes)
 
 
 @attrs.frozen
@@ -129,13 +139,16 @@ def plan(
     checkpoint_copy: bool = False,
     runtime: int = 0,
     optimizer_kernel: str = "eager",
+    device_type: str = "cpu",
 ) -> MemoryPlan:
     """The peak of a step. ``reference``: None (no reference: LoRA or no KL), "memory" (resident)
     or "offload" (mapped in for its forward only; on CUDA it waits in host memory, not counted).
     ``checkpoint_copy``: a background checkpoint's copy of the trained weights and moments shares
     this memory (a CPU run's periodic checkpoints). ``runtime``: bytes the first forward and
     backward take whatever the model (:data:`CPU_RUNTIME_BYTES` on a CPU). ``optimizer_kernel``:
-    the compiled step updates bfloat16 weights in place, without the eager one's buffers."""
+    the compiled step updates bfloat16 weights in place, without the eager one's buffers.
+    ``device_type``: on ``cuda`` a fused-head chunk is larger, and activations and gradients
+    overlap only at backward's ends (a CPU's peak RSS keeps both: measured, docs/performance.md)."""
     dtype_bytes = torch.tensor([], dtype=weight_dtype).element_size()
     weights = size.parameters * dtype_bytes
     gradients = size.trained * dtype_bytes
@@ -147,7 +160,8 @@ def plan(
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
     rounds = weight_dtype == torch.bfloat16 or optimizer_state == "bf16"
     optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 * rounds if packed else 0
-    head_chunk = min(CPU_CHUNK_BYTES, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
+    chunk_cap = CUDA_CHUNK_BYTES_CAP if device_type == "cuda" else CPU_CHUNK_BYTES
+    head_chunk = min(chunk_cap, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
@@ -157,7 +171,18 @@ def plan(
         "checkpoint copy": checkpoint,
     }  # fmt: skip
     # The optimizer step holds what training does less its activations: never the peak.
-    phases = {"training": {**resident, "gradients": gradients, "activations": activations, "logits chunk": head_chunk}}
+    training = {"gradients": gradients, "activations": activations, "logits chunk": head_chunk}
+    if device_type == "cuda":
+        # CUDA's allocator counts live tensors: backward frees each layer's activations as its
+        # gradients arrive, so the peak is at backward's start (every activation, the head's chunk)
+        # or its end (every gradient, the last layer's recomputed activations), not their sum.
+        # Measured on an H200 (2026-11-28): Qwen3-8B 95.0 GiB (fp32 moments) and 64.8 (bf16),
+        # Qwen3-0.6B 10.3 (checkpointed) and 44.9 (not); tests/engine/test_memory_plan.py.
+        recomputed = layer_activation_bytes(size, tokens, dtype_bytes) if checkpointing else 0
+        end = {"gradients": gradients, "activations": recomputed}
+        start = {"activations": activations - recomputed, "logits chunk": head_chunk}
+        training = end if sum(end.values()) > sum(start.values()) else start
+    phases = {"training": {**resident, **training}}
     if reference is not None:
         phases["the reference's forward"] = {**resident, "reference": weights}
     if reference == "memory":
@@ -177,15 +202,33 @@ def free_memory(device: torch.device) -> int:
     raise OSError("/proc/meminfo has no MemAvailable line")
 
 
-def optimizer_state_line(optimizer_state: str, weight_dtype: torch.dtype, device: torch.device) -> str:
-    """The start line that states the bytes per trained parameter."""
+def optimizer_state_line(optimizer_state: str, weight_dtype: torch.dtype, device: torch.device, why: str = "") -> str:
+    """The start line that states the bytes per trained parameter, and why these moments (``why``)."""
     dtype_bytes = torch.tensor([], dtype=weight_dtype).element_size()
     moments = moment_bytes(optimizer_state)
     where = "; 8 more in pinned host memory" if optimizer_state == "offload" else ""
     return (
         f"optimizer state: {optimizer_state} moments: {dtype_bytes + dtype_bytes + moments:g} B per trained parameter on the "
-        f"{device.type} (weights {dtype_bytes} + gradients {dtype_bytes} + moments {moments:g}{where})"
+        f"{device.type} (weights {dtype_bytes} + gradients {dtype_bytes} + moments {moments:g}{where})" + (f"; {why}" if why else "")
     )
+
+
+HEADROOM = 0.1
+"""The share of the free memory ``auto`` leaves unplanned, for what the plan does not count (the
+allocator's cached blocks and fragmentation, the CUDA context's growth, kernels' workspaces). The
+plan counts what backward keeps; a choice that fills the device to the byte would be refused by
+the allocator instead."""
+
+
+@attrs.frozen
+class Fit:
+    """What the memory plan chose for a local run, and why (the start lines)."""
+
+    optimizer_state: str
+    checkpointing: bool
+    plan: MemoryPlan
+    optimizer_why: str
+    checkpointing_why: str
 
 
 def check_fits(
@@ -194,11 +237,17 @@ def check_fits(
     weight_dtype: torch.dtype,
     device: torch.device,
     reference: str | None,
-    checkpointing: bool,
-    optimizer_kernel: str = "eager",
-) -> MemoryPlan:
-    """The plan of a local run (printed by the caller); raises ``PluginError`` naming the settings
-    that would make it fit when it cannot fit the device's free memory (unless --no-memory-check)."""
+    checkpointing: bool | None,
+    fp32_kernel: str = "eager",
+    free: int | None = None,
+) -> Fit:
+    """The moments' form (``config.optimizer_state``; ``auto``: the most exact whose plan fits the
+    device's free memory with :data:`HEADROOM`) and, where ``checkpointing`` is None, gradient
+    checkpointing (off where the plan fits without it), and the plan (printed by the caller).
+    Raises ``PluginError`` naming what would fit when nothing asked for can (unless
+    --no-memory-check, which takes fp32 for auto and checkpointing for None). ``fp32_kernel``: the
+    optimizer kernel float32 moments would take (the compiled one updates bf16 weights in place).
+    ``free``: the device's free bytes (:func:`free_memory` where not given)."""
     from grpo_core.errors import PluginError
 
     size = model_size(folder, config.lora_rank, config.lora_alpha, tuple(config.lora_target_modules), config.train_vision)
@@ -207,26 +256,91 @@ def check_fits(
     periodic = 0 < config.checkpoint_every and (config.max_steps is None or config.checkpoint_every < config.max_steps)
     checkpoint_copy = device.type == "cpu" and periodic
     runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
-    memory = plan(
-        size,
-        weight_dtype,
-        config.optimizer_state,
-        tokens,
-        checkpointing,
-        reference,
-        config.sampling_runs_ahead,
-        checkpoint_copy,
-        runtime,
-        optimizer_kernel,
+
+    def plan_of(state: str, checkpointed: bool) -> MemoryPlan:
+        kernel = fp32_kernel if state == "fp32" else "eager"
+        return plan(
+            size,
+            weight_dtype,
+            state,
+            tokens,
+            checkpointed,
+            reference,
+            config.sampling_runs_ahead,
+            checkpoint_copy,
+            runtime,
+            kernel,
+            device.type,
+        )
+
+    auto = config.optimizer_state == "auto"
+    # MOMENT_FORMATS runs from the most exact form to the smallest: auto takes the first that fits.
+    states = [s for s in MOMENT_FORMATS if s != "offload" or device.type == "cuda"] if auto else [config.optimizer_state]
+    checkpointings = [False, True] if checkpointing is None else [checkpointing]
+    if not config.memory_check:
+        state, checkpointed = "fp32" if auto else config.optimizer_state, True if checkpointing is None else checkpointing
+        memory = plan_of(state, checkpointed)
+        unplanned = "--no-memory-check: the plan chose nothing"
+        return Fit(
+            state,
+            checkpointed,
+            memory,
+            _state_why(auto, f"fp32, the most exact ({unplanned})"),
+            _checkpointing_why(checkpointing, unplanned),
+        )
+    free = free_memory(device) if free is None else free
+    budget = int(free * (1 - HEADROOM))
+    plans = {(s, c): plan_of(s, c) for s in states for c in checkpointings}
+    # With headroom where any choice has it, else the first that fits at all.
+    chosen = next((key for key, p in plans.items() if p.peak <= budget), None) or next(
+        (key for key, p in plans.items() if p.peak <= free), None
     )
-    free = free_memory(device)
-    if config.memory_check and memory.peak > free:
+    where = f"{free / GB:.2f} GB free on the {device.type}"
+    if chosen is None:
+        memory = plans[states[0], checkpointings[-1]]
+        possible = [s for s in MOMENT_FORMATS if s not in states and (s != "offload" or device.type == "cuda")]
+        others = {s: plan_of(s, checkpointings[-1]).peak for s in possible}
+        fitting = [f"--optimizer-state {s} (peak {peak / GB:.2f} GB)" for s, peak in others.items() if peak <= free]
+        would = f" {' or '.join(fitting)} would fit." if fitting else ""
         raise PluginError(
-            f"{memory.line()}: {device.type} has {free / GB:.2f} GB free. To fit, try "
-            + "; ".join(ways_to_fit(config, size, weight_dtype, device, checkpointing))
+            f"{memory.line()}: {device.type} has {free / GB:.2f} GB free.{would} To fit, try "
+            + "; ".join(ways_to_fit(config, size, weight_dtype, device, checkpointings[-1]))
             + ". --no-memory-check runs it anyway"
         )
-    return memory
+    state, checkpointed = chosen
+    memory = plans[chosen]
+    limit = f"{1 - HEADROOM:.0%} of {where}"
+    within = f"within {limit}" if memory.peak <= budget else f"over {limit}, the least of what fits at all"
+    if state == states[0]:
+        state_why = _state_why(auto, f"the most exact; its plan peaks at {memory.peak / GB:.2f} GB, {within}")
+    else:
+        over = plans[states[0], checkpointings[-1]].peak
+        state_why = _state_why(
+            auto, f"{states[0]} moments' plan peaks at {over / GB:.2f} GB, over {limit}; {state}'s at {memory.peak / GB:.2f} GB, {within}"
+        )
+    if checkpointing is not None:
+        checkpointing_why = _checkpointing_why(checkpointing, "")
+    elif not checkpointed:
+        checkpointing_why = (
+            f"off (the memory plan fits without it: peak {memory.peak / GB:.2f} GB, {within}; --gradient-checkpointing turns it on)"
+        )
+    else:
+        without = plans[state, False].peak
+        checkpointing_why = (
+            f"on (without it the plan peaks at {without / GB:.2f} GB, over {limit}; "
+            f"with it {memory.peak / GB:.2f} GB, {within}; --no-gradient-checkpointing turns it off)"
+        )
+    return Fit(state, checkpointed, memory, state_why, checkpointing_why)
+
+
+def _state_why(auto: bool, why: str) -> str:
+    return f"auto: {why}" if auto else "as asked (--optimizer-state)"
+
+
+def _checkpointing_why(setting: bool | None, why: str) -> str:
+    if setting is None:
+        return f"on ({why})"
+    return "on (--gradient-checkpointing)" if setting else "off (--no-gradient-checkpointing)"
 
 
 def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device: torch.device, checkpointing: bool) -> list[str]:
@@ -234,10 +348,11 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
     options = []
     if config.lora_rank == 0:
         options.append("--lora-rank 16 (train adapters only: no full gradients or moments)")
+    # auto has tried every form already.
     cheaper = [
         s
         for s in ("bf16", "8bit") + (("offload",) if device.type == "cuda" else ())
-        if moment_bytes(s) < moment_bytes(config.optimizer_state)
+        if config.optimizer_state != "auto" and moment_bytes(s) < moment_bytes(config.optimizer_state)
     ]
     if cheaper:
         options.append(

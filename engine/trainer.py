@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -16,10 +17,10 @@ import tinker
 import torch
 
 from grpo_core.backend import CustomLossFn, NonFiniteWeights
-from grpo_core.engine.compile import CompiledLayers
+from grpo_core.engine.compile import CompiledLayers, counting_compiles
 from grpo_core.engine.forward import TRAINER_FORWARD, TransformersForward
 from grpo_core.engine.host_memory import release_freed_memory
-from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprobs, tokens_run, trained_entropy_sum
+from grpo_core.engine.logprobs import DatumRouting, mean_entropy, on_host, target_logprobs, tokens_run, trained_entropy_sum
 from grpo_core.engine.lora import (
     adapters_disabled,
     has_adapters,
@@ -93,6 +94,19 @@ def load_optimizer_state(folder: Path, device: torch.device | str) -> dict[str, 
         for param_id, entries in info["state"].items()
     }
     return {"state": state, "param_groups": info["param_groups"]}
+
+
+OFFLOADED_AS = {"offload": ("fp32",)}
+"""Saved moments an ``offload`` trainer keeps as they are (float32: offloading is where they wait, not their bytes)."""
+
+
+def saved_moments(optimizer_state: dict[str, Any]) -> str | None:
+    """The ``--optimizer-state`` form of a saved optimizer state, by its first moment's dtype
+    (None: nothing saved yet)."""
+    first = next((entries["exp_avg"] for entries in optimizer_state["state"].values() if "exp_avg" in entries), None)
+    if first is None:
+        return None
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "8bit"}[first.dtype]
 
 
 def read_trainer_state(path: str | Path, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -209,7 +223,7 @@ class LocalReference:
         self._release_freed_memory()
         with torch.no_grad(), self._weights(), self._compiled(), adapters_disabled(self.model) if self.adapters_off else nullcontext():
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs)
-            return [lp.cpu() for lp in logprobs]
+            return on_host(logprobs)[0]
 
     def _compiled(self) -> AbstractContextManager[None]:
         return self.compiled_layers.active() if self.compiled_layers is not None else nullcontext()
@@ -230,6 +244,9 @@ class LocalTrainer(LocalReference):
     """Seeds the stochastic rounding of bfloat16 weights (float32 ones are updated exactly)."""
     optimizer_state: str = "fp32"
     """How Adam's moments are kept (``--optimizer-state``: engine.optim.MOMENT_FORMATS)."""
+    optimizer_state_chosen: bool = False
+    """``optimizer_state`` is what ``--optimizer-state auto`` chose for this device: a checkpoint
+    whose moments are kept otherwise resumes in its own form (its bytes are the run's state)."""
     optimizer_kernel: str = "eager"
     """The stochastic-rounding step's kernel: compiled or eager (engine.optim.resolve_optimizer_kernel)."""
     optimizer_line: str = "torch's fused AdamW (float32 weights and moments)"
@@ -305,7 +322,7 @@ class LocalTrainer(LocalReference):
             if routing is None:
                 raise ValueError(f"no routing to record: {self.routing_problem}")
             logprobs, _ = target_logprobs(self.forward_fn, datums, self.device, packed=self.forward_fn.packs, routing=routing)
-            return [lp.cpu() for lp in logprobs], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
+            return on_host(logprobs)[0], routing.per_datum(routing.tap.take(), [d.model_input.length for d in datums])
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         self._release_freed_memory()
@@ -325,7 +342,7 @@ class LocalTrainer(LocalReference):
                     routing=routing,
                     entropy=True,
                 )
-                logprobs = [lp.cpu() for lp in logprobs]
+                logprobs, entropy_by_datum = on_host(logprobs, entropy_by_datum)
             entropy = mean_entropy(*trained_entropy_sum(datums, entropy_by_datum))
             if routing is not None:
                 routed = routing_outputs(routing, datums)
@@ -343,7 +360,8 @@ class LocalTrainer(LocalReference):
     def optim_step(self, adam_params: tinker.AdamParams) -> dict[str, float]:
         if self.optimizer is None:
             self.optimizer = self._make_optimizer()
-        grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
+        with counting_compiles() if self.optimizer_kernel == "compiled" else nullcontext():
+            grad_norm, skip = clip_and_step(self.optimizer, adam_params, self.nonfinite_loss)
         if not skip:
             self.version += 1
             if not self.weights_finite():
@@ -397,6 +415,16 @@ class LocalTrainer(LocalReference):
         weights = state["adapter" if "adapter" in state else "model"]
         load_trained_state_dict(self.model, weights)
         if state["optimizer"] is not None:
+            saved = saved_moments(state["optimizer"])
+            if self.optimizer_state_chosen and saved not in (None, self.optimizer_state, *OFFLOADED_AS.get(self.optimizer_state, ())):
+                print(
+                    f"optimizer state: {saved} moments, as the checkpoint keeps them (auto chose {self.optimizer_state} for "
+                    "this device; a resumed run continues in its checkpoint's form)",
+                    file=sys.stderr,
+                )
+                self.optimizer_state, self.optimizer = saved, None
+                if self.optimizer_kernel == "compiled" and saved != "fp32":
+                    self.optimizer_kernel = "eager"
             if self.optimizer is None:
                 self.optimizer = self._make_optimizer()
             self.optimizer.load_state_dict(state["optimizer"])

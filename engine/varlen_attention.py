@@ -12,6 +12,7 @@ attention-score softcapping; sliding-window layers are refused here rather than 
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +28,10 @@ SAVED_AS = "sdpa"
 MAX_HEAD_DIM = 256
 """The widest head torch's flash kernel takes."""
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
-_KERNEL_KEYWORDS = ("window_size", "enable_gqa", "scale")
+_KERNEL_KEYWORDS = ("window_size", "scale")
+PROBE_TOLERANCE = 0.02
+"""The start-up probe's bound on the largest difference from sdpa, relative to the largest value,
+of the output and of the three gradients (bf16's unit is 2^-8 = 0.004: a few roundings apart)."""
 
 _packed_forward: contextvars.ContextVar[bool] = contextvars.ContextVar("grpo_core_packed_forward", default=False)
 """Set while :func:`packed_forward` runs a packed row: its masks are not built."""
@@ -41,14 +45,59 @@ def _kernel() -> Callable[..., torch.Tensor]:
 
 
 def kernel_problem() -> str | None:
-    """Why this torch has no usable ``varlen_attn`` (None: it has one with the keywords used here)."""
+    """Why this torch has no usable ``varlen_attn`` (None: it has one with the keywords used here).
+    ``enable_gqa`` is not required: torch 2.10/2.11's has none but hands fewer K/V heads than query
+    heads to the flash kernel, which takes them natively (the start-up probe checks it)."""
     try:
         kernel = _kernel()
     except ImportError:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    missing = [k for k in _KERNEL_KEYWORDS if k not in inspect.signature(kernel).parameters]
+    missing = [k for k in _KERNEL_KEYWORDS if not _takes(kernel, k)]
     if missing:
         return f"torch {torch.__version__}'s varlen_attn lacks {', '.join(missing)}"
+    return None
+
+
+def _takes(kernel: Callable[..., torch.Tensor], keyword: str) -> bool:
+    parameters = inspect.signature(kernel).parameters
+    return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def _gqa_keywords(kernel: Callable[..., torch.Tensor], grouped: bool) -> dict[str, bool]:
+    """``enable_gqa`` where the kernel has the keyword (torch >= 2.12 refuses grouped heads without it)."""
+    return {"enable_gqa": grouped} if _takes(kernel, "enable_gqa") else {}
+
+
+def gqa_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``varlen_attn`` cannot attend grouped heads on ``device`` (None: it can): two causal
+    sequences of 4 query heads over 2 K/V heads, forward and backward, against sdpa's
+    ``enable_gqa`` within :data:`PROBE_TOLERANCE`. Run once per process, device and dtype."""
+    return _gqa_probe(device, dtype)
+
+
+@functools.cache
+def _gqa_probe(device: torch.device, dtype: torch.dtype) -> str | None:
+    kernel = _kernel()
+    lengths, heads, kv_heads, width = (5, 11), 4, 2, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), n, width, generator=g).to(device, dtype).requires_grad_() for n in (heads, kv_heads, kv_heads))
+    cu_seq = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device=device)
+    upstream = torch.randn(sum(lengths), heads, width, generator=g).to(device, dtype)
+    try:
+        out = kernel(q, k, v, cu_seq, cu_seq, max(lengths), max(lengths), scale=None, window_size=(-1, 0), **_gqa_keywords(kernel, True))
+        got = [out, *torch.autograd.grad(out, (q, k, v), upstream)]
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:
+        return f"varlen_attn failed the start-up probe (grouped heads, forward and backward): {str(exc).splitlines()[0]}"
+    parts = []
+    for start, end in zip(cu_seq[:-1].tolist(), cu_seq[1:].tolist()):
+        each = [x[start:end].transpose(0, 1) for x in (q, k, v)]
+        parts.append(torch.nn.functional.scaled_dot_product_attention(*each, is_causal=True, enable_gqa=True).transpose(0, 1))
+    reference = torch.cat(parts)
+    want = [reference, *torch.autograd.grad(reference, (q, k, v), upstream)]
+    for name, a, b in zip(("output", "query gradient", "key gradient", "value gradient"), got, want):
+        error = float((a.detach().float() - b.detach().float()).abs().max()) / max(float(b.detach().float().abs().max()), 1e-30)
+        if not error <= PROBE_TOLERANCE:
+            return f"varlen_attn's {name} over grouped heads is {error:.3g} off sdpa's in the start-up probe (at most {PROBE_TOLERANCE})"
     return None
 
 
@@ -81,7 +130,7 @@ def varlen_problem(device: torch.device, dtype: torch.dtype, config: Any, model_
         return f"varlen_attn is a CUDA kernel and this run is on {device.type}"
     if dtype not in KERNEL_DTYPES:
         return f"flash attention has no {str(dtype).removeprefix('torch.')} kernel (bfloat16/float16 only)"
-    return kernel_problem() or architecture_problem(config, model_class)
+    return kernel_problem() or architecture_problem(config, model_class) or gqa_probe(device, dtype)
 
 
 def choose_attention(requested: str, path: str, device: torch.device, dtype: torch.dtype, padding_free: bool) -> str:
@@ -108,7 +157,12 @@ def packed_attention_line(model: Any, padding_free: bool = True) -> str:
     """How packed sequences are kept apart in ``model`` and, where not by varlen_attn, why not."""
     attention = model.config._attn_implementation
     if attention == VARLEN:
-        return "varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask"
+        how = "enable_gqa" if _gqa_keywords(_kernel(), True) else "the flash kernel's native grouped heads"
+        return (
+            "varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask "
+            f"(torch {torch.__version__}'s varlen_attn, grouped K/V heads through {how}; forward and backward matched sdpa "
+            "in the start-up probe)"
+        )
     model_class = type(model.get_base_model() if hasattr(model, "get_base_model") else model)
     problem = varlen_problem(model.device, model.dtype, model.config, model_class)
     why = problem or f"--backend-opt attn_implementation={attention} was asked for"
@@ -193,7 +247,7 @@ def varlen_attention_forward(
         kwargs["max_length_k"],
         scale=scaling,
         window_size=(-1, 0),
-        enable_gqa=heads_kv != H,
+        **_gqa_keywords(_kernel(), heads_kv != H),
     )
     return out_T_H_D.view(B, S, H, D), None
 

@@ -116,7 +116,7 @@ class FSDPBackend:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
         if not config.memory_check:
             raise PluginError("--no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)")
-        if config.optimizer_state != "fp32":
+        if config.optimizer_state not in ("auto", "fp32"):
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
                 "ranks (8/N bytes per parameter on each); reduced or streamed moments are not implemented for its sharded "

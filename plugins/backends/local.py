@@ -151,35 +151,42 @@ class LocalBackend:
             )
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> LocalTrainer:
+    def make_trainer(self, config: RunConfig, needs_reference: bool = True) -> LocalTrainer:
         self.check_config(config)
         device, dtype, why = resolve_precision(config.device, config.dtype)
-        kernel, kernel_why = resolve_optimizer_kernel(self.optimizer_kernel, dtype, config.optimizer_state, device)
-        planned_checkpointing, _ = resolve_checkpointing(config.gradient_checkpointing, device.type)
-        # A group's completions share their prompt: without checkpointing (or router replay, one pass
-        # each) every forward runs the prompt once and the completions over its cache.
-        cached = None
-        if not planned_checkpointing and config.router_replay == "off":
-            cached = f"groups of {config.completions_per_prompt} completions share their prompt and --gradient-checkpointing is off"
-        compiled, compile_line = resolve_compile(self.compile, device, cached)
-        print(f"precision: {why}", file=sys.stderr)
-        print(optimizer_state_line(config.optimizer_state, dtype, device), file=sys.stderr)
-        print(f"optimizer kernel: {kernel_why}", file=sys.stderr)
-        print(f"compile: {compile_line}", file=sys.stderr)
         reference = (
             None
-            if config.lora_rank
+            if config.lora_rank or not needs_reference
             else "memory"
             if self.reference == "memory" or (self.reference == AUTO and device.type != "cpu")
             else "offload"
         )
-        attention = choose_attention(self.attn_implementation, model_path(config.model), device, dtype, self.padding_free)
-        memory = check_fits(config, model_path(config.model), dtype, device, reference, planned_checkpointing, kernel)
-        print(
-            f"{memory.line()}; a full fine-tune's KL reference counted where the loss would use one; activations "
-            f"assume prompts of {ASSUMED_PROMPT_TOKENS} tokens",
-            file=sys.stderr,
+        # On CUDA the memory plan chooses checkpointing (off where it fits), but compiled layers need the
+        # whole-sequence forwards checkpointing gives; a CPU run keeps it off unless asked.
+        planned = config.gradient_checkpointing if config.gradient_checkpointing is not None or device.type == "cuda" else False
+        for_compile = planned is None and self.compile is True
+        planned = True if for_compile else planned
+        fp32_kernel = (
+            resolve_optimizer_kernel(self.optimizer_kernel, dtype, "fp32", device)[0]
+            if config.optimizer_state in (AUTO, "fp32")
+            else "eager"
         )
+        fit = check_fits(config, model_path(config.model), dtype, device, reference, planned, fp32_kernel)
+        kernel, kernel_why = resolve_optimizer_kernel(self.optimizer_kernel, dtype, fit.optimizer_state, device)
+        # A group's completions share their prompt: without checkpointing (or router replay, one pass
+        # each) every forward runs the prompt once and the completions over its cache.
+        cached = None
+        if not fit.checkpointing and config.router_replay == "off":
+            cached = f"groups of {config.completions_per_prompt} completions share their prompt and --gradient-checkpointing is off"
+        compiled, compile_line = resolve_compile(self.compile, device, cached)
+        print(f"precision: {why}", file=sys.stderr)
+        print(optimizer_state_line(fit.optimizer_state, dtype, device, fit.optimizer_why), file=sys.stderr)
+        print(f"optimizer kernel: {kernel_why}", file=sys.stderr)
+        print(f"compile: {compile_line}", file=sys.stderr)
+        attention = choose_attention(self.attn_implementation, model_path(config.model), device, dtype, self.padding_free)
+        memory = fit.plan
+        counted = "a full fine-tune's KL reference counted" if reference else "no KL reference counted (the loss uses none, or LoRA)"
+        print(f"{memory.line()}; {counted}; activations assume prompts of {ASSUMED_PROMPT_TOKENS} tokens", file=sys.stderr)
         returned = False
         if device.type == "cpu":
             returned, why = self._returns_freed_memory(memory.peak)
@@ -192,8 +199,14 @@ class LocalBackend:
         if config.lora_rank:
             model = add_lora(model, config.lora_rank, config.lora_alpha, config.lora_target_modules, excluded=frozen)
         freeze(model, frozen)
-        checkpointing, why = resolve_checkpointing(
-            config.gradient_checkpointing, device.type, getattr(model, "supports_gradient_checkpointing", False)
+        supported = getattr(model, "supports_gradient_checkpointing", False)
+        checkpointing, why = (
+            resolve_checkpointing(config.gradient_checkpointing, device.type, supported)
+            if config.gradient_checkpointing is not None or device.type != "cuda" or not supported
+            else (
+                fit.checkpointing,
+                "on (--backend-opt compile=true compiles whole-sequence forwards)" if for_compile else fit.checkpointing_why,
+            )
         )
         print(f"gradient checkpointing: {why}", file=sys.stderr)
         if checkpointing:
@@ -205,7 +218,8 @@ class LocalBackend:
             padding_free=self.padding_free,
             fast_forward=self.fast_forward,
             seed=config.seed,
-            optimizer_state=config.optimizer_state,
+            optimizer_state=fit.optimizer_state,
+            optimizer_state_chosen=config.optimizer_state == AUTO,
             optimizer_kernel=kernel,
             optimizer_line=kernel_why,
             activation_checkpointing=checkpointing,

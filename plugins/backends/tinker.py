@@ -93,7 +93,7 @@ class TinkerBackend:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
         if config.train_vision:
             raise PluginError("--train-vision applies to the local trainer only: image prompts do not reach a Tinker service")
-        if config.optimizer_state != "fp32":
+        if config.optimizer_state not in ("auto", "fp32"):
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state} applies to the local trainer only: "
                 "a Tinker service keeps its own optimizer state"

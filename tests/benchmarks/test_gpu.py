@@ -100,6 +100,19 @@ def test_launch_ends_a_contender_once_it_is_done_and_returns_an_exit_code(tmp_pa
     )
 
 
+def test_step_probe_records_the_runs_own_peak_not_what_the_engine_left_after_its_reset(tmp_path, monkeypatch):
+    import torch
+
+    # The engine resets the peak at each step's end: read here, max_memory_allocated is resident memory.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 5.6 * 2**30)
+    probe = gpu.StepProbe(path=str(tmp_path / "probe.jsonl"))
+    probe.on_step(step=1, metrics={"perf/peak_memory_gib": 10.3}, state=None, groups=[])
+    probe.on_step(step=2, metrics={}, state=None, groups=[])
+    records = gpu.jsonl(tmp_path / "probe.jsonl")
+    assert [r["peak_gpu_gib"] for r in records] == [10.3, None]
+
+
 def test_row_of_reports_the_median_step_and_the_gpu_columns(tmp_path):
     spec = fake_spec(tmp_path)
     row = gpu.row_of(spec, "grpo-core", fake_result(sample=0.4, train=0.5, gpu_gib=9.0), flops=1e12, device="cuda")

@@ -314,5 +314,7 @@ def test_the_estimate_counts_weights_moments_and_lora_adapters_only(tmp_path):
     # --optimizer-state 8bit: a byte per moment and a float32 absmax per 256; fsdp saves float32 master weights of a bf16 run.
     assert checkpoint.estimated_bytes(shapes, 2, 0, "8bit", 4) == (64 * 4 + 130, 64 * 2, "weights 0.3 kB + 8bit AdamW moments")
     assert checkpoint.estimated_bytes(shapes, 2, 0, "bf16")[0] == 64 * 2 + 64 * 4
+    # auto (the default) chooses after the disk plan: counted as the largest it may choose.
+    assert checkpoint.estimated_bytes(shapes, 2, 0, "auto") == checkpoint.estimated_bytes(shapes, 2, 0, "fp32")
     (tmp_path / "m.safetensors").write_bytes(b"\x08")
     assert checkpoint.tensor_shapes(tmp_path) is None

@@ -176,7 +176,7 @@ def test_plugin_problems_find_a_wrong_argument_and_a_missing_hook():
     (backend,) = plugin_problems("backend", _HalfBackend, "backend.x")
     assert backend == (
         "a backend plugin must implement all of @hookimpl def load_tokenizer(self, config); "
-        "@hookimpl def make_trainer(self, config) (missing: load_tokenizer)"
+        "@hookimpl def make_trainer(self, config, needs_reference) (missing: load_tokenizer)"
     )
     # A logger may observe only steps; an optional hook is no error.
     assert plugin_problems("logger", _StepLogger, "logger.x") == []

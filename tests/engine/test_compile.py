@@ -6,6 +6,7 @@ graphs, without inductor's code generation, which takes ~1 min here: benchmarks/
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import tinker
@@ -18,6 +19,7 @@ from grpo_core.engine.compile import CompiledLayers, compile_problem, decoder_la
 from grpo_core.engine.models import load_model
 from grpo_core.engine.trainer import LocalReference, LocalTrainer
 from grpo_core.errors import PluginError
+from grpo_core.metrics import scope
 from tests.engine.ragged_datums import datum, ragged_datums
 
 CPU = torch.device("cpu")
@@ -89,12 +91,15 @@ def test_true_with_a_compiler_is_on():
     assert compiled is True and line.startswith("on: each decoder layer compiled")
 
 
-def test_true_without_a_cpp_compiler_is_refused_with_the_fix(monkeypatch):
+def test_true_without_a_cpp_compiler_is_refused_with_the_fix():
     import torch._inductor.config
 
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler-xyz",))
-    with pytest.raises(PluginError, match=r"compile=true: inductor finds no C\+\+ compiler .*install g\+\+ .*compile=false"):
-        resolve_compile(True, CPU)
+    # inductor's own patch: monkeypatch's undo would delete the setting (it is no plain attribute),
+    # and every later compile in the process would find no compiler.
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-compiler-xyz",)}):
+        with pytest.raises(PluginError, match=r"compile=true: inductor finds no C\+\+ compiler .*install g\+\+ .*compile=false"):
+            resolve_compile(True, CPU)
+    assert torch._inductor.config.cpp.cxx != ("no-such-compiler-xyz",)  # back, and still a setting
 
 
 def test_true_on_cuda_without_triton_is_refused_with_the_fix(monkeypatch):
@@ -158,6 +163,31 @@ def test_changing_lengths_do_not_recompile_each_step(tiny_model_dir, fresh_dynam
     assert frames_compiled() <= 2
 
 
+@pytest.mark.slow  # traces the layers for new shapes: ~25 s on 2 shared cores
+def test_each_step_records_the_graphs_it_compiled_and_later_lengths_compile_none(tiny_model_dir, fresh_dynamo):
+    trainer = trainer_of(tiny_model_dir, True)
+    gen = torch.Generator().manual_seed(1)
+    compiled = []
+    for lengths in ([9, 14], [5, 21], [17, 6]):
+        datums = [datum(torch.randint(2, 290, (n,), generator=gen).tolist(), 2) for n in lengths]
+        with scope() as step:
+            trainer.forward_backward_custom(datums, sum_loss)
+        compiled.append(step.as_dict()["perf/recompiles"])
+    # The module's first test pays the compile; a step that compiles nothing records 0, not nothing.
+    assert compiled[1:] == [0, 0] and compiled[0] == frames_compiled()
+
+
+def test_compiled_code_is_kept_across_runs_outside_tmp(tiny_model_dir, monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert regional.cache_directory() == tmp_path / "grpo-core" / "inductor"
+    trainer_of(tiny_model_dir, True)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "grpo-core" / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert regional.cache_directory() == tmp_path / "mine"  # the user's own stays
+    assert "compiled code kept in " + str(tmp_path / "mine") in resolve_compile(True, CPU)[1]
+
+
 def test_shared_prefix_runs_cached_layers_eagerly_and_equals_eager(tiny_model_dir, fresh_dynamo):
     gen = torch.Generator().manual_seed(2)
     datums = shared_prompt_datums(gen, 9, [4, 7]) + shared_prompt_datums(gen, 9, [3, 6])
@@ -187,3 +217,35 @@ def test_a_torch_without_inductors_cpp_builder_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch._inductor.cpp_builder", None)
     problem = compile_problem(CPU)
     assert problem.startswith(f"torch {torch.__version__} has no inductor C++ builder") and "torch >= 2.5" in problem
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_inductors_layers_equal_eager_and_new_lengths_compile_nothing(tiny_model_dir, dtype):
+    """The real backend (inductor, Triton): the same logprobs and gradients as the eager layers, and
+    steps of new lengths after the first record perf/recompiles 0."""
+    cuda = torch.device("cuda")
+    torch._dynamo.reset()
+
+    def trainer(compiled: bool) -> LocalTrainer:
+        model, tokenizer = load_model(str(tiny_model_dir), cuda, "sdpa", dtype=dtype)
+        return LocalTrainer(model=model, tokenizer=tokenizer, device=cuda, padding_free=True, compile=compiled)
+
+    datums = ragged_datums()
+    eager_logprobs, eager_grads = logprobs_and_grads(trainer(False), datums)
+    compiled = trainer(True)
+    logprobs, grads = logprobs_and_grads(compiled, datums)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for ours, theirs in zip(logprobs, eager_logprobs, strict=True):
+        torch.testing.assert_close(ours, theirs, **tolerance)
+    for name in grads:
+        scale = float(eager_grads[name].float().norm())
+        assert float((grads[name].float() - eager_grads[name].float()).norm()) <= (1e-3 if dtype == torch.float32 else 3e-2) * scale, name
+    gen = torch.Generator().manual_seed(3)
+    recompiles = []
+    for lengths in ([9, 14, 30], [5, 21, 8], [17, 6, 40]):
+        with scope() as step:
+            compiled.forward_backward_custom([datum(torch.randint(2, 290, (n,), generator=gen).tolist(), 2) for n in lengths], sum_loss)
+        recompiles.append(step.as_dict()["perf/recompiles"])
+    assert recompiles[1:] == [0, 0], recompiles

@@ -11,6 +11,7 @@ from grpo_core.engine import fused_logprobs
 from grpo_core.engine.fused_logprobs import LinearHead, LowRank, chunk_rows, linear_logprobs
 
 N, H, V, R = 37, 16, 300, 4
+on_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
 
 
 def tensors(dtype=torch.float32, seed=0):
@@ -281,3 +282,23 @@ def test_an_output_layer_that_is_not_linear_is_refused_by_name():
     model.set_output_embeddings(torch.nn.Bilinear(H, H, V))
     with pytest.raises(PluginError, match="the output layer is a Bilinear, not a linear layer"):
         token_logprobs(forward, torch.randn(2, H), torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, on_cuda])])
+def test_the_bf16_weight_gradient_is_summed_over_chunks_exactly_in_float32(device):
+    """Each chunk's bf16 product goes into the float32 sum unrounded (TRL 1.16: rounding each to bf16
+    biases training): the sum equals float64's to float32 rounding, where the bf16-rounded sum is
+    a bf16 unit off."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(V, 64, generator=g).to(device, torch.bfloat16) for _ in range(16)]
+    inputs = [torch.randn(64, H, generator=g).to(device, torch.bfloat16) for _ in range(16)]
+    exact = sum(a.double() @ b.double() for a, b in zip(grads, inputs))
+    total = torch.zeros(V, H, device=device)
+    rounded = torch.zeros(V, H, device=device)
+    for a, b in zip(grads, inputs):
+        fused_logprobs._accumulate(total, a, b)
+        rounded += a @ b  # the old sum: each product rounded to bf16 first
+    scale = float(exact.abs().max())
+    assert total.dtype == torch.float32
+    assert float((total.double() - exact).abs().max()) <= 1e-6 * scale
+    assert float((rounded.double() - exact).abs().max()) > 1e-3 * scale

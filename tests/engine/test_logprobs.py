@@ -296,3 +296,62 @@ def test_a_run_records_its_forward_path_and_padding_in_config_and_every_steps_me
     assert run_info["trainer"].pop("mfu_peak") and run_info["trainer"].pop("peak_memory")
     assert run_info == info
     assert [(m["perf/forward_path"], m["perf/padding_free"]) for m in metrics_of(run_dir)] == [(forward_path, padding_free)] * 2
+
+
+def test_logprobs_and_entropies_reach_the_host_in_one_copy_with_their_gradients(monkeypatch):
+    from grpo_core.engine import logprobs as engine_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    weights = torch.randn(7, generator=g, requires_grad=True)
+    logprobs = [weights[:n].cumsum(0) for n in (3, 7, 1)]
+    entropy = [torch.rand(n, generator=g) for n in (3, 7, 1)]
+    copies = []
+    real_cpu = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: copies.append(tuple(self.shape)) or real_cpu(self, *a, **k))
+    # The path a GPU's tensors take (here on the CPU: the copy is a no-op, the count is the point).
+    host, host_entropy = engine_logprobs._gathered_on_host(logprobs, entropy)
+    assert copies == [(2, 11)]  # logprobs and entropies of every datum at once
+    assert [h.tolist() for h in host] == [lp.tolist() for lp in logprobs] and [e.tolist() for e in host_entropy] == [
+        e.tolist() for e in entropy
+    ]
+    upstream = [torch.randn(len(h), generator=g) for h in host]
+    (sum((h * u).sum() for h, u in zip(host, upstream))).backward()
+    got = weights.grad.clone()
+    weights.grad = None
+    (sum((lp * u).sum() for lp, u in zip(logprobs, upstream))).backward()
+    torch.testing.assert_close(got, weights.grad)
+    # On a CPU nothing is copied at all, and nothing to copy is nothing.
+    copies.clear()
+    assert engine_logprobs.on_host(logprobs, None) == (logprobs, None) and engine_logprobs.on_host([], None) == ([], None)
+    assert copies == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+def test_a_cuda_training_call_waits_on_the_device_as_often_for_4_datums_as_for_16(tiny_model_dir):
+    """Syncs counted by torch's sync debug mode: a per-datum copy (or a per-datum entropy read) would add 12."""
+    import warnings
+
+    from grpo_core.engine.models import load_model
+    from grpo_core.engine.trainer import LocalTrainer
+    from tests.engine.ragged_datums import datum
+
+    cuda = torch.device("cuda")
+    model, tokenizer = load_model(str(tiny_model_dir), cuda, "sdpa", dtype=torch.float32)
+    trainer = LocalTrainer(model=model, tokenizer=tokenizer, device=cuda, padding_free=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def syncs(n: int) -> int:
+        datums = [datum(torch.randint(2, 290, (12,), generator=gen).tolist(), 2) for _ in range(n)]
+        trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))  # warm-up
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.forward_backward_custom(datums, lambda d, lps: (-sum(lp.sum() for lp in lps), {}))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(16) == syncs(4)

@@ -566,3 +566,29 @@ def test_a_compiled_kernel_that_cannot_apply_is_refused(monkeypatch, dtype, mome
         optim.resolve_optimizer_kernel("compiled", dtype, moments, CPU)
     with pytest.raises(PluginError, match="optimizer_kernel=fused: use one of auto, compiled, eager"):
         optim.resolve_optimizer_kernel("fused", dtype, moments, CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+def test_on_a_gpu_the_compiled_step_is_the_eager_one_up_to_float32_rounding():
+    """The Triton kernel of the compiled step against the eager packed step, both on the GPU."""
+    eager_params, compiled_params = ([torch.nn.Parameter(p.detach().cuda()) for p in make_params()] for _ in range(2))
+    eager = StochasticRoundingAdamW(eager_params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), seed=5)
+    compiled = StochasticRoundingAdamW(compiled_params, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), seed=5, kernel="compiled")
+    for step in range(3):
+        generator = torch.Generator().manual_seed(1000 + step)
+        grads = [torch.randn(p.shape, generator=generator).to(p.dtype) for p in eager_params]
+        for params, optimizer in ((eager_params, eager), (compiled_params, compiled)):
+            for p, g in zip(params, grads):
+                p.grad = g.cuda()
+            optimizer.step()
+    differ = 0
+    for e, c in zip(eager_params, compiled_params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = eager.state[e][key].abs().max()
+            assert torch.allclose(compiled.state[c][key], eager.state[e][key], rtol=1e-5, atol=1e-6 * scale)
+        unequal = e != c
+        differ += int(unequal.sum())
+        steps = (e.float().view(torch.int32) - c.float().view(torch.int32)).abs()[unequal]
+        assert bool((steps == 1 << 16).all()) if e.dtype == torch.bfloat16 else not unequal.any()
+    assert differ <= 4  # of 1,343 bf16 weights, 3 steps (2 on the CPU)

@@ -16,7 +16,7 @@ from grpo_core.engine.trainer import SavedState, read_trainer_state
 from tests.helpers import SIGNAL, grpo_core_in_process, small_run_args
 from tests.plugins.backends.local_parts import make, prompts_of, to_samples
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU: host copies of device tensors")
+needs_cuda = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU: host copies of device tensors")]
 
 
 def fixed_datums(trainer, sampler):
@@ -176,3 +176,36 @@ def test_a_run_that_fails_while_a_checkpoint_is_written_waits_for_it_and_resumes
     assert read_trainer_state(run_dir / "checkpoints" / "step-000002" / "trainer")["version"] == 2
     BROKEN_AT_STEP.clear()
     assert run(config(tiny_model_dir, tiny_dataset, run_dir, checkpoint_every=1, max_steps=4), resume=True)["steps"] == 4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+def test_a_gpu_snapshot_is_copied_into_pinned_host_memory_and_complete_on_return():
+    tensors = [torch.randn(1000, device="cuda"), torch.randn(3, 5, device="cuda").bfloat16(), torch.randn(4)]
+    copies = engine_trainer.host_copies(tensors)
+    assert [c.device.type for c in copies] == ["cpu"] * 3
+    assert copies[0].is_pinned() and copies[1].is_pinned()  # non-blocking device copies land in pinned memory
+    assert all(torch.equal(c, t.cpu()) for c, t in zip(copies, tensors))
+    tensors[0].add_(1)  # a later in-place step leaves the snapshot as it was
+    assert not torch.equal(copies[0], tensors[0].cpu())
+
+
+def test_moments_auto_chose_resume_in_the_checkpoints_form_and_an_explicit_other_form_is_refused(tiny_model_dir, tmp_path, capsys):
+    """A run auto put in 8-bit moments (a tighter device) resumes where auto would choose fp32."""
+    _, _, first, sampler = make(tiny_model_dir, seed=0, dtype="float32", optimizer_state="8bit")
+    datums = fixed_datums(first, sampler)
+    step(first, datums)
+    first.save_state(str(tmp_path / "saved"))
+    step(first, datums)  # the uninterrupted run's next step
+    _, _, resumed, _ = make(tiny_model_dir, seed=0, dtype="float32")
+    assert (resumed.optimizer_state, resumed.optimizer_state_chosen) == ("fp32", True)
+    capsys.readouterr()
+    resumed.load_state(str(tmp_path / "saved"))
+    assert resumed.optimizer_state == "8bit"
+    assert "optimizer state: 8bit moments, as the checkpoint keeps them (auto chose fp32 for this device" in capsys.readouterr().err
+    step(resumed, datums)
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), resumed.model.parameters()))
+    _, _, explicit, _ = make(tiny_model_dir, seed=0, dtype="float32", optimizer_state="bf16")
+    with pytest.raises(ValueError, match="resume with the --optimizer-state it was saved with"):
+        explicit.load_state(str(tmp_path / "saved"))
+    assert engine_trainer.saved_moments({"state": {}}) is None

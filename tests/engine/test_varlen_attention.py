@@ -7,6 +7,7 @@ place (``_kernel``). That the reference equals the real kernel cannot be checked
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -47,6 +48,18 @@ def reference_varlen_attn(
         )
         outs.append(out.transpose(0, 1))
     return torch.cat(outs)
+
+
+@pytest.fixture(autouse=True)
+def probe_passes_for_a_gpu_this_machine_lacks(monkeypatch):
+    """What a CUDA run decides, asked on a machine without one: the start-up probe (which runs the
+    kernel on the device) is taken to pass; where CUDA is present it runs."""
+    real = varlen_attention.gqa_probe
+    monkeypatch.setattr(
+        varlen_attention,
+        "gqa_probe",
+        lambda device, dtype: None if device.type == "cuda" and not torch.cuda.is_available() else real(device, dtype),
+    )
 
 
 @pytest.fixture
@@ -158,7 +171,9 @@ def test_the_packing_check_runs_varlen_in_the_models_dtype_and_still_sees_a_leak
     assert [cu for cu, _ in kernel_calls[-12:]] == [[0, 3, 7]] * 8 + [[0, 4]] * 4
     assert forward.padding_line() == (
         "sequences that run whole are packed, not padded "
-        "(varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask)"
+        "(varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask "
+        f"(torch {torch.__version__}'s varlen_attn, grouped K/V heads through enable_gqa; forward and backward matched sdpa "
+        "in the start-up probe))"
     )
     monkeypatch.setattr(varlen_attention, "_kernel", lambda: leaking_kernel)
     assert TransformersForward(lm, padding_free=True).packing_problem == (
@@ -207,9 +222,77 @@ def test_a_torch_whose_varlen_attn_lacks_the_keywords_is_refused(tiny_model_dir,
     with pytest.raises(PluginError) as err:
         choose_attention(VARLEN, str(tiny_model_dir), CUDA, torch.bfloat16, True)
     assert str(err.value) == (
-        f"--backend-opt attn_implementation=varlen: torch {torch.__version__}'s varlen_attn lacks window_size, enable_gqa, scale; "
+        f"--backend-opt attn_implementation=varlen: torch {torch.__version__}'s varlen_attn lacks window_size, scale; "
         "use auto (sdpa with a block mask here)"
     )
+
+
+def torch_2_11_varlen_attn(
+    query_T_H_D, key_T_K_D, value_T_K_D, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
+    """torch 2.10/2.11's signature: no enable_gqa; grouped K/V heads go to the flash kernel, which takes them."""
+    return reference_varlen_attn(
+        query_T_H_D, key_T_K_D, value_T_K_D, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size, enable_gqa=True
+    )
+
+
+def test_a_varlen_attn_without_enable_gqa_is_used_for_grouped_heads_once_the_probe_passes(tmp_path, monkeypatch):
+    calls = []
+
+    @functools.wraps(torch_2_11_varlen_attn)  # its signature
+    def kernel(*args, **kwargs):
+        calls.append(sorted(kwargs))
+        return torch_2_11_varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(varlen_attention, "_kernel", lambda: kernel)
+    assert varlen_attention.kernel_problem() is None
+    assert varlen_attention._gqa_probe.__wrapped__(torch.device("cpu"), torch.float32) is None
+    assert calls == [["scale", "window_size"]]  # called without the keyword it lacks
+    path = gqa_llama_dir(tmp_path)
+    forward = TransformersForward(load(path, VARLEN), padding_free=True)
+    calls.clear()
+    target_logprobs(forward, ragged_datums(), torch.device("cpu"), packed=True)
+    assert calls == [["scale", "window_size"]] * forward.model.config.num_hidden_layers
+    line = varlen_attention.packed_attention_line(forward.model)
+    assert "grouped K/V heads through the flash kernel's native grouped heads; forward and backward matched sdpa" in line
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_start_up_probe_passes_a_kernel_that_computes_grouped_heads_and_names_one_that_does_not(monkeypatch, dtype):
+    probe = varlen_attention._gqa_probe.__wrapped__
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(varlen_attention, "_kernel", lambda: reference_varlen_attn)
+    assert probe(cpu, dtype) is None
+    refusing = lambda *a, scale=None, window_size=None: reference_varlen_attn(*a, scale=scale, window_size=window_size)  # noqa: E731
+    monkeypatch.setattr(varlen_attention, "_kernel", lambda: refusing)
+    refused = "varlen_attn failed the start-up probe (grouped heads, forward and backward): "
+    assert probe(cpu, dtype) == refused + "Expect query and key/value to have the same number of heads"
+    monkeypatch.setattr(varlen_attention, "_kernel", lambda: leaking_kernel)
+    assert probe(cpu, dtype).startswith("varlen_attn's output over grouped heads is ")
+    # Refused by auto and named by an explicit choice, as any other problem.
+    monkeypatch.setattr(varlen_attention, "gqa_probe", probe)
+    assert varlen_attention.varlen_problem(cpu, torch.bfloat16, None, None) == "varlen_attn is a CUDA kernel and this run is on cpu"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA GPU")
+def test_on_a_gpu_varlen_over_grouped_heads_equals_the_sdpa_block_mask_path(tmp_path):
+    """The real kernel: the probe passes, and a GQA model's packed logprobs and gradients in bf16
+    equal the sdpa block-mask path's within bf16 rounding (4 query heads per K/V head)."""
+    assert varlen_attention.kernel_problem() is None
+    assert varlen_attention.gqa_probe(CUDA, torch.bfloat16) is None
+    path = gqa_llama_dir(tmp_path)
+    results = {}
+    for attention in ("sdpa", VARLEN):
+        model = load(path, attention, torch.bfloat16).to(CUDA)
+        forward = TransformersForward(model, padding_free=True)
+        logprobs, _ = target_logprobs(forward, ragged_datums(), CUDA, packed=True)
+        sum(lp.sum() for lp in logprobs).backward()
+        results[attention] = (torch.cat(logprobs).float(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (want, want_grads), (got, got_grads) = results["sdpa"], results[VARLEN]
+    assert float((got - want).abs().max()) <= 0.05 * float(want.abs().max())
+    for name, w in want_grads.items():
+        assert float((got_grads[name] - w).norm()) <= 0.03 * float(w.norm()), name
 
 
 @pytest.mark.parametrize(
@@ -280,7 +363,9 @@ def test_auto_where_varlen_runs_trains_through_it_names_it_and_saves_sdpa(tiny_m
     assert trainer.model.config._attn_implementation == VARLEN and trainer.forward_fn.packs
     line = (
         "sequences that run whole are packed, not padded "
-        "(varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask)"
+        "(varlen attention isolates them: flash attention over each row's sequence lengths, no [S, S] mask "
+        f"(torch {torch.__version__}'s varlen_attn, grouped K/V heads through enable_gqa; forward and backward matched sdpa "
+        "in the start-up probe))"
     )
     assert trainer.run_info["padding"] == line
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"; {line}")
