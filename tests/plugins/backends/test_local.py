@@ -603,7 +603,10 @@ def test_the_forward_path_and_its_reason_are_said_at_start(tiny_model_dir, capsy
     make(tiny_model_dir, fast_forward=False)
     assert "sampler forward: transformers (--backend-opt fast_forward=false)" in capsys.readouterr().err
     make(tiny_model_dir, dtype="bfloat16")
-    assert "sampler forward: transformers (the fused decoder does not run weights that are not float32)" in capsys.readouterr().err
+    assert (
+        "sampler forward: transformers (the fused decoder does not run weights that are not float32 (bfloat16 and float16 run on CUDA))"
+        in capsys.readouterr().err
+    )
 
 
 def test_the_start_lines_say_whether_the_trainer_checkpoints_and_why(tiny_model_dir, capsys):
