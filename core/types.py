@@ -57,16 +57,6 @@ class PromptImages:
     server that renders the chat and reads the images itself gets (the openai sampler)."""
 
 
-def prompt_text(prompt: Prompt) -> str:
-    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
-    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
-    if prompt.tokens is not None:
-        return f"token ids: {' '.join(map(str, prompt.tokens))}"
-    if prompt.messages is not None:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
-    return prompt.text or ""
-
-
 @attrs.define
 class Completion:
     """What a sampler returns for one generated continuation of a prompt."""
