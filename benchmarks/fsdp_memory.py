@@ -76,10 +76,8 @@ def worker(world: int, model: str, steps: int, batch: int, tokens: int) -> dict:
 def _policy_module(trainer, world):
     if world == 1:
         return trainer.model
-    from grpo_core.plugins.backends.fsdp import RANK_STATE
-
     # The sharded parameters' global sizes: the whole model's count.
-    return RANK_STATE[0].models["policy"].lm
+    return trainer.group.local.models["policy"].lm
 
 
 def main() -> None:

@@ -51,7 +51,7 @@ class BareClient:
     same window of requests in flight, the token ids and logprobs taken out of the JSON."""
 
     def __init__(self, base_url: str, concurrency: int) -> None:
-        from grpo_core.plugins.samplers.openai import KEEPALIVE_EXPIRY
+        from grpo_core.remote.server_client import KEEPALIVE_EXPIRY
 
         self.concurrency = concurrency
         self.runner = asyncio.Runner()

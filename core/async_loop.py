@@ -43,9 +43,10 @@ from grpo_core.checkpoint import complete_checkpoints
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.lifecycle import Run, check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.lifecycle import Run, end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
+from grpo_core.preflight import check_settings
 from grpo_core.produce import PromptQueue, Scorer, Taken, prompt_admission, prompt_stream, roll
 from grpo_core.stages import (
     check_router_replay_model,

@@ -92,9 +92,8 @@ def _at_least_two(instance: Any, attribute: attrs.Attribute, value: int) -> None
 def default_threads() -> int:
     """``OMP_NUM_THREADS`` when set, else half the CPUs this process may use, at least 1.
 
-    Measured on a 2-CPU machine (docs/performance.md): 2 threads are 1.55x faster than 1 when
-    the machine is idle but 2.8-3.6x slower beside another busy process, while 1 thread is never
-    more than 1.55x off its best. Half the CPUs keeps that margin on bigger machines too.
+    On a shared machine all CPUs are much slower beside another busy process than half of them,
+    which are never far off their best (docs/performance.md, "CPU threads").
     """
     import os
 

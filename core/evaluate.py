@@ -18,8 +18,9 @@ from grpo_core.config import load as load_config
 from grpo_core.data import PROMPT_SETTINGS_FILE, check_prompt_lengths, load_dataset, read_prompt_settings
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.lifecycle import check_model_folder, sampling_params, seed_everything
+from grpo_core.lifecycle import sampling_params, seed_everything
 from grpo_core.measure import EVAL_DATASET, measure
+from grpo_core.preflight import check_model_folder
 from grpo_core.selection import select_plugins
 
 SAVED_SETTINGS = ("prompt_field", "answer_field", "prompt_template", "stop", "max_completion_tokens")

@@ -30,6 +30,7 @@ ACCEPTS: dict[str, Callable[[Any], bool]] = {
     "str | None": lambda v: v is None or isinstance(v, str),
     "callable | None": lambda v: v is None or callable(v),
     "object | None": lambda v: True,
+    "dict | None": lambda v: v is None or isinstance(v, dict),
     "dict[str, str]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items()),
 }
 
@@ -165,7 +166,16 @@ KIND_TABLE: dict[str, Kind] = {
         hooks=("loss",),
         runs="one",
         wrapped=True,
-        attributes={"needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)")},
+        attributes={
+            "needs_reference": Attribute("bool", False, "the run makes the frozen reference and passes ref_logprobs (KL on)"),
+            "service_loss": Attribute(
+                "dict | None",
+                None,
+                "the Tinker service's built-in loss that computes what this loss computes, as {'loss_fn': "
+                "'importance_sampling' | 'ppo' | 'cispo', 'agg': its aggregation, 'loss_fn_config': the service's options "
+                "or None}: the tinker backend trains with it in one call; None: only its loss hook computes it",
+            ),
+        },
     ),
     "logger": Kind(hooks=("on_run_start", "on_step", "on_run_end"), runs="any"),
 }
@@ -248,8 +258,9 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "takes_images": Attribute(
             "bool",
             False,
-            "True: sample(prompts, num_samples, params, images=...) takes each prompt's PromptImages (its images' sources "
-            "and its processor's tensors; None for a text prompt) and generates with them; False: a run with image prompts refuses it",
+            "True: sample(prompts, num_samples, params, images=...) takes each prompt's PromptImages (its images' sources, "
+            "its processor's tensors and its chat; None for a text prompt) and generates with them; "
+            "False: a run with image prompts refuses it",
         ),
         "stateless": Attribute(
             "bool",
@@ -266,7 +277,7 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "client": Attribute(
             "object | None",
             None,
-            "the ServerClient (grpo_core.plugins.samplers.openai) of the OpenAI-compatible server it samples from, which "
+            "the ServerClient (grpo_core.remote.server_client) of the OpenAI-compatible server it samples from, which "
             "weight sync vllm reloads and checks; None: it samples from no such server",
         ),
         "load_weights": Attribute(

@@ -1,6 +1,9 @@
-"""The run's lifecycle, shared by both loops: start (check every input, build the plugins, resume),
-guard (signals, the failure checkpoint), the end of a step (count it, observe it, checkpoint it)
-and finish (the final policy and the summary).
+"""The run's lifecycle, shared by both loops, in the order a run lives: prepare (hold the run
+folder), start (check every input, build the plugins, resume), guard (signals, the failure
+checkpoint), the end of each step (count it, sync, observe it, checkpoint it) and finish (the last
+checkpoint, the final policy and the summary). The checks before anything loads are
+``grpo_core.preflight``'s, the disk plan ``grpo_core.disk_plan``'s, the summary's words
+``grpo_core.outcome``'s.
 
 Everything that keeps a run from being lost is here; ``grpo_core.loop`` (the synchronous recipe)
 and ``grpo_core.async_loop`` only schedule steps.
@@ -16,7 +19,6 @@ import random
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -25,59 +27,43 @@ from typing import Any
 import attrs
 
 from grpo_core.checkpoint import (
-    DTYPE_BYTES,
-    STATE_FILE,
     CheckpointError,
     capture_rng,
     complete_checkpoints,
-    estimated_bytes,
-    folder_bytes,
-    free_bytes,
-    human,
     load_checkpoint,
-    no_space,
-    peak_bytes,
     read_unobserved,
     remove_partial,
-    safetensors_header,
     save_checkpoint,
     save_policy,
-    tensor_shapes,
     wait_for_checkpoint,
     write_unobserved,
 )
 from grpo_core.config import RunConfig, default_threads
-from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, steps_available, write_prompt_settings
-from grpo_core.embedded import ASSETS
-from grpo_core.errors import EXIT_ERROR, PluginError
-from grpo_core.fetch import is_url
+from grpo_core.data import check_prompt_lengths, load_dataset, rows_fingerprint, write_prompt_settings
+from grpo_core.disk_plan import plan_disk
+from grpo_core.errors import EXIT_CODES, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.measure import training_eval
 from grpo_core.metrics import Metrics, scope
 from grpo_core.mixture import parse_mix, shares
-from grpo_core.options import missing_folder
+from grpo_core.outcome import nothing_trained, policy_saved, summarize
 from grpo_core.plugins_manager import write_config
+from grpo_core.preflight import check_model_folder, check_router_replay, plan_steps, resume_point
 from grpo_core.run_dir import (
     DATA_FILE,
     LOCK_FILE,
+    StartUp,
     check_new_run_dir,
     check_same_data,
     choose_run_dir,
+    config_strings,
     entries_read,
-    is_run_config,
     locked,
-    move_aside,
     record_data,
     record_files,
-    remove,
-    restore,
 )
 from grpo_core.selection import Selection, select_plugins
 from grpo_core.types import RunState, SamplingParams
-
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-"""A model folder holds at least one of these (what ``save_pretrained`` of a tokenizer writes)."""
 
 
 class NonFiniteSteps(PluginError):
@@ -91,108 +77,6 @@ class RunFailed(Exception):
         super().__init__(f"{cause}")
         self.cause = cause
         self.saved = saved
-
-
-def keeps_no_state(sampler: Any) -> bool:
-    """A sampler that checkpoints nothing of its own (a server) holds whatever weights it was last sent."""
-    return declared(sampler, "sampler object", "stateless")
-
-
-def sync_weights(r: Run, step: int) -> Metrics:
-    """Bring the trainer's weights to the sampler (at the end of a step, see :func:`end_step`; at
-    start and at the end for a server). Returns what the sync recorded (``sync/*``,
-    ``time/weight_sync``)."""
-    with scope() as metrics:
-        r.state.policy_version = r.selection.manager.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
-    return metrics
-
-
-def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
-    """The last checkpoint, ``final/``, the summary (also as summary.json), and the loggers' end."""
-    state = r.state
-    if keeps_no_state(r.sampler) and state.policy_version != r.trainer.version:
-        sync_weights(r, state.step)  # a server goes on serving the final policy
-    # Under the same signal rule as a step: a signal lets final/ be written whole, a second one
-    # stops at once (the checkpoint is written first: --resume then writes final/ only).
-    restore_signals = stop_on_signals(state)
-    try:
-        checkpoint, unsaved = last_checkpoint(state, config, r.trainer)
-        try:
-            final = save_final(state, config, r.trainer)
-        except CheckpointError as exc:
-            if unsaved is None:
-                raise
-            raise CheckpointError(f"{unsaved}; {exc}: the weights trained since are lost") from exc
-    finally:
-        restore_signals()
-    # Decided before the summary is written, so that summary.json holds the exit code the run ends with.
-    failure: PluginError | None = CheckpointError(f"{unsaved}; {policy_saved(state, final)}") if unsaved is not None else None
-    if failure is None and (problem := nothing_trained(r)):
-        failure = PluginError(problem)
-    summary = summarize(state, started, final, checkpoint, config.tracked, failed=failure is not None)
-    (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
-    r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
-    if failure is not None:
-        raise failure
-    return summary
-
-
-def last_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> tuple[Path | None, CheckpointError | None]:
-    """The run's last checkpoint, or why it could not be written: the policy is saved either way."""
-    try:
-        return (write_checkpoint(state, config, trainer) if state.step else None), None
-    except CheckpointError as exc:
-        return None, exc
-
-
-def save_final(state: RunState, config: RunConfig, trainer: Any) -> str:
-    """``final/``; after a checkpoint that failed (a full disk: its partial write is gone, and the
-    policy alone is smaller) the one copy of the trained weights."""
-    return save_policy(state.run_dir / "final", lambda path: save_for_sampler(trainer, config, path))
-
-
-def policy_saved(state: RunState, final: str) -> str:
-    return (
-        f"the trained policy of step {state.step} is saved in {final} (its weights, without the optimizer state: "
-        f"load it as a model, or train on from it with --model {final} and another --run-dir)"
-    )
-
-
-def nothing_trained(r: Run) -> str | None:
-    """Why a run that ended without training one token is a failure (None when it trained, was
-    interrupted, or is a resumed run whose earlier steps may have trained)."""
-    state = r.state
-    dropped = state.groups_dropped
-    if state.tokens_trained or state.interrupted or state.step == state.start_step:
-        return None
-    steps = "its one step" if state.step == 1 else f"all {state.step} steps"
-    if state.groups_trained:
-        if state.start_step:
-            return None
-        masked, limit = state.samples_masked_truncated, r.config.max_completion_tokens
-        why = f"{masked:g} of them were cut at --max-completion-tokens {limit} and --mask-truncated masks them"
-        fix = "raise --max-completion-tokens or drop --mask-truncated"
-        if masked < state.samples_kept:
-            why = f"{why}; the loss masks of {state.samples_kept - masked:g} are all 0" if masked else "their loss masks are all 0"
-            fix = "check the rollout's loss masks" + (f", {fix}" if masked else "")
-        kept = f"{state.groups_trained:g} groups of {state.samples_kept:g} samples"
-        return f"nothing was trained: {steps} kept {kept}, but no token of theirs was trained ({why}); {fix}"
-    if dropped.get("failed"):
-        fix = "fix the reward and start again"
-        if state.reward_failures.last_was_cut:
-            fix = f"raise --max-completion-tokens ({r.config.max_completion_tokens}: the budget they ran out of) or allow fewer turns"
-        return (
-            f"nothing was trained: every group was dropped, {dropped['failed']:g} of them because their "
-            f"reward failed (last: {state.reward_failures.last_error or 'a reward returned None/NaN'}); {fix}"
-        )
-    if state.start_step:
-        return None
-    said = {"zero_variance": "had equal rewards: no signal", "skipped": "had no samples"}
-    reasons = ", ".join(f"{count:g} {said.get(name, f'by the group filter {name!r}')}" for name, count in dropped.items() if count)
-    return (
-        f"nothing was trained: {steps} dropped every group ({reasons}); make the rewards within a group "
-        "differ (more --completions-per-prompt, a higher --temperature, easier prompts, a reward with partial credit)"
-    )
 
 
 @attrs.define
@@ -211,50 +95,7 @@ class Run:
     """``--eval-every``: what evaluates the policy between steps (a :class:`TrainingEval`; sft's held-out loss)."""
 
 
-@attrs.define
-class StartUp:
-    """What this invocation changes in its run folder until training begins: a start refused or
-    failed before then undoes it (:meth:`undo`), so the folder is as it was and the corrected
-    command runs as if the failed one never had. Only what this invocation wrote is removed: a
-    resumed run's folder stays, and its files are put back as they were."""
-
-    path: Path
-    before: set[str]
-    """Top-level names the folder held when this invocation took it."""
-    replaced: list[str] = attrs.field(factory=list)
-    """The old run's entries that ``--overwrite`` replaces: moved aside at start, deleted once training begins."""
-    kept: dict[str, bytes] = attrs.field(factory=dict)
-    """A resumed run's files that its start rewrites (config.json, data.json), as they were."""
-    aside: Path | None = None
-    begun: bool = False
-
-    def replace_old_run(self) -> None:
-        """Move the old run out of the way (a rename: its files stay until training begins)."""
-        if self.replaced:
-            self.aside = move_aside(self.path, self.replaced)
-
-    def begin(self) -> None:
-        """Training begins: from here a failure keeps what the run wrote (see :func:`guard_run`)."""
-        self.begun = True
-        if self.aside is not None:
-            remove(self.aside)
-            self.aside = None
-
-    def undo(self) -> None:
-        if self.begun or not self.path.is_dir():
-            return
-        # Names of the old run moved aside that are here again were written by this invocation.
-        moved = {*self.replaced, self.aside.name} if self.aside is not None else set()
-        keep = (self.before - moved) | {LOCK_FILE} | ({self.aside.name} if self.aside is not None else set())
-        for entry in self.path.iterdir():
-            if entry.name not in keep:
-                remove(entry)
-        if self.aside is not None:
-            restore(self.path, self.aside)
-        for name, content in self.kept.items():
-            file = self.path / name
-            if not file.is_file() or file.read_bytes() != content:  # untouched: left as it is (its time too)
-                file.write_bytes(content)
+# --- prepare: the run folder, before anything loads ---------------------------------------------
 
 
 STARTING: contextvars.ContextVar[StartUp] = contextvars.ContextVar("STARTING")
@@ -287,22 +128,32 @@ def own_run_dir(config: RunConfig, resume: bool, overwrite: bool) -> Iterator[No
             STARTING.reset(token)
 
 
-def config_strings(value: Any) -> list[str]:
-    """Every string in a config's values (nested): where it may name a file the run reads."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [s for item in value for s in config_strings(item)]
-    return []
+def seed_everything(seed: int, threads: int | None = None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or default_threads())
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sampling_params(config: RunConfig) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=config.max_completion_tokens,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        stop=list(config.stop),
+    )
+
+
+# --- start: every check, then the models, the plugins and a resumed state ------------------------
 
 
 def start_run(config: RunConfig, resume: bool, overwrite: bool) -> Run:
     """Check every input before anything heavy loads, then build the models and, when resuming,
     restore the newest checkpoint. The loop has checked its settings (``check_settings``) and
     holds the run folder (``own_run_dir``); nothing in it changes before every check passed and
-    every plugin but the loggers started (what a refusal after that wrote is undone, see :class:`StartUp`)."""
+    every plugin but the loggers started (what a refusal after that wrote is undone, see :class:`grpo_core.run_dir.StartUp`)."""
     seed_everything(config.seed, config.threads)
     check_model_folder(config.model)
     selection = select_plugins(config)
@@ -358,11 +209,12 @@ def resume_point_and_trainer(
 def make_trainer(config: RunConfig, selection: Any, newest: Path | None, total_steps: int) -> Any:
     """The backend's trainer, once the disk plan says its checkpoints fit (printed)."""
     backend = selection.plugins["backend"][0]
-    disk = plan_disk(config, backend, newest, total_steps)
+    replaced = STARTING.get().replaced
+    disk = plan_disk(config, backend, newest, total_steps, replaced)
     trainer = selection.manager.hook.make_trainer(config=config, needs_reference=selection.needs_reference)
     trainer_bytes = declared(trainer, "trainer object", "checkpoint_bytes")
     if disk is None or trainer_bytes is not None:  # a hub model is in the cache now; the trainer knows best
-        disk = plan_disk(config, backend, newest, total_steps, trainer_bytes)
+        disk = plan_disk(config, backend, newest, total_steps, replaced, trainer_bytes)
     unknown = "disk plan: the checkpoints' size is unknown (no safetensors weights to count)"
     print(disk.line() if disk is not None else unknown, file=sys.stderr)
     return trainer
@@ -407,14 +259,6 @@ def open_run_folder(
     record_files(run_dir)
 
 
-def keep_filter_states(selection: Selection, state: RunState) -> None:
-    """Each group filter's ``state_dict()`` as this step left it: what its checkpoint holds."""
-    for name, plugin in selection.group_filters.items():
-        state_dict = declared(plugin, "group_filter", "state_dict")
-        if state_dict is not None:
-            state.filter_states[name] = state_dict()
-
-
 def restore_filter_states(selection: Selection, state: RunState) -> None:
     """Hand each group filter the state the resumed checkpoint holds for it."""
     for name, saved in state.filter_states.items():
@@ -434,20 +278,72 @@ def start_plugins(pm: Any, chosen: Callable[[Any], bool], args: dict[str, Any]) 
             impl.function(*(args[name] for name in impl.argnames))
 
 
-def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int, tracked: str = "reward") -> None:
-    """The step's weights are in place: count it (or stop the run after too many skipped ones);
-    ``tracked``: the ``TRACKED/total`` metric the summary compares (the config's ``tracked``)."""
-    skipped = metrics.get("optim/skipped_nonfinite", 0.0) > 0
-    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
-    if state.nonfinite_in_a_row >= max_nonfinite:
-        raise NonFiniteSteps(
-            f"the loss or gradient norm was non-finite in {state.nonfinite_in_a_row} steps in a row "
-            f"(those optimizer steps were skipped); last: loss {metrics.get('loss/total')}, grad norm {metrics.get('optim/grad_norm')}"
-        )
-    state.step += 1
-    state.reward_failures_in_a_row = state.reward_failures.in_a_row
-    value = metrics[f"{tracked}/total"]
-    state.history.append(value if math.isfinite(value) else None)
+# --- guard: signals and the failure checkpoint, while steps run -----------------------------------
+
+
+@contextlib.contextmanager
+def guard_run(state: RunState, config: RunConfig, trainer: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM end the run after the current step (a second one at once); any error
+    after the first step leaves a checkpoint of the last completed step and says how to resume."""
+    STARTING.get().begin()
+    restore_signals = stop_on_signals(state)
+    try:
+        yield
+    except KeyboardInterrupt:
+        state.signal = state.signal or signal.SIGINT
+        state.request_stop(f"interrupted during step {state.step + 1}; saved after step {state.step}")
+    except Exception as exc:
+        raise RunFailed(exc, save_after_failure(state, config, trainer)) from exc
+    finally:
+        restore_signals()
+
+
+def stop_on_signals(state: RunState) -> Any:
+    """Make the first SIGINT/SIGTERM end the run after the current step, and a second one at once.
+
+    A flag read between steps, not an exception raised wherever the signal lands: a
+    KeyboardInterrupt raised inside library code can be swallowed there (it was, now and then,
+    with 10 ms steps), and a step cut in half leaves nothing worth keeping. Returns the function
+    that puts the previous handlers back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set signal handlers
+    previous = {sig: signal.getsignal(sig) for sig in EXIT_CODES}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if state.interrupted:
+            raise KeyboardInterrupt
+        state.signal = signum
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"\n{name}: stopping after this step and saving (again to stop now)", file=sys.stderr, flush=True)
+
+    for sig in EXIT_CODES:
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def save_after_failure(state: RunState, config: RunConfig, trainer: Any) -> str:
+    if state.step == 0:
+        return "no step was completed, nothing to save"
+    try:
+        path = write_checkpoint(state, config, trainer)
+    except PluginError as exc:
+        valid = complete_checkpoints(state.run_dir)
+        said = f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
+        try:
+            final = save_final(state, config, trainer)
+        except CheckpointError as policy_exc:
+            return f"{said}; {policy_exc}: the weights trained since are lost"
+        return f"{said}; {policy_saved(state, final)}"
+    return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core {config.command} --resume {state.run_dir}"
+
+
+# --- step: the end of each step, the same in both loops -------------------------------------------
 
 
 def end_step(
@@ -514,6 +410,44 @@ def end_step(
     return state.stop_reason is not None
 
 
+def keep_filter_states(selection: Selection, state: RunState) -> None:
+    """Each group filter's ``state_dict()`` as this step left it: what its checkpoint holds."""
+    for name, plugin in selection.group_filters.items():
+        state_dict = declared(plugin, "group_filter", "state_dict")
+        if state_dict is not None:
+            state.filter_states[name] = state_dict()
+
+
+def count_step(state: RunState, metrics: dict[str, float], max_nonfinite: int, tracked: str = "reward") -> None:
+    """The step's weights are in place: count it (or stop the run after too many skipped ones);
+    ``tracked``: the ``TRACKED/total`` metric the summary compares (the config's ``tracked``)."""
+    skipped = metrics.get("optim/skipped_nonfinite", 0.0) > 0
+    state.nonfinite_in_a_row = state.nonfinite_in_a_row + 1 if skipped else 0
+    if state.nonfinite_in_a_row >= max_nonfinite:
+        raise NonFiniteSteps(
+            f"the loss or gradient norm was non-finite in {state.nonfinite_in_a_row} steps in a row "
+            f"(those optimizer steps were skipped); last: loss {metrics.get('loss/total')}, grad norm {metrics.get('optim/grad_norm')}"
+        )
+    state.step += 1
+    state.reward_failures_in_a_row = state.reward_failures.in_a_row
+    value = metrics[f"{tracked}/total"]
+    state.history.append(value if math.isfinite(value) else None)
+
+
+def sync_weights(r: Run, step: int) -> Metrics:
+    """Bring the trainer's weights to the sampler (at the end of a step, see :func:`end_step`; at
+    start and at the end for a server). Returns what the sync recorded (``sync/*``,
+    ``time/weight_sync``)."""
+    with scope() as metrics:
+        r.state.policy_version = r.selection.manager.hook.weight_sync(trainer=r.trainer, sampler=r.sampler, step=step)
+    return metrics
+
+
+def keeps_no_state(sampler: Any) -> bool:
+    """A sampler that checkpoints nothing of its own (a server) holds whatever weights it was last sent."""
+    return declared(sampler, "sampler object", "stateless")
+
+
 def write_checkpoint(state: RunState, config: RunConfig, trainer: Any, background: bool = False) -> Path:
     """The checkpoint of ``state.step``; ``background``: written while training goes on where the
     trainer can snapshot its state (a periodic one: the end of a run and a failure wait for theirs)."""
@@ -529,304 +463,53 @@ def write_checkpoint(state: RunState, config: RunConfig, trainer: Any, backgroun
     return path
 
 
-@attrs.frozen
-class DiskPlan:
-    """What a run's checkpoints and ``final/`` take at most on its run directory's filesystem."""
-
-    each: int
-    each_is: str
-    """How ``each`` was found, in words."""
-    final: int
-    writes: int
-    """Checkpoints this run writes (periodic and the end's)."""
-    needed: int
-    """The most bytes the run adds to its folder at once (see :func:`grpo_core.checkpoint.peak_bytes`)."""
-    free: int
-    folder: Path
-
-    def line(self) -> str:
-        return (
-            f"disk plan: each checkpoint about {human(self.each)} ({self.each_is}), {self.writes} to write, "
-            f"final/ {human(self.final)}: up to {human(self.needed)} at once on the filesystem of {self.folder}, {human(self.free)} free"
-        )
+# --- finish: the last checkpoint, final/ and the summary ------------------------------------------
 
 
-def plan_disk(config: RunConfig, backend: Any, newest: Path | None, total_steps: int, trainer_bytes: int | None = None) -> DiskPlan | None:
-    """The run's disk plan, refused when it cannot fit (unless --allow-low-disk); None when the
-    checkpoints' size cannot be known yet (a hub model not in the cache: planned once it loads)."""
-    plan = disk_plan(config, backend, newest, total_steps, trainer_bytes)
-    if plan is None or plan.needed <= plan.free:
-        return plan
-    shrunk = [
-        (flag, disk_plan(attrs.evolve(config, **change), backend, newest, total_steps, trainer_bytes))
-        for flag, change, applies in (
-            ("--keep-checkpoints 1", {"keep_checkpoints": 1}, config.keep_checkpoints > 1),
-            ("--checkpoint-every 0 (one checkpoint, at the end)", {"checkpoint_every": 0}, plan.writes > 1),
-            ("--lora-rank 16 (LoRA adapters only)", {"lora_rank": 16}, not config.lora_rank and trainer_bytes is None),
-        )
-        if applies
-    ]
-    options = [f"{flag}: {human(smaller.needed)}" for flag, smaller in shrunk if smaller is not None and smaller.needed < plan.needed]
-    problem = (
-        f"the run directory cannot hold this run's checkpoints: {no_space(plan.folder, human(plan.needed), plan.free)} "
-        f"({plan.line().removeprefix('disk plan: ')}); "
-        + (f"what these options need: {'; '.join(options)}; " if options else "")
-        + "or choose a --run-dir on a larger disk"
-    )
-    if not config.allow_low_disk:
-        raise CheckpointError(f"{problem}; --allow-low-disk starts it anyway")
-    print(f"warning: {problem} (--allow-low-disk: starting anyway)", file=sys.stderr)
-    return plan
-
-
-def disk_plan(config: RunConfig, backend: Any, newest: Path | None, total_steps: int, trainer_bytes: int | None) -> DiskPlan | None:
-    """Sizes from what is there: a resumed run's newest checkpoint and final/ as they are, else the
-    trainer's own estimate (``checkpoint_bytes``), else one from the model's safetensors headers."""
-    run_dir = Path(str(config.run_dir))
-    folder = model_folder(config.model)
-    shapes = tensor_shapes(folder) if folder is not None else None
-    each = final = None
-    if shapes is not None:
-        saved_as = declared(backend, "backend", "checkpoint_weights")
-        saved_bytes = DTYPE_BYTES[saved_as] if saved_as is not None else None
-        each, final, each_is = estimated_bytes(shapes, weight_bytes(config), config.lora_rank, config.optimizer_state, saved_bytes)
-    if not declared(backend, "backend", "local_checkpoints"):
-        each, each_is = 0, "the backend's service keeps the trainer's state"
-    if trainer_bytes is not None:
-        each, each_is = trainer_bytes, "the trainer's estimate"
-    existing = complete_checkpoints(run_dir) if newest is not None else []
-    if newest is not None:
-        each, each_is = folder_bytes(newest), f"the size of {newest.name}"
-        if (run_dir / "final").is_dir():
-            final = folder_bytes(run_dir / "final")
-    if each is None or final is None:
-        return None
-    if config.sampling_runs_ahead and newest is None and declared(backend, "backend", "local_checkpoints"):
-        each, each_is = each + final, f"{each_is} + the sampler's own copy of the weights"
-    start = int(newest.name.removeprefix("step-")) if newest is not None else 0
-    every = config.checkpoint_every
-    periodic = total_steps // every - start // every if every else 0
-    writes = periodic + int(total_steps > start and (not every or total_steps % every != 0))
-    # What --overwrite replaces is deleted once training begins: its space is the run's.
-    replaced = sum(folder_bytes(run_dir / name) or (run_dir / name).stat().st_size for name in STARTING.get().replaced)
-    needed = peak_bytes(each, final, len(existing), writes, config.keep_checkpoints)
-    return DiskPlan(each, each_is, final, writes, needed, free_bytes(run_dir) + replaced, run_dir)
-
-
-def model_folder(model: str) -> Path | None:
-    """Where the model's weights are on this machine before it loads (None: a hub model not in the cache)."""
-    if model == "default":
-        return ASSETS
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import try_to_load_from_cache
-
-    config = try_to_load_from_cache(model, "config.json") if model.count("/") <= 1 else None
-    return Path(config).parent if isinstance(config, str) else None
-
-
-def weight_bytes(config: RunConfig) -> int:
-    """Bytes per weight as the trainer holds and saves them (--dtype auto: bfloat16 on CUDA)."""
-    if config.dtype != "auto":
-        return DTYPE_BYTES[config.dtype]
-    import torch
-
-    on_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return DTYPE_BYTES["bfloat16" if on_cuda else "float32"]
-
-
-@contextlib.contextmanager
-def guard_run(state: RunState, config: RunConfig, trainer: Any) -> Iterator[None]:
-    """SIGINT and SIGTERM end the run after the current step (a second one at once); any error
-    after the first step leaves a checkpoint of the last completed step and says how to resume."""
-    STARTING.get().begin()
+def finish_run(r: Run, config: RunConfig, started: float) -> dict[str, Any]:
+    """The last checkpoint, ``final/``, the summary (also as summary.json), and the loggers' end."""
+    state = r.state
+    if keeps_no_state(r.sampler) and state.policy_version != r.trainer.version:
+        sync_weights(r, state.step)  # a server goes on serving the final policy
+    # Under the same signal rule as a step: a signal lets final/ be written whole, a second one
+    # stops at once (the checkpoint is written first: --resume then writes final/ only).
     restore_signals = stop_on_signals(state)
     try:
-        yield
-    except KeyboardInterrupt:
-        state.signal = state.signal or signal.SIGINT
-        state.request_stop(f"interrupted during step {state.step + 1}; saved after step {state.step}")
-    except Exception as exc:
-        raise RunFailed(exc, save_after_failure(state, config, trainer)) from exc
+        checkpoint, unsaved = last_checkpoint(state, config, r.trainer)
+        try:
+            final = save_final(state, config, r.trainer)
+        except CheckpointError as exc:
+            if unsaved is None:
+                raise
+            raise CheckpointError(f"{unsaved}; {exc}: the weights trained since are lost") from exc
     finally:
         restore_signals()
+    # Decided before the summary is written, so that summary.json holds the exit code the run ends with.
+    failure: PluginError | None = CheckpointError(f"{unsaved}; {policy_saved(state, final)}") if unsaved is not None else None
+    if failure is None and (problem := nothing_trained(r)):
+        failure = PluginError(problem)
+    summary = summarize(state, started, final, checkpoint, config.tracked, failed=failure is not None)
+    (state.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    r.selection.manager.hook.on_run_end(summary=summary, run_dir=state.run_dir)
+    if failure is not None:
+        raise failure
+    return summary
 
 
-def save_after_failure(state: RunState, config: RunConfig, trainer: Any) -> str:
-    if state.step == 0:
-        return "no step was completed, nothing to save"
+def last_checkpoint(state: RunState, config: RunConfig, trainer: Any) -> tuple[Path | None, CheckpointError | None]:
+    """The run's last checkpoint, or why it could not be written: the policy is saved either way."""
     try:
-        path = write_checkpoint(state, config, trainer)
-    except PluginError as exc:
-        valid = complete_checkpoints(state.run_dir)
-        said = f"no checkpoint written ({exc})" + (f"; the newest valid one is {valid[-1]}" if valid else "")
-        try:
-            final = save_final(state, config, trainer)
-        except CheckpointError as policy_exc:
-            return f"{said}; {policy_exc}: the weights trained since are lost"
-        return f"{said}; {policy_saved(state, final)}"
-    return f"steps 1-{state.step} are saved in {path}; continue with: grpo-core {config.command} --resume {state.run_dir}"
+        return (write_checkpoint(state, config, trainer) if state.step else None), None
+    except CheckpointError as exc:
+        return None, exc
 
 
-def stop_on_signals(state: RunState) -> Any:
-    """Make the first SIGINT/SIGTERM end the run after the current step, and a second one at once.
-
-    A flag read between steps, not an exception raised wherever the signal lands: a
-    KeyboardInterrupt raised inside library code can be swallowed there (it was, now and then,
-    with 10 ms steps), and a step cut in half leaves nothing worth keeping. Returns the function
-    that puts the previous handlers back.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None  # only the main thread may set signal handlers
-    previous = {sig: signal.getsignal(sig) for sig in EXIT_CODES}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        if state.interrupted:
-            raise KeyboardInterrupt
-        state.signal = signum
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        print(f"\n{name}: stopping after this step and saving (again to stop now)", file=sys.stderr, flush=True)
-
-    for sig in EXIT_CODES:
-        signal.signal(sig, on_signal)
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
-
-
-def check_settings(config: RunConfig) -> None:
-    """Settings no step can honour, refused before anything loads (both loops)."""
-    if config.temperature == 0:
-        raise PluginError("GRPO compares several samples of a prompt: --temperature must be > 0 (0 is greedy, for eval)")
-    if config.minibatches_per_step > config.prompt_groups_per_step:
-        raise PluginError(
-            f"--minibatches-per-step {config.minibatches_per_step} splits a step's groups: it cannot exceed "
-            f"--prompt-groups-per-step {config.prompt_groups_per_step}"
-        )
-    if config.learning_rate == 0:
-        print("warning: --learning-rate is 0: the policy will not change", file=sys.stderr)
-    sources = [config.dataset, config.eval_dataset or "", *(spec.partition("=")[2] for spec in [*config.mix, *config.eval_mix])]
-    if config.fetch_timeout != attrs.fields(RunConfig).fetch_timeout.default and not any(is_url(source) for source in sources):
-        raise PluginError(f"--fetch-timeout {config.fetch_timeout:g} would do nothing: no dataset of the run is a URL")
-
-
-def check_router_replay(config: RunConfig, trainer: Any, sampler: Any) -> None:
-    """--router-replay needs a trainer that forces routes and, for R3, a sampler that returns them."""
-    if config.router_replay == "off":
-        return
-    if config.router_replay not in ("R2", "R3"):
-        raise PluginError(f"--router-replay {config.router_replay!r}: choose off, R2 or R3")
-    problem = declared(trainer, "trainer object", "routing_problem")
-    if problem is not None:
-        raise PluginError(f"--router-replay {config.router_replay}: {problem} (--backend {config.backend})")
-    problem = declared(sampler, "sampler object", "routing_problem") if config.router_replay == "R3" else None
-    if problem is not None:
-        raise PluginError(f"--router-replay R3: {problem} (--sampler {config.sampler or 'the backend default'})")
-
-
-def check_model_folder(model: str) -> None:
-    """A local ``--model`` folder that cannot be a model is refused before anything loads it, saying
-    what it is: a run folder, a folder without a tokenizer, weights cut short."""
-    folder = Path(model)
-    if missing_folder(model):
-        raise PluginError(f"--model {model}: no such folder (a model is a local folder or a hub name such as Qwen/Qwen3-0.6B)")
-    if not folder.is_dir():
-        return  # a hub name, or the embedded model
-    if is_run_config(folder / "config.json"):
-        final = folder / "final"
-        raise PluginError(
-            f"--model {model} is a grpo-core run folder, not a model: its trained policy is {final}"
-            + ("" if final.is_dir() else ", once the run has finished (a checkpoint: grpo-core export RUN_DIR OUT_DIR --step N)")
-        )
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise PluginError(
-            f"model folder {model} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): "
-            "save the model's tokenizer beside its weights (tokenizer.save_pretrained(folder))"
-        )
-    for weights in sorted(folder.glob("*.safetensors")):
-        problem = safetensors_problem(weights)
-        if problem:
-            raise PluginError(f"model folder {model}: {weights.name} {problem}; copy or download it again")
-
-
-def safetensors_problem(path: Path) -> str | None:
-    """Why a safetensors file cannot be whole (empty, cut short, no header), read from its header alone."""
-    try:
-        header, data_start = safetensors_header(path)
-    except ValueError as exc:
-        return str(exc)
-    size = path.stat().st_size
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__" and isinstance(entry, dict)]
-    expected = data_start + max(ends, default=0)
-    return f"is cut short ({size} of {expected} bytes)" if size < expected else None
-
-
-def seed_everything(seed: int, threads: int | None = None) -> None:
-    import torch
-
-    torch.set_num_threads(threads or default_threads())
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def plan_steps(config: RunConfig, num_prompts: int) -> int:
-    total = steps_available(num_prompts, config.prompt_groups_per_step, config.epochs)
-    if total == 0:
-        raise PluginError(f"the dataset has {num_prompts} prompts, fewer than prompt_groups_per_step={config.prompt_groups_per_step}")
-    return min(total, config.max_steps) if config.max_steps is not None else total
-
-
-def resume_point(run_dir: Path, total_steps: int) -> Path:
-    """The checkpoint a resumed run continues from, checked before anything loads or is written."""
-    found = complete_checkpoints(run_dir)
-    if not found:
-        raise CheckpointError(f"--resume {run_dir}: no complete checkpoint there; start again with --overwrite")
-    try:
-        step = json.loads((found[-1] / STATE_FILE).read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"cannot resume from {found[-1]}: its {STATE_FILE} is unreadable ({type(exc).__name__}: {exc})") from None
-    # A run killed after its last checkpoint but before final/ only has final/ left to write.
-    if step >= total_steps and (run_dir / "final").is_dir():
-        raise PluginError(f"the run in {run_dir} is complete at step {step} of {total_steps}; pass --max-steps > {step} to train further")
-    return found[-1]
+def save_final(state: RunState, config: RunConfig, trainer: Any) -> str:
+    """``final/``; after a checkpoint that failed (a full disk: its partial write is gone, and the
+    policy alone is smaller) the one copy of the trained weights."""
+    return save_policy(state.run_dir / "final", lambda path: save_for_sampler(trainer, config, path))
 
 
 def save_for_sampler(trainer: Any, config: RunConfig, path: str) -> None:
     trainer.save_weights_for_sampler(path)
     write_prompt_settings(path, config)
-
-
-def sampling_params(config: RunConfig) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=config.max_completion_tokens,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        stop=list(config.stop),
-    )
-
-
-def summarize(
-    state: RunState, started: float, final: str, checkpoint: Path | None, tracked: str = "reward", failed: bool = False
-) -> dict[str, Any]:
-    """The run's outcome; a short run compares the ``tracked`` metric of two halves that do not
-    overlap (up to 10 steps each). ``exit_code`` is the one the command ends with: 1 for a run that
-    ``failed`` (an error the user can fix, raised after the summary is written), else the signal's or 0."""
-    history = [r for r in state.history if r is not None and math.isfinite(r)]
-    window = min(10, len(history) // 2)
-    return {
-        "steps": state.step,
-        f"{tracked}_first": sum(history[:window]) / window if window else None,
-        f"{tracked}_last": sum(history[-window:]) / window if window else None,
-        "window": window,
-        "seconds": time.perf_counter() - started,
-        "run_dir": str(state.run_dir),
-        "final_policy": final,
-        "checkpoint": str(checkpoint) if checkpoint else None,
-        "stop_reason": state.stop_reason,
-        "exit_code": EXIT_ERROR if failed else EXIT_CODES.get(state.signal, 0) if state.signal else 0,
-        **state.data,
-    }

@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from grpo_core.config import RunConfig
-from grpo_core.lifecycle import check_settings, end_step, finish_run, guard_run, start_run
+from grpo_core.lifecycle import end_step, finish_run, guard_run, start_run
 from grpo_core.measure import evaluate_before_training
 from grpo_core.metrics import Metrics, scope
+from grpo_core.preflight import check_settings
 from grpo_core.produce import PromptQueue, Scorer, prompt_admission, prompt_stream, roll_and_score
 from grpo_core.stages import check_router_replay_model, check_sampling_settings, learning_rate, record_perf, train_step, warn_untrained
 

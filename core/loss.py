@@ -338,6 +338,16 @@ def validate_kl_estimator(instance: Any, attribute: Any, value: str) -> None:
         raise ValueError(f"{attribute.name} must be one of {', '.join(KL_ESTIMATORS)}, not {value!r}")
 
 
+def service_loss(loss: Any, cls: type, loss_fn: str, clipped: bool = True) -> dict[str, Any] | None:
+    """A built-in loss's ``service_loss`` (declared in hookspecs): the Tinker service's ``loss_fn``
+    with the clip range of ``loss``'s ``eps_low``/``eps_high`` when ``clipped``. Only ``cls`` itself:
+    a subclass may compute something else, which its loss hook then does."""
+    if type(loss) is not cls:
+        return None
+    config = {"clip_low_threshold": 1.0 - loss.eps_low, "clip_high_threshold": 1.0 + loss.eps_high} if clipped else None
+    return {"loss_fn": loss_fn, "agg": loss.agg, "loss_fn_config": config}
+
+
 @attrs.define
 class KLPenalty:
     """Base of the losses that offer a KL penalty to the reference policy: its fields are options."""

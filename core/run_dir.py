@@ -22,6 +22,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from grpo_core.errors import PluginError
 
@@ -266,6 +269,17 @@ def unlisted_files(path: Path, names: list[str]) -> list[str]:
     return [file for file in files_in(path, names) if file not in listed]
 
 
+def config_strings(value: Any) -> list[str]:
+    """Every string in a config's values (nested): where it may name a file the run reads."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [s for item in value for s in config_strings(item)]
+    return []
+
+
 def entries_read(path: Path, values: list[str]) -> set[str]:
     """The top-level entries of the folder ``path`` that hold a path among ``values`` (every
     string of a run's config: its dataset, model, a plugin's file), which the run reads."""
@@ -336,3 +350,49 @@ def check_same_data(path: Path, dataset: str, prompts: int, sha256: str) -> None
         f"{then[:12]}... then, {sha256[:12]}... now); resume with the data the run started on, or start a new run "
         "with this data (another --run-dir)"
     )
+
+
+@attrs.define
+class StartUp:
+    """What this invocation changes in its run folder until training begins: a start refused or
+    failed before then undoes it (:meth:`undo`), so the folder is as it was and the corrected
+    command runs as if the failed one never had. Only what this invocation wrote is removed: a
+    resumed run's folder stays, and its files are put back as they were."""
+
+    path: Path
+    before: set[str]
+    """Top-level names the folder held when this invocation took it."""
+    replaced: list[str] = attrs.field(factory=list)
+    """The old run's entries that ``--overwrite`` replaces: moved aside at start, deleted once training begins."""
+    kept: dict[str, bytes] = attrs.field(factory=dict)
+    """A resumed run's files that its start rewrites (config.json, data.json), as they were."""
+    aside: Path | None = None
+    begun: bool = False
+
+    def replace_old_run(self) -> None:
+        """Move the old run out of the way (a rename: its files stay until training begins)."""
+        if self.replaced:
+            self.aside = move_aside(self.path, self.replaced)
+
+    def begin(self) -> None:
+        """Training begins: from here a failure keeps what the run wrote (see :func:`guard_run`)."""
+        self.begun = True
+        if self.aside is not None:
+            remove(self.aside)
+            self.aside = None
+
+    def undo(self) -> None:
+        if self.begun or not self.path.is_dir():
+            return
+        # Names of the old run moved aside that are here again were written by this invocation.
+        moved = {*self.replaced, self.aside.name} if self.aside is not None else set()
+        keep = (self.before - moved) | {LOCK_FILE} | ({self.aside.name} if self.aside is not None else set())
+        for entry in self.path.iterdir():
+            if entry.name not in keep:
+                remove(entry)
+        if self.aside is not None:
+            restore(self.path, self.aside)
+        for name, content in self.kept.items():
+            file = self.path / name
+            if not file.is_file() or file.read_bytes() != content:  # untouched: left as it is (its time too)
+                file.write_bytes(content)

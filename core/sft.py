@@ -30,7 +30,6 @@ from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import (
     Run,
-    check_model_folder,
     end_step,
     finish_run,
     guard_run,
@@ -42,6 +41,7 @@ from grpo_core.lifecycle import (
 )
 from grpo_core.measure import EVAL_DATASET, evaluate_before_training
 from grpo_core.metrics import Metrics, record, scope
+from grpo_core.preflight import check_model_folder
 from grpo_core.selection import select_plugins
 from grpo_core.stages import fwd_bwd_chunks, learning_rate, optimizer_step, record_perf
 from grpo_core.types import Prompt, RunState

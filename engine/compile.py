@@ -21,11 +21,10 @@ from grpo_core.errors import PluginError
 from grpo_core.metrics import record
 
 AUTO_OFF = {
-    # docs/performance.md, 2026-11-27 (2 shared cores): compiling costs 20-70 s at start; the embedded
-    # model's ~0.1 s step barely gains, a 6-layer hidden-384 model's step is 2.2x faster.
+    # The measurements behind both: docs/performance.md, "Compiled layers".
     "cpu": (
-        "off (auto: on a CPU compiling the layers takes 20-70 s at start, which the embedded model's short steps do not "
-        "repay; larger models' steps gain up to ~2x, docs/performance.md; --backend-opt compile=true turns it on)"
+        "off (auto: on a CPU compiling the layers takes tens of seconds at start, which the embedded model's short steps "
+        "do not repay (docs/performance.md, 'Compiled layers'); --backend-opt compile=true turns it on)"
     ),
     "cuda": "off (auto: not measured on a GPU yet, so not on by default; --backend-opt compile=true turns it on)",
 }

@@ -1,16 +1,16 @@
 """Giving freed host memory back to the operating system between the phases of a step.
 
 PyTorch's CPU tensors come from the C allocator. glibc serves a large allocation with its own
-mmap, returned on free, but raises that threshold to the size of each such block freed (up to
-32 MiB), after which the weight-sized tensors of a step (gradients, the sampler's fused
-weights, activations; 4-25 MiB each at the Qwen3-0.6B shape) come from the heap and stay in
-the process when freed: at that shape 2.5-3 GB between steps in float32, beside 5.2 GB of live
-weights and Adam moments. The next phase reuses that memory only when it asks for the same
-sizes; a phase that maps new memory instead (the offloaded reference) or allocates other
-sizes adds to it, and the step's peak counts both. ``malloc_trim(0)`` returns every free page
-of the heap at once; called where a phase has just freed its memory it costs the next phase
-page faults for what it touches again (measured in docs/performance.md), where a fixed low
-mmap threshold would cost an mmap and munmap per tensor all the time.
+mmap, returned on free, but raises that threshold to the size of each such block freed (up to 32
+MiB), after which the weight-sized tensors of a step (gradients, the sampler's fused weights,
+activations) come from the heap and stay in the process when freed (how much at the Qwen3-0.6B
+shape: docs/performance.md, "The memory targets at the 0.6B shape"). The next phase reuses that
+memory only when it asks for the same sizes; a phase that maps new memory instead (the offloaded
+reference) or allocates other sizes adds to it, and the step's peak counts both.
+``malloc_trim(0)`` returns every free page of the heap at once; called where a phase has just
+freed its memory it costs the next phase page faults for what it touches again (measured in
+docs/performance.md), where a fixed low mmap threshold would cost an mmap and munmap per tensor
+all the time.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ of a real-size model, while the many small tensors of the Python side stay in th
 HOST_MEMORY_TIGHT = 4
 """The fixed threshold pays (``--backend-opt return_freed_memory=auto``) where a step's planned peak
 exceeds 1/4 of the host's available memory: below that the memory it saves is not missed, and its
-page faults made a small model's multi-turn step ~1.4x slower (docs/performance.md)."""
+page faults slow a small model's multi-turn step (docs/performance.md)."""
 
 
 @functools.cache

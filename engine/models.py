@@ -144,8 +144,8 @@ def resolve_checkpointing(setting: bool | None, device: str, supported: bool = T
     if not supported:
         return False, "off (default on cuda, but transformers does not checkpoint this model type)"
     return True, (
-        "on (default on cuda: activations are most of a step's GPU memory, 41.5 -> 8.4 GiB at the Qwen3-0.6B shape, "
-        "for ~8% more step time; --no-gradient-checkpointing turns it off)"
+        "on (default on cuda: activations are most of a step's GPU memory, for a little more step time, docs/performance.md; "
+        "--no-gradient-checkpointing turns it off)"
     )
 
 

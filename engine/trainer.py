@@ -44,6 +44,7 @@ from grpo_core.engine.optim import (
 from grpo_core.engine.perf import memory_line, peak_flops, peak_memory_gib
 from grpo_core.engine.reference_offload import OffloadedWeights
 from grpo_core.engine.vision import save_processor
+from grpo_core.hookspecs import declared
 from grpo_core.metrics import record
 
 TRAINER_FILE = "trainer.json"
@@ -439,3 +440,11 @@ class LocalTrainer(LocalReference):
         self.tokenizer.save_pretrained(path)
         save_processor(self.model, self.tokenizer, path)
         return path
+
+
+def local_policy(trainer: Any) -> Any:
+    """The local trainer whose model the sampler generates with: the trainer itself, or the whole
+    copy a trainer that is not local keeps in this process for sampling (``local_policy()``: the
+    fsdp trainer's, on rank 0)."""
+    policy = declared(trainer, "trainer object", "local_policy")
+    return policy() if policy is not None else trainer

@@ -13,11 +13,11 @@ from grpo_core import PluginError, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
 from grpo_core.metrics import record
 from grpo_core.plugins.advantages.grpo import GRPOAdvantage
+from grpo_core.remote.server_client import TOKENIZER_PROBE
 
 __all__ = ["DistillAdvantage", "same_tokenizer"]
 
 RETRY_DEADLINE = 600.0
-TOKENIZER_PROBE = "Question: what is 12 plus 7?\nAnswer: 12 + 7 = 19\n#### 19\n\tcafé ∑ 🙂  (x_1, y-2) [OK]; 'q' \"r\""
 
 
 def _names_a_model(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -182,7 +182,7 @@ class ServerTeacher:
     ``prompt_logprobs``) with the sequences sent as token ids, one request per call."""
 
     def __init__(self, base_url: str, model: str, retry_deadline: float) -> None:
-        from grpo_core.plugins.samplers.openai import ServerClient
+        from grpo_core.remote.server_client import ServerClient
 
         self.client = ServerClient(base_url, retry_deadline=retry_deadline)
         self.model = model

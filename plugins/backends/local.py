@@ -93,9 +93,8 @@ class LocalBackend:
         "auto",
         help=(
             "on a CPU, glibc gives every tensor of 1 MiB or more back to the OS when it is freed (a fixed mmap "
-            "threshold) and the heap's free pages after each phase (malloc_trim): at the Qwen3-0.6B shape the float32 "
-            "peak is 1.1 GB lower and the trainer's step 8% slower, "
-            "a small model's multi-turn steps ~1.4x slower (docs/performance.md); false = glibc's own threshold, which "
+            "threshold) and the heap's free pages after each phase (malloc_trim): a lower peak for a slower step "
+            "(docs/performance.md, 'The memory targets at the 0.6B shape'); false = glibc's own threshold, which "
             "keeps freed weight-sized tensors; auto = true where the memory plan's peak exceeds a quarter of the "
             "host's available memory"
         ),
@@ -105,8 +104,8 @@ class LocalBackend:
         AUTO,
         help=(
             "the AdamW step of bfloat16 weights (float32 moments, stochastic rounding): compiled = one torch.compile'd "
-            "pass over each tensor, built at the first step (3-13 s on a CPU; there 1.7-2.0x torch's fused float32 AdamW "
-            "against eager's 2.6-3.0x, docs/performance.md); eager = float32 buffers and a noise table; auto = compiled on "
+            "pass over each tensor, built at the first step (its time and speed: docs/performance.md, 'Optimizer step'); "
+            "eager = float32 buffers and a noise table; auto = compiled on "
             "CUDA where Triton is installed, eager elsewhere"
         ),
         validator=attrs.validators.in_(OPTIMIZER_KERNELS),
@@ -117,7 +116,8 @@ class LocalBackend:
             "torch.compile each decoder layer of the trainer's and the reference's forward (dynamic shapes: no "
             "recompile per length); true = compiled (refused where inductor has no C++ compiler / Triton, and without "
             "--gradient-checkpointing, where every forward runs over a shared prompt's cache, eagerly); "
-            "auto = off: on a CPU its 20-70 s of compiling do not pay for small models; not measured on a GPU (docs/performance.md)"
+            "auto = off: on a CPU its compiling does not pay for small models, and it is not measured on a GPU "
+            "(docs/performance.md, 'Compiled layers')"
         ),
     )
 
@@ -137,18 +137,23 @@ class LocalBackend:
         return tokenizer, max_context
 
     @hookimpl
-    def make_trainer(self, config: RunConfig, needs_reference: bool = True) -> LocalTrainer:
+    def check_config(self, config: RunConfig) -> None:
         if config.lora_rank and self.reference == "offload":
             raise PluginError(
                 "--backend-opt reference=offload: a LoRA run's reference is the trainer's own model with its adapters off; "
                 "there is no copy to offload"
             )
-        device, dtype, why = resolve_precision(config.device, config.dtype)
+        device, _, _ = resolve_precision(config.device, config.dtype)
         if config.optimizer_state == "offload" and device.type != "cuda":
             raise PluginError(
                 f"--optimizer-state offload streams Adam's moments from host memory to a GPU; on {device.type} they are in "
                 "host memory already: use fp32, or bf16 / 8bit to make them smaller"
             )
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig, needs_reference: bool = True) -> LocalTrainer:
+        self.check_config(config)
+        device, dtype, why = resolve_precision(config.device, config.dtype)
         reference = (
             None
             if config.lora_rank or not needs_reference

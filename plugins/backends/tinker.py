@@ -22,8 +22,8 @@ from grpo_core.engine.models import model_path
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.loss import LossInputs, aggregate, validate_positive
-from grpo_core.plugins.backends import tinker_sdk as sdk
 from grpo_core.plugins_manager import make_plugin
+from grpo_core.remote import tinker_sdk as sdk
 
 STATE_FORMAT = "grpo-core-tinker-state-1"
 POINTER_FILE = "tinker_weights.json"
@@ -88,9 +88,7 @@ class TinkerBackend:
         return LocalBackend().load_tokenizer(config=config)
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> TinkerTrainer:
-        from transformers import AutoTokenizer
-
+    def check_config(self, config: RunConfig) -> None:
         if config.gradient_checkpointing:
             raise PluginError("--gradient-checkpointing applies to the local trainer only: a Tinker service manages its own memory")
         if config.train_vision:
@@ -102,6 +100,13 @@ class TinkerBackend:
             )
         if config.dtype != "auto":
             raise PluginError(f"--dtype {config.dtype} applies to the local trainer only: a Tinker service chooses its own precision")
+        self.lora_rank(config)
+
+    @hookimpl
+    def make_trainer(self, config: RunConfig) -> TinkerTrainer:
+        from transformers import AutoTokenizer
+
+        self.check_config(config)
         rank = self.lora_rank(config)
         base_model = self.base_model or model_path(config.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path(config.model))
@@ -156,26 +161,16 @@ class BuiltinLoss:
 def builtin_loss(config: RunConfig) -> BuiltinLoss | None:
     """The service's equivalent of the run's loss, or None when only the custom path computes it:
     a wrapper (TIS) is selected, a KL term needs the reference, or an option has no built-in."""
-    from grpo_core.plugins.losses.cispo import CISPOLoss
-    from grpo_core.plugins.losses.dapo import DAPOLoss
-    from grpo_core.plugins.losses.grpo import GRPOLoss
-    from grpo_core.plugins.losses.importance_sampling import ImportanceSamplingLoss
-
     if len(config.loss) != 1:
         return None
     name = config.loss[0]
     loss = make_plugin(name, kind="loss", **config.plugin_options.get("loss", {}).get(name, {}))
     if declared(loss, "loss", "needs_reference"):
         return None
-    # The service computes grpo-core's own losses, whose options are read as they are declared;
-    # a subclass, or another loss, may compute something else: its loss hook does.
-    kind = type(loss)
-    if kind is ImportanceSamplingLoss:
-        return BuiltinLoss("importance_sampling", loss.agg) if loss.clip_rho is None else None
-    if kind is CISPOLoss or kind is GRPOLoss or (kind is DAPOLoss and loss.dual_clip is None):
-        clip = {"clip_low_threshold": 1.0 - loss.eps_low, "clip_high_threshold": 1.0 + loss.eps_high}
-        return BuiltinLoss("cispo" if kind is CISPOLoss else "ppo", loss.agg, clip)
-    return None
+    service = declared(loss, "loss", "service_loss")
+    if service is None:
+        return None
+    return BuiltinLoss(service["loss_fn"], service["agg"], service.get("loss_fn_config"))
 
 
 class StepLoss(Protocol):

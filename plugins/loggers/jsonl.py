@@ -11,7 +11,7 @@ import attrs
 
 from grpo_core import hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
-from grpo_core.types import Prompt, Sample
+from grpo_core.types import Sample, prompt_text
 
 
 @attrs.define
@@ -102,16 +102,6 @@ def sample_rows(step: int, groups: Sequence[Sequence[Sample]]) -> list[dict[str,
 def sample_columns(rows: list[dict[str, Any]]) -> list[str]:
     """The columns of a sample table of ``rows`` (one table is one step: no step column)."""
     return [c for c in dict.fromkeys(k for row in rows for k in row) if c != "step"]
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
-    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
-    if prompt.tokens is not None:
-        return f"token ids: {' '.join(map(str, prompt.tokens))}"
-    if prompt.messages is not None:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
-    return prompt.text or ""
 
 
 def advantage(sample: Sample) -> float | None:

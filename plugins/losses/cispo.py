@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from grpo_core import LossInputs, LossOutput, hookimpl, option
@@ -7,6 +9,7 @@ from grpo_core.loss import (
     KLPenalty,
     finish_loss,
     log_cap_option,
+    service_loss,
     validate_agg,
     validate_eps_low,
     validate_non_negative,
@@ -29,6 +32,11 @@ class CISPOLoss(KLPenalty):
     eps_high: float = option(0.28, help="upper bound of the ratio weight: 1+eps_high", validator=validate_non_negative)
     ratio_log_cap: float = log_cap_option("token")
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
+
+    @property
+    def service_loss(self) -> dict[str, Any] | None:
+        """The Tinker service's cispo loss computes it (declared in hookspecs)."""
+        return service_loss(self, CISPOLoss, "cispo")
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 
@@ -9,6 +11,7 @@ from grpo_core.loss import (
     clipped_surrogate,
     finish_loss,
     log_cap_option,
+    service_loss,
     validate_agg,
     validate_eps_low,
     validate_non_negative,
@@ -41,6 +44,11 @@ class DAPOLoss(KLPenalty):
         None, help="dual-clip constant c > 1 for negative advantages (None = off; 3 is common)", validator=_validate_dual_clip
     )
     agg: str = option("token-mean", help="aggregation over tokens and sequences", validator=validate_agg)
+
+    @property
+    def service_loss(self) -> dict[str, Any] | None:
+        """The Tinker service's ppo loss computes it without dual_clip (declared in hookspecs)."""
+        return service_loss(self, DAPOLoss, "ppo") if self.dual_clip is None else None
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

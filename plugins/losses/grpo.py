@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from grpo_core import LossInputs, LossOutput, hookimpl, option
@@ -8,6 +10,7 @@ from grpo_core.loss import (
     clipped_surrogate,
     finish_loss,
     log_cap_option,
+    service_loss,
     validate_agg,
     validate_eps_low,
     validate_non_negative,
@@ -33,6 +36,11 @@ class GRPOLoss(KLPenalty):
         0.001, help="weight of the KL penalty to the reference policy; 0 = no reference model", validator=validate_non_negative
     )
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
+
+    @property
+    def service_loss(self) -> dict[str, Any] | None:
+        """The Tinker service's ppo loss computes it (declared in hookspecs)."""
+        return service_loss(self, GRPOLoss, "ppo")
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

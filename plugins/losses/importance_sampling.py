@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from grpo_core import LossInputs, LossOutput, hookimpl, option
@@ -7,6 +9,7 @@ from grpo_core.loss import (
     KLPenalty,
     finish_loss,
     log_cap_option,
+    service_loss,
     validate_agg,
     validate_positive_or_none,
 )
@@ -26,6 +29,11 @@ class ImportanceSamplingLoss(KLPenalty):
     )
     ratio_log_cap: float = log_cap_option("token")
     agg: str = option("seq-mean-token-sum", help="aggregation over tokens and sequences", validator=validate_agg)
+
+    @property
+    def service_loss(self) -> dict[str, Any] | None:
+        """The Tinker service's importance_sampling loss computes it without clip_rho (declared in hookspecs)."""
+        return service_loss(self, ImportanceSamplingLoss, "importance_sampling", clipped=False) if self.clip_rho is None else None
 
     @hookimpl
     def loss(self, inputs: LossInputs) -> LossOutput:

@@ -20,7 +20,7 @@ import httpx
 
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
-from grpo_core.plugins.loggers.jsonl import prompt_text
+from grpo_core.types import prompt_text
 
 __all__ = ["HttpReward", "JsonService", "ServiceError", "parse_headers"]
 

@@ -13,8 +13,8 @@ import httpx
 
 from grpo_core import Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
-from grpo_core.plugins.loggers.jsonl import prompt_text
 from grpo_core.plugins.rewards.http import JsonService, RewardServiceError, ServiceError, ServiceReward, parse_headers
+from grpo_core.types import prompt_text
 
 __all__ = ["JudgeReward", "parse_group_scores", "parse_score"]
 

@@ -37,10 +37,9 @@ from grpo_core.engine.logprobs import left_padded_positions, pad_rows
 from grpo_core.engine.lora import frozen_copy, load_trained_state_dict, trained_state_dict
 from grpo_core.engine.models import resolve_precision
 from grpo_core.engine.moe_routing import RoutingTap, routing_problem, tapped
-from grpo_core.engine.trainer import LocalTrainer
+from grpo_core.engine.trainer import LocalTrainer, local_policy
 from grpo_core.engine.vision import PlacedImages
 from grpo_core.errors import PluginError
-from grpo_core.hookspecs import declared
 from grpo_core.loss import validate_positive
 from grpo_core.metrics import record
 
@@ -98,14 +97,6 @@ class LocalSamplerPlugin:
         )
         print(f"sampler decode: {sampler.decode_path}", file=sys.stderr)
         return sampler
-
-
-def local_policy(trainer: Any) -> Any:
-    """The local trainer whose model the sampler generates with: the trainer itself, or the whole
-    copy a trainer that is not local keeps in this process for sampling (``local_policy()``: the
-    fsdp trainer's, on rank 0)."""
-    policy = declared(trainer, "trainer object", "local_policy")
-    return policy() if policy is not None else trainer
 
 
 @attrs.define(eq=False)

@@ -13,7 +13,7 @@ from grpo_core import Completion, SamplingParams, hookimpl
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
-from grpo_core.plugins.backends import tinker_sdk as sdk
+from grpo_core.remote import tinker_sdk as sdk
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 

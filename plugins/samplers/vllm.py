@@ -107,8 +107,7 @@ class VLLMSamplerPlugin:
     @hookimpl
     def make_sampler(self, config: Any, trainer: Any) -> VLLMSampler:
         from grpo_core.engine.models import model_path
-        from grpo_core.engine.trainer import LocalTrainer
-        from grpo_core.plugins.samplers.local import local_policy
+        from grpo_core.engine.trainer import LocalTrainer, local_policy
 
         policy = local_policy(trainer)
         if not isinstance(policy, LocalTrainer):

@@ -111,7 +111,7 @@ def policy_weights(trainer: Any) -> Iterator[tuple[str, Any]]:
     full model's every weight (a tied output layer also as ``lm_head.weight``); a LoRA model's
     merged adapted weights and the rest of each module that holds one."""
     from grpo_core.engine.lora import as_saved, base_state_dict, has_adapters, merged_weights
-    from grpo_core.plugins.samplers.local import local_policy
+    from grpo_core.engine.trainer import local_policy
 
     policy = local_policy(trainer)
     if not hasattr(policy, "model"):

@@ -119,7 +119,7 @@ def test_a_weight_sync_reaches_a_sampler_only_through_its_declared_attributes():
 
 
 def test_a_sampler_reaches_the_trainer_only_through_its_declared_attributes():
-    from grpo_core.plugins.samplers.local import local_policy
+    from grpo_core.engine.trainer import local_policy
     from grpo_core.plugins.samplers.tinker import TinkerSamplerPlugin
 
     inner = SimpleNamespace()

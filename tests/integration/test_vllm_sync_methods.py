@@ -22,8 +22,9 @@ from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.openai import OpenAISampler
-from grpo_core.plugins.weight_sync import vllm_worker
-from grpo_core.plugins.weight_sync.vllm import PAYLOAD_PREFIX, VLLMWeightSync, write_policy
+from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync
+from grpo_core.plugins.weight_sync.vllm_methods import PAYLOAD_PREFIX, DeltaSync, write_policy
+from grpo_core.remote import vllm_worker
 from tests.helpers import TEMPLATE, grpo_core
 from tests.integration.test_vllm import assert_samples_match_trainer, optimizer_step
 from tests.integration.vllm_server import LORA_RANK, LORA_SERVER, VLLMServer, build_server_model, delta_server, ensure_vllm_venv
@@ -166,13 +167,13 @@ def test_a_delta_sync_passes_the_check_and_a_corrupted_delta_is_repaired_by_a_fu
 
     # A delta damaged on its way: the server refuses it (the checksum of what it rebuilt differs)
     # and loads nothing; a full payload repairs it within the same sync.
-    write_payload = VLLMWeightSync.write_payload
+    write_payload = DeltaSync.write
 
     def write_then_corrupt(self, trainer):
         write_payload(self, trainer)
         corrupt_delta(tmp_path / "weights" / f"{PAYLOAD_PREFIX}{trainer.version}.delta")
 
-    monkeypatch.setattr(VLLMWeightSync, "write_payload", write_then_corrupt)
+    monkeypatch.setattr(DeltaSync, "write", write_then_corrupt)
     optimizer_step(trainer, seed=4)
     with scope() as recorded:
         assert sync.weight_sync(trainer=trainer, sampler=sampler, step=4) == 4
@@ -224,7 +225,7 @@ def test_a_full_fine_tune_streams_its_weights_through_a_broadcast_group_without_
         assert_samples_match_trainer(trainer, sampler)
     assert not (tmp_path / "weights").exists()
     # One group for the whole run.
-    assert len(sync.groups) == 1
+    assert len(sync.chosen.groups) == 1
     sampler.close()
 
 

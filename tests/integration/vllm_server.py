@@ -120,7 +120,7 @@ def delta_server(folder: Path) -> dict:
     """What a server that applies weight deltas needs (``--weight-sync-opt method=delta``): grpo-core's
     worker extension, one dependency-free file, on its PYTHONPATH (a folder of its own: beside
     grpo-core's ``vllm.py`` it would shadow vLLM)."""
-    from grpo_core.plugins.weight_sync import vllm_worker
+    from grpo_core.remote import vllm_worker
 
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(vllm_worker.__file__, folder / "grpo_core_vllm_worker.py")

@@ -263,7 +263,7 @@ def test_a_teacher_server_answer_without_prompt_logprobs_is_an_error(tiny_model_
 
 
 def test_retry_deadline_bounds_a_failing_teacher_server(tiny_model_dir):
-    from grpo_core.plugins.samplers.openai import ServerUnavailable
+    from grpo_core.remote.server_client import ServerUnavailable
     from tests.plugins.rewards.json_server import Reply, json_server
 
     def busy(path, body):

@@ -10,9 +10,10 @@ import torch
 from grpo_core import make_plugin
 from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
+from grpo_core.engine.sharded import shares
 from grpo_core.errors import PluginError
 from grpo_core.loss import AGGREGATIONS
-from grpo_core.plugins.backends.fsdp import FSDPBackend, shares
+from grpo_core.plugins.backends.fsdp import FSDPBackend
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins_manager import build_manager
 from grpo_core.stages import train_on_groups
@@ -202,7 +203,7 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
         monkeypatch.setenv(key, value)
     config = RunConfig(model=str(tiny_model_dir), **settings)
     with pytest.raises(PluginError, match=message):
-        FSDPBackend(**options).load_tokenizer(config=config)
+        FSDPBackend(**options).check_config(config=config)
 
 
 def test_the_backends_refusals_come_in_check_config_before_the_data_loads(tiny_model_dir, tmp_path):
@@ -243,4 +244,4 @@ def test_cuda_needs_a_gpu_per_rank(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(PluginError, match="2 ranks here, 1 GPUs"):
-        FSDPBackend(nproc=2).load_tokenizer(config=RunConfig(model=str(tiny_model_dir), device="cuda"))
+        FSDPBackend(nproc=2).check_config(config=RunConfig(model=str(tiny_model_dir), device="cuda"))

@@ -93,7 +93,7 @@ def test_three_steps_end_where_the_local_backend_ends_and_no_rank_is_left(whole_
 def test_the_run_logs_entropy_as_the_local_one_and_says_its_rows_are_padded(whole_runs):
     import json
 
-    from grpo_core.plugins.backends.fsdp import UNPACKED
+    from grpo_core.engine.sharded import UNPACKED
 
     base, _ = whole_runs
     ours, theirs = ([json.loads(line) for line in (base / run / "metrics.jsonl").read_text().splitlines()] for run in ("fsdp", "local"))
@@ -206,11 +206,11 @@ trainer = backend.make_trainer(config=RunConfig(model=model, gradient_checkpoint
 datums = [tinker.Datum(model_input=tinker.ModelInput.from_ints([5, 6, 7, 8 + i]),
                        loss_fn_inputs={"target_tokens": [6, 7, 8 + i, 9], "weights": [0.0, 1.0, 1.0, 1.0]}) for i in range(5)]
 calls = []
-mlp = fsdp.RANK_STATE[0].models["policy"].lm.model.layers[0].mlp
+mlp = trainer.group.local.models["policy"].lm.model.layers[0].mlp
 mlp.forward = lambda *a, _f=mlp.forward, **k: calls.append(1) or _f(*a, **k)
 trainer.forward_backward_custom(datums, lambda ds, lps: (sum((lp * lp).sum() for lp in lps) / 10, {}))
 trainer.optim_step(tinker.AdamParams(learning_rate=1e-2))
-lm = fsdp.RANK_STATE[0].models["policy"].lm
+lm = trainer.group.local.models["policy"].lm
 torch.save({"calls": len(calls), "weights": trainer.full_state_dict(), "attention": lm.config._attn_implementation}, folder + "/out.pt")
 """
 

@@ -735,7 +735,7 @@ def test_compile_auto_says_off_and_why_at_start(tiny_model_dir, capsys):
     assert said in capsys.readouterr().err
     trainer = LocalBackend().make_trainer(config=RunConfig(model=str(tiny_model_dir), gradient_checkpointing=True))
     assert trainer.compiled_layers is None
-    assert "compile: off (auto: on a CPU compiling the layers takes 20-70 s" in capsys.readouterr().err
+    assert "compile: off (auto: on a CPU compiling the layers takes tens of seconds" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

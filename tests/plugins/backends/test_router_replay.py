@@ -14,9 +14,9 @@ from grpo_core.config import RunConfig
 from grpo_core.engine.moe_routing import routers
 from grpo_core.engine.trainer import LocalTrainer
 from grpo_core.errors import PluginError
-from grpo_core.lifecycle import check_router_replay
 from grpo_core.plugins.backends.local import LocalBackend
 from grpo_core.plugins.samplers.local import LocalSampler, LocalSamplerPlugin
+from grpo_core.preflight import check_router_replay
 from grpo_core.train import run
 from tests.plugins.backends.moe_models import MOE_FAMILIES, build_tiny_moe
 from tests.plugins.backends.routed_samples import loss_fn, sampled, with_routes

@@ -20,9 +20,9 @@ from grpo_core.backend import sample_to_datum
 from grpo_core.config import RunConfig
 from grpo_core.errors import PluginError
 from grpo_core.loss import aggregate
-from grpo_core.plugins.backends import tinker_sdk
 from grpo_core.plugins.backends.tinker import BuiltinLoss, TinkerBackend, TinkerTrainer, builtin_loss, token_weights
 from grpo_core.plugins_manager import build_manager, redact_plugin_options
+from grpo_core.remote import tinker_sdk
 from tests.plugins.backends.tinker_losses import step_loss
 
 
@@ -136,6 +136,22 @@ def test_a_key_the_sdk_refuses_is_one_line_without_the_key():
     with pytest.raises(PluginError, match="cannot open a training client on the Tinker service at http://127.0.0.1:9: .*tml-") as info:
         backend.make_trainer(config=RunConfig())
     assert "not-a-tml-key-secret" not in str(info.value)
+
+
+def test_a_subclass_of_a_builtin_loss_is_not_mapped(monkeypatch):
+    """A loss subclass may compute something else: the service computes only the built-in class itself."""
+    from grpo_core.plugins.losses.cispo import CISPOLoss
+
+    @attrs.define
+    class Sharper(CISPOLoss):
+        pass
+
+    assert CISPOLoss().service_loss["loss_fn"] == "cispo" and Sharper().service_loss is None
+    config = RunConfig(loss=["sharper"])
+    monkeypatch.setattr("grpo_core.plugins.backends.tinker.make_plugin", lambda name, kind, **options: Sharper())
+    assert builtin_loss(config) is None
+    monkeypatch.setattr("grpo_core.plugins.backends.tinker.make_plugin", lambda name, kind, **options: CISPOLoss())
+    assert builtin_loss(config).name == "cispo"
 
 
 @pytest.mark.parametrize(

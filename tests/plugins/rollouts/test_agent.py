@@ -355,7 +355,8 @@ def test_an_openai_compatible_server_sampler_serves_behind_the_gateway(tiny_mode
     import httpx
     from transformers import AutoTokenizer
 
-    from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
+    from grpo_core.plugins.samplers.openai import ServerSampler
+    from grpo_core.remote.server_client import ServerClient
     from tests.plugins.samplers.fake_server import FakeVLLM
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)

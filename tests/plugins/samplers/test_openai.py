@@ -10,14 +10,8 @@ import pytest
 from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
-from grpo_core.plugins.samplers.openai import (
-    TOKENIZER_PROBE,
-    OpenAISampler,
-    ServerClient,
-    ServerResponseError,
-    ServerSampler,
-    ServerUnavailable,
-)
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
+from grpo_core.remote.server_client import TOKENIZER_PROBE, ServerClient, ServerResponseError, ServerUnavailable
 from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer, run_through_fake_server
 
 FAST_BACKOFF = (0.01, 0.05)
@@ -437,11 +431,11 @@ def test_plugin_options_reach_the_client(tokenizer, monkeypatch):
 def test_idle_connections_are_dropped_before_the_servers_keep_alive_timeout(monkeypatch):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from grpo_core.plugins.samplers import openai
+    from grpo_core.remote import server_client
 
     # vLLM closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (default 5) seconds; a request
     # sent on it as it closes fails like a server that went away.
-    assert openai.KEEPALIVE_EXPIRY < 5
+    assert server_client.KEEPALIVE_EXPIRY < 5
     ports = []
 
     class KeepAlive(BaseHTTPRequestHandler):
@@ -461,7 +455,7 @@ def test_idle_connections_are_dropped_before_the_servers_keep_alive_timeout(monk
     server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(openai, "KEEPALIVE_EXPIRY", 0.3)
+    monkeypatch.setattr(server_client, "KEEPALIVE_EXPIRY", 0.3)
     client = ServerClient(f"http://127.0.0.1:{server.server_address[1]}")
     try:
         client.get("/a")

@@ -10,15 +10,9 @@ import pytest
 from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.metrics import scope
-from grpo_core.plugins.samplers.openai import (
-    AUTO_INITIAL_WINDOW,
-    AUTO_MAX_WINDOW,
-    ConcurrencyWindow,
-    OpenAISampler,
-    ServerClient,
-    ServerSampler,
-)
+from grpo_core.plugins.samplers.openai import AUTO_INITIAL_WINDOW, AUTO_MAX_WINDOW, OpenAISampler, ServerSampler
 from grpo_core.plugins_manager import make_plugin
+from grpo_core.remote.server_client import ConcurrencyWindow, ServerClient
 from tests.plugins.samplers.fake_server import FakeTrainer, FakeVLLM, LocalHTTPServer, run_through_fake_server
 
 FAST_BACKOFF = (0.01, 0.02)

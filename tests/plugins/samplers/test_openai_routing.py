@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from grpo_core import SamplingParams
-from grpo_core.plugins.samplers.openai import ServerClient, ServerResponseError, ServerSampler
+from grpo_core.plugins.samplers.openai import ServerSampler
+from grpo_core.remote.server_client import ServerClient, ServerResponseError
 from tests.plugins.samplers.fake_server import FakeVLLM
 
 

