@@ -7,11 +7,17 @@
   (decode=compiled; on CUDA also captured as a graph);
 - the sampler alone on [batch, vocabulary] fp32 logits: ``draw`` against the one-pass ``sample``.
 
+Each fused path runs twice where the two differ: its attention over the whole cache capacity,
+and over the live prefix (the slots up to the step's own, rounded up to ``ATTEND_BLOCK``: what
+the sampler runs); each row says how many slots a step attends to. ``--capacity`` sets a long
+cache, the early steps of a long generation (the long workload: 32 + 2048 slots).
+
 With ``--kernels`` (CUDA) each path's kernels per step are counted with torch.profiler over one
 un-graphed step. Ratios are printed against the first row of each group.
 
     python benchmarks/decode.py                             # CPU, fp32 and bf16, the scaled-down shape
     python benchmarks/decode.py --compiled                  # also the compiled step on the CPU (inductor's C++: minutes)
+    python benchmarks/decode.py --capacity 2176 --dtypes float32   # a long cache: the live prefix against the capacity
     python benchmarks/decode.py --device cuda --shape 0.6b --kernels   # the issue's shape, graphs, kernel counts
 """
 
@@ -67,9 +73,10 @@ def graphed(run: Callable[[], None]) -> Callable[[], None]:
     return graph.replay
 
 
-def rig(model, path: str, args: argparse.Namespace) -> Callable[[], None]:
+def rig(model, path: str, args: argparse.Namespace, prefix: bool) -> tuple[Callable[[], None], int, int]:
     """One step of ``path`` over a prefilled batch (the first calls warm it up: kernels chosen,
-    workspaces allocated, a compiled step compiled)."""
+    workspaces allocated, a compiled step compiled), the cache slots it attends to (``prefix``:
+    the live prefix's block, else the capacity) and the capacity."""
     from grpo_core.engine import decoding, sampling
     from grpo_core.engine.decoding import DecodeState, DrawRule, FusedStepper, TransformersStepper, decode_step, draw
     from grpo_core.engine.fast_decoder import FastDecoder
@@ -77,7 +84,9 @@ def rig(model, path: str, args: argparse.Namespace) -> Callable[[], None]:
 
     device = next(model.parameters()).device
     B, P, M = args.batch, args.prompt, args.steps * 2 + 16
-    capacity = decoding.round_capacity(P + M)
+    capacity = max(decoding.round_capacity(P + M), args.capacity)
+    # Every slot the run writes is below P + M: one width covers them all.
+    width = decoding.attended_width(P + M - 1, capacity) if prefix else capacity
     compiled = path == "compiled step"
     if path.startswith("transformers"):
         stepper = TransformersStepper(TransformersForward(model), capacity)
@@ -90,6 +99,7 @@ def rig(model, path: str, args: argparse.Namespace) -> Callable[[], None]:
     valid[:, :P] = True
     state = DecodeState.around(logits.expand(B, -1).clone(), torch.full((B, 1), P - 1, device=device), valid, M, sampled=True)
     state.start(state.logits_B_V, state.position_B_1, state.valid_B_C, P, torch.Generator(device).manual_seed(0))
+    state = state.head(B, width)
     if path.endswith("forward"):
         token = torch.randint(0, args.vocab, (B, 1), device=device)
 
@@ -99,14 +109,14 @@ def rig(model, path: str, args: argparse.Namespace) -> Callable[[], None]:
             state.logits_B_V.copy_(stepper.step(token, state.position_B_1, state.valid_B_C, state.slot_1))
             state.slot_1.add_(1)
 
-        return step
+        return step, width, capacity
     rule = DrawRule(sampling.sample if compiled else draw, 1.0, 0, 1.0, torch.tensor([args.vocab - 1], device=device))
     fn = torch.compile(decode_step, fullgraph=True, dynamic=False) if compiled else decode_step
-    return lambda: fn(state, rule, stepper, True)
+    return (lambda: fn(state, rule, stepper, True)), width, capacity
 
 
 def main() -> None:
-    from grpo_core.engine.decoding import draw
+    from grpo_core.engine.decoding import ATTEND_BLOCK, draw
     from grpo_core.engine.sampling import sample
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +126,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--capacity", type=int, default=0, help="cache slots (default: prompt + room for the steps, rounded up to 128)")
     parser.add_argument("--dtypes", default=None, help="comma-separated; default float32,bfloat16 (CPU), bfloat16 (CUDA)")
     parser.add_argument("--compiled", action="store_true", help="the compiled step on a CPU too (always on CUDA)")
     parser.add_argument("--kernels", action="store_true", help="CUDA: kernels per un-graphed step (torch.profiler)")
@@ -123,7 +134,10 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     args.vocab = args.vocab or (8192 if args.shape == "small" else 151936)
     dtypes = args.dtypes or ("bfloat16" if cuda else "float32,bfloat16")
-    print(f"Qwen3 {args.shape} shape, vocabulary {args.vocab}; batch {args.batch}, prompt {args.prompt}; {args.steps} timed steps")
+    print(
+        f"Qwen3 {args.shape} shape, vocabulary {args.vocab}; batch {args.batch}, prompt {args.prompt}; {args.steps} timed steps; "
+        f"attention blocks of {ATTEND_BLOCK} slots"
+    )
     for name in dtypes.split(","):
         dtype = getattr(torch, name)
         model = qwen3(args.shape, args.vocab, dtype, args.device)
@@ -131,18 +145,25 @@ def main() -> None:
         first = None
         with torch.inference_mode():
             for path in paths:
-                run = rig(model, path, args)
-                began = time.perf_counter()
-                for _ in range(3):
-                    run()
-                warm_s = time.perf_counter() - began
-                kernels = f", {kernels_per_call(run)} kernels/step" if cuda and args.kernels else ""
-                for graph in (False, True) if cuda else (False,):
-                    ms = timed(graphed(run) if graph else run, args.steps, args.device)
-                    first = first or ms
-                    warm = f", first 3 calls {warm_s:.1f} s" if path == "compiled step" and not graph else ""
-                    how = "graph" if graph else "eager" if path != "compiled step" else "no graph"
-                    print(f"{name:9s} {path:22s} {how:8s}: {ms:8.3f} ms/step ({ms / first:.2f}x the first row){kernels}{warm}")
+                # transformers' StaticCache hands attention the whole capacity.
+                for prefix in (False, True) if not path.startswith("transformers") else (False,):
+                    run, width, capacity = rig(model, path, args, prefix)
+                    if prefix and width == capacity:
+                        continue  # the live prefix's block is the whole cache: the row above
+                    began = time.perf_counter()
+                    for _ in range(3):
+                        run()
+                    warm_s = time.perf_counter() - began
+                    kernels = f", {kernels_per_call(run)} kernels/step" if cuda and args.kernels else ""
+                    for graph in (False, True) if cuda else (False,):
+                        ms = timed(graphed(run) if graph else run, args.steps, args.device)
+                        first = first or ms
+                        warm = f", first 3 calls {warm_s:.1f} s" if path == "compiled step" and not graph else ""
+                        how = "graph" if graph else "eager" if path != "compiled step" else "no graph"
+                        print(
+                            f"{name:9s} {path:22s} {how:8s} attends {width:5d}/{capacity} slots: "
+                            f"{ms:8.3f} ms/step ({ms / first:.2f}x the first row){kernels}{warm}"
+                        )
     logits = torch.randn(args.batch, args.vocab, device=args.device) * 3
     u = torch.rand(args.batch, 1, device=args.device)
     samplers = {"draw (full-row cumsum)": draw, "one-pass sample": sample}

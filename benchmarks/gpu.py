@@ -41,6 +41,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -472,6 +473,8 @@ def row_of(spec: dict[str, Any], contender: str, result: dict[str, Any], flops: 
         result["steps"] = [{**s, "completion_lengths": [mean] * len(s["completion_lengths"])} for s in result["steps"]]
     s = summarize([result], spec, flops)
     gpu_peaks = [step["peak_gpu_gib"] for step in result["steps"] if step.get("peak_gpu_gib") is not None]
+    # grpo-core's local sampler says how many cache slots its decode attention read per step.
+    widths = [m["perf/decode_attended_per_step"] for step in timed if "perf/decode_attended_per_step" in (m := step.get("metrics", {}))]
     return {
         "step_s": s["step_s"],
         "sample_s": s["sample_s"],
@@ -483,6 +486,7 @@ def row_of(spec: dict[str, Any], contender: str, result: dict[str, Any], flops: 
         "step_s_max": s["step_s_max"],
         "tokens_per_s": s["tokens_per_s"],
         "versions": s["versions"],
+        "attended_per_step": statistics.median(widths) if widths else None,
     }
 
 
@@ -537,6 +541,11 @@ def format_report(saved: dict[str, Any]) -> str:
                     f"{row['train_s'] / base['train_s']:>6.2f}x {row['peak_gib'] / base['peak_gib']:>5.2f}x"
                 )
             lines.append(line)
+        for r in runs:
+            if r["status"] == "ok" and r["row"].get("attended_per_step") is not None:
+                lines.append(
+                    f"{r['contender']}: decode attention read {r['row']['attended_per_step']:.0f} cache slots per step (median step's mean)"
+                )
         for r in runs:
             if r["status"] == "ok" and "profile" in r.get("result", {}):
                 lines += format_profile(r["contender"], r["result"]["profile"])

@@ -4,8 +4,12 @@ Kept apart from every other module so that any of them can raise one without imp
 plugin manager (or anything else) of the core.
 """
 
+import signal
+
 EXIT_ERROR = 1
 """The exit code of an error the user can fix: bad config, data or plugin; a training failure it explains."""
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+"""The exit code of a run stopped by each signal it stops on (128 + the signal's number, as a shell says)."""
 
 
 class PluginError(Exception):

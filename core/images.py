@@ -122,3 +122,13 @@ def _pil() -> Any:
     except ImportError:
         raise PluginError("image prompts need Pillow: pip install 'grpo-core[vision]'") from None
     return Image
+
+
+def image_url(source: str) -> str:
+    """What an OpenAI-compatible server gets for a resolved image: a file as a data URL of its bytes
+    (the server decodes the very bytes the trainer's processor read), a URL as it is."""
+    if source.startswith((*WEB_SCHEMES, DATA_URL)):
+        return source
+    path = Path(source)
+    kind = (_pil().open(path).format or "png").lower()
+    return f"data:image/{kind};base64,{base64.b64encode(path.read_bytes()).decode()}"

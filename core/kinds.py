@@ -258,8 +258,9 @@ OBJECT_ATTRIBUTES: dict[str, dict[str, Attribute]] = {
         "takes_images": Attribute(
             "bool",
             False,
-            "True: sample(prompts, num_samples, params, images=...) takes each prompt's PromptImages (its images' sources "
-            "and its processor's tensors; None for a text prompt) and generates with them; False: a run with image prompts refuses it",
+            "True: sample(prompts, num_samples, params, images=...) takes each prompt's PromptImages (its images' sources, "
+            "its processor's tensors and its chat; None for a text prompt) and generates with them; "
+            "False: a run with image prompts refuses it",
         ),
         "stateless": Attribute(
             "bool",

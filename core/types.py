@@ -32,6 +32,16 @@ class Prompt:
     """The name of the mixture's source the row came from (``--mix NAME=...``); None outside a mixture."""
 
 
+def prompt_text(prompt: Prompt) -> str:
+    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
+    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
+    if prompt.tokens is not None:
+        return f"token ids: {' '.join(map(str, prompt.tokens))}"
+    if prompt.messages is not None:
+        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
+    return prompt.text or ""
+
+
 @attrs.define
 class PromptImages:
     """An image prompt's images as a sampler takes them (``sample(..., images=...)``)."""
@@ -42,16 +52,9 @@ class PromptImages:
     tensors: dict[str, Any]
     """The model's processor's tensors of them (``pixel_values``...): what an in-process sampler
     places over the prompt's image tokens, and what the samples carry to the trainer."""
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
-    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
-    if prompt.tokens is not None:
-        return f"token ids: {' '.join(map(str, prompt.tokens))}"
-    if prompt.messages is not None:
-        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
-    return prompt.text or ""
+    messages: list[dict[str, Any]] | None = None
+    """The prompt's chat, its image parts resolved (:func:`grpo_core.images.resolve_images`): what a
+    server that renders the chat and reads the images itself gets (the openai sampler)."""
 
 
 @attrs.define

@@ -7,6 +7,10 @@ device, in buffers of fixed shape written in place, so the step can be captured 
   the compiled step (``decode=compiled``: :class:`DecodeSession`) instead moves the live rows to the
   front once half have finished and steps on with a smaller batch bucket, and keeps its cache,
   buffers, compiled step and graphs from one generation to the next.
+- Attention reads only the cache's live prefix: each step of the fused decoder attends to the
+  first slots up to its own, rounded up to :data:`ATTEND_BLOCK` (the host knows the step, so
+  choosing the width reads nothing off the device); a captured step has one graph per (batch
+  bucket, width) reached, all from one compiled step per bucket (the width is a dynamic dimension).
 - Sampling (temperature, top-k, top-p), the logprob of the distribution sampled from and the stop
   tokens are decided on the device. Stop strings need the text: they are checked on the host every
   ``check_every`` steps, together with whether every row has finished (the one device→host copy per
@@ -44,6 +48,10 @@ must not record (and, compiled, compile the step)."""
 CAPACITY_MULTIPLE = 128
 """A compiled step's cache capacity is prompt + completion rounded up to this, so the next steps'
 prompts of other lengths reuse its compiled code, graph and cache."""
+ATTEND_BLOCK = 256
+"""The fused decoder's attention at a step reads the cache's first slots up to the step's own,
+rounded up to this (at most the capacity): early steps of a long generation read about their
+length, and a captured step needs one graph per block reached, not one per step."""
 MIN_BUCKET = 8
 """The smallest batch a compiled step compacts its live rows into: below it a step reads the
 weights whatever the rows, and each bucket is one more compile."""
@@ -105,6 +113,12 @@ def round_capacity(slots: int) -> int:
     return -(-slots // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
+def attended_width(slot: int, capacity: int) -> int:
+    """The cache slots a step writing at ``slot`` attends to: its own and all before it, rounded
+    up to :data:`ATTEND_BLOCK`, at most ``capacity``."""
+    return min(capacity, -(-(slot + 1) // ATTEND_BLOCK) * ATTEND_BLOCK)
+
+
 def draw(
     logits_B_V: torch.Tensor, temperature: float, top_k: int, top_p: float, u_B_1: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +162,9 @@ class Stepper(Protocol):
     """A forward over a static cache: the prompts once, then one token per row per step."""
 
     description: str
+    attends_prefix: bool
+    """Whether a step's attention reads only as many cache slots as its mask is wide (else the
+    mask is the whole capacity)."""
 
     def prefill(self, input_ids_U_P: torch.Tensor, position_ids_U_P: torch.Tensor, valid_U_P: torch.Tensor | None) -> torch.Tensor: ...
     def expand(self, repeats: int) -> None: ...
@@ -172,6 +189,7 @@ class FusedStepper:
     itself), else fp32 copies."""
 
     description = "fused decoder (Llama/Qwen) over a static KV cache"
+    attends_prefix = True
 
     def __init__(self, decoder: Any, capacity: int, keep_dtype: bool = False) -> None:
         self.decoder = decoder
@@ -233,6 +251,8 @@ class TransformersStepper:
     model's dtype, which its sdpa and eager attentions both take)."""
 
     description = "transformers' forward over a StaticCache"
+    # Its StaticCache hands attention the whole capacity.
+    attends_prefix = False
 
     def __init__(self, forward: Any, capacity: int) -> None:
         from transformers.cache_utils import Cache, StaticLayer
@@ -302,12 +322,20 @@ class StepGraph(Protocol):
 
 
 class CudaStepGraph:
+    pool: Any = None
+    """One memory pool for every decode graph (as vLLM's captures share theirs): a step leaves
+    nothing in it (its results are written into the state's buffers) and steps never run at
+    once, so each graph's temporaries may reuse another's, and a graph per (batch bucket, attended
+    width) costs one step's temporaries, not one each."""
+
     def __init__(self) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        if CudaStepGraph.pool is None:
+            CudaStepGraph.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, step: Callable[[], None]) -> None:
         # Capture records the kernels without running them: the step it stands for runs at the first replay.
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=CudaStepGraph.pool):
             step()
 
     def replay(self) -> None:
@@ -379,9 +407,11 @@ class DecodeState:
         if self.uniforms_N is not None:
             torch.rand(self.uniforms_N.shape[0], generator=generator, device=self.uniforms_N.device, out=self.uniforms_N)
 
-    def head(self, rows: int) -> DecodeState:
-        """The first ``rows`` rows: views at the same addresses (a smaller batch's step)."""
+    def head(self, rows: int, width: int) -> DecodeState:
+        """The first ``rows`` rows, and the first ``width`` slots of their mask: views at the same
+        addresses (a smaller batch's step, attending to fewer slots)."""
         per_row = {name: getattr(self, name)[:rows] for name in PER_ROW if getattr(self, name) is not None}
+        per_row["valid_B_C"] = per_row["valid_B_C"][:, :width]
         return attrs.evolve(self, **per_row)
 
     def take_rows(self, order: torch.Tensor, rows: int) -> None:
@@ -453,16 +483,18 @@ def _cause(error: BaseException) -> str:
 @attrs.define(eq=False)
 class DecodeSession:
     """A compiled decode step's kept parts for one (batch, capacity, settings): the fused stepper
-    with its cache and weights, the buffers, the compiled step and one captured graph per batch
-    bucket, reused generation after generation (prefill writes into the kept cache)."""
+    with its cache and weights, the buffers, the compiled step (one per batch bucket) and one
+    captured graph per (batch bucket, attended width), reused generation after generation
+    (prefill writes into the kept cache)."""
 
     stepper: FusedStepper
     state: DecodeState
     rule: DrawRule
     buckets: tuple[int, ...]
-    graphs: dict[int, StepGraph] = attrs.field(factory=dict)
-    warm: dict[int, int] = attrs.field(factory=dict)
-    """Eager (compiling) steps run per bucket before its capture."""
+    graphs: dict[tuple[int, int], StepGraph] = attrs.field(factory=dict)
+    """Per (rows, attended width), the captured step."""
+    warm: dict[tuple[int, int], int] = attrs.field(factory=dict)
+    """Eager (compiling) steps run per (rows, attended width) before its capture."""
     compile_seconds: dict[int, float] = attrs.field(factory=dict)
     """Per bucket, the first compiled call's wall time (the compile)."""
     compile_problem: str | None = None
@@ -505,6 +537,8 @@ class Decoded:
     """Wall time of the loop, prefill excluded."""
     rows_per_step: float = 0.0
     """Rows forwarded per step on average (fewer than the batch where live rows were compacted)."""
+    width_per_step: float = 0.0
+    """Cache slots a step's attention read per row, on average (the capacity where it reads all)."""
 
 
 @attrs.define(eq=False, slots=False)  # the buffers of a run are set in run()
@@ -553,13 +587,15 @@ class DecodeLoop:
         self.state.start(self.logits_B_V, self.position_B_1, self.valid_B_C, self.prompt_width, self.generator)
         self.rows, self.order_B = B, np.arange(B)
         began = time.perf_counter()
-        step, checked, rows_stepped = 0, 0, 0
+        step, checked, rows_stepped, widths = 0, 0, 0, 0
         stopped_host_B = np.zeros(B, dtype=bool)
         tokens_host_B_M = np.zeros((B, M), dtype=np.int64)
         while step < M:
             for _ in range(min(self.check_every, M - step)):
-                self._advance(last=step == M - 1)
+                width = self._width(step)
+                self._advance(last=step == M - 1, width=width)
                 rows_stepped += self.rows
+                widths += width
                 step += 1
             state = self.state
             # The one copy off the device per check: the new tokens (for stop strings) and the rows' ends.
@@ -608,7 +644,13 @@ class DecodeLoop:
             steps=step,
             seconds=seconds,
             rows_per_step=rows_stepped / max(step, 1),
+            width_per_step=widths / max(step, 1),
         )
+
+    def _width(self, step: int) -> int:
+        """The cache slots step ``step`` attends to (it writes at slot prompt_width + step)."""
+        capacity = self.state.valid_B_C.shape[1]
+        return attended_width(self.prompt_width + step, capacity) if self.stepper.attends_prefix else capacity
 
     def _compact(self, finished_B: np.ndarray, host_B: tuple[np.ndarray, ...]) -> None:
         """Once at least half the stepping rows have finished, move the live ones (in their
@@ -642,9 +684,9 @@ class DecodeLoop:
                     break
         return hits
 
-    def _run_step(self, forward: bool, rows: int | None = None) -> None:
-        rows = self.rows if rows is None else rows
-        state = self.state if rows == self.state.tokens_B_M.shape[0] else self.state.head(rows)
+    def _run_step(self, forward: bool, rows: int, width: int) -> None:
+        # The whole state itself where it can be: the eager step allocates the routes buffer on it.
+        state = self.state if (rows, width) == tuple(self.state.valid_B_C.shape) else self.state.head(rows, width)
         if self.session is None:
             decode_step(state, self.rule, self.stepper, forward, self.routes)
             return
@@ -652,6 +694,8 @@ class DecodeLoop:
         if self.session.compile_problem is not None:
             decode_step(state, self.rule, self.stepper, True)
             return
+        # One compile per bucket serves every width (a dynamic dimension), not one per width.
+        torch._dynamo.maybe_mark_dynamic(state.valid_B_C, 1)
         began = time.perf_counter()
         try:
             self.session.step(state, self.rule, self.stepper, True)
@@ -663,27 +707,30 @@ class DecodeLoop:
             return
         self.session.compile_seconds.setdefault(rows, time.perf_counter() - began)
 
-    def _advance(self, last: bool) -> None:
-        """One decode step: eager, captured, or replayed. An eager last step draws without a
-        forward (a graphed or compiled one runs its forward anyway, into slots never read)."""
-        graph = self.graphs.get(self.rows)
+    def _advance(self, last: bool, width: int) -> None:
+        """One decode step attending to ``width`` slots: eager, captured, or replayed (one graph
+        per rows and width). An eager last step draws without a forward (a graphed or compiled one
+        runs its forward anyway, into slots never read)."""
+        rows = self.rows
+        key = (rows, width)
+        graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
             return
-        warm = self.warm.get(self.rows, 0)
+        warm = self.warm.get(key, 0)
         if self.graph_factory is None or warm < GRAPH_WARMUP_STEPS:
-            self.warm[self.rows] = warm + 1
-            self._run_step(forward=not last)
+            self.warm[key] = warm + 1
+            self._run_step(forward=not last, rows=rows, width=width)
             return
-        graph, rows = self.graph_factory(), self.rows
+        graph = self.graph_factory()
         try:
-            # The step of this bucket's rows, whichever loop replays it later (a kept session's graph).
-            graph.capture(lambda: self._run_step(forward=True, rows=rows))
+            # The step of these rows and width, whichever loop replays it later (a kept session's graph).
+            graph.capture(lambda: self._run_step(forward=True, rows=rows, width=width))
         except Exception as error:  # noqa: BLE001 - any failed capture leaves the loop eager, and says why
             self.graph_factory, self.graph_problem = None, f"the decode step could not be captured ({type(error).__name__}: {error})"
-            self._run_step(forward=not last)
+            self._run_step(forward=not last, rows=rows, width=width)
             return
-        self.graphs[self.rows] = graph
+        self.graphs[key] = graph
         graph.replay()
 
 

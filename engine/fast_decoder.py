@@ -139,9 +139,10 @@ class KVCache:
     block's length, if longer), written in place.
 
     With ``slot_1`` set (a one-element tensor on the device) a block of one position is written
-    at that slot and the whole buffers are returned: shapes and addresses stay fixed and no length
-    is read on the host, what a captured decode step needs (:mod:`grpo_core.engine.decoding`);
-    the caller's mask says which slots hold keys."""
+    at that slot and the buffers' first ``width`` slots are returned (all of them when None):
+    shapes and addresses stay fixed and no length is read on the host, what a captured decode
+    step needs (:mod:`grpo_core.engine.decoding`); the caller's mask, ``width`` slots wide, says
+    which of them hold keys."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -153,16 +154,20 @@ class KVCache:
     def past_length(self, layer: int = 0) -> int:
         return self.lengths[layer] if layer < len(self.lengths) else 0
 
-    def update(self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k_B_H_S_D: torch.Tensor, v_B_H_S_D: torch.Tensor, width: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         S = k_B_H_S_D.shape[2]
         if self.slot_1 is not None:
             # A decode step of fewer rows than the buffers hold (live rows compacted to the front)
-            # works on the first rows: views at the buffers' own addresses.
+            # works on the first rows, and attention reads the first ``width`` slots (the caller's
+            # bound past the slot, so the early steps of a long generation read about their own
+            # length, not the capacity): views at the buffers' own addresses.
             rows = k_B_H_S_D.shape[0]
             keys, values = self.keys[layer][:rows], self.values[layer][:rows]
             keys.index_copy_(2, self.slot_1, k_B_H_S_D)
             values.index_copy_(2, self.slot_1, v_B_H_S_D)
-            return keys, values
+            return keys[:, :, :width], values[:, :, :width]
         if layer == len(self.keys):
             B, H, _, D = k_B_H_S_D.shape
             # Zeros, not garbage: a masked slot still meets its weight of 0 in attention, and 0 × NaN is NaN.
@@ -308,7 +313,8 @@ class FastDecoder:
 
         ``attention_mask`` [B, past + S] marks the valid keys, past and new (None = all valid);
         new tokens also see themselves, so a padded position never attends to nothing. A 4-D
-        boolean mask [B, 1, S, keys] is used as it is. ``max_position``: a bound on
+        boolean mask [B, 1, S, keys] is used as it is; over a cache written at a slot, attention
+        reads its first ``keys`` slots. ``max_position``: a bound on
         ``position_ids`` known to the caller (None: read off the device).
         """
         _refuse_grad()
@@ -333,7 +339,7 @@ class FastDecoder:
             k = qk_B_S_N_D[:, :, H:].transpose(1, 2)
             v = v_B_S_K_D.transpose(1, 2)
             if past_key_values is not None:
-                k, v = past_key_values.update(i, k, v)
+                k, v = past_key_values.update(i, k, v, width=None if mask is None else mask.shape[-1])
             attn_B_H_S_D = self._attention(q, k, v, mask, is_causal)
             attn_B_S_HD = attn_B_H_S_D.transpose(1, 2).reshape(B, S, H * D)
             hidden_B_S_E = hidden_B_S_E + F.linear(attn_B_S_HD, w.o, w.o_bias)

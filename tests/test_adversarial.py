@@ -419,7 +419,7 @@ def test_a_run_in_which_one_group_trained_ends_well(world, tmp_path):
 def test_nothing_trained_names_every_reason_and_spares_a_resumed_or_interrupted_run():
     import signal
 
-    from grpo_core.lifecycle import nothing_trained
+    from grpo_core.outcome import nothing_trained
     from grpo_core.types import RunState
 
     def run(step=3, start_step=0, trained=0.0, interrupted=False, **dropped):

@@ -147,7 +147,7 @@ def test_the_async_loop_carries_image_tensors_to_the_sampler(tiny_vlm_dir, rows,
 
 
 class TextOnlySampler:
-    """A sampler that does not declare takes_images (a server sampler, the tinker one)."""
+    """A sampler that does not declare takes_images (the vllm one, the tinker one)."""
 
     version = 0
     max_context = None

@@ -79,7 +79,7 @@ class SingleTurnRollout:
             raise PluginError(f"prompt {prompt.id} has images, but the {type(sampler).__name__} does not take image prompts")
         tokens, tensors = encode_image_prompt(tokenizer, prompt)
         self._token_cache[prompt.id] = tokens
-        return PromptImages(image_sources(prompt.messages), tensors)
+        return PromptImages(image_sources(prompt.messages), tensors, prompt.messages)
 
     def encode(self, tokenizer: Any, prompt: Prompt) -> list[int]:
         """The prompt's tokens as the sampler will see them (chat template applied or not).

@@ -302,6 +302,7 @@ class LocalSampler:
         self.decode_steps += decoded.steps
         self.decode_seconds += decoded.seconds
         record("perf/decode_rows_per_step", decoded.rows_per_step, "mean", weight=decoded.steps)
+        record("perf/decode_attended_per_step", decoded.width_per_step, "mean", weight=decoded.steps)
         if session is not None:
             for rows, seconds in session.compile_seconds.items():
                 if (id(session), rows) not in self.compiles_reported:

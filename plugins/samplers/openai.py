@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import attrs
 
 from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
+from grpo_core.images import IMAGE, IMAGE_URL, image_url
 from grpo_core.metrics import record
 from grpo_core.remote.server_client import (
     TOKENIZER_PROBE,
@@ -18,6 +19,7 @@ from grpo_core.remote.server_client import (
     ServerResponseError,
     prompt_logprobs,
 )
+from grpo_core.types import PromptImages
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 AUTO_INITIAL_WINDOW = 16
@@ -43,6 +45,11 @@ class OpenAISampler:
     tokenizer. vLLM must run with --logprobs-mode processed_logprobs when sampling changes the
     distribution (temperature, top-p, top-k): training needs the logprobs of the distribution
     actually sampled from.
+
+    An image prompt goes alone to POST /v1/chat/completions: its chat with each image as an
+    ``image_url`` part (a file as a data URL of its bytes, a URL as given), so that the server's own
+    processor expands the image tokens. The server's prompt token ids (vLLM: return_token_ids) must
+    equal the trainer's, which score the same prompt with the same images.
     """
 
     base_url: str = option("http://127.0.0.1:8000", help="the server's address (a trailing /v1 is accepted)")
@@ -142,6 +149,8 @@ class ServerSampler:
     """"processed" or "raw" once measured; only matters when sampling changes the distribution."""
     returns_routing: bool = False
     """Each completion carries the server's routed_experts (``--sampler-opt routed_experts=true``)."""
+    takes_images: ClassVar[bool] = True
+    """Image prompts go as chats with ``image_url`` parts (declared in hookspecs)."""
     vocab_size: int = attrs.field(init=False)
 
     @property
@@ -174,16 +183,19 @@ class ServerSampler:
                 f"(trainer {ours[at : at + 5]}, server {theirs[at : at + 5]}); serve the same model folder or tokenizer as the trainer's"
             )
 
-    def sample(self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams) -> list[list[Completion]]:
+    def sample(
+        self, prompts: Sequence[list[int]], num_samples: int, params: SamplingParams, images: Sequence[PromptImages | None] | None = None
+    ) -> list[list[Completion]]:
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
+        images = list(images) if images is not None else [None] * len(prompts)
         if needs_processed_logprobs(params) and self.logprobs_mode != "processed":
-            self._check_logprobs_mode(list(prompts[0]), params)
-        chunks = [[list(p) for p in prompts[i : i + self.prompts_per_request]] for i in range(0, len(prompts), self.prompts_per_request)]
+            # The mode is the server's, whatever the prompt: an image prompt's ids alone are not one it takes.
+            probe = list(prompts[0]) if images[0] is None else self.tokenizer.encode(TOKENIZER_PROBE)
+            self._check_logprobs_mode(probe, params)
         counts = dict.fromkeys(self.client.counts, 0)
-        results = self.client.call(self._sample_chunks(chunks, num_samples, params), counts)
-        groups = [group for chunk in results for group in chunk]
+        groups = self.client.call(self._sample_requests([list(p) for p in prompts], images, num_samples, params), counts)
         # Recorded for the step (sums): ``sampler/requests``, ``sampler/retries``, ``sampler/reconnects``
         # (those made for this call's completions), ``sampler/prompts``, ``sampler/completions``.
         for key, value in counts.items():
@@ -194,26 +206,37 @@ class ServerSampler:
         record("sampler/completions", sum(len(g) for g in groups), "sum")
         return groups
 
-    async def _sample_chunks(self, chunks: list[list[list[int]]], n: int, params: SamplingParams) -> list[list[list[Completion]]]:
+    async def _sample_requests(
+        self, prompts: list[list[int]], images: list[PromptImages | None], n: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        """Each prompt's group: text prompts ``prompts_per_request`` to a completions request, each
+        image prompt a chat completions request of its own (a chat is one conversation)."""
         window = self.client.window
+        greedy = params.temperature == 0
 
-        async def one(chunk: list[list[int]]) -> list[list[Completion]]:
+        async def sent(path: str, body: dict[str, Any], parse: Any) -> list[list[Completion]]:
             async with window as started:
-                data = await self.client.request(
-                    "POST", "/v1/completions", completion_body(self.model, chunk, n, params), on_failure=lambda: window.on_failure(started)
-                )
-                groups = parse_completions(
-                    data,
-                    len(chunk),
-                    n,
-                    self.vocab_size,
-                    greedy=params.temperature == 0,
-                    prompt_lengths=[len(p) for p in chunk] if self.returns_routing else None,
-                )
+                data = await self.client.request("POST", path, body, on_failure=lambda: window.on_failure(started))
+                groups = parse(data)
                 window.on_success(started, max(len(c.tokens) for group in groups for c in group))
             return groups
 
-        return list(await asyncio.gather(*(one(c) for c in chunks)))
+        def parse_text(chunk: list[int]) -> Any:
+            lengths = [len(prompts[i]) for i in chunk] if self.returns_routing else None
+            return lambda data: parse_completions(data, len(chunk), n, self.vocab_size, greedy=greedy, prompt_lengths=lengths)
+
+        def parse_image(i: int) -> Any:
+            lengths = [len(prompts[i])] if self.returns_routing else None
+            return lambda data: [parse_chat_completion(data, prompts[i], i, n, self.vocab_size, greedy, lengths)]
+
+        text = [i for i, image in enumerate(images) if image is None]
+        chunks = [text[i : i + self.prompts_per_request] for i in range(0, len(text), self.prompts_per_request)]
+        with_images = [i for i, image in enumerate(images) if image is not None]
+        requests = [sent("/v1/completions", completion_body(self.model, [prompts[i] for i in c], n, params), parse_text(c)) for c in chunks]
+        requests += [sent("/v1/chat/completions", chat_body(self.model, images[i], n, params), parse_image(i)) for i in with_images]
+        answered = [group for groups in await asyncio.gather(*requests) for group in groups]
+        by_prompt = dict(zip([*(i for c in chunks for i in c), *with_images], answered))
+        return [by_prompt[i] for i in range(len(prompts))]
 
     def _check_logprobs_mode(self, prompt: list[int], params: SamplingParams) -> None:
         """Draw one token with the run's settings, then score it at temperature 1: equal logprobs
@@ -242,14 +265,16 @@ def needs_processed_logprobs(params: SamplingParams) -> bool:
 
 
 def completion_body(model: str, prompts: list[list[int]], n: int, params: SamplingParams) -> dict[str, Any]:
+    return {"model": model, "prompt": prompts, **sampling_fields(n, params), "logprobs": 0}
+
+
+def sampling_fields(n: int, params: SamplingParams) -> dict[str, Any]:
+    """A request's fields that say what to sample, the same for completions and chat completions."""
     body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompts,
         "n": n,
         "max_tokens": params.max_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
-        "logprobs": 0,
         "return_token_ids": True,
     }
     if params.top_k > 0:
@@ -259,6 +284,55 @@ def completion_body(model: str, prompts: list[list[int]], n: int, params: Sampli
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
     return body
+
+
+def chat_body(model: str, images: PromptImages, n: int, params: SamplingParams) -> dict[str, Any]:
+    """An image prompt's chat completions request: its chat with each image as an ``image_url``
+    part, rendered by the server's chat template with the assistant header the trainer's ends with."""
+    if not images.messages:
+        raise ValueError("an image prompt reached the openai sampler without its chat (PromptImages.messages)")
+    return {
+        "model": model,
+        **sampling_fields(n, params),
+        "messages": [{**m, "content": [_openai_part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+                     for m in images.messages],
+        "logprobs": True,
+        "add_generation_prompt": True,
+        # The chat template writes the special tokens, as the trainer's processor call is told.
+        "add_special_tokens": False,
+    }  # fmt: skip
+
+
+def _openai_part(part: Any) -> Any:
+    if isinstance(part, dict) and part.get("type") == IMAGE:
+        return {"type": IMAGE_URL, IMAGE_URL: {"url": image_url(part[IMAGE])}}
+    return part
+
+
+def parse_chat_completion(
+    data: dict[str, Any], prompt: list[int], index: int, n: int, vocab_size: int, greedy: bool, prompt_lengths: Sequence[int] | None
+) -> list[Completion]:
+    """An image prompt's completions from a chat completions answer, whose prompt token ids must be
+    ``prompt`` (the trainer's tokens of the same chat): the trainer scores what the server sampled from."""
+    served = data.get("prompt_token_ids")
+    if served is None:
+        raise ServerResponseError(
+            "the server answered an image prompt's chat without its prompt token ids; the trainer must score the prompt the "
+            "server sampled from: use a server that returns them (vLLM >= 0.10.2 with return_token_ids)"
+        )
+    if list(served) != prompt:
+        at = next((i for i, (a, b) in enumerate(zip(served, prompt)) if a != b), min(len(served), len(prompt)))
+        raise ServerResponseError(
+            f"the server's tokens of image prompt {index} ({len(served)}) differ from the trainer's ({len(prompt)}) from token {at} on "
+            f"(server {list(served[at : at + 5])}, trainer {prompt[at : at + 5]}): serve the model folder the trainer loads "
+            "(its processor and chat template)"
+        )
+    choices = []
+    for choice in data.get("choices") or []:
+        content = (choice.get("logprobs") or {}).get("content")
+        logprobs = None if content is None else [entry.get("logprob") for entry in content]
+        choices.append({**choice, "logprobs": {"token_logprobs": logprobs}})
+    return parse_completions({"choices": choices}, 1, n, vocab_size, greedy, prompt_lengths)[0]
 
 
 def parse_completions(

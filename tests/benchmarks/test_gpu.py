@@ -126,6 +126,21 @@ def test_row_of_reports_the_median_step_and_the_gpu_columns(tmp_path):
     assert on_cpu["peak_gib"] == pytest.approx(4.0)  # the process's peak RSS
 
 
+def test_row_of_and_the_report_give_the_decode_attentions_width_where_the_run_recorded_it(tmp_path):
+    spec = {**fake_spec(tmp_path), "shape": "Qwen3-0.6b", "workload": "long"}
+    result = fake_result(sample=0.4, train=0.5)
+    for width, step in zip([2080, 600, 900, 300], result["steps"]):  # the warmup's is left out
+        step["metrics"] = {"perf/decode_attended_per_step": width}
+    row = gpu.row_of(spec, "grpo-core", result, flops=1e12, device="cpu")
+    assert row["attended_per_step"] == 600
+    assert gpu.row_of(spec, "TRL", fake_result(0.4, 0.5), flops=1e12, device="cpu")["attended_per_step"] is None
+    saved = saved_run(tmp_path)
+    saved["runs"][1]["row"] = row
+    lines = gpu.format_report(saved).splitlines()
+    assert "grpo-core: decode attention read 600 cache slots per step (median step's mean)" in lines
+    assert not any(line.startswith("TRL: decode attention") for line in lines)
+
+
 def test_row_of_refuses_a_completion_shorter_than_forced(tmp_path):
     with pytest.raises(RuntimeError, match="expected 8 of 16"):
         gpu.row_of(fake_spec(tmp_path), "TRL", fake_result(0.4, 0.5, lengths=[L] * 7 + [3]), flops=1e12, device="cpu")

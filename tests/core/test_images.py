@@ -11,7 +11,7 @@ import pytest
 
 from grpo_core.data import load_prompts
 from grpo_core.errors import DataError
-from grpo_core.images import has_images, image_sources, read_image, resolve_images
+from grpo_core.images import has_images, image_sources, image_url, read_image, resolve_images
 from grpo_core.types import Prompt
 
 
@@ -115,3 +115,11 @@ def test_read_image_gives_rgb_and_names_where_it_failed(tmp_path):
     assert image.mode == "RGB" and image.size == (3, 3) and image.getpixel((0, 0)) == (7, 7, 7)
     with pytest.raises(DataError, match=r"^prompt p: cannot read image http://127.0.0.1:9/x.png: "):
         read_image("http://127.0.0.1:9/x.png", "prompt p")
+
+
+def test_image_url_sends_a_file_as_a_data_url_and_a_url_as_it_is(tmp_path):
+    raw = png()
+    (tmp_path / "a.png").write_bytes(raw)
+    assert image_url(str(tmp_path / "a.png")) == data_url(raw)
+    assert image_url("https://example.com/a.png") == "https://example.com/a.png"
+    assert image_url(data_url(raw)) == data_url(raw)

@@ -44,7 +44,7 @@ def test_none_nan_and_exceptions_fail_samples_and_groups_keep_the_scored():
 def test_an_unscored_sample_cut_at_its_token_budget_is_said_to_be_cut_not_a_broken_reward():
     from types import SimpleNamespace
 
-    from grpo_core.lifecycle import nothing_trained
+    from grpo_core.outcome import nothing_trained
     from grpo_core.types import RunState
 
     sel = selection_of(WeightedReward("env", 1.0, TableReward({"x": 1.0})))

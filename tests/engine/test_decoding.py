@@ -15,7 +15,15 @@ from grpo_core import SamplingParams
 from grpo_core.config import RunConfig
 from grpo_core.engine import compile as compile_module
 from grpo_core.engine import decoding
-from grpo_core.engine.decoding import FusedStepper, TransformersStepper, batch_buckets, decode_mode, draw, round_capacity
+from grpo_core.engine.decoding import (
+    FusedStepper,
+    TransformersStepper,
+    attended_width,
+    batch_buckets,
+    decode_mode,
+    draw,
+    round_capacity,
+)
 from grpo_core.engine.fast_decoder import FastDecoder
 from grpo_core.engine.forward import TransformersForward
 from grpo_core.errors import PluginError
@@ -199,6 +207,59 @@ def test_batch_buckets_and_capacity_rounding():
     assert batch_buckets(48) == (48, 32, 16, 8)
     assert batch_buckets(8) == (8,) and batch_buckets(3) == (3,)
     assert round_capacity(1) == 128 and round_capacity(128) == 128 and round_capacity(129) == 256
+    assert decoding.ATTEND_BLOCK == 256
+    assert [attended_width(slot, 640) for slot in (0, 254, 255, 256, 511, 512, 639)] == [256, 256, 256, 512, 512, 640, 640]
+    assert attended_width(20, 21) == 21
+
+
+@pytest.fixture
+def attend_block(monkeypatch):
+    """Attended widths in blocks of 8 slots, so a short decode crosses several."""
+    monkeypatch.setattr(decoding, "ATTEND_BLOCK", 8)
+
+
+def widths_reached(prompt_width, steps, capacity):
+    return [min(capacity, -(-(prompt_width + s + 1) // 8) * 8) for s in range(steps)]
+
+
+def test_attention_over_the_live_prefix_samples_what_attention_over_the_whole_capacity_does(trainer, monkeypatch):
+    """The fused decoder's steps attend to their slot rounded up to a block (widths 8, 16, then the
+    capacity of 5 + 22): the same tokens, logprobs within 2e-5 of the steps over the whole
+    capacity (a block larger than any capacity)."""
+    params = SamplingParams(max_tokens=22, temperature=0.9, top_k=40, stop_token_ids=STOP_IDS[:10])
+    runs = {}
+    for block in (10**6, 8):
+        monkeypatch.setattr(decoding, "ATTEND_BLOCK", block)
+        sampler = make_sampler(trainer, check_every=4)
+        with scope() as metrics:
+            runs[block] = flat(sampler.sample(PROMPTS, 3, params))
+        runs[block, "width"] = metrics.as_dict()["perf/decode_attended_per_step"]
+        runs[block, "steps"] = sampler.decode_steps
+    assert [c.tokens for c in runs[8]] == [c.tokens for c in runs[10**6]]
+    assert max(len(c.tokens) for c in runs[8]) > 16  # the decode reached a third block
+    for got, want in zip(runs[8], runs[10**6]):
+        assert got.logprobs == pytest.approx(want.logprobs, abs=2e-5)
+    assert runs[10**6, "width"] == 27
+    widths = widths_reached(5, runs[8, "steps"], 27)
+    assert runs[8, "width"] == pytest.approx(sum(widths) / len(widths))
+
+
+def test_transformers_static_cache_attends_to_the_whole_capacity(trainer, attend_block):
+    with scope() as metrics:
+        make_sampler(trainer, fast_forward=False).sample(PROMPTS, 1, SamplingParams(max_tokens=12, temperature=0))
+    assert metrics.as_dict()["perf/decode_attended_per_step"] == 5 + 12
+
+
+def test_a_graph_is_captured_per_rows_and_attended_width_reached(trainer, attend_block):
+    params = SamplingParams(max_tokens=22, temperature=0.9, stop_token_ids=STOP_IDS[:10])
+    eager = make_sampler(trainer, check_every=4).sample(PROMPTS, 3, params)
+    sampler, graphs = graphed(trainer, FakeGraph)
+    assert sampler.sample(PROMPTS, 3, params) == eager
+    # Widths 8 (3 steps), 16, 24 (8 each) and 27 (3): after two warm-up steps each, a graph, at
+    # most one per block of the capacity (27 slots: 4).
+    widths = widths_reached(5, sampler.decode_steps, 27)
+    assert len(graphs) == len({w for w in widths if widths.count(w) > decoding.GRAPH_WARMUP_STEPS}) <= -(-27 // 8)
+    assert sum(g.replays for g in graphs) == len(widths) - decoding.GRAPH_WARMUP_STEPS * len(set(widths))
 
 
 def test_the_sampler_refuses_graphs_on_the_cpu_and_names_its_decode_path(trainer):
@@ -387,19 +448,32 @@ def test_sessions_are_kept_per_batch_capacity_and_rules_the_most_recent_first(tr
 
 
 @pytest.mark.slow  # dynamo traces the whole step once per batch bucket
-def test_compiled_graphs_are_captured_once_per_bucket_and_replayed_by_later_generations(trainer, traced, monkeypatch):
+def test_compiled_graphs_are_captured_once_per_bucket_and_width_and_replayed_by_later_generations(trainer, monkeypatch, attend_block):
     # As on CUDA: the compiled step captured (here in the fake graph).
     monkeypatch.setattr(LocalSampler, "captures", property(lambda self: self.decode != "eager" and self.graph_problem is None))
+    compiles = []
+
+    def counting_backend(graph_module, example_inputs):
+        compiles.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setattr(decoding, "COMPILE_BACKEND", counting_backend)
     sampler, graphs = graphed(trainer, FakeGraph)
     sampler.decode = "compiled"
-    params = SamplingParams(max_tokens=12, temperature=0.9, stop_token_ids=STOP_IDS)
+    params = SamplingParams(max_tokens=20, temperature=0.9, stop_token_ids=STOP_IDS)
     eager = make_sampler(trainer, check_every=4)
     for _ in range(2):
         assert_same_completions(sampler.sample(PROMPTS * 4, 4, params), eager.sample(PROMPTS * 4, 4, params))
     (session,) = sampler.sessions.values()
-    assert sorted(session.graphs) == sorted(session.compile_seconds)  # one graph per bucket stepped
+    # One compile per bucket stepped, whatever the widths (5 prompt + 20 slots: 128, read 8 to 32).
+    assert len(compiles) == len(session.compile_seconds) >= 2
+    assert {rows for rows, _ in session.graphs} == set(session.compile_seconds)
+    assert {width for _, width in session.graphs} >= {16, 24}
+    assert all(width in (8, 16, 24, 32) for _, width in session.graphs)
     assert len(graphs) == len(session.graphs)  # the second generation captured nothing
-    assert sum(g.replays for g in graphs) >= 12 + 12 - decoding.GRAPH_WARMUP_STEPS * len(graphs)
+    # Every step either warmed its (rows, width) up or replayed its graph.
+    assert sum(g.replays for g in graphs) + sum(session.warm.values()) == sampler.decode_steps
+    assert all(session.warm[key] == decoding.GRAPH_WARMUP_STEPS for key in session.graphs)
 
 
 @pytest.mark.slow  # dynamo traces the step before the backend refuses it

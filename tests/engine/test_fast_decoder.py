@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -195,3 +197,37 @@ def test_unsupported_models_are_named_with_the_reason():
     )
     assert unsupported_reason(windowed) == "sliding-window attention"
     assert unsupported_reason(model.to(torch.float64)) == "weights that are not float32 (bfloat16 and float16 run on CUDA)"
+
+
+@pytest.mark.parametrize("make_model", [qwen3, qwen2_with_biases])
+def test_a_step_at_a_slot_reads_only_its_masks_width_of_the_cache(make_model):
+    """A decode step written at a slot attends to the cache's first ``mask width`` slots: the slots
+    past them filled with NaN (which a masked read would turn into NaN logits, 0 x NaN) leave its
+    logits those of the step over the whole, clean capacity (grouped and plain heads)."""
+    model = build(make_model)
+    decoder = FastDecoder(model)
+    ids, mask, positions = left_padded([5, 3], 5)
+    capacity, width = 16, 8
+    token = torch.tensor([[7], [11]])
+    logits = {}
+    with torch.no_grad():
+        for poisoned in (False, True):
+            cache = decoder.new_cache(capacity)
+            prompts = decoder.new_cache(5)
+            decoder(ids, positions, mask, prompts, logits_to_keep=1)
+            cache.fill_from(prompts, 1)
+            if poisoned:
+                for buffer in (*cache.keys, *cache.values):
+                    buffer[:, :, width:] = math.nan
+            valid = torch.zeros(2, capacity, dtype=torch.bool)
+            valid[:, :5] = mask.bool()
+            valid[:, 5] = True
+            cache.slot_1 = torch.tensor([5])
+            keys = capacity if not poisoned else width
+            logits[poisoned] = decoder(token, positions[:, -1:] + 1, valid[:, None, None, :keys], cache, logits_to_keep=1)[:, -1]
+            if poisoned:
+                new_B_H_1_D = torch.zeros(2, cache.keys[0].shape[1], 1, cache.keys[0].shape[3])
+                k, v = cache.update(0, new_B_H_1_D, new_B_H_1_D, width)
+                assert k.shape[2] == v.shape[2] == width and k.data_ptr() == cache.keys[0].data_ptr()
+    assert torch.isfinite(logits[True]).all()
+    assert torch.allclose(logits[True], logits[False], atol=1e-6), (logits[True] - logits[False]).abs().max()

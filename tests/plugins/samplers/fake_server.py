@@ -28,9 +28,11 @@ class FakeTrainer:
 
 
 class FakeVLLM:
-    def __init__(self, tokenizer: Any, model: Any = None, name: str = "tiny", max_model_len: int = 256) -> None:
+    def __init__(self, tokenizer: Any, model: Any = None, name: str = "tiny", max_model_len: int = 256, processor: Any = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
+        self.processor = processor
+        """A vision-language model's processor: /v1/chat/completions then serves image chats (:meth:`chat`)."""
         self.name = name
         self.max_model_len = max_model_len
         self.requests: list[tuple[str, dict[str, Any]]] = []
@@ -77,6 +79,8 @@ class FakeVLLM:
                 return httpx.Response(200, json={"choices": [self.score(body["prompt"][0])]})
             # Plain json.dumps: a broken server may send NaN, which httpx's json= refuses to encode.
             return httpx.Response(200, content=json.dumps({"choices": self.complete(body)}), headers={"content-type": "application/json"})
+        if path == "/v1/chat/completions":
+            return self.chat(body)
         if path == "/collective_rpc":
             return self.collective_rpc(body)
         if path == "/reset_prefix_cache":
@@ -117,6 +121,60 @@ class FakeVLLM:
             logprobs = logits.float().log_softmax(-1)[:-1].gather(-1, torch.tensor(tokens[1:]).unsqueeze(-1)).squeeze(-1)
         return [0.0, *logprobs.tolist()]
 
+    def chat(self, body: dict[str, Any]) -> httpx.Response:
+        """As vLLM serves a vision-language model's chat: the processor's chat template renders the
+        messages, each ``image_url`` part (a data URL) is decoded and its placeholder expanded by the
+        processor; completions are drawn from the model (seeded; never the image token), each token's
+        logprob the model's own forward (transformers' image features, not grpo-core's) gives it."""
+        import base64
+        import io
+
+        import torch
+        from PIL import Image
+
+        images, messages = [], []
+        for message in body["messages"]:
+            content = message["content"]
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part["type"] == "image_url":
+                        url = part["image_url"]["url"]
+                        if not url.startswith("data:image/"):
+                            return httpx.Response(400, json={"error": {"message": f"the fake reads data URLs only, got {url[:30]}"}})
+                        images.append(Image.open(io.BytesIO(base64.b64decode(url.partition(",")[2]))).convert("RGB"))
+                        part = {"type": "image"}
+                    parts.append(part)
+                content = parts
+            messages.append({**message, "content": content})
+        text = self.processor.apply_chat_template(messages, add_generation_prompt=body["add_generation_prompt"], tokenize=False)
+        encoded = self.processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=body["add_special_tokens"])
+        prompt = encoded["input_ids"][0].tolist()
+        pixels = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
+        image_token = self.model.config.image_token_id
+        generator = torch.Generator().manual_seed(sum(prompt))
+        choices = []
+        for j in range(body.get("n", 1)):
+            tokens: list[int] = []
+            with torch.no_grad():
+                for _ in range(body["max_tokens"]):
+                    logits = self.model(input_ids=torch.tensor([prompt + tokens]), **pixels).logits[0, -1].float()
+                    logits[image_token] = -torch.inf
+                    tokens.append(int(torch.multinomial(logits.softmax(-1), 1, generator=generator)))
+                logprobs = self.model(input_ids=torch.tensor([prompt + tokens]), **pixels).logits[0].float().log_softmax(-1)
+            picked = logprobs[len(prompt) - 1 : -1].gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+            choice = {
+                "index": j,
+                "message": {"role": "assistant", "content": self.tokenizer.decode(tokens)},
+                "token_ids": tokens,
+                "logprobs": {"content": [{"token": self.tokenizer.decode([t]), "logprob": lp} for t, lp in zip(tokens, picked)]},
+                "finish_reason": "length",
+            }
+            if self.choice_edit is not None:
+                self.choice_edit(choice)
+            choices.append(choice)
+        return httpx.Response(200, json={"choices": choices, "prompt_token_ids": prompt})
+
     def collective_rpc(self, body: dict[str, Any]) -> httpx.Response:
         if body.get("method") != "reload_weights":
             return httpx.Response(400, json={"error": {"message": f"unknown method {body.get('method')}"}})
@@ -128,6 +186,13 @@ class FakeVLLM:
         self.reload_paths.append(path)
         if self.ignore_reloads:
             self.ignore_reloads -= 1
+            return httpx.Response(200, json={"results": [None]})
+        if self.processor is not None:
+            from transformers import AutoModelForImageTextToText
+
+            # transformers' loader maps a vision-language checkpoint's names onto its modules, as vLLM's does.
+            self.model = AutoModelForImageTextToText.from_pretrained(path).eval()
+            self.output_weight = self.model.get_output_embeddings().weight.detach().clone()
             return httpx.Response(200, json={"results": [None]})
         state = {}
         for file in sorted(Path(path).glob("*.safetensors")):
