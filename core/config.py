@@ -467,8 +467,8 @@ class RunConfig:
     memory_check: bool = _field(
         True,
         (
-            "local trainer: before loading, estimate the run's peak memory from the model's config.json and refuse "
-            "a run that cannot fit the device's free memory (--no-memory-check runs it anyway)"
+            "local and fsdp trainers (fsdp: per rank): before loading, estimate the run's peak memory from the model's "
+            "config.json and refuse a run that cannot fit the device's free memory (--no-memory-check runs it anyway)"
         ),
         MACHINE,
         resumable=True,

@@ -116,6 +116,12 @@ def activation_bytes(size: ModelSize, tokens: int, dtype_bytes: int, checkpointi
     return size.layers * layer_activation_bytes(size, tokens, dtype_bytes)
 
 
+def logits_chunk_bytes(size: ModelSize, tokens: int, device_type: str) -> int:
+    """What the fused head holds at once: about four logits-sized tensors of one chunk (larger on CUDA)."""
+    chunk_cap = CUDA_CHUNK_BYTES_CAP if device_type == "cuda" else CPU_CHUNK_BYTES
+    return min(chunk_cap, tokens * size.vocab * 4) * 4
+
+
 @attrs.frozen
 class MemoryPlan:
     parts: dict[str, int]
@@ -160,8 +166,7 @@ def plan(
     buffer_elements = min(size.trained, SLICE_ELEMENTS)
     rounds = weight_dtype == torch.bfloat16 or optimizer_state == "bf16"
     optimizer_work = buffer_elements * 4 * (2 if optimizer_state == "fp32" else 4) + SLICE_ELEMENTS * 4 * rounds if packed else 0
-    chunk_cap = CUDA_CHUNK_BYTES_CAP if device_type == "cuda" else CPU_CHUNK_BYTES
-    head_chunk = min(chunk_cap, tokens * size.vocab * 4) * 4  # about four logits-sized tensors at once
+    head_chunk = logits_chunk_bytes(size, tokens, device_type)
     activations = activation_bytes(size, tokens, dtype_bytes, checkpointing)
     sampler = weights if sampler_copy else 0
     checkpoint = size.trained * dtype_bytes + moments if checkpoint_copy else 0
@@ -363,3 +368,148 @@ def ways_to_fit(config: Any, size: ModelSize, weight_dtype: torch.dtype, device:
         options.append("--gradient-checkpointing (one layer's activations at a time)")
     options.append("--backend fsdp (weights, gradients and moments sharded over GPUs)")
     return options
+
+
+def rank_tokens(config: Any, ranks: int) -> int:
+    """The tokens of the rows the widest of ``ranks`` ranks runs in a forward and backward (its
+    share of an update's sequences: a minibatch, or sft's examples of a step), each prompt assumed
+    :data:`ASSUMED_PROMPT_TOKENS` long."""
+    return -(-max(1, config.sequences_per_update) // ranks) * (ASSUMED_PROMPT_TOKENS + config.max_completion_tokens)
+
+
+def layer_parameters(folder: str | Path) -> int:
+    """The parameters of the model's largest decoder layer: the unit the fsdp backend gathers whole
+    (the classes its ``_no_split_modules`` names; 0 where it names none). Built on the meta device
+    (the fsdp backend trains text models only: ``model_size``'s own build is for every kind)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return max((sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names), default=0)
+
+
+def sharded_plan(
+    size: ModelSize,
+    layer: int,
+    ranks: int,
+    compute_dtype: torch.dtype,
+    tokens: int,
+    checkpointing: bool,
+    reference: bool,
+    sampler_copy: bool,
+    runtime: int = 0,
+    offload: bool = False,
+    device_type: str = "cpu",
+) -> MemoryPlan:
+    """Rank 0's peak in an fsdp step over ``ranks`` ranks (the widest rank: only it holds
+    ``sampler_copy``, --sampler local's whole copy of the policy in ``compute_dtype``).
+
+    Every rank holds a 1/N shard of the float32 master weights, their float32 gradients and the
+    float32 AdamW moments (whatever ``compute_dtype``; ``offload``: in host memory, not on the
+    device), and with a ``reference`` a 1/N shard of it in ``compute_dtype``. Training is the peak
+    (the reference's forward and the optimizer step hold less): the root's weights (everything
+    outside the decoder layers, ``layer`` parameters each) gathered in ``compute_dtype`` for the
+    whole command, a layer gathered and the next one prefetched; in backward the root's and one
+    layer's unsharded gradients, reduced in float32; the activations of the rank's share of the
+    rows (``tokens``) and a fused-head logits chunk. Their sum, on CUDA too (the local plan's
+    overlap of activations and gradients there is not measured for fsdp): an upper bound."""
+    compute_bytes = torch.tensor([], dtype=compute_dtype).element_size()
+    shard = -(-size.parameters // ranks)
+    held = 0 if offload else 1
+    root = max(0, size.parameters - size.layers * layer)
+    parts = {
+        "runtime": runtime,
+        "weights": held * 4 * shard,
+        "gradients": held * 4 * shard,
+        "moments": held * int(shard * moment_bytes("fp32")),
+        "gathered weights": (root + 2 * layer) * compute_bytes,
+        "unsharded gradients": (root + layer) * 4,
+        "activations": activation_bytes(size, tokens, compute_bytes, checkpointing),
+        "logits chunk": logits_chunk_bytes(size, tokens, device_type),
+        "reference": shard * compute_bytes if reference else 0,
+        "sampler copy": size.parameters * compute_bytes if sampler_copy else 0,
+    }
+    return MemoryPlan(parts=parts, peak=sum(parts.values()), phase="training")
+
+
+@attrs.frozen
+class ShardedFit:
+    """An fsdp run's plan: rank 0's, and what the device it runs on must hold."""
+
+    rank0: MemoryPlan
+    ranks_here: int
+    """The ranks that share this device's memory: one per GPU on CUDA, every rank on this host on a CPU."""
+    needed: int
+    free: int
+
+    def line(self) -> str:
+        where = "one rank per GPU" if self.ranks_here == 1 else f"{self.ranks_here} ranks on this host need {self.needed / GB:.2f} GB"
+        others = "; the others hold the same less the sampler copy" if self.rank0.parts["sampler copy"] else ""
+        return f"{self.rank0.line()} on rank 0 ({where}{others})"
+
+
+def check_sharded_fits(
+    config: Any,
+    folder: str,
+    ranks: int,
+    ranks_here: int,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    checkpointing: bool,
+    sampler_copy: bool,
+    offload: bool = False,
+    reference: bool = True,
+) -> ShardedFit:
+    """The plan of an fsdp run (printed by the caller), before any rank starts; raises
+    ``PluginError`` naming what would make it fit when the ranks sharing this device's memory
+    (``ranks_here``: all of this host's on a CPU) need more than it has free (unless --no-memory-check).
+    ``reference``: the loss uses a KL reference (a second sharded model)."""
+    from grpo_core.errors import PluginError
+
+    size = model_size(folder)
+    runtime = CPU_RUNTIME_BYTES if device.type == "cpu" else 0
+    rank0 = sharded_plan(
+        size,
+        layer_parameters(folder),
+        ranks,
+        compute_dtype,
+        rank_tokens(config, ranks),
+        checkpointing,
+        reference=reference,
+        sampler_copy=sampler_copy,
+        runtime=runtime,
+        offload=offload,
+        device_type=device.type,
+    )
+    shared = 1 if device.type == "cuda" else ranks_here
+    needed = rank0.peak + (shared - 1) * (rank0.peak - rank0.parts["sampler copy"])
+    fit = ShardedFit(rank0=rank0, ranks_here=shared, needed=needed, free=free_memory(device))
+    if config.memory_check and fit.needed > fit.free:
+        raise PluginError(
+            f"{fit.line()}: {device.type} has {fit.free / GB:.2f} GB free. To fit, try "
+            + "; ".join(sharded_ways_to_fit(config, ranks, compute_dtype, device, checkpointing, sampler_copy, offload))
+            + ". --no-memory-check runs it anyway"
+        )
+    return fit
+
+
+def sharded_ways_to_fit(
+    config: Any, ranks: int, compute_dtype: torch.dtype, device: torch.device, checkpointing: bool, sampler_copy: bool, offload: bool
+) -> list[str]:
+    """The settings that would lower an fsdp run's estimate. More ranks only help on CUDA: on a
+    CPU every rank's shard is in the same host memory."""
+    options = []
+    if device.type == "cuda":
+        options.append(f"more ranks than {ranks} (weights, gradients and moments split more ways)")
+        if not offload:
+            options.append("--backend-opt cpu_offload=true (the shards in host memory)")
+    if sampler_copy:
+        options.append("--sampler openai (rank 0 keeps no whole copy of the policy)")
+    if compute_dtype == torch.float32:
+        options.append("--dtype bfloat16 (gathered weights and activations in bf16; the shards stay float32)")
+    if not checkpointing:
+        options.append("--gradient-checkpointing (one layer's activations at a time)")
+    if config.command == "run" and 2 * config.minibatches_per_step <= config.prompt_groups_per_step:
+        options.append(f"--minibatches-per-step {2 * config.minibatches_per_step} (half the rows in each forward and backward)")
+    return options or [f"a {device.type} with more free memory (every setting that lowers the plan is in use)"]

@@ -27,6 +27,7 @@ from grpo_core.engine.logprobs import DatumRouting, mean_entropy, target_logprob
 from grpo_core.engine.models import enable_activation_checkpointing, load_model, train_mode
 from grpo_core.engine.moe_routing import routing_problem, tapped
 from grpo_core.engine.optim import all_finite, clip_and_step, make_optimizer, routing_outputs
+from grpo_core.engine.perf import peak_memory_gib
 from grpo_core.engine.rank_group import RankWorker
 from grpo_core.errors import PluginError
 
@@ -295,6 +296,11 @@ class ShardedRank(RankWorker):
             full[name] = whole.to("cpu", policy.dtype) if self.rank == 0 else whole
         return full if self.rank == 0 else None
 
+    def largest_peak_memory_gib(self) -> float | None:
+        """The largest rank's memory peak since the last call (``engine.perf.peak_memory_gib``), on rank 0."""
+        peaks = self.gather(peak_memory_gib(self.device))
+        return None if peaks is None else max(peaks)
+
     COMMANDS: ClassVar[tuple[Any, ...]] = (
         load,
         forward,
@@ -304,6 +310,7 @@ class ShardedRank(RankWorker):
         save_state,
         load_state,
         full_state_dict,
+        largest_peak_memory_gib,
     )
 
 

@@ -25,6 +25,8 @@ from grpo_core.backend import CustomLossFn, NonFiniteWeights
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.engine.architectures import AUTO
 from grpo_core.engine.forward import TRAINER_FORWARD
+from grpo_core.engine.logprobs import tokens_run
+from grpo_core.engine.memory_plan import ASSUMED_PROMPT_TOKENS, check_sharded_fits
 from grpo_core.engine.models import (
     load_model,
     model_path,
@@ -35,6 +37,7 @@ from grpo_core.engine.models import (
 )
 from grpo_core.engine.moe_routing import num_experts, routing_problem
 from grpo_core.engine.optim import forward_backward_output, load_metrics, nonfinite_step_message, step_metrics
+from grpo_core.engine.perf import memory_line, peak_flops
 from grpo_core.engine.rank_group import Group, join_group, serve, start_group, torchrun_world
 from grpo_core.engine.sharded import UNPACKED, ModelSpec, ShardedRank, read_state_info, shares
 from grpo_core.engine.trainer import LocalTrainer
@@ -67,6 +70,9 @@ class FSDPBackend:
     and final/ are a transformers folder in the model's dtype, gathered on rank 0. --sampler
     local keeps a full copy of the policy on rank 0 (for small models and tests); real sizes
     sample from a server (--sampler openai --weight-sync vllm). LoRA is not supported here.
+    Before any rank starts, a memory plan per rank (docs/scaling-out.md, Memory per rank) refuses
+    a run that cannot fit (--no-memory-check runs it anyway); perf/mfu is over the N ranks' peak,
+    perf/peak_memory_gib the largest rank's.
     """
 
     nproc: int = option(
@@ -118,8 +124,6 @@ class FSDPBackend:
             )
         if config.lora_rank:
             raise PluginError("--lora-rank: the fsdp backend trains every weight; LoRA runs on --backend local")
-        if not config.memory_check:
-            raise PluginError("--no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)")
         if config.optimizer_state not in ("auto", "fp32"):
             raise PluginError(
                 f"--optimizer-state {config.optimizer_state}: the fsdp backend keeps float32 AdamW moments, sharded over its "
@@ -142,7 +146,7 @@ class FSDPBackend:
         return LocalBackend(attn_implementation=self.attn_implementation).load_tokenizer(config=config)
 
     @hookimpl
-    def make_trainer(self, config: RunConfig) -> FSDPTrainer:
+    def make_trainer(self, config: RunConfig, needs_reference: bool = True) -> FSDPTrainer:
         world = self.world_size(config)
         device, dtype, _ = resolve_precision(config.device, config.dtype)
         checkpointing, why = resolve_checkpointing(config.gradient_checkpointing, device.type)
@@ -164,6 +168,21 @@ class FSDPBackend:
             "(float32 weights 4 + gradients 4 + moments 8)",
             file=sys.stderr,
         )
+        # Planned before any rank starts: a run that cannot fit loads nothing.
+        fit = check_sharded_fits(
+            config,
+            model_path(config.model),
+            world,
+            int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+            dtype,
+            device,
+            checkpointing,
+            sampler_copy="sampler" in config.kinds and config.sampler in (None, "local"),  # sft samples nothing
+            offload=self.cpu_offload,
+            reference=needs_reference,
+        )
+        counted = "the KL reference counted" if needs_reference else "no KL reference counted (the loss uses none)"
+        print(f"{fit.line()}; {counted}; activations assume prompts of {ASSUMED_PROMPT_TOKENS} tokens", file=sys.stderr)
         group = start_group(world, device.type, spawn=torchrun_world() is None, worker=ShardedRank)
         pids = ", ".join(str(w.pid) for w in group.workers)
         started = f"; ranks 1-{world - 1} are pids {pids}" if pids else ""
@@ -213,6 +232,8 @@ class FSDPTrainer:
     """A non-finite loss since the last optimizer step: that step will be skipped."""
     sampling_copy: LocalTrainer | None = None
     """A whole copy of the policy on rank 0 for ``--sampler local``, made when it first asks."""
+    tokens_trained_on: int = 0
+    """Tokens its forward_backward calls ran over all ranks since ``perf_counters`` last read them."""
 
     @property
     def routing_problem(self) -> str | None:
@@ -222,7 +243,27 @@ class FSDPTrainer:
     @property
     def run_info(self) -> dict[str, str]:
         """How it trains, for config.json (declared in hookspecs)."""
-        return {"forward": TRAINER_FORWARD, "padding": f"sequences are padded ({UNPACKED})"}
+        device, dtype = self.group.local.device, getattr(torch, self.spec.dtype)
+        return {
+            "forward": TRAINER_FORWARD,
+            "padding": f"sequences are padded ({UNPACKED})",
+            "mfu_peak": f"{self.group.world} ranks x {peak_flops(device, dtype)[1]}",
+            "peak_memory": f"the largest over the ranks of {memory_line(device)}",
+        }
+
+    def perf_counters(self) -> dict[str, float]:
+        """What perf/mfu and perf/peak_memory_gib are computed from (declared in hookspecs): the
+        world's peak is the ranks' (rank 0's rate N times: each rank runs a share of the rows; on one
+        CPU ranks that share its cores make it an upper bound, so mfu errs low), the memory peak the
+        largest rank's."""
+        tokens, self.tokens_trained_on = self.tokens_trained_on, 0
+        device, dtype = self.group.local.device, getattr(torch, self.spec.dtype)
+        return {
+            "forward_tokens": float(tokens),
+            "parameters": float(sum(p.numel() for p in self.group.local.models["policy"].lm.parameters())),
+            "peak_flops": self.group.world * peak_flops(device, dtype)[0],
+            "peak_memory_gib": self.group.run(ShardedRank.largest_peak_memory_gib),
+        }
 
     def forward(self, datums: Sequence[tinker.Datum]) -> list[torch.Tensor]:
         return self.group.run(ShardedRank.forward, "policy", shares(datums, self.group.world))
@@ -236,6 +277,7 @@ class FSDPTrainer:
 
     def forward_backward_custom(self, datums: Sequence[tinker.Datum], loss_fn: CustomLossFn) -> tinker.ForwardBackwardOutput:
         record("perf/padding_free", 0.0, "max")  # 0: padded (UNPACKED), as the local trainer records it
+        self.tokens_trained_on += tokens_run(datums, whole_rows=True)  # one pass: every sequence whole, padding aside
         logprobs, loss, metrics, error, routed = self.group.run(
             ShardedRank.forward_backward, shares(datums, self.group.world), loss_fn=loss_fn, datums=list(datums)
         )

@@ -9,7 +9,7 @@ import torch
 
 from grpo_core import make_plugin
 from grpo_core.backend import sample_to_datum
-from grpo_core.config import RunConfig
+from grpo_core.config import RunConfig, SFTConfig
 from grpo_core.engine.sharded import shares
 from grpo_core.errors import PluginError
 from grpo_core.loss import AGGREGATIONS
@@ -189,7 +189,6 @@ def test_the_local_sampler_samples_from_a_copy_kept_current(fsdp):
         ({}, {}, {"WORLD_SIZE": "1"}, "use --backend local"),
         ({"optimizer_state": "bf16"}, {"nproc": 2}, {}, "--optimizer-state bf16: the fsdp backend keeps float32 AdamW moments"),
         ({"optimizer_state": "8bit"}, {"nproc": 2}, {}, "use --backend local for them, or --backend-opt cpu_offload=true"),
-        ({"memory_check": False}, {"nproc": 2}, {}, "--no-memory-check would do nothing: the fsdp backend makes no memory plan"),
         (
             {"device": "cpu"},
             {"nproc": 2, "cpu_offload": True},
@@ -209,14 +208,16 @@ def test_refusals_come_before_anything_loads(tiny_model_dir, monkeypatch, settin
 def test_the_backends_refusals_come_in_check_config_before_the_data_loads(tiny_model_dir, tmp_path):
     from tests.helpers import grpo_core_in_process, small_run_args
 
-    args = small_run_args(tiny_model_dir, tmp_path / "no-such-data.jsonl", tmp_path / "r", "--backend", "fsdp", "--no-memory-check")
-    out = grpo_core_in_process(*args, "--backend-opt", "nproc=2")
+    data = tmp_path / "no-such-data.jsonl"
+    args = small_run_args(tiny_model_dir, data, tmp_path / "r", "--backend", "fsdp", "--no-memory-check")
+    out = grpo_core_in_process(*args, "--backend-opt", "nproc=1")
     assert (out.returncode, out.stderr.strip().splitlines()) == (
         1,
-        ["error: --no-memory-check would do nothing: the fsdp backend makes no memory plan to check (the local one does)"],
+        ["error: --backend fsdp with one rank shards nothing: use --backend local"],
     )
-    out = grpo_core_in_process(*args[:-1], "--backend-opt", "nproc=1")
-    assert out.stderr.strip().splitlines() == ["error: --backend fsdp with one rank shards nothing: use --backend local"]
+    # --no-memory-check is the fsdp plan's override too: accepted, the run stops at the missing data.
+    out = grpo_core_in_process(*args, "--backend-opt", "nproc=2")
+    assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1 and str(data) in out.stderr, out.stderr
 
 
 def test_resume_may_change_nproc_and_no_other_option_of_the_backend(tmp_path):
@@ -245,3 +246,50 @@ def test_cuda_needs_a_gpu_per_rank(tiny_model_dir, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(PluginError, match="2 ranks here, 1 GPUs"):
         FSDPBackend(nproc=2).check_config(config=RunConfig(model=str(tiny_model_dir), device="cuda"))
+
+
+def test_perf_counters_count_every_ranks_tokens_against_the_worlds_peak(fsdp):
+    from grpo_core.engine.perf import peak_flops, peak_memory_gib
+
+    config, trainer, reference, start = fsdp
+    trainer.load_state(start)
+    trainer.perf_counters()  # the tests before trained: a fresh count
+    datums = [sample_to_datum(s) for s in off_policy_samples(trainer.tokenizer)]
+    trainer.forward(datums)  # no gradient: not training tokens
+    for part in shares(datums, 2):
+        trainer.forward_backward_custom(part, lambda d, lps: (sum(lp.sum() for lp in lps), {}))
+    counters = trainer.perf_counters()
+    # One pass over each whole sequence, on whichever rank: a shared prompt runs once per row.
+    assert counters["forward_tokens"] == sum(d.model_input.length for d in datums)
+    assert trainer.perf_counters()["forward_tokens"] == 0.0  # read once
+    local = LocalBackend().make_trainer(config=config)
+    assert counters["parameters"] == sum(p.numel() for p in local.model.parameters())
+    assert counters["peak_flops"] == 2 * peak_flops(torch.device("cpu"), torch.float32)[0]
+    assert counters["peak_memory_gib"] >= peak_memory_gib(torch.device("cpu")) > 0  # rank 0's peak, or rank 1's if larger
+    info = trainer.run_info
+    assert info["mfu_peak"].startswith("2 ranks x this CPU's float32") and info["peak_memory"].startswith("the largest over the ranks")
+
+
+def test_the_memory_peak_is_the_largest_ranks(monkeypatch):
+    from grpo_core.engine.sharded import ShardedRank
+
+    cpu = torch.device("cpu")
+    rank0, rank1 = ShardedRank(0, 3, cpu, None), ShardedRank(1, 3, cpu, None)
+    monkeypatch.setattr(ShardedRank, "gather", lambda self, peak: [1.5, 4.0, 2.0] if self.rank == 0 else None)
+    assert rank0.largest_peak_memory_gib() == 4.0 and rank1.largest_peak_memory_gib() is None
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_any_rank_starts(tiny_model_dir, monkeypatch, capsys):
+    from grpo_core.engine import memory_plan
+    from grpo_core.plugins.backends import fsdp
+
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 1000)
+    monkeypatch.setattr(fsdp, "start_group", lambda *a, **k: pytest.fail("started ranks for a run that cannot fit"))
+    with pytest.raises(PluginError, match=r"^memory plan: peak [\d.]+ GB in training \(.*\) on rank 0 \(2 ranks on this host need"):
+        FSDPBackend(nproc=2).make_trainer(config=RunConfig(model=str(tiny_model_dir)))
+    assert "trainer: fsdp" not in capsys.readouterr().err
+    with pytest.raises(PluginError) as refused:
+        FSDPBackend(nproc=2).make_trainer(config=SFTConfig(model=str(tiny_model_dir)), needs_reference=False)
+    # sft samples nothing and has no reference: rank 0 plans no copy for a sampler, no reference's shard.
+    said = str(refused.value)
+    assert "sampler" not in said and "reference" not in said and "on rank 0 (2 ranks on this host need" in said, said

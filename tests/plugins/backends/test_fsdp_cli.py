@@ -106,6 +106,37 @@ def test_the_run_logs_entropy_as_the_local_one_and_says_its_rows_are_padded(whol
 
 
 @pytest.mark.slow
+def test_the_run_prints_its_memory_plan_and_logs_mfu_over_both_ranks_and_the_memory_peak(whole_runs):
+    import json
+
+    base, sharded = whole_runs
+    plan = [line for line in sharded.stderr.splitlines() if line.startswith("memory plan:")]
+    assert len(plan) == 1 and "on rank 0 (2 ranks on this host need" in plan[0], sharded.stderr
+    assert sharded.stderr.index("memory plan:") < sharded.stderr.index("trainer: fsdp, 2 ranks")  # planned before the ranks start
+    metrics = [json.loads(line) for line in (base / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        assert 0 < m["perf/mfu"] <= 1, m
+        assert m["perf/peak_memory_gib"] > 0 and m["perf/train_tokens_per_s"] > 0
+        # The tokens the ranks ran are every sequence whole (one pass): those core counted it was sent.
+        assert m["perf/train_tokens_per_s"] == pytest.approx(m["train/forward_tokens"] / m["time/train"])
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two CUDA GPUs: one rank on each")
+def test_on_two_gpus_each_rank_is_planned_for_its_gpu_and_mfu_is_over_both(tiny_model_dir, tiny_dataset, tmp_path):
+    import json
+
+    out = grpo_core(*small_run_args(tiny_model_dir, tiny_dataset, tmp_path / "r", "--device", "cuda"), *FSDP)
+    assert out.returncode == 0, out.stderr
+    assert "on rank 0 (one rank per GPU; the others hold the same less the sampler copy)" in out.stderr
+    for m in [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]:
+        assert 0 < m["perf/mfu"] <= 1 and m["perf/peak_memory_gib"] > 0, m
+    info = json.loads((tmp_path / "r" / "config.json").read_text())["run_info"]["trainer"]
+    assert info["mfu_peak"].startswith("2 ranks x ") and "torch.cuda.max_memory_allocated" in info["peak_memory"]
+
+
+@pytest.mark.slow
 def test_sigkill_of_rank0_then_resume_is_bitwise_the_unbroken_run(whole_runs, tiny_model_dir, tiny_dataset, tmp_path):
     base, _ = whole_runs
     killed = tmp_path / "killed"
