@@ -124,6 +124,18 @@ def _pil() -> Any:
     return Image
 
 
+def openai_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A chat whose image parts are resolved, as an OpenAI-compatible server takes it: each image as
+    an ``image_url`` part (:func:`image_url`), every other part and string content as it is."""
+    return [{**m, "content": [openai_part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]} for m in messages]
+
+
+def openai_part(part: Any) -> Any:
+    if isinstance(part, dict) and part.get("type") == IMAGE:
+        return {"type": IMAGE_URL, IMAGE_URL: {"url": image_url(part[IMAGE])}}
+    return part
+
+
 def image_url(source: str) -> str:
     """What an OpenAI-compatible server gets for a resolved image: a file as a data URL of its bytes
     (the server decodes the very bytes the trainer's processor read), a URL as it is."""

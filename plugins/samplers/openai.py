@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import attrs
 
 from grpo_core import Completion, PluginError, SamplingParams, hookimpl, option
-from grpo_core.images import IMAGE, IMAGE_URL, image_url
+from grpo_core.images import openai_messages
 from grpo_core.metrics import record
 from grpo_core.remote.server_client import (
     TOKENIZER_PROBE,
@@ -294,19 +294,12 @@ def chat_body(model: str, images: PromptImages, n: int, params: SamplingParams) 
     return {
         "model": model,
         **sampling_fields(n, params),
-        "messages": [{**m, "content": [_openai_part(p) for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
-                     for m in images.messages],
+        "messages": openai_messages(images.messages),
         "logprobs": True,
         "add_generation_prompt": True,
         # The chat template writes the special tokens, as the trainer's processor call is told.
         "add_special_tokens": False,
-    }  # fmt: skip
-
-
-def _openai_part(part: Any) -> Any:
-    if isinstance(part, dict) and part.get("type") == IMAGE:
-        return {"type": IMAGE_URL, IMAGE_URL: {"url": image_url(part[IMAGE])}}
-    return part
+    }
 
 
 def parse_chat_completion(
