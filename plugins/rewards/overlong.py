@@ -39,14 +39,24 @@ class OverlongReward:
         self._run_max_tokens = config.max_completion_tokens
 
     @hookimpl
+    def check_config(self, config: Any) -> None:
+        self.budget(config.max_completion_tokens)
+
+    @hookimpl
     def reward(self, prompt: Prompt, samples: Sequence[Sample]) -> list[float]:
-        limit = self.max_tokens or self._run_max_tokens
+        limit, buffer = self.budget(self._run_max_tokens)
+        return [self.penalty * overlong_punishment(longest_turn(s), limit, buffer) for s in samples]
+
+    def budget(self, run_max_tokens: int) -> tuple[int, int]:
+        """``max_tokens`` and ``buffer`` as they apply under a run's ``--max-completion-tokens``; refused
+        in ``check_config`` before anything loads, and where a reward is asked without a run (eval's, a test's)."""
+        limit = self.max_tokens or run_max_tokens
         if not limit:
             raise PluginError("reward overlong: set --reward-opt overlong.max_tokens=N (the run sets it from --max-completion-tokens)")
         buffer = self.buffer or max(1, limit // 5)
         if buffer > limit:
             raise PluginError(f"reward overlong: buffer {buffer} is longer than max_tokens {limit}")
-        return [self.penalty * overlong_punishment(longest_turn(s), limit, buffer) for s in samples]
+        return limit, buffer
 
 
 def longest_turn(sample: Sample) -> int:

@@ -40,6 +40,17 @@ def test_bad_settings_are_refused():
         make_plugin("reward.overlong", penalty=-1)
 
 
+def test_a_buffer_past_the_runs_limit_is_refused_before_the_data_loads(tiny_model_dir, monkeypatch):
+    from grpo_core import lifecycle
+    from tests.helpers import grpo_core_in_process
+
+    monkeypatch.setattr(lifecycle, "load_dataset", lambda *a, **k: pytest.fail("loaded the data"))
+    args = ("--reward", "gsm8k", "--reward", "overlong", "--reward-opt", "overlong.buffer=64", "--max-completion-tokens", "32")
+    result = grpo_core_in_process("run", "--model", str(tiny_model_dir), *args, "--max-steps", "1")
+    assert result.returncode == 1, result.stderr
+    assert "reward overlong: buffer 64 is longer than max_tokens 32" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_run_scores_completions_that_reach_the_limit(tiny_model_dir, tiny_dataset, tmp_path):
     from grpo_core.train import run
 
