@@ -150,3 +150,24 @@ def test_pre_tokenized_rows_sample_and_train_as_the_same_prompts_as_text(venv_py
     keys = ("tokens/completion", "reward/total", "loss/total")
     text, ids = metrics_of(tmp_path / "text"), metrics_of(tmp_path / "ids")
     assert [[m[k] for k in keys] for m in ids] == [[m[k] for k in keys] for m in text]
+
+
+def test_an_agent_program_trains_through_the_gateway_in_front_of_the_engine(venv_python, models, tiny_dataset, tmp_path):
+    """``--rollout agent`` with the in-process engine behind its gateway: the program's two calls per
+    sample are sampled by vLLM, their tokens trained, and every sync checked as for any run."""
+    agent = Path(__file__).parents[1] / "plugins" / "rollouts" / "agents" / "two_turn.py"
+    args = run_args(
+        models["untied"], tiny_dataset, tmp_path / "r", 2, "--rollout", "agent", "--rollout-opt", f"command={venv_python} {agent}"
+    )
+    at = args.index("--prompt-template")  # an agent's program writes its own messages
+    del args[at : at + 2]
+    at = args.index("--reward")  # the program scores its own answers
+    del args[at : at + len(SIGNAL)]
+    code = traced_run(venv_python, tmp_path / "trace", args, tmp_path / "log")
+    assert code == 0, (tmp_path / "log").read_text()[-3000:]
+    metrics = metrics_of(tmp_path / "r")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["agent/calls_mean"] == 2.0 and m["agent/failed"] == 0 and m["agent/prefix_breaks"] == 0
+        assert m["train/tokens"] > 0 and m["sync/logprob_max_abs_diff"] <= TOLERANCE
+    assert read_trace(tmp_path / "trace").count("generate") >= 2
