@@ -39,7 +39,7 @@ from typing import Any
 
 import attrs
 
-from grpo_core.checkpoint import complete_checkpoints
+from grpo_core.checkpoint import checkpoint_steps
 from grpo_core.config import RunConfig, default_threads
 from grpo_core.errors import PluginError
 from grpo_core.hookspecs import declared
@@ -723,8 +723,8 @@ def write_async_state(folder: Path, step: int, snapshot: dict[str, Any]) -> None
 
 
 def prune_async_state(folder: Path, step: int) -> None:
-    """Keep the async state of ``step`` and of every checkpoint still there."""
-    keep = {step} | {int(p.name.removeprefix("step-")) for p in complete_checkpoints(folder.parent)}
+    """Keep the async state of ``step`` and of every checkpoint still there or being written."""
+    keep = {step} | checkpoint_steps(folder.parent)
     for old in folder.glob("step-*.json"):
         if int(old.stem.removeprefix("step-")) not in keep:
             old.unlink(missing_ok=True)

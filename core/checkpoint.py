@@ -152,7 +152,7 @@ def save_checkpoint(state: RunState, trainer: Any, write_extra: Callable[[Path],
     if write_trainer is None:
         complete()
     else:
-        WRITING[run_dir] = BackgroundWrite(complete)
+        WRITING[run_dir] = BackgroundWrite(complete, final)
     return final
 
 
@@ -160,7 +160,8 @@ class BackgroundWrite:
     """A checkpoint's files, written by a thread of their own; the error it ended with, kept for
     whoever waits. Not a daemon: a process that ends while it writes finishes the checkpoint first."""
 
-    def __init__(self, write: Callable[[], None]) -> None:
+    def __init__(self, write: Callable[[], None], folder: Path) -> None:
+        self.folder = folder
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-write")
         self.thread.start()
@@ -174,6 +175,15 @@ class BackgroundWrite:
 
 WRITING: dict[Path, BackgroundWrite] = {}
 """The checkpoint write in progress per run folder (one at a time: each waits for the one before)."""
+
+
+def checkpoint_steps(run_dir: Path) -> set[int]:
+    """The steps of the run's complete checkpoints and of the one being written in the background
+    (what belongs to it must outlive its write)."""
+    folders = complete_checkpoints(run_dir)
+    if (pending := WRITING.get(run_dir)) is not None:
+        folders.append(pending.folder)
+    return {int(p.name.removeprefix("step-")) for p in folders}
 
 
 def wait_for_checkpoint(run_dir: Path) -> None:

@@ -745,6 +745,28 @@ def test_the_async_state_is_kept_for_the_checkpoints_only(tiny_model_dir, tiny_d
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step-000004", "step-000005"]
 
 
+def test_the_async_state_of_a_checkpoint_still_being_written_is_kept(tmp_path):
+    """A step's state outlives the background write of its checkpoint: pruned during it, a
+    checkpoint that then completes could not be resumed (CI, 2026-11-28)."""
+    from grpo_core import checkpoint
+    from grpo_core.async_loop import prune_async_state, read_async_state, write_async_state
+
+    folder = tmp_path / "async"
+    folder.mkdir()
+    release = threading.Event()
+    write_async_state(folder, 4, {"cursor": 4, "again": []})
+    checkpoint.WRITING[tmp_path] = checkpoint.BackgroundWrite(release.wait, checkpoint.checkpoint_dir(tmp_path, 4))
+    try:
+        write_async_state(folder, 5, {"cursor": 5, "again": []})
+        assert read_async_state(folder, 4)["cursor"] == 4
+    finally:
+        release.set()
+        checkpoint.wait_for_checkpoint(tmp_path)
+    # Written and gone (no folder of step 4 completed here): the next prune drops its state.
+    prune_async_state(folder, 6)
+    assert sorted(p.name for p in folder.glob("step-*.json")) == []
+
+
 def test_a_resumed_run_drops_the_group_records_after_its_checkpoint_and_a_torn_last_line(tmp_path):
     from grpo_core.async_loop import trim_ledger
 
