@@ -20,6 +20,24 @@ state (the prompts taken, those still in flight) is written beside them after ev
 ``RUN_DIR/async/step-N.json``; a resumed run samples the in-flight prompts again before any new
 one, so no prompt is skipped or trained twice. ``RUN_DIR/async/groups.jsonl`` records what
 became of every prompt group (trained, no signal, re-queued as stale, failed) and when.
+
+Who moves a prompt group from one state to the next (``cond`` guards every arrow)::
+
+        PromptQueue ── data order; prompts sent back come first (queue.again)
+            │  a worker, when Gate.admits(): admit()
+            ▼
+        running ── worker threads: call_rollout() per call (rollout hook → SharedSampler),
+            │       then finish(): reward, advantage (Scorer)
+            ▼
+        arrived ── requeue_stale() (main thread): too old for the next step ──► PromptQueue
+            │  main thread, wait_for_batch(): groups_per_step groups with signal
+            ▼
+        train_step ── under trainer_lock (the policy scores of an advantage wait for it)
+            │
+            ▼
+        end_step ── weight sync with no generation running (SharedSampler.exclusive), then
+                    counted(): the gate sees the new version, the ledger and the async state
+                    are written, then the checkpoint
 """
 
 from __future__ import annotations

@@ -189,8 +189,8 @@ def resolve_optimizer_kernel(requested: str, weight_dtype: torch.dtype, moments:
         return "eager", f"eager ({problem})"
     if requested == AUTO and device.type != "cuda":
         return "eager", (
-            f"eager (auto on {device.type}: building the compiled step takes 3-13 s, more than it saves in most runs "
-            "there; optimizer_kernel=compiled for a long one)"
+            f"eager (auto on {device.type}: building the compiled step takes seconds, more than it saves in most runs "
+            "there, docs/performance.md; optimizer_kernel=compiled for a long one)"
         )
     return "compiled", "compiled (one torch.compile'd pass over each bfloat16 tensor, built at the first step)"
 

@@ -535,7 +535,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     ("requested", "dtype", "moments", "device", "problem", "kernel", "line"),
     [
         ("auto", torch.bfloat16, "fp32", CUDA, None, "compiled", "compiled (one torch.compile'd pass over each bfloat16 tensor"),
-        ("auto", torch.bfloat16, "fp32", CPU, None, "eager", "eager (auto on cpu: building the compiled step takes 3-13 s"),
+        ("auto", torch.bfloat16, "fp32", CPU, None, "eager", "eager (auto on cpu: building the compiled step takes seconds"),
         ("compiled", torch.bfloat16, "fp32", CPU, None, "compiled", "compiled (one torch.compile'd pass"),
         ("eager", torch.bfloat16, "fp32", CUDA, None, "eager", "eager (optimizer_kernel=eager: float32 buffers, a noise table)"),
         ("auto", torch.bfloat16, "fp32", CUDA, "Triton is missing", "eager", "eager (Triton is missing)"),

@@ -714,9 +714,9 @@ def test_optimizer_kernel_defaults_to_eager_on_a_cpu_and_refuses_compiled_float3
     from grpo_core.plugins.backends import local
 
     _, _, trainer, _ = make(tiny_model_dir, dtype="bfloat16")
-    assert "optimizer kernel: eager (auto on cpu: building the compiled step takes 3-13 s" in capsys.readouterr().err
+    assert "optimizer kernel: eager (auto on cpu: building the compiled step takes seconds" in capsys.readouterr().err
     assert trainer.optimizer_kernel == "eager"
-    assert trainer.run_info["optimizer"].startswith("eager (auto on cpu: building the compiled step takes 3-13 s")
+    assert trainer.run_info["optimizer"].startswith("eager (auto on cpu: building the compiled step takes seconds")
     _, _, trainer, _ = make(tiny_model_dir)
     assert "optimizer kernel: torch's fused AdamW (float32 weights and moments)" in capsys.readouterr().err
     monkeypatch.setattr(local, "load_model", lambda *a, **k: pytest.fail("loaded a model for a refused option"))
