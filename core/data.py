@@ -513,7 +513,8 @@ def check_prompt_lengths(dataset: Dataset, rollout: Any, tokenizer: Any, max_con
 
 
 def check_token_prompts(dataset: Dataset, rollout: Any, tokenizer: Any) -> None:
-    """Pre-tokenized prompts go to a rollout that takes them, and hold only ids of the tokenizer's vocabulary."""
+    """Pre-tokenized prompts go to a rollout that takes them, and hold only ids of the tokenizer's
+    vocabulary; each is decoded for the rewards and loggers that read text (:attr:`Prompt.decoded`)."""
     tokenized = [prompt for prompt in dataset.prompts if prompt.tokens is not None]
     if not tokenized:
         return
@@ -530,6 +531,7 @@ def check_token_prompts(dataset: Dataset, rollout: Any, tokenizer: Any) -> None:
                 f"{dataset.where(prompt)}: token id {outside[1]} (item {outside[0]}) is outside the tokenizer's "
                 f"vocabulary of {vocabulary} ids; were these rows tokenized for another model?"
             )
+        prompt.decoded = tokenizer.decode(prompt.tokens)
 
 
 def _report_skips(reasons: list[str], what: str, why: str) -> None:

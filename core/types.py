@@ -30,13 +30,18 @@ class Prompt:
     tokens: list[int] | None = None
     source: str | None = None
     """The name of the mixture's source the row came from (``--mix NAME=...``); None outside a mixture."""
+    decoded: str | None = None
+    """A pre-tokenized prompt's ids decoded by the policy's tokenizer, special tokens kept: set
+    once the ids are checked against its vocabulary, what :func:`prompt_text` gives a reward or a
+    logger that reads text (a judge, a reward model)."""
 
 
 def prompt_text(prompt: Prompt) -> str:
     """A plain prompt as the model saw it (template applied); a chat as ``role: content`` lines;
-    a pre-tokenized prompt as its token ids (a reward or a logger has no tokenizer to decode them)."""
+    a pre-tokenized prompt as its ids decoded (:attr:`Prompt.decoded`), or as the ids themselves
+    where nothing decoded them (a prompt a plugin made)."""
     if prompt.tokens is not None:
-        return f"token ids: {' '.join(map(str, prompt.tokens))}"
+        return prompt.decoded if prompt.decoded is not None else f"token ids: {' '.join(map(str, prompt.tokens))}"
     if prompt.messages is not None:
         return "\n".join(f"{m['role']}: {m['content']}" for m in prompt.messages)
     return prompt.text or ""

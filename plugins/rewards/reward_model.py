@@ -12,6 +12,7 @@ import attrs
 from grpo_core import PluginError, Prompt, Sample, hookimpl, option
 from grpo_core.loss import validate_non_negative, validate_positive
 from grpo_core.options import missing_folder
+from grpo_core.types import prompt_text
 
 __all__ = ["RewardModelReward"]
 
@@ -86,9 +87,11 @@ class RewardModelReward:
         return self.format == "chat" or (self.format == "auto" and bool(getattr(tokenizer, "chat_template", None)))
 
     def _input(self, tokenizer: Any, prompt: Prompt, completion: str) -> str:
+        # A pre-tokenized prompt is read as its decoded text: template and special tokens included.
+        text = prompt_text(prompt) if prompt.tokens is not None else prompt.text or ""
         if not self._chat(tokenizer):
-            return (prompt.text if prompt.messages is None else "\n".join(str(m.get("content")) for m in prompt.messages)) + completion
-        messages = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": prompt.text or ""}]
+            return (text if prompt.messages is None else "\n".join(str(m.get("content")) for m in prompt.messages)) + completion
+        messages = list(prompt.messages) if prompt.messages is not None else [{"role": "user", "content": text}]
         return tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": completion}], tokenize=False)
 
     def _load(self) -> tuple[Any, Any, Any]:

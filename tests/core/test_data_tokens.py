@@ -14,7 +14,7 @@ from grpo_core.metrics import computed_only
 from grpo_core.plugins.rollouts.multi_turn import MultiTurnRollout
 from grpo_core.plugins.rollouts.single_turn import SingleTurnRollout, encode_prompt
 from grpo_core.train import run
-from grpo_core.types import Prompt
+from grpo_core.types import Prompt, prompt_text
 from tests.conftest import build_tiny_tokenizer
 from tests.core.tiny_runs import config, length_reward, metrics_of, weights_of  # noqa: F401 - length_reward: the 'length' reward
 from tests.helpers import grpo_core_in_process
@@ -102,6 +102,15 @@ def test_ids_outside_the_vocabulary_are_refused_with_their_row(tmp_path, tokeniz
     check_prompt_lengths(dataset_of(ok), SingleTurnRollout(), tokenizer, None, 8)
 
 
+def test_checked_token_rows_are_decoded_for_the_rewards_and_loggers_that_read_text(tmp_path, tokenizer):
+    ids = tokenizer("What is 2 plus 3?")["input_ids"]
+    dataset = dataset_of(write(tmp_path, [{"question": ids}]))
+    assert prompt_text(dataset.prompts[0]) == f"token ids: {' '.join(map(str, ids))}"  # nothing decoded it yet
+    check_prompt_lengths(dataset, SingleTurnRollout(), tokenizer, None, 8)
+    assert dataset.prompts[0].decoded == tokenizer.decode(ids)
+    assert prompt_text(dataset.prompts[0]) == tokenizer.decode(ids) and "2 plus 3" in tokenizer.decode(ids)
+
+
 def test_a_rollout_that_builds_prompts_from_text_refuses_token_rows(tmp_path, tokenizer):
     path = write(tmp_path, [{"question": [1, 2]}])
     with pytest.raises(DataError, match="the prompts are token ids, which the MultiTurnRollout rollout does not take"):
@@ -157,4 +166,5 @@ def test_a_pre_tokenized_run_samples_and_trains_exactly_as_the_same_prompts_as_t
     text_weights, id_weights = weights_of(tmp_path / "text"), weights_of(tmp_path / "ids")
     assert all(torch.equal(text_weights[k], id_weights[k]) for k in text_weights)
     first = json.loads((tmp_path / "ids" / "samples.jsonl").read_text().splitlines()[0])
-    assert first["prompt"].startswith("token ids: ") and [int(t) for t in first["prompt"].split()[2:]] in [r["question"] for r in tokenized]
+    # The samples log shows the ids decoded: the text run's prompt, template and all.
+    assert first["prompt"] in {template.replace("{prompt}", r["question"]) for r in rows}

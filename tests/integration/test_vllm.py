@@ -332,4 +332,7 @@ def test_pre_tokenized_rows_go_to_the_server_as_token_ids(untied_server, models,
     assert [m["step"] for m in lines] == [1, 2]
     assert all(m["mismatch/logprob_abs_max"] < TOLERANCE and m["sync/logprob_max_abs_diff"] < TOLERANCE for m in lines)
     first = json.loads((run_dir / "samples.jsonl").read_text().splitlines()[0])
-    assert first["prompt"].startswith("token ids: ")
+    from transformers import AutoTokenizer
+
+    ids = [json.loads(line)["question"] for line in (tmp_path / "ids.jsonl").read_text().splitlines()]
+    assert first["prompt"] in {AutoTokenizer.from_pretrained(model).decode(row) for row in ids}  # the ids decoded, as sampled

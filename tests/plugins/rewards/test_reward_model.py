@@ -137,6 +137,15 @@ def test_format_chat_uses_the_models_template(tmp_path):
     assert scores[0] != scores[1]
 
 
+def test_a_pre_tokenized_prompt_is_read_as_its_decoded_text(tmp_path):
+    path = build_reward_model(tmp_path / "chat", chat_template=CHAT_TEMPLATE)
+    chat, text = make_plugin("reward_model", model=str(path)), make_plugin("reward_model", model=str(path), format="text")
+    tokenizer = chat._load()[0]
+    ids = Prompt(id="t", tokens=[1, 2, 3], decoded="Question: 2 plus 3?\nAnswer:")
+    assert text._input(tokenizer, ids, " 5") == "Question: 2 plus 3?\nAnswer: 5"
+    assert chat._input(tokenizer, ids, " 5") == "<user>Question: 2 plus 3?\nAnswer:<assistant> 5"
+
+
 def test_format_chat_without_a_template_is_refused(rm_dir):
     reward = make_plugin("reward_model", model=str(rm_dir), format="chat")
     with pytest.raises(PluginError, match="has no chat template; use format=text"):
