@@ -170,6 +170,25 @@ def test_embedded_task_trains_checkpoints_and_resumes(client, tmp_path):
     assert [m["policy/version"] for m in resumed[6:]] == [7, 8]  # the trainer went on from the saved version 6
 
 
+def test_an_agent_program_trains_through_the_gateway_in_front_of_the_service(client, client_python, tmp_path):
+    """``--rollout agent`` with ``--sampler tinker`` behind its gateway: the program's two calls per
+    sample are sampled by the service, with their tokens trained there."""
+    agent = ROOT / "tests" / "plugins" / "rollouts" / "agents" / "two_turn.py"
+    run_dir = tmp_path / "run"
+    args = ["run", "--backend", "tinker", "--sampler", "tinker", "--backend-opt", f"base_url={client.url}",
+            "--backend-opt", f"rank={RANK}", "--backend-opt", "loss_reduction=sequence_mean", "--backend-opt", f"base_model={ASSETS}",
+            "--rollout", "agent", "--rollout-opt", f"command={client_python} {agent}", "--no-drop-zero-variance-groups",
+            "--learning-rate", "3e-3", "--prompt-groups-per-step", "2", "--completions-per-prompt", "4",
+            "--max-completion-tokens", "8", "--max-steps", "2", "--run-dir", str(run_dir)]  # fmt: skip
+    out = client.cli(*args)
+    assert out.returncode == 0, out.stderr[-5000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and [m["policy/version"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["agent/calls_mean"] == 2.0 and m["agent/failed"] == 0 and m["agent/prefix_breaks"] == 0
+        assert m["train/tokens"] > 0
+
+
 def test_sft_trains_on_the_service_checkpoints_and_resumes(client, tmp_path):
     """``grpo-core sft --backend tinker``: the service's cross_entropy loss, weighted per target token
     of the step, lowers the loss of the embedded task's answers; a resumed run goes on from the
