@@ -164,6 +164,8 @@ class RunConfig:
     """The plugin kinds its command selects (flags ``--KIND``, ``--KIND-opt``)."""
     tracked: ClassVar[str] = "reward"
     """What a step's ``TRACKED/total`` metric is that the summary compares between the first and last steps."""
+    drawn: ClassVar[str] = "prompts"
+    """What a step draws from a mixture's sources: each source's count is ``data/NAME/DRAWN``, its share of them ``data/NAME/share``."""
 
     model: str = _field(DEFAULT, "HF model folder or hub name; 'default' = the embedded tiny model", MODEL_AND_DATA)
     dataset: str = _field(
@@ -528,7 +530,7 @@ SFT_RUN_FIELDS = (
     "model", "dataset", "mix", "prompt_field", "prompt_template", "max_rows", "skip_bad_rows", "epochs", "max_steps", "shuffle",
     "fetch_timeout",
     "backend", "rollout", "logger", "max_samples_per_fwd_bwd", "min_samples_per_fwd_bwd",
-    "eval_every", "eval_dataset", "eval_prompts",
+    "eval_every", "eval_dataset", "eval_mix", "eval_prompts",
     "learning_rate", "lr_schedule", "warmup_steps", "beta1", "beta2", "adam_eps", "weight_decay", "grad_clip_norm",
     "optimizer_state", "max_nonfinite_steps_in_a_row", "lora_rank", "lora_alpha", "lora_target_modules",
     "run_dir", "checkpoint_every", "keep_checkpoints", "allow_low_disk",
@@ -546,6 +548,7 @@ class SFTConfig(RunConfig):
     command: ClassVar[str] = "sft"
     preset: ClassVar[Path] = SFT_PRESET
     tracked: ClassVar[str] = "loss"
+    drawn: ClassVar[str] = "examples"
     kinds: ClassVar[tuple[str, ...]] = ("backend", "rollout", "logger")
 
     completion_field: str = _field(

@@ -374,7 +374,7 @@ def end_step(
     if step == 1:
         metrics.update({k: float(v) for k, v in state.data.items()})
     if config.mix:
-        metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics))
+        metrics.update(shares([source.name for source in parse_mix(config.mix)], metrics, config.drawn))
     with scope() as synced, quiet_sampler() if quiet_sampler else contextlib.nullcontext(r.sampler) as sampler:
         count_step(state, metrics, config.max_nonfinite_steps_in_a_row, config.tracked)
         state.unobserved = metrics  # until on_step returns, a checkpoint of this step carries its record

@@ -152,28 +152,25 @@ class TrainingEval:
 EVAL_OPTIONS = ("eval_dataset", "eval_mix", "eval_prompts", "eval_samples", "eval_pass_threshold")
 
 
-def training_eval(
-    config: RunConfig, selection: Selection, tokenizer: Any, max_context: int | None, total_steps: int, params: SamplingParams
-) -> TrainingEval | None:
-    """The evaluation of a run with ``--eval-every`` (None without): its prompts read and checked
-    before any model loads; ``params``: the training's sampling settings."""
-    if not config.eval_every:
-        defaults = RunConfig()
-        given = [f"--{name.replace('_', '-')}" for name in EVAL_OPTIONS if getattr(config, name) != getattr(defaults, name)]
-        if given:
-            raise PluginError(f"{', '.join(given)} would do nothing: evaluation during training is on with --eval-every N")
-        return None
-    if config.weight_sync_interval != 1:
-        raise PluginError(
-            f"--eval-every measures the policy the sampler holds, which --weight-sync-interval {config.weight_sync_interval} "
-            "leaves behind the trained one: evaluate the checkpoints with grpo-core eval instead"
-        )
+def refuse_idle_eval_options(config: RunConfig, options: Sequence[str], measured_with: str) -> None:
+    """A run without ``--eval-every`` refuses the evaluation ``options`` it was given (those not at
+    their defaults): they would do nothing. ``measured_with``: what turns the evaluation on."""
+    defaults = type(config)()
+    given = [f"--{name.replace('_', '-')}" for name in options if getattr(config, name) != getattr(defaults, name)]
+    if given:
+        raise PluginError(f"{', '.join(given)} would do nothing: {measured_with}")
+
+
+def held_out_config(config: RunConfig) -> RunConfig:
+    """``config`` reading the held-out rows of ``--eval-every`` (``grpo-core run``'s prompts, ``grpo-core
+    sft``'s examples): ``--eval-dataset``, or each source of ``--eval-mix``, ``--eval-prompts`` rows of
+    each; without either, the embedded task's held-out split where the run trains on the embedded task."""
     dataset_name = config.eval_dataset
     if config.eval_mix and dataset_name is not None:
         raise PluginError("--eval-dataset and --eval-mix both name the held-out prompts; make the dataset one more --eval-mix source")
     weighted = [spec for spec in config.eval_mix if ":" in spec.partition("=")[0]]
     if weighted:
-        raise PluginError(f"--eval-mix {weighted[0]}: a weight does nothing there (every prompt of each source is measured); drop it")
+        raise PluginError(f"--eval-mix {weighted[0]}: a weight does nothing there (every row of each source is measured); drop it")
     if dataset_name is None and not config.eval_mix:
         if config.mix or embedded_split(config.dataset) is None:
             trains_on = "a mixture (--mix)" if config.mix else config.dataset
@@ -182,11 +179,27 @@ def training_eval(
                 "(or --eval-mix with several sources)"
             )
         dataset_name = EVAL_DATASET
-    eval_config = attrs.evolve(config, dataset=dataset_name or DEFAULT_DATASET, mix=config.eval_mix, max_rows=config.eval_prompts)
+    return attrs.evolve(config, dataset=dataset_name or DEFAULT_DATASET, mix=config.eval_mix, max_rows=config.eval_prompts)
+
+
+def training_eval(
+    config: RunConfig, selection: Selection, tokenizer: Any, max_context: int | None, total_steps: int, params: SamplingParams
+) -> TrainingEval | None:
+    """The evaluation of a run with ``--eval-every`` (None without): its prompts read and checked
+    before any model loads; ``params``: the training's sampling settings."""
+    if not config.eval_every:
+        refuse_idle_eval_options(config, EVAL_OPTIONS, "evaluation during training is on with --eval-every N")
+        return None
+    if config.weight_sync_interval != 1:
+        raise PluginError(
+            f"--eval-every measures the policy the sampler holds, which --weight-sync-interval {config.weight_sync_interval} "
+            "leaves behind the trained one: evaluate the checkpoints with grpo-core eval instead"
+        )
+    eval_config = held_out_config(config)
     dataset = load_dataset(eval_config, selection.rewards_needing_answer)
     check_prompt_lengths(dataset, selection.plugins["rollout"][0], tokenizer, max_context, config.max_completion_tokens)
     if not dataset.prompts:
-        raise PluginError(f"--eval-dataset {dataset_name}: no prompts to evaluate on")
+        raise PluginError(f"--eval-dataset {eval_config.dataset}: no prompts to evaluate on")
     return TrainingEval(
         selection=selection,
         prompts=dataset.prompts,

@@ -88,8 +88,9 @@ def _source_order(rows: list[Prompt], rng: random.Random, shuffle: bool) -> Iter
         yield from order
 
 
-def shares(names: Sequence[str], metrics: Mapping[str, float]) -> dict[str, float]:
-    """``data/NAME/share`` of each source: its part of the step's prompts (``data/NAME/prompts``), 0 when it had none."""
-    counts = {name: metrics.get(f"data/{name}/prompts", 0.0) for name in names}
+def shares(names: Sequence[str], metrics: Mapping[str, float], drawn: str) -> dict[str, float]:
+    """``data/NAME/share`` of each source: its part of what the step drew (``data/NAME/DRAWN``: its
+    prompts, an sft step's examples), 0 when it had none."""
+    counts = {name: metrics.get(f"data/{name}/{drawn}", 0.0) for name in names}
     total = sum(counts.values())
     return {f"data/{name}/share": (count / total if total else 0.0) for name, count in counts.items()}

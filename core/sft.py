@@ -25,7 +25,6 @@ import attrs
 from grpo_core.checkpoint import capture_rng
 from grpo_core.config import SFTConfig
 from grpo_core.data import load_dataset, steps_available
-from grpo_core.embedded import embedded_split
 from grpo_core.errors import DataError, PluginError
 from grpo_core.hookspecs import declared
 from grpo_core.lifecycle import (
@@ -39,7 +38,7 @@ from grpo_core.lifecycle import (
     resume_state,
     seed_everything,
 )
-from grpo_core.measure import EVAL_DATASET, evaluate_before_training
+from grpo_core.measure import evaluate_before_training, held_out_config, refuse_idle_eval_options
 from grpo_core.metrics import Metrics, record, scope
 from grpo_core.preflight import check_model_folder
 from grpo_core.selection import select_plugins
@@ -48,15 +47,19 @@ from grpo_core.types import Prompt, RunState
 
 SHOWN_LONG = 3
 """How many over-long examples a notice names; the count covers them all."""
+SFT_EVAL_OPTIONS = ("eval_dataset", "eval_mix", "eval_prompts")
+"""The settings of the held-out loss besides ``--eval-every`` (``grpo-core run``'s others measure samples)."""
 
 
 @attrs.frozen
 class Example:
-    """One training sequence: its tokens and 1.0 on each target token (0.0 on the context)."""
+    """One training sequence: its tokens and 1.0 on each target token (0.0 on the context);
+    ``source``: the mixture's source of its row (None outside a mixture)."""
 
     id: str
     tokens: list[int]
     loss_mask: list[float]
+    source: str | None = None
 
     @property
     def target_tokens(self) -> int:
@@ -100,7 +103,7 @@ def chat_example(tokenizer: Any, prompt: Prompt) -> Example:
                 "(it rewrites the history, e.g. drops past reasoning); give each turn as a row of its own"
             )
         mask[start : len(through)] = [1.0] * (len(through) - start)
-    return Example(prompt.id, tokens, mask)
+    return Example(prompt.id, tokens, mask, prompt.source)
 
 
 def prompt_example(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], chat: bool, completion: str | list[int]) -> Example:
@@ -117,7 +120,7 @@ def prompt_example(tokenizer: Any, prompt: Prompt, prompt_tokens: list[int], cha
     else:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         target = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + eos
-    return Example(prompt.id, prompt_tokens + target, [0.0] * len(prompt_tokens) + [1.0] * len(target))
+    return Example(prompt.id, prompt_tokens + target, [0.0] * len(prompt_tokens) + [1.0] * len(target), prompt.source)
 
 
 def completion_of(prompt: Prompt, config: SFTConfig, vocab_size: int) -> str | list[int]:
@@ -181,7 +184,7 @@ def encode_examples(prompts: Sequence[Prompt], rollout: Any, tokenizer: Any, con
         why = f"{prompt.id}: {len(example.tokens)} tokens ({context} before the first target token) > --max-seq-len {max_len}"
         if config.long_examples == "error":
             raise DataError(f"{why}; raise --max-seq-len, or pass --long-examples truncate or skip")
-        cut = Example(example.id, example.tokens[:max_len], example.loss_mask[:max_len])
+        cut = attrs.evolve(example, tokens=example.tokens[:max_len], loss_mask=example.loss_mask[:max_len])
         if config.long_examples == "truncate" and cut.target_tokens:
             result.examples.append(cut)
             result.prompts.append(prompt)
@@ -215,7 +218,9 @@ class CrossEntropy:
 
 def sft_step(trainer: Any, examples: Sequence[Example], config: SFTConfig, lr: float) -> Metrics:
     """One optimizer step on ``examples``, in forward/backward calls of at most
-    ``--max-samples-per-fwd-bwd`` examples (gradient accumulation)."""
+    ``--max-samples-per-fwd-bwd`` examples (gradient accumulation); a mixture's sources each
+    counted (``data/NAME/examples``) and their loss apart (``data/NAME/loss``), from the logprobs
+    of the step's own forwards."""
     import torch
 
     with scope() as metrics:
@@ -228,6 +233,8 @@ def sft_step(trainer: Any, examples: Sequence[Example], config: SFTConfig, lr: f
         for idx in fwd_bwd_chunks(len(examples), config.min_samples_per_fwd_bwd, config.max_samples_per_fwd_bwd):
             result = trainer.forward_backward_custom([datums[i] for i in idx], CrossEntropy([mask[i] for i in idx], tokens))
             record("loss/total", result.metrics.pop("loss"), "sum")
+            logprobs = [output["logprobs"].to_torch() for output in result.loss_fn_outputs]
+            record_losses([examples[i] for i in idx], logprobs, None, "data")
             call_tokens = float(sum(mask[i].sum() for i in idx))
             for key, value in result.metrics.items():
                 record(key, value, "mean", weight=call_tokens)
@@ -235,10 +242,28 @@ def sft_step(trainer: Any, examples: Sequence[Example], config: SFTConfig, lr: f
     return metrics
 
 
+def record_losses(examples: Sequence[Example], logprobs: Sequence[Any], overall: str | None, by_source: str) -> None:
+    """Each example's mean cross-entropy per target token, weighted by those tokens, so that the
+    records of several calls merge into a mean over every target token: under ``overall`` (None:
+    not recorded), and a mixture's sources each apart (``BY_SOURCE/NAME/loss``, with
+    ``BY_SOURCE/NAME/examples``). ``logprobs``: each example's target-token logprobs."""
+    import torch
+
+    for example, example_logprobs in zip(examples, logprobs):
+        tokens = float(example.target_tokens)
+        loss = -float((example_logprobs * torch.tensor(example.loss_mask[1:])).sum()) / tokens
+        if overall is not None:
+            record(overall, loss, "mean", weight=tokens)
+        if example.source is not None:
+            record(f"{by_source}/{example.source}/loss", loss, "mean", weight=tokens)
+            record(f"{by_source}/{example.source}/examples", 1, "sum")
+
+
 @attrs.define(eq=False)
 class HeldOutLoss:
     """``--eval-every``: the mean cross-entropy per target token of held-out examples
-    (``eval/loss``), at step 0, every N steps and at the run's last step; forwards only."""
+    (``eval/loss``; each source of ``--eval-mix`` apart, ``eval/data/NAME/loss``), at step 0,
+    every N steps and at the run's last step; forwards only."""
 
     examples: list[Example]
     every: int
@@ -251,33 +276,20 @@ class HeldOutLoss:
 
     def __call__(self, rng: Any) -> dict[str, float]:
         """No RNG is drawn: ``rng`` stays as the step left it."""
-        import torch
-
         t0 = time.perf_counter()
-        nll = tokens = 0.0
-        for start in range(0, len(self.examples), self.per_call):
-            batch = self.examples[start : start + self.per_call]
-            for example, logprobs in zip(batch, self.trainer.forward([e.datum() for e in batch])):
-                mask = torch.tensor(example.loss_mask[1:])
-                nll -= float((logprobs * mask).sum())
-                tokens += float(mask.sum())
-        return {"eval/loss": nll / tokens, "eval/examples": float(len(self.examples)), "time/eval": time.perf_counter() - t0}
+        with scope() as measured:
+            for start in range(0, len(self.examples), self.per_call):
+                batch = self.examples[start : start + self.per_call]
+                record_losses(batch, self.trainer.forward([e.datum() for e in batch]), "eval/loss", "eval/data")
+        return {**measured.as_dict(), "eval/examples": float(len(self.examples)), "time/eval": time.perf_counter() - t0}
 
 
 def held_out_loss(config: SFTConfig, rollout: Any, tokenizer: Any, max_len: int | None, total_steps: int) -> HeldOutLoss | None:
     """The held-out examples of ``--eval-every`` (None without), read and checked before the model loads."""
     if not config.eval_every:
-        given = [f"--{name.replace('_', '-')}" for name in ("eval_dataset", "eval_prompts") if getattr(config, name) is not None]
-        if given:
-            raise PluginError(f"{', '.join(given)} would do nothing: the held-out loss is measured with --eval-every N")
+        refuse_idle_eval_options(config, SFT_EVAL_OPTIONS, "the held-out loss is measured with --eval-every N")
         return None
-    name = config.eval_dataset
-    if name is None:
-        if config.mix or embedded_split(config.dataset) is None:
-            trains_on = " ".join(f"--mix {m}" for m in config.mix) or config.dataset
-            raise PluginError(f"--eval-every: the run trains on {trains_on}; pass --eval-dataset with the held-out rows")
-        name = EVAL_DATASET
-    dataset = load_dataset(attrs.evolve(config, dataset=name, mix=[], max_rows=config.eval_prompts))
+    dataset = load_dataset(held_out_config(config))
     examples = encode_examples(dataset.prompts, rollout, tokenizer, config, max_len).examples
     per_call = config.max_samples_per_fwd_bwd or config.examples_per_step
     return HeldOutLoss(examples, config.eval_every, total_steps, per_call)

@@ -91,12 +91,12 @@ def test_the_order_comes_from_the_seed_and_no_shuffle_keeps_each_files_order():
 
 
 def test_shares_are_each_sources_part_of_the_steps_prompts_and_0_without_any():
-    assert shares(["a", "b", "c"], {"data/a/prompts": 3.0, "data/b/prompts": 1.0}) == {
+    assert shares(["a", "b", "c"], {"data/a/prompts": 3.0, "data/b/prompts": 1.0}, "prompts") == {
         "data/a/share": 0.75,
         "data/b/share": 0.25,
         "data/c/share": 0.0,
     }
-    assert shares(["a"], {}) == {"data/a/share": 0.0}
+    assert shares(["a"], {}, "prompts") == {"data/a/share": 0.0}
 
 
 def test_a_mixture_loads_each_source_with_its_name_and_template(tmp_path):

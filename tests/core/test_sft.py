@@ -108,6 +108,39 @@ def test_the_loss_is_the_mean_cross_entropy_of_target_tokens_only(tokenizer, tra
     assert abs(loss - everything / sum(len(e.tokens) - 1 for e in examples)) > 0.01
 
 
+def target_nll(trainer, example) -> tuple[float, int]:
+    """The summed cross-entropy of ``example``'s target tokens under the model, computed directly, and their count."""
+    with torch.no_grad():
+        logits = trainer.model(torch.tensor([example.tokens])).logits[0, :-1].float()
+        per_token = torch.nn.functional.cross_entropy(logits, torch.tensor(example.tokens[1:]), reduction="none")
+    return float((per_token * torch.tensor(example.loss_mask[1:])).sum()), example.target_tokens
+
+
+def test_each_sources_loss_is_its_cross_entropy_per_target_token_across_the_steps_calls(tokenizer, trainer, tiny_model_dir, tiny_dataset):
+    # Two calls of the step ([0, 1] and [2, 3, 4]) each hold both sources: their records merge per source.
+    config = tiny_config(tiny_model_dir, tiny_dataset, max_samples_per_fwd_bwd=2, min_samples_per_fwd_bwd=2)
+    sources = ["a", "b", "a", "a", "b"]
+    examples = [attrs.evolve(e, source=s) for e, s in zip(examples_of(tokenizer, rows(5), config), sources)]
+    expected = {}
+    for name in ("a", "b"):
+        nll, tokens = map(sum, zip(*(target_nll(trainer, e) for e in examples if e.source == name)))
+        expected[name] = (nll / tokens, tokens)
+    metrics = sft_step(trainer, examples, config, 0.0).as_dict()
+    assert metrics["data/a/examples"] == 3 and metrics["data/b/examples"] == 2
+    for name, (loss, _) in expected.items():
+        assert metrics[f"data/{name}/loss"] == pytest.approx(loss, rel=1e-5)
+    (loss_a, tokens_a), (loss_b, tokens_b) = expected["a"], expected["b"]
+    assert tokens_a + tokens_b == metrics["train/tokens"] and loss_a != pytest.approx(loss_b, rel=1e-3)
+    weighted = (tokens_a * metrics["data/a/loss"] + tokens_b * metrics["data/b/loss"]) / (tokens_a + tokens_b)
+    assert weighted == pytest.approx(metrics["loss/total"], rel=1e-6)
+
+
+def test_a_step_outside_a_mixture_records_no_source(tokenizer, trainer, tiny_model_dir, tiny_dataset):
+    config = tiny_config(tiny_model_dir, tiny_dataset)
+    metrics = sft_step(trainer, examples_of(tokenizer, rows(2), config), config, 0.0).as_dict()
+    assert not [name for name in metrics if name.startswith("data/")]
+
+
 class GradientsAtStep:
     """A trainer that keeps the gradients its optimizer step applies."""
 
@@ -257,6 +290,21 @@ def test_the_held_out_loss_is_the_mean_over_target_tokens(tokenizer, trainer, ti
     assert [s for s in range(6) if held_out.due(s)] == [0, 2, 4, 5]
 
 
+def test_the_held_out_loss_of_each_eval_mix_source_is_its_own_and_eval_loss_weighs_them_by_tokens(
+    tokenizer, trainer, tiny_model_dir, tiny_dataset
+):
+    plain = examples_of(tokenizer, rows(5), tiny_config(tiny_model_dir, tiny_dataset))
+    examples = [attrs.evolve(e, source=s) for e, s in zip(plain, "xyxyy")]
+    measured = HeldOutLoss(examples, every=1, total_steps=1, per_call=2, trainer=trainer)(None)
+    tokens = {}
+    for name in "xy":
+        nll, tokens[name] = map(sum, zip(*(target_nll(trainer, e) for e in examples if e.source == name)))
+        assert measured[f"eval/data/{name}/loss"] == pytest.approx(nll / tokens[name], rel=1e-5)
+    assert measured["eval/data/x/examples"] == 2 and measured["eval/data/y/examples"] == 3 and measured["eval/examples"] == 5
+    weighted = sum(tokens[name] * measured[f"eval/data/{name}/loss"] for name in "xy") / sum(tokens.values())
+    assert measured["eval/loss"] == pytest.approx(weighted, rel=1e-6)
+
+
 def test_sft_trains_its_loss_falls_and_its_final_policy_is_a_model_run_eval_and_export_load(tiny_model_dir, tiny_dataset, tmp_path):
     run_dir = tmp_path / "sft"
     out = grpo_core_in_process(*sft_args(tiny_model_dir, tiny_dataset, run_dir, "--warmup-steps", "2", "--lr-schedule", "linear"))
@@ -337,6 +385,12 @@ def test_an_sft_run_folder_is_locked_and_replaced_only_with_overwrite(tiny_model
         (("--examples-per-step", "100"), "the dataset has 36 examples, fewer than --examples-per-step 100"),
         (("--eval-dataset", "x.jsonl"), "--eval-dataset would do nothing: the held-out loss is measured with --eval-every N"),
         (("--eval-every", "2"), "pass --eval-dataset with the held-out rows"),
+        (("--eval-mix", "a=x.jsonl"), "--eval-mix would do nothing: the held-out loss is measured with --eval-every N"),
+        (("--eval-every", "2", "--eval-mix", "a:2=x.jsonl"), "--eval-mix a:2=x.jsonl: a weight does nothing there"),
+        (
+            ("--eval-every", "2", "--eval-mix", "a=x.jsonl", "--eval-dataset", "y.jsonl"),
+            "--eval-dataset and --eval-mix both name the held-out prompts; make the dataset one more --eval-mix source",
+        ),
         (("--max-seq-len", "1000"), "--max-seq-len 1000 is over the model's context of 256 tokens"),
     ],
 )
@@ -535,3 +589,37 @@ def test_pre_tokenized_rows_and_a_mixture_train_through_the_command(tiny_model_d
     assert [m["train/examples"] for m in records] == [4, 4] and records[0]["data/examples"] == 16
     # 3 of every 4 rows from small (one digit and eos: 2 target tokens), 1 from large (two digits and eos: 3).
     assert [m["train/tokens"] for m in records] == [3 * 2 + 3, 3 * 2 + 3]
+
+
+def test_a_mixture_logs_each_sources_share_count_and_loss_and_an_eval_mix_each_held_out_source(tiny_model_dir, tmp_path):
+    def source(name, offset, count):
+        path = tmp_path / f"{name}.jsonl"
+        rows = [{"question": f"what is {a} plus 1?", "completion": f"{a + 1}"} for a in range(offset, offset + count)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(path)
+
+    run_dir = tmp_path / "mix"
+    out = grpo_core_in_process(
+        "sft", "--model", str(tiny_model_dir), "--mix", f"small:7={source('small', 0, 8)}", "--mix", f"large={source('large', 10, 8)}",
+        "--prompt-template", TEMPLATE, "--examples-per-step", "4", "--max-steps", "2", "--run-dir", str(run_dir),
+        "--eval-every", "2", "--eval-mix", f"one={source('one', 0, 5)}", "--eval-mix", f"two={source('two', 10, 5)}",
+        "--eval-prompts", "3",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    steps = {m["step"]: m for m in metrics_of(run_dir)}
+    first, second = steps[1], steps[2]
+    # 7:1 by 4: the first step draws small only, the second 3 of small (2 target tokens each) and 1 of large (3).
+    assert (first["data/small/share"], first["data/large/share"]) == (1.0, 0.0)
+    assert first["data/small/examples"] == 4 and "data/large/examples" not in first and "data/large/loss" not in first
+    assert first["data/small/loss"] == pytest.approx(first["loss/total"], rel=1e-6)
+    assert (second["data/small/share"], second["data/large/share"]) == (0.75, 0.25)
+    assert second["data/small/examples"] == 3 and second["data/large/examples"] == 1
+    weighted = (3 * 2 * second["data/small/loss"] + 3 * second["data/large/loss"]) / (3 * 2 + 3)
+    assert weighted == pytest.approx(second["loss/total"], rel=1e-6)
+
+    # --eval-prompts counts in each source: 3 of each; one's targets are 2 tokens, two's 3.
+    for step in (0, 2):
+        evaluated = steps[step]
+        assert evaluated["eval/examples"] == 6 and evaluated["eval/data/one/examples"] == 3 and evaluated["eval/data/two/examples"] == 3
+        weighted = (3 * 2 * evaluated["eval/data/one/loss"] + 3 * 3 * evaluated["eval/data/two/loss"]) / (3 * 2 + 3 * 3)
+        assert weighted == pytest.approx(evaluated["eval/loss"], rel=1e-6)
