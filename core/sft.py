@@ -250,6 +250,8 @@ def record_losses(examples: Sequence[Example], logprobs: Sequence[Any], overall:
     import torch
 
     for example, example_logprobs in zip(examples, logprobs):
+        if overall is None and example.source is None:
+            continue  # a training step outside a mixture: its loss is the step's own
         tokens = float(example.target_tokens)
         loss = -float((example_logprobs * torch.tensor(example.loss_mask[1:])).sum()) / tokens
         if overall is not None:
