@@ -146,3 +146,18 @@ def safetensors_of(folder: Path) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def help_sections(command: str) -> tuple[str, dict[str, list[str]]]:
+    """``grpo-core COMMAND --help`` as printed, and the flags it lists under each section title, in order."""
+    from click.testing import CliRunner
+
+    from grpo_core.cli import main
+
+    text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+    flags: dict[str, list[str]] = {}
+    for block in text.split("\n\n"):
+        title, *rows = block.splitlines()
+        if title.endswith(":") and rows:
+            flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
+    return text, flags

@@ -12,6 +12,7 @@ from tests.helpers import (
     SIGNAL,
     captured_run_config,
     grpo_core_in_process,
+    help_sections,
     make_plugin_package,
     safetensors_of,
     signal_after_two_steps,
@@ -294,17 +295,9 @@ def test_lora_run_on_the_embedded_task_learns(tmp_path):
 
 
 def test_run_help_lists_every_option_in_its_section_in_order():
-    from click.testing import CliRunner
-
-    from grpo_core.cli import main
     from grpo_core.config import PLUGINS, SECTIONS, SFT, cli_fields
 
-    text = CliRunner().invoke(main, ["run", "--help"], terminal_width=200).output
-    flags: dict[str, list[str]] = {}
-    for block in text.split("\n\n"):
-        title, *rows = block.splitlines()
-        if title.endswith(":") and rows:
-            flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
+    text, flags = help_sections("run")
     assert list(flags) == [*(s for s in SECTIONS if s != SFT), "Other"] and flags["Other"] == ["-h"]
     for field in cli_fields():
         assert f"--{field.name.replace('_', '-')}" in flags[field.metadata["section"]], field.name

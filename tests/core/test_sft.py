@@ -13,7 +13,7 @@ from grpo_core.config import SFTConfig
 from grpo_core.plugins_manager import make_plugin
 from grpo_core.sft import Example, HeldOutLoss, chat_example, encode_examples, sft_step
 from grpo_core.types import Prompt
-from tests.helpers import TEMPLATE, grpo_core_in_process
+from tests.helpers import TEMPLATE, grpo_core_in_process, help_sections
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|pad|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"
@@ -437,17 +437,9 @@ def test_example_datum_weights_follow_its_mask():
 
 
 def test_sft_help_lists_its_settings_in_their_sections_and_no_rl_setting():
-    from click.testing import CliRunner
-
-    from grpo_core.cli import main
     from grpo_core.config import MODEL_AND_DATA, OPTIMIZER, PLUGINS, SFT, cli_fields
 
-    text = CliRunner().invoke(main, ["sft", "--help"], terminal_width=200).output
-    flags: dict[str, list[str]] = {}
-    for block in text.split("\n\n"):
-        title, *rows = block.splitlines()
-        if title.endswith(":") and rows:
-            flags[title[:-1]] = [row.split()[0].rstrip(",") for row in rows if row.startswith("  -")]
+    text, flags = help_sections("sft")
     for field in cli_fields(SFTConfig):
         assert f"--{field.name.replace('_', '-')}" in flags[field.metadata["section"]], field.name
     assert flags[SFT][:2] == ["--completion-field", "--completion-template"] and "--dataset" in flags[MODEL_AND_DATA]

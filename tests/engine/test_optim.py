@@ -427,11 +427,9 @@ def compiled_and_eager(steps: int) -> tuple[list, list, StochasticRoundingAdamW,
     return eager_params, compiled_params, eager, compiled
 
 
-@pytest.mark.slow  # builds the kernel: 3-13 s on 2 cores
-@pytest.mark.parametrize("slice_elements", [1 << 24, 64], ids=["whole", "sliced"])
-def test_the_compiled_step_is_the_eager_one_up_to_float32_rounding(monkeypatch, slice_elements):
-    monkeypatch.setattr(optim, "SLICE_ELEMENTS", slice_elements)
-    eager_params, compiled_params, eager, compiled = compiled_and_eager(3)
+def weights_differing_from_eager(eager_params, compiled_params, eager, compiled) -> int:
+    """How many weights the compiled step left other than the eager one, once the moments agree
+    within float32 rounding and every differing weight is one bf16 step away."""
     differ = 0
     for e, c in zip(eager_params, compiled_params):
         assert c.dtype == e.dtype
@@ -444,7 +442,15 @@ def test_the_compiled_step_is_the_eager_one_up_to_float32_rounding(monkeypatch, 
         differ += int(unequal.sum())
         steps = (e.float().view(torch.int32) - c.float().view(torch.int32)).abs()[unequal]
         assert bool((steps == 1 << 16).all()) if e.dtype == torch.bfloat16 else not unequal.any()
-    assert differ <= 2  # of 1,343 bf16 weights, 3 steps
+    return differ
+
+
+@pytest.mark.slow  # builds the kernel: 3-13 s on 2 cores
+@pytest.mark.parametrize("slice_elements", [1 << 24, 64], ids=["whole", "sliced"])
+def test_the_compiled_step_is_the_eager_one_up_to_float32_rounding(monkeypatch, slice_elements):
+    monkeypatch.setattr(optim, "SLICE_ELEMENTS", slice_elements)
+    eager_params, compiled_params, eager, compiled = compiled_and_eager(3)
+    assert weights_differing_from_eager(eager_params, compiled_params, eager, compiled) <= 2  # of 1,343 bf16 weights, 3 steps
     assert compiled.state[compiled_params[0]]["step"] == 3
 
 
@@ -582,13 +588,5 @@ def test_on_a_gpu_the_compiled_step_is_the_eager_one_up_to_float32_rounding():
             for p, g in zip(params, grads):
                 p.grad = g.cuda()
             optimizer.step()
-    differ = 0
-    for e, c in zip(eager_params, compiled_params):
-        for key in ("exp_avg", "exp_avg_sq"):
-            scale = eager.state[e][key].abs().max()
-            assert torch.allclose(compiled.state[c][key], eager.state[e][key], rtol=1e-5, atol=1e-6 * scale)
-        unequal = e != c
-        differ += int(unequal.sum())
-        steps = (e.float().view(torch.int32) - c.float().view(torch.int32)).abs()[unequal]
-        assert bool((steps == 1 << 16).all()) if e.dtype == torch.bfloat16 else not unequal.any()
-    assert differ <= 4  # of 1,343 bf16 weights, 3 steps (2 on the CPU)
+    # Of 1,343 bf16 weights, 3 steps (2 on the CPU).
+    assert weights_differing_from_eager(eager_params, compiled_params, eager, compiled) <= 4
